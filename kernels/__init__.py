@@ -1,0 +1,1 @@
+"""Triton kernels for the lynxkv quantizer, shipped as ``lynxkv.kernels``."""

@@ -1,0 +1,24 @@
+"""lynxkv: progressive, tiered KV-cache storage and transfer for LLM inference.
+
+Each KV page is quantized to an 8-bit code per element and split into a high-bit *anchor* and a low-bit
+*residual*, stored and sent separately. A decoder drafts on the anchor while the residual arrives, then
+verifies the drafts in one pass, so the output equals decoding on the full code.
+"""
+
+from lynxkv.errors import ChecksumError, FormatError, InputError, LynxError, SchemeError
+from lynxkv.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT",
+    "PAPER",
+    "PRESETS",
+    "ChecksumError",
+    "FormatError",
+    "InputError",
+    "LynxError",
+    "Scheme",
+    "SchemeError",
+    "get_scheme",
+]

@@ -1,0 +1,3 @@
+from lynxkv.cli import entry
+
+entry()

@@ -1,0 +1,1 @@
+"""``lynxkv encode / decode / inspect / verify``."""

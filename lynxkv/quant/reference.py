@@ -1,0 +1,226 @@
+"""The reference quantizer: plain torch, fp32, the exact operation sequence that spec/FORMAT.md pins.
+
+Every other implementation (the Triton kernels, the fast CPU path) must produce the same integer codes and the
+same metadata bits as this module; tests compare them with ``torch.equal``.
+
+For one channel of one chunk of n ≤ C tokens (x in fp32, all steps in fp32, IEEE round-to-nearest-even unless
+said otherwise; ``meta()`` is the cast to the scheme's metadata dtype):
+
+    centre = (max(x) + min(x)) * 0.5                 # midrange; or tree_sum(x) / n for "mean"
+    offset = meta(centre)                            # round to nearest even
+    o      = fp32(offset)
+    dev    = max(|x - o|)
+    scale  = meta_up(dev)                            # the smallest metadata value >= dev
+    s      = fp32(scale)
+    u      = (x - o) / s      if s > 0 else 0        # in [-1, 1]
+    z      = u                                       # linear, or sign(u) * (log1p(alpha*|u|) / c),
+                                                     # c = fp32(log1p(alpha)) computed in float64
+    v      = (z + 1) * (A / 2)                       # anchor coordinate in [0, A], A = 2**anchor_bits - 1
+    a      = clamp(floor(v + 0.5), 0, A)             # nearest anchor level (round half up)
+    r      = clamp(floor((v - a + 0.5) * R), 0, R-1) # signed position inside the anchor step, R = 2**residual_bits
+    code   = a * R + r
+
+Decoding: ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
+level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes), then
+``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * expm1(|ẑ| * c) / alpha``, ``x̂ = o + s * û``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lynxkv.errors import InputError, SchemeError
+from lynxkv.scheme import Scheme
+
+META_TORCH_DTYPE = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One quantized ``[H, T, D]`` tensor (the keys or the values of one layer)."""
+
+    anchor: torch.Tensor  # uint8 [H, T, D], values in [0, A]
+    residual: torch.Tensor  # uint8 [H, T, D], values in [0, R-1]
+    offset: torch.Tensor  # meta dtype [H, ceil(T/C), D]
+    scale: torch.Tensor  # meta dtype [H, ceil(T/C), D], >= 0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.anchor.shape)  # type: ignore[return-value]
+
+    def tokens(self, start: int, stop: int, chunk: int) -> "EncodedTensor":
+        """The tokens ``[start, stop)`` (``start`` a multiple of ``chunk``), with their metadata rows."""
+        if start % chunk:
+            raise SchemeError(f"slice start {start} is not a multiple of chunk {chunk}")
+        c0, c1 = start // chunk, -(-stop // chunk)
+        return EncodedTensor(
+            self.anchor[:, start:stop],
+            self.residual[:, start:stop],
+            self.offset[:, c0:c1],
+            self.scale[:, c0:c1],
+        )
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise InputError(f"expected a [kv_heads, tokens, head_dim] tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise InputError(f"expected a floating-point tensor, got {x.dtype}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
+
+
+def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over ``dim`` (a power-of-two length) by repeated halving: ``s[i] = s[i] + s[i + n/2]``.
+
+    This fixes the fp32 summation order so that any implementation can reproduce the mean bit for bit.
+    """
+    n = x.shape[dim]
+    while n > 1:
+        n //= 2
+        x = x.narrow(dim, 0, n) + x.narrow(dim, n, n)
+    return x.squeeze(dim)
+
+
+def meta_round_up(dev: torch.Tensor, meta_dtype: torch.dtype) -> torch.Tensor:
+    """The smallest value of ``meta_dtype`` that is >= ``dev`` (``dev`` fp32, non-negative)."""
+    if meta_dtype == torch.float32:
+        return dev.clone()
+    h = dev.to(meta_dtype)
+    low = h.float() < dev
+    if bool(low.any()):
+        bumped = (h.view(torch.int16) + 1).view(meta_dtype)
+        h = torch.where(low, bumped, h)
+    return h
+
+
+def _chunked(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[H, T, D]`` fp32 → (``[H, nc, C, D]`` padded by repeating each chunk's last valid token,
+    valid-count ``[nc]``)."""
+    h, t, d = x.shape
+    nc = -(-t // chunk)
+    pad = nc * chunk - t
+    if pad:
+        x = torch.cat([x, x[:, -1:, :].expand(h, pad, d)], dim=1)
+    counts = torch.full((nc,), chunk, dtype=torch.int64)
+    if pad:
+        counts[-1] = chunk - pad
+    return x.view(h, nc, chunk, d), counts
+
+
+def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
+    """Quantize ``x`` ``[H, T, D]`` (any float dtype) with ``scheme``; chunks run along the token axis."""
+    _check_input(x)
+    h, t, d = x.shape
+    meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
+    if t == 0:
+        empty_meta = torch.empty((h, 0, d), dtype=meta_dtype)
+        empty_codes = torch.empty((h, 0, d), dtype=torch.uint8)
+        return EncodedTensor(empty_codes, empty_codes.clone(), empty_meta, empty_meta.clone())
+    x32 = x.float()
+    xc, counts = _chunked(x32, scheme.chunk)  # [H, nc, C, D]
+
+    if scheme.centring == "midrange":
+        centre = (xc.amax(dim=2) + xc.amin(dim=2)) * 0.5  # [H, nc, D]
+    else:
+        valid = (torch.arange(scheme.chunk)[None, :] < counts[:, None]).to(torch.float32)  # [nc, C]
+        masked = xc * valid[None, :, :, None]
+        centre = tree_sum(masked, dim=2) / counts.to(torch.float32)[None, :, None]
+    offset = centre.to(meta_dtype)
+    if not bool(torch.isfinite(offset).all()):
+        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
+    o = offset.float().unsqueeze(2)  # [H, nc, 1, D]
+    diff = xc - o
+    dev = diff.abs().amax(dim=2)
+    scale = meta_round_up(dev, meta_dtype)
+    if not bool(torch.isfinite(scale).all()):
+        raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
+    s = scale.float().unsqueeze(2)
+    u = torch.where(s > 0, diff / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(diff))
+    z = compand(u, scheme)
+
+    A = float(scheme.anchor_steps)
+    R = float(scheme.residual_levels)
+    v = (z + 1.0) * (A / 2.0)
+    a = torch.clamp(torch.floor(v + 0.5), 0.0, A)
+    r = torch.clamp(torch.floor((v - a + 0.5) * R), 0.0, R - 1.0)
+
+    a = a.view(h, -1, d)[:, :t].to(torch.uint8).contiguous()
+    r = r.view(h, -1, d)[:, :t].to(torch.uint8).contiguous()
+    return EncodedTensor(a, r, offset.contiguous(), scale.contiguous())
+
+
+def _alpha_constant(scheme: Scheme) -> float:
+    return float(torch.tensor(math.log1p(scheme.alpha), dtype=torch.float32))
+
+
+def compand(u: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    if scheme.compander == "linear":
+        return u
+    c = _alpha_constant(scheme)
+    return torch.sign(u) * (torch.log1p(u.abs() * scheme.alpha) / c)
+
+
+def expand(z: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    if scheme.compander == "linear":
+        return z
+    c = _alpha_constant(scheme)
+    return torch.sign(z) * (torch.expm1(z.abs() * c) / scheme.alpha)
+
+
+def dequantize(
+    enc: EncodedTensor,
+    scheme: Scheme,
+    *,
+    anchor_only: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Reconstruct ``[H, T, D]`` from anchor + residual (full) or from the anchor alone."""
+    h, t, d = enc.anchor.shape
+    if t == 0:
+        return torch.empty((h, 0, d), dtype=dtype)
+    A = float(scheme.anchor_steps)
+    R = float(scheme.residual_levels)
+    v = enc.anchor.float()
+    if not anchor_only:
+        v = v + ((enc.residual.float() + 0.5) / R - 0.5)
+    zhat = v * (2.0 / A) - 1.0
+    uhat = expand(zhat, scheme)
+    chunk = scheme.chunk
+    o = enc.offset.float().repeat_interleave(chunk, dim=1)[:, :t]
+    s = enc.scale.float().repeat_interleave(chunk, dim=1)[:, :t]
+    return (o + s * uhat).to(dtype)
+
+
+def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False) -> torch.Tensor:
+    """Per-element bound on ``|x̂ - x|`` in fp32 (spec/FORMAT.md, "Error bound"), shape ``[H, T, D]``.
+
+    Linear: ``s / (A·R)`` for the full code and ``s / A`` for the anchor. α-law multiplies by the largest slope
+    of the expander over the reachable ``|ẑ| <= 1 + step``, ``c·exp(c·(1 + step))/α``, where ``step`` is the
+    linear bound in z units (a top-level anchor may carry a residual just above z = 1). A slack of
+    ``2^-20·(|o| + s)`` covers fp32 rounding.
+    """
+    _, t, _ = enc.anchor.shape
+    A = float(scheme.anchor_steps)
+    R = float(scheme.residual_levels)
+    step = 1.0 / A if anchor_only else 1.0 / (A * R)
+    if scheme.compander == "alpha":
+        c = _alpha_constant(scheme)
+        step *= c * math.exp(c * (1.0 + step)) / scheme.alpha
+    o = enc.offset.float().repeat_interleave(scheme.chunk, dim=1)[:, :t]
+    s = enc.scale.float().repeat_interleave(scheme.chunk, dim=1)[:, :t]
+    return s * step + 2.0**-20 * (o.abs() + s)
+
+
+def join_code(anchor: torch.Tensor, residual: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """The 8-bit code ``anchor · R + residual``."""
+    return (anchor.to(torch.int32) * scheme.residual_levels + residual.to(torch.int32)).to(torch.uint8)
+
+
+def split_code(code: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`join_code`: high ``anchor_bits`` and low ``residual_bits``."""
+    c = code.to(torch.int32)
+    return (c >> scheme.residual_bits).to(torch.uint8), (c & (scheme.residual_levels - 1)).to(torch.uint8)

@@ -1,0 +1,136 @@
+"""Quantization schemes: the small, frozen, validated parameter set written into every ``.lynx`` header.
+
+A scheme fixes everything the decoder needs to turn codes back into values (spec/FORMAT.md, "Quantizer"):
+
+- ``compander``: ``linear`` or ``alpha`` (Lynx's α-law, ``sign(u)·ln(1+α|u|)/ln(1+α)``) and its ``alpha``;
+- ``centring``: ``midrange`` (chunk (max+min)/2) or ``mean`` (chunk mean, Lynx's Algorithm 1);
+- ``chunk`` C: tokens that share one (offset, scale) pair per channel; ``page`` P: tokens per stored page;
+- ``anchor_bits`` / ``residual_bits``: the split of the 8-bit code (high bits = anchor, low bits = residual);
+- ``meta_dtype``: the storage dtype of the per-chunk offset and scale (``fp16`` or ``fp32``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lynxkv.errors import SchemeError
+
+COMPANDERS = ("linear", "alpha")
+CENTRINGS = ("midrange", "mean")
+META_DTYPES = ("fp16", "fp32")
+CODE_BITS = 8
+
+MAX_CHUNK = 1024
+MAX_PAGE = 65536
+MAX_ALPHA = 65504.0
+
+
+@dataclass(frozen=True)
+class Scheme:
+    compander: str = "linear"
+    alpha: float = 0.0
+    centring: str = "midrange"
+    chunk: int = 32
+    page: int = 256
+    anchor_bits: int = 4
+    residual_bits: int = 4
+    meta_dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.compander not in COMPANDERS:
+            raise SchemeError(f"compander: expected one of {COMPANDERS}, got {self.compander!r}")
+        if self.centring not in CENTRINGS:
+            raise SchemeError(f"centring: expected one of {CENTRINGS}, got {self.centring!r}")
+        if self.meta_dtype not in META_DTYPES:
+            raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
+        if self.compander == "alpha":
+            if not (math.isfinite(self.alpha) and 0.0 < self.alpha <= MAX_ALPHA):
+                raise SchemeError(f"alpha: expected 0 < alpha <= {MAX_ALPHA} for the alpha compander, got {self.alpha}")
+        elif self.alpha != 0.0:
+            raise SchemeError(f"alpha: must be 0 for the linear compander, got {self.alpha}")
+        if not _is_pow2(self.chunk) or not 1 <= self.chunk <= MAX_CHUNK:
+            raise SchemeError(f"chunk: expected a power of two in [1, {MAX_CHUNK}], got {self.chunk}")
+        if not 1 <= self.page <= MAX_PAGE or self.page % self.chunk:
+            raise SchemeError(f"page: expected a multiple of chunk={self.chunk} in [1, {MAX_PAGE}], got {self.page}")
+        if not (1 <= self.anchor_bits <= 7 and 1 <= self.residual_bits <= 7):
+            raise SchemeError(
+                f"anchor_bits/residual_bits: expected each in [1, 7], got {self.anchor_bits}+{self.residual_bits}"
+            )
+        if self.anchor_bits + self.residual_bits != CODE_BITS:
+            raise SchemeError(
+                f"anchor_bits + residual_bits: expected {CODE_BITS}, got {self.anchor_bits}+{self.residual_bits}"
+            )
+
+    # Derived constants of the code (spec/FORMAT.md, "Quantizer"). -----------------------------------------
+    @property
+    def anchor_steps(self) -> int:
+        """A: the anchor grid has A+1 levels, the first and last at the chunk's extremes."""
+        return (1 << self.anchor_bits) - 1
+
+    @property
+    def residual_levels(self) -> int:
+        """R: residual sub-levels inside one anchor step."""
+        return 1 << self.residual_bits
+
+    @property
+    def meta_bytes(self) -> int:
+        return 2 if self.meta_dtype == "fp16" else 4
+
+    def bits_per_element(self, *, anchor_only: bool = False, tokens: int | None = None) -> float:
+        """Payload plus metadata bits per element (page/chunk padding of a short tail included when
+        ``tokens`` is given)."""
+        meta = 2 * self.meta_bytes * 8
+        if tokens is None:
+            meta_per_el = meta / self.chunk
+        else:
+            meta_per_el = meta * math.ceil(tokens / self.chunk) / max(tokens, 1)
+        return (self.anchor_bits if anchor_only else CODE_BITS) + meta_per_el
+
+    def replace(self, **changes) -> "Scheme":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        comp = "linear" if self.compander == "linear" else f"alpha={self.alpha:g}"
+        return (
+            f"{comp}, {self.centring}, C={self.chunk}, P={self.page}, "
+            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}"
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+#: The default: linear 8-bit code over the chunk's mid-range, whose 4 high bits are the nearest level of a
+#: min/max-inclusive 4-bit grid. Chosen by `lynxkv eval` (README, "Choosing the default scheme").
+DEFAULT = Scheme()
+
+#: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation.
+PAPER = Scheme(compander="alpha", alpha=100.0, centring="mean")
+
+PRESETS: dict[str, Scheme] = {
+    "default": DEFAULT,
+    "paper": PAPER,
+    "paper-a1": PAPER.replace(alpha=1.0),
+}
+
+
+def get_scheme(name: str = "default", **overrides) -> Scheme:
+    """A preset by name, with optional field overrides (``None`` values are ignored)."""
+    try:
+        base = PRESETS[name]
+    except KeyError:
+        raise SchemeError(f"scheme: unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if "alpha" in changes and changes["alpha"] and "compander" not in changes:
+        changes["compander"] = "alpha"
+    if changes.get("compander") == "linear":
+        changes["alpha"] = 0.0
+    if "anchor_bits" in changes and "residual_bits" not in changes:
+        changes["residual_bits"] = CODE_BITS - changes["anchor_bits"]
+    return base.replace(**changes) if changes else base
