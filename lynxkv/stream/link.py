@@ -49,12 +49,14 @@ class EmulatedLink:
         self.bandwidth = bandwidth
         self.latency = latency
         self.quantum = quantum
-        self.burst = burst if burst is not None else max(2 * quantum, int((bandwidth or 0) * 0.005))
+        # 2 ms of link time: enough to forgive a late wake-up, too little to distort a measured rate.
+        self.burst = burst if burst is not None else int((bandwidth or 0) * 0.002)
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._waiting = [0, 0]  # blocks waiting for a grant, per stream
         self._tokens = 0.0
         self._refilled_at: float | None = None  # the bucket starts empty at the first send
+        self._idle = True
         self.stats = (StreamStats(), StreamStats())
 
     def now(self) -> float:
@@ -91,6 +93,8 @@ class EmulatedLink:
                 self._waiting[stream] -= 1
                 if nbytes > 0:
                     st.last_s = end + self.latency - self.t0
+                if not any(self._waiting):
+                    self._idle = True
                 self._cond.notify_all()
         return end + self.latency
 
@@ -113,8 +117,8 @@ class EmulatedLink:
             return
         with self._cond:
             now = time.perf_counter()
-            if self._refilled_at is None:
-                self._refilled_at = now
+            if self._refilled_at is None or self._idle:  # after an idle spell the bucket starts empty:
+                self._refilled_at, self._tokens, self._idle = now, 0.0, False  # no credit for idle time
             self._tokens = min(self.burst, self._tokens + (now - self._refilled_at) * self.bandwidth)
             self._refilled_at = now
             self._tokens -= n

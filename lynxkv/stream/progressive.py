@@ -39,6 +39,8 @@ import torch
 
 from lynxkv.errors import FormatError, InputError, LynxError
 from lynxkv.format import constants as c
+from lynxkv.format.layout import page_tokens
+from lynxkv.format.records import check_and_decompress
 from lynxkv.format.reader import (
     decode_anchor_page,
     decode_residual_page,
@@ -78,7 +80,8 @@ class ProgressiveLoad:
                  on_event: Callable[[LoadEvent], None] | None = None, allow_anchor_only: bool = False,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
                  retry: RetryPolicy | None = None, dtype: torch.dtype = torch.float32,
-                 fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64):
+                 fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
+                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None):
         self.source = source
         self.residual_override = residual
         self.link = link
@@ -90,6 +93,8 @@ class ProgressiveLoad:
         self.dtype = dtype
         self.fetch_hook = fetch_hook
         self.is_tcp = source.startswith("tcp://")
+        self.decode = decode
+        self.tee = tee
 
         self.header = None
         self.prompt_token_ids: list[int] | None = None
@@ -118,6 +123,7 @@ class ProgressiveLoad:
         self._residual_bytes_total: int | None = None
         self._residual_rate_t: tuple[float, int] | None = None
         self._residual_buf: StreamBuffer | None = None
+        self._kv_out: tuple = ([], [])
         self._anchor_size = 0
         self._threads = [
             threading.Thread(target=self._guard, args=("anchor", self._anchor_worker), daemon=True,
@@ -142,6 +148,11 @@ class ProgressiveLoad:
     @property
     def residual(self) -> Future:
         return self._future
+
+    @property
+    def sizes(self) -> tuple[int | None, int | None]:
+        """(anchor bytes, residual bytes) to transfer, as far as known yet (None until known)."""
+        return (self._anchor_size or None), self._residual_bytes_total
 
     @property
     def anchor_only(self) -> bool:
@@ -204,6 +215,9 @@ class ProgressiveLoad:
             except Exception:  # noqa: BLE001 - best effort on shutdown
                 pass
         self._queue.put((9, -1, ("stop",)))
+        for t in self._threads:  # let the workers leave torch code before the caller goes on (or exits)
+            if t is not threading.current_thread():
+                t.join(timeout=5)
 
     def __enter__(self) -> "ProgressiveLoad":
         return self
@@ -242,7 +256,7 @@ class ProgressiveLoad:
     def _on_retry(self, msg: str) -> None:
         self._timeline.extra["retries"].append(msg)
 
-    def _pump(self, blocks, buf: StreamBuffer, stream: int, charge_link: bool) -> threading.Thread:
+    def _pump(self, blocks, buf: StreamBuffer, stream: int, charge_link: bool, name: str) -> threading.Thread:
         """Move ordered blocks into ``buf`` on a thread of its own."""
 
         def run() -> None:
@@ -255,6 +269,8 @@ class ProgressiveLoad:
                         lag = delivered - time.perf_counter()
                         if lag > 0:
                             time.sleep(lag)
+                    if self.tee is not None:
+                        self.tee(name, offset, data)
                     buf.feed(offset, data)
                     if stream == ANCHOR:
                         self._timeline.anchor_bytes += len(data)
@@ -293,12 +309,12 @@ class ProgressiveLoad:
             self._manifest = manifest
             size = int(manifest["anchor"]["size"])
             buf = StreamBuffer(size, "anchor")
-            self._pump(iter(tsrc), buf, ANCHOR, charge_link=True)
+            self._pump(iter(tsrc), buf, ANCHOR, charge_link=True, name="anchor")
         else:
             size = segment_size(self.source, self.storage_options)
             buf = StreamBuffer(size, "anchor")
-            self._pump(iter(self._range_stream(self.source, 0, size, ANCHOR, "anchor")), buf, ANCHOR,
-                       charge_link=False)
+            rsrc = self._range_stream(self.source, 0, size, ANCHOR, "anchor")
+            self._pump(iter(rsrc), buf, ANCHOR, charge_link=False, name="anchor")
         self._buffers.append(buf)
         self._anchor_size = size
         self._anchor_buf = buf
@@ -306,6 +322,10 @@ class ProgressiveLoad:
         # An inline residual (single-file cache) lies after the anchor section: the anchor stream must not check
         # the file's exact length against the anchor section alone, so read_anchor_header checks it.
         h = read_anchor_header(buf)
+        if not self.is_tcp:  # a single file: the anchor stream stops where the anchor section ends
+            rsrc.truncate(h.segments[0].offset + h.segments[0].length)
+            buf.size = min(buf.size, h.segments[0].offset + h.segments[0].length)
+            self._anchor_size = buf.size
         self.header = h
         self.prompt_token_ids = list(h.prompt_token_ids) or None
         self.model_fingerprint = h.fingerprint or None
@@ -320,7 +340,9 @@ class ProgressiveLoad:
             if len(stored) != entry.stored_length:
                 raise FormatError(f"anchor layer {layer} page {page}: the stream ended at byte {at + len(stored)}",
                                   field="page", where=f"anchor layer {layer} page {page}")
-            rec = decode_anchor_page(stored, entry, h, layer, page)  # CRC first: a bad page never gets further
+            # CRC first (inside both calls): a page that fails it raises here and never gets further.
+            rec = (decode_anchor_page(stored, entry, h, layer, page) if self.decode
+                   else check_and_decompress(stored, entry, f"anchor layer {layer} page {page}") and None)
             buf.release(at + entry.stored_length)
             self._put(0, ("anchor", layer, page, rec, entry.stored_length))
         self._timeline.extra["anchor_arrived_s"] = self._now()
@@ -343,7 +365,7 @@ class ProgressiveLoad:
             else:
                 buf = StreamBuffer(self._anchor_size, "residual", base=base)
                 self._pump(iter(self._range_stream(self.source, base, base + seg.length, RESIDUAL, "residual")),
-                           buf, RESIDUAL, charge_link=False)
+                           buf, RESIDUAL, charge_link=False, name="residual")
             self.residual_url = self.source
         else:
             base = 0
@@ -356,7 +378,7 @@ class ProgressiveLoad:
                 tsrc = TcpSource(self.source, "residual", on_retry=self._on_retry)
                 self._closers.append(tsrc.close)
                 buf = StreamBuffer(int(desc["size"]), "residual")
-                self._pump(iter(tsrc), buf, RESIDUAL, charge_link=True)
+                self._pump(iter(tsrc), buf, RESIDUAL, charge_link=True, name="residual")
                 self.residual_url = self.source
             else:
                 url = self.residual_override or resolve_location(self.source, seg.location)
@@ -365,7 +387,7 @@ class ProgressiveLoad:
                 buf = StreamBuffer(size, "residual")
                 if size == seg.length:
                     self._pump(iter(self._range_stream(url, 0, size, RESIDUAL, "residual")), buf, RESIDUAL,
-                               charge_link=False)
+                               charge_link=False, name="residual")
                 else:
                     buf.finish()  # read_residual_section reports the length mismatch (truncated / trailing)
             self._buffers.append(buf)
@@ -379,7 +401,8 @@ class ProgressiveLoad:
             if len(stored) != entry.stored_length:
                 raise FormatError(f"residual layer {layer} page {page}: the stream ended at byte "
                                   f"{at + len(stored)}", field="page", where=f"residual layer {layer} page {page}")
-            rec = decode_residual_page(stored, entry, h, layer, page)  # CRC checked before anything else
+            rec = (decode_residual_page(stored, entry, h, layer, page) if self.decode
+                   else check_and_decompress(stored, entry, f"residual layer {layer} page {page}") and None)
             buf.release(at + entry.stored_length)
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
@@ -391,7 +414,6 @@ class ProgressiveLoad:
     # ------------------------------------------------------------------------------------------ consumer
     def _consumer(self) -> None:
         anchors: dict[tuple[int, int], object] = {}
-        residuals: dict[tuple[int, int], object] = {}
         held: list[tuple] = []
         anchor_complete = False
         try:
@@ -402,6 +424,12 @@ class ProgressiveLoad:
                     self._fail_all(StreamClosed("load closed"))
                     return
                 if kind == "header":
+                    if self.decode:
+                        h = item[1]
+                        shape = (h.kv_heads, h.tokens, h.head_dim)
+                        self._kv_out = tuple([(torch.empty(shape, dtype=self.dtype),
+                                               torch.empty(shape, dtype=self.dtype)) for _ in range(h.layers)]
+                                             for _ in range(2))  # (anchor-only, full)
                     continue
                 if kind == "error":
                     _, segment, exc = item
@@ -418,11 +446,13 @@ class ProgressiveLoad:
                     continue  # keep loading the anchor; anchor_done then ends the load, flagged lossy
                 if kind == "anchor":
                     _, layer, page, rec, n = item
-                    anchors[(layer, page)] = rec
+                    if self.decode:
+                        anchors[(layer, page)] = rec
+                        self._dequantize_page(layer, page, rec, None)
                     self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
                     continue
                 if kind == "anchor_done":
-                    self._anchor_kv = self._assemble(anchors, None)
+                    self._anchor_kv = self._kv_out[0] if self.decode else None
                     self._timeline.anchor_ready_s = self._now()
                     anchor_complete = True
                     self._anchor_done.set()
@@ -443,12 +473,13 @@ class ProgressiveLoad:
                     continue
                 if kind == "residual":
                     _, layer, page, rec, n = item
-                    residuals[(layer, page)] = rec
+                    if self.decode:
+                        self._dequantize_page(layer, page, anchors.pop((layer, page)), rec)
                     self._residual_slots.release()
                     self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
                     continue
                 if kind == "residual_done":
-                    full = self._assemble(anchors, residuals)
+                    full = self._kv_out[1] if self.decode else None
                     self._timeline.residual_ready_s = self._now()
                     self._future.set_result(full)
                     self._emit(LoadEvent("residual_ready", self._now()))
@@ -489,28 +520,25 @@ class ProgressiveLoad:
             self._events_cond.notify_all()
 
     # ------------------------------------------------------------------------------------------ KV
-    def _assemble(self, anchors: dict, residuals: dict | None) -> KVPairs:
-        """Concatenate the pages of every layer along tokens and dequantize: anchor-only or full."""
+    def _dequantize_page(self, layer: int, page: int, arec, rrec) -> None:
+        """Dequantize one page into the layer's output tensors: anchor-only (``rrec`` None) or full.
+
+        A page is exactly P/C whole chunks, so dequantizing page by page equals dequantizing the whole tensor;
+        doing it as pages arrive overlaps the arithmetic with the transfer."""
         h = self.header
         s = h.scheme
-        ppl = h.pages_per_layer
-        kv: KVPairs = []
-        for layer in range(h.layers):
-            pages = [anchors[(layer, p)] for p in range(ppl)]
-            res = [residuals[(layer, p)] for p in range(ppl)] if residuals is not None else None
-            pair = []
-            for which in ("key", "value"):
-                anchor = torch.cat([getattr(p, f"{which}_anchor") for p in pages], dim=1)  # [H, T, D]
-                enc = EncodedTensor(
-                    anchor=anchor,
-                    residual=(torch.cat([getattr(r, f"{which}_residual") for r in res], dim=1)
-                              if res is not None else torch.zeros_like(anchor)),
-                    offset=torch.cat([getattr(p, f"{which}_offset") for p in pages], dim=1),  # [H, T/C, D]
-                    scale=torch.cat([getattr(p, f"{which}_scale") for p in pages], dim=1),
-                )
-                pair.append(dequantize(enc, s, anchor_only=res is None, dtype=self.dtype))
-            kv.append((pair[0], pair[1]))
-        return kv
+        t0 = page * s.page
+        n = page_tokens(h.tokens, s.page, page)
+        out = self._kv_out[0 if rrec is None else 1][layer]
+        for i, which in enumerate(("key", "value")):
+            anchor = getattr(arec, f"{which}_anchor")  # uint8 [H, n, D]
+            enc = EncodedTensor(
+                anchor=anchor,
+                residual=getattr(rrec, f"{which}_residual") if rrec is not None else torch.zeros_like(anchor),
+                offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D]
+                scale=getattr(arec, f"{which}_scale"),
+            )
+            out[i][:, t0:t0 + n] = dequantize(enc, s, anchor_only=rrec is None, dtype=self.dtype)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
@@ -518,7 +546,8 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      allow_anchor_only: bool = False, storage_options: dict | None = None, inflight: int = 4,
                      block_size: int = 1 << 20, retry: RetryPolicy | None = None,
                      dtype: torch.dtype = torch.float32, link: EmulatedLink | None = None,
-                     fetch_hook: Callable[[str, Fetch], Fetch] | None = None) -> ProgressiveLoad:
+                     fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
+                     tee: Callable[[str, int, bytes], None] | None = None) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
@@ -527,7 +556,9 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     ``latency`` (``"2ms"``) put both streams through one emulated link with strict anchor priority.
     ``allow_anchor_only`` lets the anchor survive a failed residual (flagged lossy; see the module docstring).
     ``fetch_hook(segment, fetch) -> fetch`` wraps the byte-range reads of a segment (instrumentation, fault
-    injection)."""
+    injection). ``decode=False`` moves and verifies the bytes only (``wait_anchor`` and ``residual`` then give
+    ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
+    order (to save a copy; commit it only once the load has verified every page)."""
     if not isinstance(source, str) or not source:
         raise InputError(f"cache source: expected a path or URL, got {source!r}")
     if link is None and (bandwidth is not None or latency is not None):
@@ -535,4 +566,4 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
-                           fetch_hook=fetch_hook)
+                           fetch_hook=fetch_hook, decode=decode, tee=tee)

@@ -74,6 +74,11 @@ class RangeSource:
     def close(self) -> None:
         self._closed.set()
 
+    def truncate(self, end: int) -> None:
+        """Stop at ``end`` (e.g. where the anchor section of a single-file cache ends): blocks not yet issued
+        are not read, blocks in flight are cut."""
+        self.end = min(self.end, end)
+
     def _read_block(self, pool: cf.ThreadPoolExecutor, a: int, b: int) -> tuple[bytes, float]:
         """One block, retried with backoff; a stalled read is abandoned after ``stall_timeout``."""
         last: BaseException | None = None
@@ -115,24 +120,25 @@ class RangeSource:
                              f"{self.retry.attempts} attempts: {last}")
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        spans = [(a, min(a + self.block_size, self.end)) for a in range(self.start, self.end, self.block_size)]
         # Readers for the blocks (each may itself wait on a stalled fetch), and the fetch workers underneath.
         fetch_pool = cf.ThreadPoolExecutor(self.inflight * 2, thread_name_prefix=f"lynxkv-{self.segment}-get")
         block_pool = cf.ThreadPoolExecutor(self.inflight, thread_name_prefix=f"lynxkv-{self.segment}-blk")
         pending: list[tuple[int, cf.Future]] = []
         try:
-            nxt = 0
-            while nxt < len(spans) or pending:
-                while nxt < len(spans) and len(pending) < self.inflight:
-                    a, b = spans[nxt]
-                    pending.append((a, block_pool.submit(self._read_block, fetch_pool, a, b)))
-                    nxt += 1
+            nxt = self.start
+            while nxt < self.end or pending:
+                while nxt < self.end and len(pending) < self.inflight:
+                    b = min(nxt + self.block_size, self.end)
+                    pending.append((nxt, block_pool.submit(self._read_block, fetch_pool, nxt, b)))
+                    nxt = b
                 a, fut = pending.pop(0)
                 data, delivered = fut.result()
                 lag = delivered - time.perf_counter()
                 if lag > 0:
                     time.sleep(lag)  # the link's latency: bytes arrive `latency` after they were serialised
-                yield a, data
+                if a >= self.end:
+                    continue  # issued before a truncate()
+                yield a, data[: self.end - a]
         finally:
             self._closed.set()
             for _, f in pending:

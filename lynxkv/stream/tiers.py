@@ -123,8 +123,10 @@ class AtomicWriter:
         if is_local(url):
             path = os.path.abspath(local_path(url))
             d = os.path.dirname(path)
-            if not os.path.isdir(d):
-                raise InputError(f"{url}: directory {d} does not exist")
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as exc:
+                raise InputError(f"{url}: cannot create directory {d} ({exc.strerror or exc})") from None
             self._final = path
             self._tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
             self._f = open(self._tmp, "wb")
