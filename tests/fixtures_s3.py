@@ -73,3 +73,72 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# ------------------------------------------------------------------------------------------------ test caches
+
+
+def random_kv(layers: int = 2, heads: int = 2, tokens: int = 600, dim: int = 16, seed: int = 0):
+    """Per-layer (keys, values) [H, T, D] of random fp32 values (T not a multiple of the page on purpose)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(heads, tokens, dim, generator=g), torch.randn(heads, tokens, dim, generator=g))
+            for _ in range(layers)]
+
+
+def cache_bytes(kv=None, *, residual_location: str = "x.lynxr", single_file: bool = False,
+                prompt_token_ids=(1, 2, 3), fingerprint: str = "0" * 32):
+    """(anchor bytes, residual bytes or None) of a real quantized cache of ``kv``."""
+    from lynxkv.cache import encode_kv
+    from lynxkv.format import build_files
+
+    enc = encode_kv(kv if kv is not None else random_kv(), prompt_token_ids=prompt_token_ids,
+                    model_fingerprint=fingerprint)
+    built = build_files(enc, single_file=single_file, residual_location="" if single_file else residual_location)
+    return built.anchor, built.residual
+
+
+def synthetic_cache_bytes(layers: int, heads: int, tokens: int, dim: int, *, seed: int = 0,
+                          residual_location: str = "x.lynxr"):
+    """A valid 4+4 cache of random codes and metadata, built without running the quantizer (fast, any size)."""
+    import torch
+
+    from lynxkv.cache import EncodedCache
+    from lynxkv.format import build_files
+    from lynxkv.quant.reference import EncodedTensor
+    from lynxkv.scheme import DEFAULT
+
+    g = torch.Generator().manual_seed(seed)
+    nc = -(-tokens // DEFAULT.chunk)
+
+    def tensor():
+        return EncodedTensor(
+            anchor=torch.randint(0, 16, (heads, tokens, dim), dtype=torch.uint8, generator=g),
+            residual=torch.randint(0, 16, (heads, tokens, dim), dtype=torch.uint8, generator=g),
+            offset=torch.randn(heads, nc, dim, generator=g).half(),
+            scale=torch.rand(heads, nc, dim, generator=g).half(),
+        )
+
+    enc = EncodedCache(DEFAULT, [(tensor(), tensor()) for _ in range(layers)], heads, dim, tokens)
+    built = build_files(enc, residual_location=residual_location)
+    return built.anchor, built.residual
+
+
+def write_pair(directory, anchor: bytes, residual: bytes | None, name: str = "x"):
+    """Write ``name.lynx`` (+ ``name.lynxr``) into ``directory``; return the anchor path as a string."""
+    import os
+
+    a = os.path.join(str(directory), f"{name}.lynx")
+    with open(a, "wb") as f:
+        f.write(anchor)
+    if residual is not None:
+        with open(os.path.join(str(directory), f"{name}.lynxr"), "wb") as f:
+            f.write(residual)
+    return a
+
+
+def kv_equal(a, b) -> bool:
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for p, q in zip(a, b) for x, y in zip(p, q))

@@ -2,14 +2,21 @@
 anchor priority, a two-connection TCP transport, and the progressive reader the decode runner consumes."""
 
 from lynxkv.stream.link import EmulatedLink
+from lynxkv.stream.progressive import LoadEvent, ProgressiveLoad, ResidualUnavailable, open_progressive
+from lynxkv.stream.sources import RetryPolicy
 from lynxkv.stream.tiers import AtomicWriter, copy_segment, read_range, resolve_location, write_bytes_atomic
 from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
 __all__ = [
     "AtomicWriter",
     "EmulatedLink",
+    "LoadEvent",
+    "ProgressiveLoad",
+    "ResidualUnavailable",
+    "RetryPolicy",
     "copy_segment",
     "format_rate",
+    "open_progressive",
     "parse_bandwidth",
     "parse_duration",
     "read_range",

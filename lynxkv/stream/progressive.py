@@ -39,7 +39,7 @@ import torch
 
 from lynxkv.errors import FormatError, InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import page_tokens
+from lynxkv.format.layout import PREFIX_SIZE, anchor_header_length, page_tokens, parse_anchor_header
 from lynxkv.format.records import check_and_decompress
 from lynxkv.format.reader import (
     decode_anchor_page,
@@ -286,13 +286,18 @@ class ProgressiveLoad:
         t.start()
         return t
 
-    def _range_stream(self, url: str, start: int, end: int, stream: int, name: str):
+    def _fetch_exact(self, a: int, b: int) -> bytes:
+        """One small ranged read of the anchor (the header), with the same retries as the block streams."""
+        src = self._range_stream(self.source, a, b, ANCHOR, "anchor", link=False)
+        return b"".join(data for _, data in src)
+
+    def _range_stream(self, url: str, start: int, end: int, stream: int, name: str, link: bool = True):
         fetch = None
         if self.fetch_hook is not None:
             from lynxkv.stream.tiers import read_range
 
             fetch = self.fetch_hook(name, lambda a, b: read_range(url, a, b, self.storage_options))
-        src = RangeSource(url, start, end, stream=stream, segment=name, link=self.link, fetch=fetch,
+        src = RangeSource(url, start, end, stream=stream, segment=name, link=self.link if link else None, fetch=fetch,
                           block_size=self.block_size, inflight=self.inflight, retry=self.retry,
                           storage_options=self.storage_options, on_retry=self._on_retry)
         self._closers.append(src.close)
@@ -311,21 +316,36 @@ class ProgressiveLoad:
             buf = StreamBuffer(size, "anchor")
             self._pump(iter(tsrc), buf, ANCHOR, charge_link=True, name="anchor")
         else:
+            # Read the header first (two small ranged reads) to learn where the anchor section ends: a
+            # single-file cache's anchor stream must stop there and leave the rest to the residual stream.
             size = segment_size(self.source, self.storage_options)
+            head = self._fetch_exact(0, min(PREFIX_SIZE, size))
+            length = anchor_header_length(head, size)
+            if length > len(head):
+                head = self._fetch_exact(0, length)
+            h0 = parse_anchor_header(head, size)
+            end = h0.segments[0].offset + h0.segments[0].length
+            if end > size:
+                raise FormatError(f"`file_length` of anchor: expected at least {end} bytes, got {size} (truncated)",
+                                  field="file_length", where="anchor")
             buf = StreamBuffer(size, "anchor")
-            rsrc = self._range_stream(self.source, 0, size, ANCHOR, "anchor")
+            if self.link is not None:
+                self.link.send(ANCHOR, len(head))
+            if self.tee is not None:
+                self.tee("anchor", 0, head)
+            buf.feed(0, head)
+            self._timeline.anchor_bytes += len(head)
+            rsrc = self._range_stream(self.source, len(head), end, ANCHOR, "anchor")
             self._pump(iter(rsrc), buf, ANCHOR, charge_link=False, name="anchor")
         self._buffers.append(buf)
-        self._anchor_size = size
+        self._anchor_size = self._source_size = size
         self._anchor_buf = buf
 
         # An inline residual (single-file cache) lies after the anchor section: the anchor stream must not check
         # the file's exact length against the anchor section alone, so read_anchor_header checks it.
         h = read_anchor_header(buf)
-        if not self.is_tcp:  # a single file: the anchor stream stops where the anchor section ends
-            rsrc.truncate(h.segments[0].offset + h.segments[0].length)
-            buf.size = min(buf.size, h.segments[0].offset + h.segments[0].length)
-            self._anchor_size = buf.size
+        if not self.is_tcp:
+            self._anchor_size = h.segments[0].offset + h.segments[0].length
         self.header = h
         self.prompt_token_ids = list(h.prompt_token_ids) or None
         self.model_fingerprint = h.fingerprint or None
@@ -363,7 +383,7 @@ class ProgressiveLoad:
             if self.is_tcp:
                 buf = self._anchor_buf  # the single file arrives whole on the anchor connection
             else:
-                buf = StreamBuffer(self._anchor_size, "residual", base=base)
+                buf = StreamBuffer(self._source_size, "residual", base=base)
                 self._pump(iter(self._range_stream(self.source, base, base + seg.length, RESIDUAL, "residual")),
                            buf, RESIDUAL, charge_link=False, name="residual")
             self.residual_url = self.source
@@ -505,6 +525,7 @@ class ProgressiveLoad:
             self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        self._fatal = exc
         if not self._anchor_done.is_set():
             self._anchor_error = exc
             self._anchor_done.set()

@@ -1,0 +1,255 @@
+"""The progressive reader on local and memory:// tiers: order of events, exact KV, the 1 Gbps link, faults."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from fixtures_s3 import cache_bytes, kv_equal, random_kv, synthetic_cache_bytes, write_pair
+
+from lynxkv.cache import open_cache
+from lynxkv.errors import ChecksumError, FormatError, LynxError
+from lynxkv.stream import open_progressive
+from lynxkv.stream.sources import RetryPolicy
+
+FAST_RETRY = RetryPolicy(attempts=3, base=0.01, stall_timeout=0.3)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prog")
+    kv = random_kv(layers=3, heads=2, tokens=600, dim=16)  # 3 pages per layer, the last one short
+    anchor, residual = cache_bytes(kv)
+    path = write_pair(d, anchor, residual)
+    with open_cache(path) as c:
+        ref = (c.load_kv(anchor_only=True), c.load_kv())
+    return d, path, anchor, residual, ref
+
+
+def _kinds(events):
+    return [e.kind for e in events]
+
+
+def test_anchor_then_residual_exact_kv_and_event_order(cache_dir):
+    _, path, anchor, residual, (ref_anchor, ref_full) = cache_dir
+    seen = []
+    load = open_progressive(path, on_event=seen.append)
+    try:
+        assert kv_equal(load.wait_anchor(30), ref_anchor)
+        assert kv_equal(load.residual.result(30), ref_full)
+        events = list(load.events(timeout=30))
+    finally:
+        load.close()
+    assert _kinds(events) == _kinds(seen)
+    kinds = _kinds(events)
+    n = 3 * 3
+    assert kinds == ["anchor_page"] * n + ["anchor_ready"] + ["residual_page"] * n + ["residual_ready"]
+    order = [(e.layer, e.page) for e in events if e.kind == "anchor_page"]
+    assert order == [(layer, p) for layer in range(3) for p in range(3)]
+    assert order == [(e.layer, e.page) for e in events if e.kind == "residual_page"]
+    tl = load.timeline
+    assert tl.anchor_bytes == len(anchor) and tl.residual_bytes == len(residual)
+    assert 0 < tl.anchor_ready_s <= tl.residual_ready_s and tl.residual_failed is None
+    assert load.prompt_token_ids == [1, 2, 3] and load.model_fingerprint == "0" * 32
+    assert load.residual_eta() == 0.0
+
+
+def test_single_file_cache(tmp_path, cache_dir):
+    *_, (ref_anchor, ref_full) = cache_dir
+    anchor, _ = cache_bytes(random_kv(layers=3, heads=2, tokens=600, dim=16), single_file=True)
+    path = write_pair(tmp_path, anchor, None)
+    with open_progressive(path) as load:
+        assert kv_equal(load.wait_anchor(30), ref_anchor)
+        assert kv_equal(load.residual.result(30), ref_full)
+        assert load.timeline.anchor_bytes + load.timeline.residual_bytes == len(anchor)
+
+
+def test_memory_tier_and_residual_override(cache_dir):
+    from lynxkv.stream import write_bytes_atomic
+
+    _, _, anchor, residual, (_, ref_full) = cache_dir
+    write_bytes_atomic("memory://hot/x.lynx", anchor)
+    write_bytes_atomic("memory://cold/elsewhere.lynxr", residual)
+    with open_progressive("memory://hot/x.lynx", residual="memory://cold/elsewhere.lynxr") as load:
+        assert kv_equal(load.residual.result(30), ref_full)
+        assert load.residual_url == "memory://cold/elsewhere.lynxr"
+
+
+def test_one_gbps_link_anchor_first_and_measured_rate(tmp_path):
+    """A 4+4 cache of about 40 MB under an emulated 1 Gbit/s link (2 ms latency): the anchor is complete at
+    <= 0.6 x the residual-ready time and both streams together run within 10 % of the configured rate."""
+    anchor, residual = synthetic_cache_bytes(layers=4, heads=8, tokens=4096, dim=128)
+    path = write_pair(tmp_path, anchor, residual)
+    with open_progressive(path, bandwidth="1Gbps", latency="2ms", decode=False) as load:
+        load.residual.result(60)
+        tl = load.timeline
+    link = tl.extra["link"]
+    total = len(anchor) + len(residual)
+    assert link["anchor"]["bytes"] + link["residual"]["bytes"] == total
+    assert tl.anchor_ready_s <= 0.6 * tl.residual_ready_s, (tl.anchor_ready_s, tl.residual_ready_s)
+    assert link["total"]["rate"] == pytest.approx(125e6, rel=0.10)
+    assert link["residual"]["first_s"] >= link["anchor"]["last_s"] - 0.01  # strict priority
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+def _hook(fail_segment: str, behaviour):
+    calls = {"n": 0}
+
+    def hook(segment, fetch):
+        if segment != fail_segment:
+            return fetch
+
+        def wrapped(a, b):
+            calls["n"] += 1
+            return behaviour(calls["n"], fetch, a, b)
+
+        return wrapped
+
+    return hook
+
+
+def test_stalled_residual_request_is_retried(cache_dir):
+    *_, (_, ref_full) = cache_dir
+    path = cache_dir[1]
+
+    def stall_first(n, fetch, a, b):
+        if n == 1:
+            time.sleep(2.0)
+        return fetch(a, b)
+
+    with open_progressive(path, fetch_hook=_hook("residual", stall_first), retry=FAST_RETRY) as load:
+        assert kv_equal(load.residual.result(30), ref_full)
+        assert any("no answer" in r for r in load.timeline.extra["retries"])
+
+
+def test_transient_resets_are_retried(cache_dir):
+    *_, (_, ref_full) = cache_dir
+
+    def reset_twice(n, fetch, a, b):
+        if n <= 2:
+            raise ConnectionResetError("connection reset by peer")
+        return fetch(a, b)
+
+    with open_progressive(cache_dir[1], fetch_hook=_hook("residual", reset_twice), retry=FAST_RETRY) as load:
+        assert kv_equal(load.residual.result(30), ref_full)
+        assert len(load.timeline.extra["retries"]) == 2
+
+
+def _always_down(n, fetch, a, b):
+    raise ConnectionResetError("connection reset by peer")
+
+
+def test_residual_down_anchor_only_when_allowed(cache_dir):
+    *_, (ref_anchor, _) = cache_dir
+    with open_progressive(cache_dir[1], fetch_hook=_hook("residual", _always_down), retry=FAST_RETRY,
+                          allow_anchor_only=True) as load:
+        assert kv_equal(load.wait_anchor(30), ref_anchor)
+        with pytest.raises(LynxError, match="failed after 3 attempts"):
+            load.residual.result(30)
+        events = list(load.events(timeout=30))
+        assert load.anchor_only and "failed after" in load.timeline.residual_failed
+    kinds = _kinds(events)
+    assert "anchor_ready" in kinds and kinds[-1] == "residual_failed" and "residual_page" not in kinds
+
+
+def test_residual_down_fails_the_load_by_default(cache_dir):
+    with open_progressive(cache_dir[1], fetch_hook=_hook("residual", _always_down), retry=FAST_RETRY) as load:
+        with pytest.raises(LynxError):
+            load.residual.result(30)
+        with pytest.raises(LynxError):
+            load.wait_anchor(30)
+        with pytest.raises(LynxError):
+            list(load.events(timeout=30))
+        assert load.timeline.residual_failed
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x40
+    return bytes(b)
+
+
+def _page_span(anchor: bytes, residual: bytes | None, segment: str, layer: int, page: int):
+    from lynxkv.format.reader import BytesSource, read_anchor_header, read_anchor_index, read_residual_section
+
+    src = BytesSource(anchor)
+    h = read_anchor_header(src)
+    if segment == "anchor":
+        index = read_anchor_index(src, h)
+    else:
+        _, index = read_residual_section(BytesSource(residual), h, base=0)
+    return index.span(layer, page)
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["fail", "anchor-only"])
+def test_corrupted_residual_page_is_never_delivered(tmp_path, cache_dir, allow):
+    _, _, anchor, residual, (ref_anchor, _) = cache_dir
+    at, length = _page_span(anchor, residual, "residual", 1, 1)
+    path = write_pair(tmp_path, anchor, _flip(residual, at + length // 2))
+    seen = []
+    with open_progressive(path, on_event=seen.append, allow_anchor_only=allow) as load:
+        with pytest.raises(ChecksumError, match="residual layer 1 page 1") as info:
+            load.residual.result(30)
+        assert info.value.where == "residual layer 1 page 1"
+        if allow:
+            assert kv_equal(load.wait_anchor(30), ref_anchor) and load.anchor_only
+        time.sleep(0.05)
+    delivered = [(e.layer, e.page) for e in seen if e.kind == "residual_page"]
+    assert (1, 1) not in delivered and all(p < (1, 1) for p in delivered)
+    assert "residual_ready" not in _kinds(seen)
+
+
+def test_corrupted_anchor_page_fails_before_anchor_ready(tmp_path, cache_dir):
+    _, _, anchor, residual, _ = cache_dir
+    at, length = _page_span(anchor, residual, "anchor", 2, 0)
+    path = write_pair(tmp_path, _flip(anchor, at + 3), residual)
+    seen = []
+    with open_progressive(path, on_event=seen.append, allow_anchor_only=True) as load:
+        with pytest.raises(ChecksumError, match="anchor layer 2 page 0"):
+            load.wait_anchor(30)
+        with pytest.raises(ChecksumError):
+            load.residual.result(30)
+    assert (2, 0) not in [(e.layer, e.page) for e in seen if e.kind == "anchor_page"]
+    assert "anchor_ready" not in _kinds(seen)
+
+
+def test_truncated_residual_file(tmp_path, cache_dir):
+    _, _, anchor, residual, _ = cache_dir
+    path = write_pair(tmp_path, anchor, residual[: len(residual) - 100])
+    with open_progressive(path, allow_anchor_only=True) as load:
+        with pytest.raises(FormatError, match="file_length.*truncated"):
+            load.residual.result(30)
+        load.wait_anchor(30)
+        assert "truncated" in load.timeline.residual_failed
+
+
+def test_missing_residual_and_bad_source(tmp_path, cache_dir):
+    _, _, anchor, _, _ = cache_dir
+    path = write_pair(tmp_path, anchor, None)
+    with open_progressive(path) as load:
+        with pytest.raises(LynxError, match="no such file"):
+            load.residual.result(30)
+    with open_progressive(str(tmp_path / "nope.lynx")) as load:
+        with pytest.raises(LynxError, match="no such file"):
+            load.wait_anchor(30)
+
+
+def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_dir):
+    """Flip random bytes anywhere in the residual file: the load either fails with a LynxError before the
+    damaged page, or (a flip in bytes nothing reads) completes with exactly the reference KV."""
+    _, _, anchor, residual, (_, ref_full) = cache_dir
+    g = torch.Generator().manual_seed(7)
+    for i in range(6):
+        at = int(torch.randint(0, len(residual), (1,), generator=g))
+        path = write_pair(tmp_path, anchor, _flip(residual, at), name=f"r{i}")
+        os.replace(os.path.join(tmp_path, f"r{i}.lynxr"), os.path.join(tmp_path, "x.lynxr"))
+        with open_progressive(path) as load:
+            try:
+                full = load.residual.result(30)
+            except LynxError:
+                continue
+            assert kv_equal(full, ref_full)
