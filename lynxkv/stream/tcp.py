@@ -162,7 +162,8 @@ class CacheServer:
     def __init__(self, anchor: SegmentFile, residual: SegmentFile | None, *, host: str = "127.0.0.1",
                  port: int = 0, bandwidth: float | None = None, latency: float = 0.0,
                  dscp_anchor: int | None = None, dscp_residual: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, block: int = BLOCK):
+        self.block = block
         self.segments = {"anchor": anchor, "residual": residual}
         self.manifest = encode_frame(MANIFEST, json.dumps(
             {"anchor": anchor.describe(), "residual": residual.describe() if residual else None}).encode())
@@ -244,10 +245,10 @@ class CacheServer:
                 conn.sendall(self.manifest)
                 view = memoryview(seg.data)
                 with self.link.hold(stream):  # the anchor holds the link until its last byte is out
-                    for a in range(offset, len(seg.data), BLOCK):
+                    for a in range(offset, len(seg.data), self.block):
                         if self._stop.is_set():
                             return
-                        block = view[a:a + BLOCK]
+                        block = view[a:a + self.block]
                         self.link.send(stream, len(block))
                         conn.sendall(encode_frame(DATA, bytes(block)))
                         record["bytes"] += len(block)
