@@ -76,14 +76,25 @@ def main(argv: list[str]) -> None:
     print(f"{'scheme':8} {'part':15} {'raw bytes':>10} {'zstd bytes':>10} {'ratio':>6} {'compress s':>10} "
           f"{'decompress s':>12}")
     cctx, dctx = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    files = {}
     for name in schemes:
-        parts = page_parts(encode_kv(kv, get_scheme(name)))
+        enc = encode_kv(kv, get_scheme(name))
+        parts = page_parts(enc)
         for part, pages in parts.items():
             packed = [cctx.compress(p) for p in pages]
             raw, z = sum(map(len, pages)), sum(map(len, packed))
             tc = median_time(lambda: [cctx.compress(p) for p in pages])
             td = median_time(lambda: [dctx.decompress(p) for p in packed])
             print(f"{name:8} {part:15} {raw:>10} {z:>10} {raw / z:>6.3f} {tc:>10.3f} {td:>12.3f}")
+        files[name] = [build_files(enc, single_file=True, zstd=z) for z in (False, True)]
+    print("\nas the writer stores them (whole page records, zstd kept only where smaller):")
+    print(f"{'scheme':8} {'file':22} {'raw':>10} {'--zstd':>10} {'ratio':>6} {'bits/el raw':>11} {'bits/el zstd':>12}")
+    elements = 2 * len(kv) * kv[0][0].numel()
+    for name, (raw, z) in files.items():
+        ra, za = raw.header.header_length + raw.header.segments[0].length, z.header.header_length + z.header.segments[0].length
+        rr, zr = len(raw.anchor) - ra, len(z.anchor) - za
+        for what, x, y in (("anchor (header+pages)", ra, za), ("residual", rr, zr), ("total", ra + rr, za + zr)):
+            print(f"{name:8} {what:22} {x:>10} {y:>10} {x / y:>6.3f} {8 * x / elements:>11.3f} {8 * y / elements:>12.3f}")
 
     big = [(torch.randn(3, decode_tokens, 64), torch.randn(3, decode_tokens, 64)) for _ in range(30)]
     built = build_files(encode_kv(big), single_file=True)

@@ -45,6 +45,8 @@ CASES = [
     ("T33-5+3-fp32-meta-P64", 3, 33, 5, torch.float32, True, True,
      Scheme(chunk=16, page=64, anchor_bits=5, residual_bits=3, meta_dtype="fp32")),
     ("T0-empty", 2, 0, 4, torch.float32, False, False, DEFAULT),
+    ("T5-P1-3+5-odd-bit-pages", 1, 5, 3, torch.float32, False, True,
+     Scheme(chunk=1, page=1, anchor_bits=3, residual_bits=5)),
 ]
 
 
@@ -148,3 +150,37 @@ def test_rewrite_is_atomic_and_leaves_no_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.lynx", "c.lynxr"]
     with open_cache(path) as cache:
         assert_kv_equal(cache.load_kv(), expected(make_kv(1, 1, 8, 4, seed=2), DEFAULT, False))
+
+
+def test_byte_range_steps_without_a_source():
+    """What a transport does: fetch byte ranges itself and call the three public steps on the bytes."""
+    from lynxkv.format import (PREFIX_SIZE, anchor_header_length, decode_anchor_page, decode_residual_page,
+                               index_span, parse_anchor_header, parse_residual_header, parse_section_index)
+    from lynxkv.format import constants as c
+    from lynxkv.format.layout import check_residual_matches
+
+    kv = make_kv(2, 2, 300, 4)
+    enc = encode_kv(kv)
+    built = build_files(enc, cache_id=bytes(16), residual_location="r.lynxr")
+    a, r = built.anchor, built.residual
+    fetched = []
+
+    def fetch(blob, offset, length):
+        fetched.append((offset, length))
+        return blob[offset:offset + length]
+
+    h = parse_anchor_header(fetch(a, 0, anchor_header_length(fetch(a, 0, PREFIX_SIZE))))
+    lead, size = index_span(h, c.SEGMENT_ANCHOR)
+    base = h.segments[0].offset
+    aidx = parse_section_index(fetch(a, base + lead, size), h, c.SEGMENT_ANCHOR, base=base)
+    rh = parse_residual_header(fetch(r, 0, c.RESIDUAL_HEADER_SIZE))
+    check_residual_matches(h, rh)
+    lead, size = index_span(h, c.SEGMENT_RESIDUAL)
+    ridx = parse_section_index(fetch(r, lead, size), h, c.SEGMENT_RESIDUAL, base=0, residual_header=rh)
+    off, n = aidx.span(1, 1)
+    page = decode_anchor_page(fetch(a, off, n), aidx.entry(1, 1), h, 1, 1)
+    off, n = ridx.span(1, 1)
+    rpage = decode_residual_page(fetch(r, off, n), ridx.entry(1, 1), h, 1, 1)
+    want = enc.layers[1][1].tokens(256, 300, 32)
+    assert torch.equal(page.value_anchor, want.anchor) and torch.equal(rpage.value_residual, want.residual)
+    assert sum(n for _, n in fetched) < len(a) // 2 + len(r) // 2  # only what was asked for was read
