@@ -287,7 +287,19 @@ class LynxCache:
 
     def verify(self) -> list[Finding]:
         """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""
-        return verify_cache(self._src, self._open_residual_source)
+        opened = []
+
+        def open_residual():
+            src = self._open_residual_source()
+            if src is not self._src:
+                opened.append(src)
+            return src
+
+        try:
+            return verify_cache(self._src, open_residual)
+        finally:
+            for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
+                src.close()
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -317,16 +329,24 @@ def verify_file(path, *, residual=None) -> list[Finding]:
         def open_residual():
             if residual is not None:
                 return as_source(residual)
-            h = read_anchor_header(src, exact_size=False)
+            h = read_anchor_header(src, exact_size=False)  # verify_cache only asks after this succeeded
             seg = h.segment(c.SEGMENT_RESIDUAL)
             loc = resolve_residual(getattr(src, "name", None), seg.location)
             if "://" not in loc and not os.path.exists(loc):
                 raise InputError(f"residual file {loc} does not exist")
             return as_source(loc)
 
-        return verify_cache(src, open_residual)
+        opened = []
+
+        def open_and_track():
+            rsrc = open_residual()
+            opened.append(rsrc)
+            return rsrc
+
+        return verify_cache(src, open_and_track)
     finally:
-        src.close()
+        for s in opened + [src]:
+            s.close()
 
 
 def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT, *,

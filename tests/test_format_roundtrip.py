@@ -184,3 +184,59 @@ def test_byte_range_steps_without_a_source():
     want = enc.layers[1][1].tokens(256, 300, 32)
     assert torch.equal(page.value_anchor, want.anchor) and torch.equal(rpage.value_residual, want.residual)
     assert sum(n for _, n in fetched) < len(a) // 2 + len(r) // 2  # only what was asked for was read
+
+
+def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    import os
+
+    path = tmp_path / "c.lynx"
+    save_cache(path, make_kv(1, 1, 8, 4, seed=1), single_file=True)
+    before = path.read_bytes()
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        save_cache(path, make_kv(1, 1, 8, 4, seed=2), single_file=True)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c.lynx"]
+
+
+def test_bits_per_element_at_default_scheme_on_a_smollm2_shaped_cache():
+    """P=256, C=32, fp16 metadata: <= 9.1 bits per element in all and <= 5.1 for the anchor file, headers and
+    indexes included (1000 tokens: the last chunk is short, as for a real prompt)."""
+    built = build_files(encode_kv(make_kv(2, 3, 1000, 64)), cache_id=bytes(16), residual_location="r")
+    with open_cache(built.anchor, residual=built.residual) as cache:
+        bits = cache.info.bits_per_element
+        assert bits["anchor"] == pytest.approx(8 * len(built.anchor) / (2 * 2 * 3 * 1000 * 64))
+        assert bits["total"] == pytest.approx(8 * (len(built.anchor) + len(built.residual)) / (2 * 2 * 3 * 1000 * 64))
+        assert 9.0 < bits["total"] <= 9.1 and 5.0 < bits["anchor"] <= 5.1
+        assert (bits["total_codes"], bits["anchor_codes"]) == (8.0, 4.0)
+        assert cache.info.anchor_bytes == len(built.anchor) and cache.info.residual_bytes == len(built.residual)
+
+
+def test_verify_file_reports_a_missing_residual_and_a_damaged_anchor(tmp_path):
+    from lynxkv.cache import verify_file
+
+    path = tmp_path / "c.lynx"
+    save_cache(path, make_kv(2, 1, 40, 4))
+    assert verify_file(path) == []
+    (tmp_path / "c.lynxr").unlink()
+    assert [f.field for f in verify_file(path)] == ["location"]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    found = verify_file(path, residual=b"")
+    assert [(f.segment, f.field, f.layer, f.page) for f in found][0] == ("anchor", "page.crc32", 1, 0)
+    assert found[1].segment == "residual"
+
+
+def test_file_object_residual_is_left_open_for_its_owner(tmp_path):
+    kv = make_kv(1, 1, 20, 4)
+    save_cache(tmp_path / "c.lynx", kv)
+    with open(tmp_path / "c.lynxr", "rb") as f:
+        with open_cache(tmp_path / "c.lynx", residual=f) as cache:
+            assert cache.verify() == []
+            assert_kv_equal(cache.load_kv(), expected(kv, DEFAULT, False))
+        assert not f.closed

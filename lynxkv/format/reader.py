@@ -106,8 +106,9 @@ class FileSource:
 class FileObjSource:
     """A seekable binary file object (e.g. an fsspec file doing HTTP/S3 range requests)."""
 
-    def __init__(self, f, name: str = "<file>", size: int | None = None):
+    def __init__(self, f, name: str = "<file>", size: int | None = None, *, owns: bool = False):
         self._f = f
+        self._owns = owns  # close the file object on close() only if this source opened it
         self.name = name
         self._lock = threading.Lock()
         if size is None:
@@ -120,9 +121,8 @@ class FileObjSource:
             return self._f.read(max(0, min(length, self.size - offset)))
 
     def close(self) -> None:
-        close = getattr(self._f, "close", None)
-        if close:
-            close()
+        if self._owns:
+            self._f.close()
 
 
 def as_source(obj, name: str | None = None):
@@ -136,7 +136,7 @@ def as_source(obj, name: str | None = None):
                 f = fsspec.open(text, "rb").open()
             except Exception as exc:  # fsspec raises backend-specific errors
                 raise InputError(f"{text}: cannot open ({exc})") from None
-            return FileObjSource(f, text)
+            return FileObjSource(f, text, owns=True)
         return FileSource(text[len("file://"):] if text.startswith("file://") else text)
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return BytesSource(obj, name or "<bytes>")
