@@ -240,3 +240,34 @@ def test_file_object_residual_is_left_open_for_its_owner(tmp_path):
             assert cache.verify() == []
             assert_kv_equal(cache.load_kv(), expected(kv, DEFAULT, False))
         assert not f.closed
+
+
+def test_bad_fingerprint_is_refused_by_the_writer(tmp_path):
+    with pytest.raises(InputError, match="model_fingerprint"):
+        save_cache(tmp_path / "x.lynx", make_kv(1, 1, 4, 4), model_fingerprint="not-a-fingerprint")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_roundtrip_property():
+    """Random shapes, schemes and layouts: the file stores exactly the encoded codes and metadata."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None)
+    @given(heads=st.integers(1, 3), tokens=st.integers(0, 70), dim=st.integers(1, 6), layers=st.integers(1, 2),
+           chunk_log=st.integers(0, 3), pages_per=st.integers(1, 3), anchor_bits=st.integers(1, 7),
+           single=st.booleans(), zstd=st.booleans(), meta=st.sampled_from(["fp16", "fp32"]),
+           seed=st.integers(0, 2**16))
+    def check(heads, tokens, dim, layers, chunk_log, pages_per, anchor_bits, single, zstd, meta, seed):
+        scheme = Scheme(chunk=1 << chunk_log, page=(1 << chunk_log) * pages_per, anchor_bits=anchor_bits,
+                        residual_bits=8 - anchor_bits, meta_dtype=meta)
+        enc = encode_kv(make_kv(layers, heads, tokens, dim, seed=seed), scheme)
+        built = build_files(enc, single_file=single, zstd=zstd, residual_location="r")
+        with open_cache(built.anchor, residual=built.residual) as cache:
+            got = cache.load_encoded()
+        for (gk, gv), (wk, wv) in zip(got.layers, enc.layers):
+            for g, w in ((gk, wk), (gv, wv)):
+                for name in ("anchor", "residual", "offset", "scale"):
+                    assert torch.equal(getattr(g, name), getattr(w, name)), name
+
+    check()
