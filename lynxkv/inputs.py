@@ -117,22 +117,30 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
     return kv, KVNaming(styles.pop(), bool(batched))
 
 
+def kv_names(layers: int, naming: KVNaming = KVNaming()) -> list[str]:
+    """Tensor names in file order: layer 0 key, layer 0 value, layer 1 key, ..."""
+    return [naming.name(i, kind) for i in range(layers) for kind in ("key", "value")]
+
+
 def save_kv_safetensors(
     path: str | os.PathLike,
     kv: KVPairs,
-    naming: KVNaming = KVNaming(),
+    names: list[str] | tuple[str, ...] | None = None,
     *,
+    batched: bool = False,
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write per-layer ``(keys, values)`` atomically (temporary file, then rename)."""
+    """Write per-layer ``(keys, values)`` under ``names`` (default: the ``layers`` style) atomically."""
     from safetensors.torch import save_file
 
     from lynxkv.util import atomic_path
 
+    names = list(names) if names else kv_names(len(kv))
+    if len(names) != 2 * len(kv):
+        raise InputError(f"expected {2 * len(kv)} tensor names for {len(kv)} layers, got {len(names)}")
     tensors = {}
     for i, (k, v) in enumerate(kv):
-        for kind, t in (("key", k), ("value", v)):
-            t = t.unsqueeze(0) if naming.batched else t
-            tensors[naming.name(i, kind)] = t.contiguous()
+        for j, t in enumerate((k, v)):
+            tensors[names[2 * i + j]] = (t.unsqueeze(0) if batched else t).contiguous()
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
