@@ -25,7 +25,7 @@ import torch
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader, page_tokens
+from lynxkv.format.layout import AnchorHeader, anchor_record_layout, residual_record_layout
 from lynxkv.format.reader import (
     SectionIndex,
     as_source,
@@ -37,7 +37,7 @@ from lynxkv.format.reader import (
     read_residual_section,
     resolve_residual,
 )
-from lynxkv.format.records import AnchorPage, ResidualPage
+from lynxkv.format.records import AnchorPage, ResidualPage, check_and_decompress, stack_records, stackable
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files, default_residual_path, relative_location, write_atomic
 from lynxkv.quant.reference import EncodedTensor, dequantize, quantize
@@ -236,31 +236,50 @@ class LynxCache:
         return decode_residual_page(stored, index.entry(layer, page), self.header, layer, page)
 
     # -- whole cache -----------------------------------------------------------------------------------------
+    def _layer_codes(self, layer: int, *, anchor: bool):
+        """(metadata [4, H, ceil(T/C), D] or None, codes [2, H, T, D]) of one layer of one segment: the full
+        pages in one vectorised pass (each page's CRC checked first), the short last page on its own."""
+        h = self.header
+        s, H, D = h.scheme, h.kv_heads, h.head_dim
+        src, index = (self._src, self.anchor_index) if anchor else self._residual()
+        layout_of = anchor_record_layout if anchor else residual_record_layout
+        full = h.tokens // s.page if stackable(layout_of(s, H, D, s.page), s, H, D, anchor=anchor) else 0
+        metas, codes = [], []
+        if full:
+            raws = []
+            for p in range(full):
+                where = f"{index.name} layer {layer} page {p}"
+                raws.append(check_and_decompress(read_page(src, index, layer, p), index.entry(layer, p), where))
+            m, k = stack_records(raws, layout_of(s, H, D, s.page), s, H, D, anchor=anchor)
+            metas.append(m)
+            codes.append(k)
+        for p in range(full, h.pages_per_layer):
+            if anchor:
+                a = self.read_anchor_page(layer, p)
+                metas.append(torch.stack([a.key_offset, a.key_scale, a.value_offset, a.value_scale]))
+                codes.append(torch.stack([a.key_anchor, a.value_anchor]))
+            else:
+                r = self.read_residual_page(layer, p)
+                codes.append(torch.stack([r.key_residual, r.value_residual]))
+        meta_dtype = {"fp16": torch.float16, "fp32": torch.float32}[s.meta_dtype]
+        meta = (torch.cat(metas, dim=2) if metas else torch.empty((4, H, 0, D), dtype=meta_dtype)) if anchor else None
+        code = torch.cat(codes, dim=2) if codes else torch.empty((2, H, 0, D), dtype=torch.uint8)
+        return meta, code
+
     def load_encoded(self, *, anchor_only: bool = False) -> EncodedCache:
         """Every page assembled into per-layer :class:`EncodedTensor` (residual zeros when ``anchor_only``)."""
         h = self.header
-        s, H, T, D = h.scheme, h.kv_heads, h.tokens, h.head_dim
-        nct = -(-T // s.chunk)
-        meta_dtype = {"fp16": torch.float16, "fp32": torch.float32}[s.meta_dtype]
         layers = []
         for layer in range(h.layers):
-            codes = torch.empty((2, H, T, D), dtype=torch.uint8)  # anchor codes of K, V
-            resid = torch.zeros((2, H, T, D), dtype=torch.uint8)
-            meta = torch.empty((4, H, nct, D), dtype=meta_dtype)  # K off, K scale, V off, V scale
-            for p in range(h.pages_per_layer):
-                t0, n = p * s.page, page_tokens(T, s.page, p)
-                c0, c1 = t0 // s.chunk, -(-(t0 + n) // s.chunk)
-                a = self.read_anchor_page(layer, p)
-                codes[0, :, t0:t0 + n], codes[1, :, t0:t0 + n] = a.key_anchor, a.value_anchor
-                meta[0, :, c0:c1], meta[1, :, c0:c1] = a.key_offset, a.key_scale
-                meta[2, :, c0:c1], meta[3, :, c0:c1] = a.value_offset, a.value_scale
-                if not anchor_only:
-                    r = self.read_residual_page(layer, p)
-                    resid[0, :, t0:t0 + n], resid[1, :, t0:t0 + n] = r.key_residual, r.value_residual
+            meta, codes = self._layer_codes(layer, anchor=True)
+            if anchor_only:
+                resid = torch.zeros_like(codes)
+            else:
+                _, resid = self._layer_codes(layer, anchor=False)
             layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1]),
                            EncodedTensor(codes[1], resid[1], meta[2], meta[3])))
-        return EncodedCache(s, layers, H, D, T, h.dtype, list(h.prompt_token_ids) or None, h.fingerprint or None,
-                            h.names or None, h.batch_dim)
+        return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
+                            list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim)
 
     def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
         """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
@@ -268,7 +287,19 @@ class LynxCache:
 
     def verify(self) -> list[Finding]:
         """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""
-        return verify_cache(self._src, self._open_residual_source)
+        opened = []
+
+        def open_residual():
+            src = self._open_residual_source()
+            if src is not self._src:
+                opened.append(src)
+            return src
+
+        try:
+            return verify_cache(self._src, open_residual)
+        finally:
+            for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
+                src.close()
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -298,16 +329,24 @@ def verify_file(path, *, residual=None) -> list[Finding]:
         def open_residual():
             if residual is not None:
                 return as_source(residual)
-            h = read_anchor_header(src, exact_size=False)
+            h = read_anchor_header(src, exact_size=False)  # verify_cache only asks after this succeeded
             seg = h.segment(c.SEGMENT_RESIDUAL)
             loc = resolve_residual(getattr(src, "name", None), seg.location)
             if "://" not in loc and not os.path.exists(loc):
                 raise InputError(f"residual file {loc} does not exist")
             return as_source(loc)
 
-        return verify_cache(src, open_residual)
+        opened = []
+
+        def open_and_track():
+            rsrc = open_residual()
+            opened.append(rsrc)
+            return rsrc
+
+        return verify_cache(src, open_and_track)
     finally:
-        src.close()
+        for s in opened + [src]:
+            s.close()
 
 
 def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT, *,

@@ -27,29 +27,18 @@ from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point."""
+    """Run the CLI and return its exit code (typer's standalone mode handles usage errors: exit 2)."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="lynxkv")
     except LynxError as exc:
         if os.environ.get("LYNXKV_DEBUG"):
             raise
         from lynxkv.cli.console import err
 
-        err.print(f"[bold red]lynxkv: error:[/] {exc}", highlight=False)
+        err.print(f"[bold red]lynxkv: error:[/] {exc}", highlight=False, soft_wrap=True)
         return 1
-    except KeyboardInterrupt:
-        return 130
-    except SystemExit as exc:  # typer/click exit codes (usage errors are 2)
-        return int(exc.code or 0)
-    except Exception as exc:  # click's own usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
-            return 1
-        raise
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
 
 

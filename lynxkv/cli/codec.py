@@ -1,1 +1,174 @@
-"""``lynxkv encode / decode / inspect / verify``."""
+"""``lynxkv encode / decode / inspect / verify``: KV caches in and out of the ``.lynx`` format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from lynxkv.cli import app
+from lynxkv.cli.console import err, out, print_json
+from lynxkv.errors import InputError
+from lynxkv.util import human_bytes
+
+_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+
+
+def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
+    """Nothing already stored is replaced unless the user says so."""
+    if not force and "://" not in str(path) and os.path.exists(path):
+        raise InputError(f"{path} already exists; pass --force to replace it")
+
+
+@app.command()
+def encode(
+    input: Optional[Path] = typer.Argument(None, help="A KV dump (.safetensors). Omit it to prefill --model."),
+    output: Path = typer.Option(..., "-o", "--output", help="The anchor file to write (.lynx)."),
+    residual: Optional[str] = typer.Option(None, help="Where the residual goes (default: OUTPUT with .lynxr)."),
+    model: Optional[str] = typer.Option(None, help="Prefill this HF model ('smollm2' = the offline default)."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Prompt text for --model (default: built-in)."),
+    tokens: int = typer.Option(1000, min=1, help="Length of the built-in prompt, in tokens."),
+    scheme: str = typer.Option("default", help="Scheme preset: default, paper, paper-a1."),
+    page: Optional[int] = typer.Option(None, help="Tokens per page (P)."),
+    chunk: Optional[int] = typer.Option(None, help="Tokens per metadata chunk (C)."),
+    alpha: Optional[float] = typer.Option(None, help="α of the α-law compander (switches it on)."),
+    anchor_bits: Optional[int] = typer.Option(None, help="Bits of the 8-bit code kept in the anchor."),
+    single_file: bool = typer.Option(False, "--single-file", help="Anchor and residual in one file."),
+    zstd: bool = typer.Option(False, "--zstd", help="zstd-compress each page where it pays."),
+    force: bool = typer.Option(False, "--force", help="Replace existing output files."),
+    json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
+) -> None:
+    """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
+    from lynxkv.api import encode_file, encode_model
+    from lynxkv.scheme import get_scheme
+
+    sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
+    if (input is None) == (model is None):
+        raise InputError("give either a KV dump file or --model (not both)")
+    if prompt_file is not None and model is None:
+        raise InputError("--prompt-file needs --model")
+    refuse_overwrite(output, force)
+    if residual is not None and single_file:
+        raise InputError("--residual and --single-file exclude each other")
+    if not single_file:
+        refuse_overwrite(residual or output.with_suffix(".lynxr"), force)
+    with err.status("encoding ..."):
+        if input is not None:
+            info = encode_file(input, output, sch, residual=residual, single_file=single_file, zstd=zstd)
+        else:
+            prompt = prompt_file.read_text() if prompt_file is not None else None
+            info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual,
+                                single_file=single_file, zstd=zstd)
+    if json:
+        print_json(info.to_dict())
+    else:
+        err.print(
+            f"wrote {output} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
+            f"anchor {human_bytes(info.anchor_bytes)}, residual {human_bytes(info.residual_bytes)}, "
+            f"{info.bits_per_element['total']:.3f} bits/element ({info.bits_per_element['anchor']:.3f} in the anchor)"
+        )
+
+
+@app.command()
+def decode(
+    cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
+    output: Path = typer.Option(..., "-o", "--output", help="The safetensors file to write."),
+    anchor_only: bool = typer.Option(False, "--anchor-only", help="Reconstruct from the anchor alone."),
+    dtype: Optional[str] = typer.Option(None, help="Output dtype: bf16, fp16 or fp32 (default: the original)."),
+    residual: Optional[str] = typer.Option(None, help="Read the residual from here instead."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
+) -> None:
+    """Turn a .lynx cache back into tensors, with the names and shapes that went in."""
+    from lynxkv.cache import TORCH_DTYPES, open_cache
+    from lynxkv.inputs import save_kv_safetensors
+
+    if dtype is not None and dtype not in _DTYPE_CHOICES:
+        raise InputError(f"--dtype: expected one of {', '.join(_DTYPE_CHOICES)}, got {dtype!r}")
+    refuse_overwrite(output, force)
+    with open_cache(cache, residual=residual) as c, err.status("decoding ..."):
+        kv = c.load_kv(anchor_only=anchor_only, dtype=TORCH_DTYPES[dtype] if dtype else None)
+        meta = {"lynxkv.cache_id": c.info.cache_id, "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
+        save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)
+    err.print(f"wrote {output} ({len(kv)} layers, {'anchor-only' if anchor_only else 'full'} reconstruction)")
+
+
+@app.command()
+def inspect(
+    cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
+    residual: Optional[str] = typer.Option(None, help="Look for the residual here instead."),
+    json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show a cache's scheme, shape, pages, sizes and bits per element, and where its residual lives."""
+    from lynxkv.api import describe
+
+    with _open(cache, residual) as c:
+        d = describe(c)
+    if json:
+        print_json(d)
+        return
+    t = Table(title=f"{cache}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("scheme", d["scheme_description"])
+    t.add_row("shape", f"{d['layers']} layers × {d['kv_heads']} KV heads × {d['tokens']} tokens × "
+                       f"{d['head_dim']} head dim ({d['dtype']})")
+    t.add_row("pages", f"{d['pages_per_layer']} per layer of {d['scheme']['page']} tokens")
+    t.add_row("anchor", f"{human_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
+    res_where = "inline (single file)" if d["residual_inline"] else d["residual_location"]
+    t.add_row("residual", f"{human_bytes(d['residual_bytes'])} at {res_where}: "
+                          f"{'reachable' if d['residual_reachable'] else 'NOT reachable'}")
+    t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
+                       f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
+    t.add_row("prompt", f"{len(d['prompt_token_ids'])} token ids" if d.get("prompt_token_ids") else "not stored")
+    t.add_row("model", d["model_fingerprint"] or "not recorded")
+    t.add_row("cache id", d["cache_id"])
+    out.print(t)
+
+
+@app.command()
+def verify(
+    cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
+    residual: Optional[str] = typer.Option(None, help="Check the residual at this location instead."),
+    against: Optional[Path] = typer.Option(None, help="The original KV dump: report vNMSE per layer."),
+    json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Check both segments' structure and every checksum (exit 1 on any finding); optionally measure error."""
+    from lynxkv.api import reconstruction_error
+    from lynxkv.cache import verify_file
+
+    findings = verify_file(cache, residual=residual)
+    result: dict = {"ok": not findings, "findings": [f.to_dict() for f in findings]}
+    if against is not None and not findings:
+        result["vnmse"] = reconstruction_error(cache, against, residual=residual)
+    if json:
+        print_json(result)
+    else:
+        for f in findings:
+            err.print(f"[red]FAIL[/] {f}")
+        if "vnmse" in result:
+            _print_vnmse(result["vnmse"])
+        err.print("[green]OK[/]: structure and checksums of both segments verified" if not findings
+                  else f"[red]{len(findings)} finding(s)[/]")
+    if findings:
+        raise typer.Exit(1)
+
+
+def _print_vnmse(v: dict) -> None:
+    t = Table(title="vNMSE = Σ‖x̂−x‖² / Σ‖x‖² per layer", title_justify="left")
+    for col in ("layer", "K full", "V full", "K anchor", "V anchor"):
+        t.add_column(col, justify="right")
+    for i, row in enumerate(v["per_layer"]):
+        t.add_row(str(i), *(f"{row[k]:.3e}" for k in ("key_full", "value_full", "key_anchor", "value_anchor")))
+    m = v["mean"]
+    t.add_row("mean", *(f"{m[k]:.3e}" for k in ("key_full", "value_full", "key_anchor", "value_anchor")),
+              style="bold")
+    out.print(t)
+
+
+def _open(cache: str, residual: str | None):
+    from lynxkv.cache import open_cache
+
+    return open_cache(cache, residual=residual)

@@ -14,7 +14,10 @@ Most users want the high-level API in :mod:`lynxkv.cache` (``save_cache``, ``ope
 """
 
 from lynxkv.format.layout import (
+    PREFIX_SIZE,
     AnchorHeader,
+    anchor_header_length,
+    check_residual_matches,
     PageEntry,
     ResidualHeader,
     SegmentEntry,
@@ -26,6 +29,8 @@ from lynxkv.format.reader import (
     as_source,
     decode_anchor_page,
     decode_residual_page,
+    index_span,
+    parse_section_index,
     read_anchor_header,
     read_anchor_index,
     read_page,
@@ -36,6 +41,9 @@ from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files, write_atomic
 
 __all__ = [
+    "PREFIX_SIZE",
+    "anchor_header_length",
+    "check_residual_matches",
     "AnchorHeader",
     "AnchorPage",
     "Finding",
@@ -48,6 +56,8 @@ __all__ = [
     "build_files",
     "decode_anchor_page",
     "decode_residual_page",
+    "index_span",
+    "parse_section_index",
     "parse_anchor_header",
     "parse_residual_header",
     "read_anchor_header",

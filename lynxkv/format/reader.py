@@ -3,9 +3,12 @@
 The reading steps are public and separate so that a transport (fsspec, TCP, an emulated link) can drive them
 with its own byte-range reads:
 
-1. :func:`read_anchor_header` / :func:`layout.parse_anchor_header` -- the header from its bytes;
-2. :func:`read_anchor_index` / :func:`read_residual_section` -- where the pages are (a :class:`SectionIndex`
-   with absolute byte spans per (layer, page), in streaming order);
+1. the header from its bytes: :func:`layout.anchor_header_length` on the first ``PREFIX_SIZE`` bytes, then
+   :func:`layout.parse_anchor_header` on ``header_length`` bytes (or :func:`read_anchor_header` on a source);
+2. where the pages are: :func:`index_span` says where a section's page index lies, :func:`parse_section_index`
+   checks it and returns a :class:`SectionIndex` with absolute byte spans per (layer, page) in streaming order
+   (or :func:`read_anchor_index` / :func:`read_residual_section` on a source; a residual section starts with
+   its header, :func:`layout.parse_residual_header` + :func:`layout.check_residual_matches`);
 3. :func:`decode_anchor_page` / :func:`decode_residual_page` -- one page record from its stored bytes,
    checking its CRC-32 first.
 
@@ -31,7 +34,6 @@ from lynxkv.format.layout import (
     AnchorHeader,
     PageEntry,
     ResidualHeader,
-    SegmentEntry,
     anchor_header_length,
     anchor_record_layout,
     check_residual_matches,
@@ -104,8 +106,9 @@ class FileSource:
 class FileObjSource:
     """A seekable binary file object (e.g. an fsspec file doing HTTP/S3 range requests)."""
 
-    def __init__(self, f, name: str = "<file>", size: int | None = None):
+    def __init__(self, f, name: str = "<file>", size: int | None = None, *, owns: bool = False):
         self._f = f
+        self._owns = owns  # close the file object on close() only if this source opened it
         self.name = name
         self._lock = threading.Lock()
         if size is None:
@@ -118,9 +121,8 @@ class FileObjSource:
             return self._f.read(max(0, min(length, self.size - offset)))
 
     def close(self) -> None:
-        close = getattr(self._f, "close", None)
-        if close:
-            close()
+        if self._owns:
+            self._f.close()
 
 
 def as_source(obj, name: str | None = None):
@@ -134,7 +136,7 @@ def as_source(obj, name: str | None = None):
                 f = fsspec.open(text, "rb").open()
             except Exception as exc:  # fsspec raises backend-specific errors
                 raise InputError(f"{text}: cannot open ({exc})") from None
-            return FileObjSource(f, text)
+            return FileObjSource(f, text, owns=True)
         return FileSource(text[len("file://"):] if text.startswith("file://") else text)
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return BytesSource(obj, name or "<bytes>")
@@ -205,28 +207,56 @@ def read_anchor_header(src, *, exact_size: bool = True) -> AnchorHeader:
     return h
 
 
-def _index(src, h: AnchorHeader, seg: SegmentEntry, base: int, index_at: int, first_page: int,
-           expected_crcs: list[int], name: str) -> SectionIndex:
-    size = seg.page_count * c.PAGE_ENTRY_SIZE
-    if first_page - index_at != size or first_page > seg.length:
+def index_span(h: AnchorHeader, kind: int) -> tuple[int, int]:
+    """(offset of the page index from the start of its section, index size in bytes) for a segment kind."""
+    seg = h.segment(kind)
+    if seg is None:
+        raise FormatError(f"`segments`: this cache has no {c.SEGMENT_KINDS.get(kind, kind)} segment",
+                          field="segments", where="anchor")
+    lead = c.RESIDUAL_HEADER_SIZE if kind == c.SEGMENT_RESIDUAL else 0
+    return lead, seg.page_count * c.PAGE_ENTRY_SIZE
+
+
+def parse_section_index(buf, h: AnchorHeader, kind: int, *, base: int,
+                        residual_header: ResidualHeader | None = None) -> SectionIndex:
+    """Check and parse a section's page index from its bytes (``index_span`` says where they are); ``base``
+    is the section's absolute offset in its source, kept so that :meth:`SectionIndex.span` is absolute."""
+    seg = h.segment(kind)
+    name = c.SEGMENT_KINDS.get(kind, f"segment{kind}")
+    index_at, size = index_span(h, kind)
+    first_page = index_at + size
+    if first_page > seg.length:
         raise FormatError(f"`{name}.length`: expected >= {first_page} bytes for the header and the index of "
                           f"{seg.page_count} pages, got {seg.length}", field=f"{name}.length", where=name)
-    buf = _read_exact(src, base + index_at, size, f"{name}.index", name)
+    if len(buf) != size:
+        raise FormatError(f"`{name}.index` at {name} byte {base + index_at}: expected {size} bytes, got {len(buf)}",
+                          field=f"{name}.index", where=name)
     got = crc32(buf)
-    for want in expected_crcs:
+    wants = [seg.index_crc32] + ([residual_header.index_crc32] if residual_header is not None else [])
+    for want in wants:
         if got != want:
             raise ChecksumError(f"`{name}.index_crc32` of the {name} page index at byte {base + index_at}: expected "
                                 f"{want:#010x}, got {got:#010x}", field=f"{name}.index_crc32", where=f"{name} index")
     entries = parse_index(buf, seg.page_count, first_offset=first_page, section_length=seg.length,
-                          raw_lengths=raw_lengths(h, seg.kind), segment=name,
+                          raw_lengths=raw_lengths(h, kind), segment=name,
                           pages_per_layer=max(h.pages_per_layer, 1), index_at=base + index_at)
-    return SectionIndex(seg.kind, base, tuple(entries), h.pages_per_layer)
+    return SectionIndex(kind, base, tuple(entries), h.pages_per_layer)
+
+
+def _index(src, h: AnchorHeader, kind: int, base: int, residual_header: ResidualHeader | None = None) -> SectionIndex:
+    index_at, size = index_span(h, kind)
+    seg = h.segment(kind)
+    name = c.SEGMENT_KINDS[kind]
+    if index_at + size > seg.length:
+        raise FormatError(f"`{name}.length`: expected >= {index_at + size} bytes for the header and the index of "
+                          f"{seg.page_count} pages, got {seg.length}", field=f"{name}.length", where=name)
+    buf = _read_exact(src, base + index_at, size, f"{name}.index", name)
+    return parse_section_index(buf, h, kind, base=base, residual_header=residual_header)
 
 
 def read_anchor_index(src, h: AnchorHeader) -> SectionIndex:
     """The anchor page index (checked against the segment table's index CRC and the section length)."""
-    seg = h.segments[0]
-    return _index(src, h, seg, seg.offset, 0, seg.page_count * c.PAGE_ENTRY_SIZE, [seg.index_crc32], "anchor")
+    return _index(src, h, c.SEGMENT_ANCHOR, h.segments[0].offset)
 
 
 def read_residual_section(src, h: AnchorHeader, *, base: int | None = None) -> tuple[ResidualHeader, SectionIndex]:
@@ -254,9 +284,7 @@ def read_residual_section(src, h: AnchorHeader, *, base: int | None = None) -> t
     head = _read_exact(src, base, c.RESIDUAL_HEADER_SIZE, "residual.header", "residual")
     rh = parse_residual_header(head, seg.length)
     check_residual_matches(h, rh)
-    index = _index(src, h, seg, base, c.RESIDUAL_HEADER_SIZE,
-                   c.RESIDUAL_HEADER_SIZE + seg.page_count * c.PAGE_ENTRY_SIZE,
-                   [seg.index_crc32, rh.index_crc32], "residual")
+    index = _index(src, h, c.SEGMENT_RESIDUAL, base, rh)
     return rh, index
 
 

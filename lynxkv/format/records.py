@@ -146,3 +146,34 @@ def decode_residual_record(raw, lay: RecordLayout, scheme: Scheme, kv_heads: int
     k = _codes(raw, 0, lay.codes_size, scheme.residual_bits, shape, where, "key_residual")
     v = _codes(raw, lay.codes_size, lay.codes_size, scheme.residual_bits, shape, where, "value_residual")
     return ResidualPage(k, v)
+
+
+def stack_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int, *,
+                  anchor: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Decode consecutive raw records of equal length (the full pages of one layer) in one vectorised pass.
+
+    Returns (metadata ``[4, H, pages·nc, D]`` -- K offsets, K scales, V offsets, V scales -- or None for residual
+    records, codes ``[2, H, pages·n, D]`` -- K, V), i.e. the pages concatenated along the token axis. Needs
+    ``H·n·D·bits`` to be a multiple of 8, so that the code streams of consecutive records join into one stream
+    without padding bits in between; :func:`stackable` says whether that holds.
+    """
+    pages, n, H, D = len(raws), lay.tokens, kv_heads, head_dim
+    buf = np.frombuffer(bytearray(b"".join(raws)), dtype=np.uint8).reshape(pages, lay.raw_length)
+    meta = None
+    start = 0
+    if anchor:
+        nc = -(-n // scheme.chunk)
+        start = 4 * lay.meta_size
+        m = np.ascontiguousarray(buf[:, :start]).view(_META_NP[scheme.meta_dtype])
+        m = m.astype(_META_NP[scheme.meta_dtype].newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
+        meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
+        meta = meta.to(META_TORCH_DTYPE[scheme.meta_dtype])
+    bits = scheme.anchor_bits if anchor else scheme.residual_bits
+    stream = torch.from_numpy(np.ascontiguousarray(buf[:, start:start + 2 * lay.codes_size]).reshape(-1))
+    codes = unpack_bits(stream, bits, pages * 2 * H * n * D).view(pages, 2, H, n, D)
+    return meta, codes.permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
+
+
+def stackable(lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int, *, anchor: bool) -> bool:
+    bits = scheme.anchor_bits if anchor else scheme.residual_bits
+    return kv_heads * lay.tokens * head_dim * bits % 8 == 0

@@ -57,7 +57,8 @@ def _pages(src, index, h, decode, segment: str) -> list[Finding]:
 
 def verify_cache(anchor_src, open_residual: Callable[[], object] | None) -> list[Finding]:
     """All findings for the anchor file in ``anchor_src`` and its residual (``open_residual()`` returns the
-    residual's byte source, or raises a LynxError when it cannot be reached; ``None`` skips the residual)."""
+    residual's byte source, or raises a LynxError when it cannot be reached; ``None`` skips an external
+    residual; an inline residual is always checked)."""
     found: list[Finding] = []
     try:
         h = read_anchor_header(anchor_src, exact_size=False)
@@ -76,7 +77,7 @@ def verify_cache(anchor_src, open_residual: Callable[[], object] | None) -> list
         found += _pages(anchor_src, index, h, decode_anchor_page, "anchor")
 
     seg = h.segment(c.SEGMENT_RESIDUAL)
-    if seg is None or open_residual is None:
+    if seg is None or (seg.placement == c.PLACEMENT_EXTERNAL and open_residual is None):
         return found
     try:
         rsrc = anchor_src if seg.placement == c.PLACEMENT_INLINE else open_residual()

@@ -1,0 +1,114 @@
+"""`lynxkv encode / decode / inspect / verify` through the real entry point (exit codes, stdout JSON)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lynxkv.cli import main
+
+
+def _dump(path, *, style="layers", batched=False, dtype=torch.bfloat16, layers=3, h=2, t=300, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for kind in ("key", "value"):
+            x = torch.randn((h, t, d), generator=g) * (1 + i)
+            tensors[f"{style}.{i}.{kind}"] = (x.unsqueeze(0) if batched else x).to(dtype)
+    save_file(tensors, path)
+    return tensors
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("style, batched", [("layers", False), ("past_key_values", True)])
+def test_encode_decode_keeps_names_shapes_and_dtype(tmp_path, capsys, style, batched):
+    src = tmp_path / "kv.safetensors"
+    original = _dump(src, style=style, batched=batched)
+    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx")[0] == 0
+    assert (tmp_path / "c.lynxr").exists()
+    assert run(capsys, "decode", tmp_path / "c.lynx", "-o", tmp_path / "back.safetensors")[0] == 0
+    with safe_open(tmp_path / "back.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(original)
+        for name, x in original.items():
+            y = f.get_tensor(name)
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert float((y.float() - x.float()).abs().max()) < 0.05 * float(x.float().abs().max())
+
+
+def test_inspect_json_has_stable_keys(tmp_path, capsys):
+    src = tmp_path / "kv.safetensors"
+    _dump(src)
+    run(capsys, "encode", src, "-o", tmp_path / "c.lynx", "--chunk", "16", "--page", "64")
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json")
+    d = json.loads(out)
+    assert code == 0
+    assert (d["tokens"], d["layers"], d["kv_heads"], d["head_dim"]) == (300, 3, 2, 8)
+    assert d["scheme"]["chunk"] == 16 and d["scheme"]["page"] == 64
+    assert 8 < d["bits_per_element"]["total"] < 11 and 4 < d["bits_per_element"]["anchor"] < 7
+    assert d["residual_reachable"] is True
+    assert "prompt_token_ids" not in d  # a dump carries none
+
+
+def test_verify_reports_corruption_with_page_and_exit_code(tmp_path, capsys):
+    src = tmp_path / "kv.safetensors"
+    _dump(src)
+    run(capsys, "encode", src, "-o", tmp_path / "c.lynx")
+    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src)
+    d = json.loads(out)
+    assert code == 0 and d["ok"] is True and d["findings"] == []
+    mean = d["vnmse"]["mean"]
+    assert mean["key_full"] < mean["key_anchor"] < 0.02
+
+    residual = tmp_path / "c.lynxr"
+    data = bytearray(residual.read_bytes())
+    data[-10] ^= 0x01  # a payload byte of the last residual page
+    residual.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json")
+    d = json.loads(out)
+    assert code == 1 and d["ok"] is False
+    assert d["findings"][0]["segment"] == "residual" and d["findings"][0]["page"] is not None
+
+
+def test_existing_output_is_never_overwritten(tmp_path, capsys):
+    src = tmp_path / "kv.safetensors"
+    _dump(src)
+    out = tmp_path / "c.lynx"
+    out.write_bytes(b"precious")
+    code, _, err = run(capsys, "encode", src, "-o", out)
+    assert code == 1 and "already exists" in err and out.read_bytes() == b"precious"
+    assert not (tmp_path / "c.lynxr").exists()
+    assert run(capsys, "encode", src, "-o", out, "--force")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["encode", "missing.safetensors", "-o", "x.lynx"], 1, "no such file"),
+        (["encode", "-o", "x.lynx"], 1, "either a KV dump file or --model"),
+        (["encode", "{src}", "-o", "x.lynx", "--chunk", "24"], 1, "chunk"),
+        (["encode", "{src}", "-o", "x.lynx", "--scheme", "nope"], 1, "unknown preset"),
+        (["decode", "{src}", "-o", "y.safetensors"], 1, "magic"),
+        (["decode", "x.lynx", "-o", "y.safetensors", "--dtype", "int3"], 1, "--dtype"),
+        (["encode", "--bogus"], 2, "No such option"),
+    ],
+    ids=["missing-input", "no-input", "bad-chunk", "bad-scheme", "not-a-lynx-file", "bad-dtype", "bad-flag"],
+)
+def test_bad_input_is_one_clear_error(tmp_path, capsys, monkeypatch, argv, code, message):
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "kv.safetensors"
+    _dump(src, layers=1, t=40)
+    got, out, err = run(capsys, *[a.replace("{src}", str(src)) for a in argv])
+    assert got == code
+    assert message in err
+    assert "Traceback" not in err and out == ""
+    if code == 1:
+        assert len(err.strip().splitlines()) <= 2  # one line (rich may wrap a long one)

@@ -1,0 +1,86 @@
+"""The hex examples of spec/FORMAT.md: the writer produces exactly the valid ones and the reader accepts them;
+the reader rejects each labelled-invalid one with the field the spec states."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lynxkv.cache import encode_kv, open_cache
+from lynxkv.errors import FormatError
+from lynxkv.format.writer import build_files
+from lynxkv.quant import dequantize, quantize
+from lynxkv.scheme import Scheme
+
+SPEC = Path(__file__).resolve().parents[1] / "spec" / "FORMAT.md"
+BLOCK = re.compile(r"```hex ([^\n]*)\n(.*?)```", re.S)
+
+# The example cache as spec/FORMAT.md §11 describes it.
+SCHEME = Scheme(chunk=2, page=2)
+K = torch.tensor([[[0.0, 1.0], [0.5, -1.0], [2.0, 3.0]]])
+V = torch.tensor([[[1.0, 1.0], [1.0, 1.0], [-0.25, 0.75]]])
+
+
+def hex_blocks() -> list[tuple[dict, bytes]]:
+    blocks = []
+    for info, body in BLOCK.findall(SPEC.read_text(encoding="utf-8")):
+        attrs = dict(item.split("=", 1) for item in info.split())
+        hexdigits = "".join(line.split(":", 1)[1] for line in body.strip().splitlines())
+        blocks.append((attrs, bytes.fromhex(hexdigits)))
+    return blocks
+
+
+def example(name: str) -> bytes:
+    return next(data for attrs, data in hex_blocks() if attrs.get("example") == name)
+
+
+def built():
+    enc = encode_kv([(K, V)], SCHEME, prompt_token_ids=[1, 2, 3])
+    return build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr")
+
+
+def test_spec_has_the_examples():
+    kinds = [attrs.get("example") or attrs.get("invalid") for attrs, _ in hex_blocks()]
+    assert kinds.count("anchor") >= 2 and kinds.count("residual") >= 2
+    assert zlib.crc32(b"123456789") == 0xCBF43926  # the CRC the spec names
+
+
+def test_writer_produces_exactly_the_spec_bytes():
+    b = built()
+    assert b.anchor == example("anchor"), "anchor file differs from spec/FORMAT.md §11"
+    assert b.residual == example("residual"), "residual file differs from spec/FORMAT.md §11"
+
+
+def test_reader_accepts_the_valid_examples(tmp_path):
+    (tmp_path / "example.lynx").write_bytes(example("anchor"))
+    (tmp_path / "example.lynxr").write_bytes(example("residual"))
+    with open_cache(tmp_path / "example.lynx") as cache:
+        assert cache.verify() == []
+        info = cache.info
+        assert (info.layers, info.kv_heads, info.tokens, info.head_dim, info.pages_per_layer) == (1, 1, 3, 2, 2)
+        assert info.prompt_token_ids == [1, 2, 3] and info.cache_id == bytes(range(16)).hex()
+        assert info.residual_location == "example.lynxr" and info.scheme == SCHEME
+        (k, v), = cache.load_kv()
+        assert torch.equal(k, dequantize(quantize(K, SCHEME), SCHEME))
+        assert torch.equal(v, V)  # constant and one-token chunks decode to their offsets exactly
+        (ka, va), = cache.load_kv(anchor_only=True)
+        assert torch.equal(ka, K) and torch.equal(va, V)  # the anchor levels hit the chunk extremes here
+
+
+INVALID = [(attrs, data) for attrs, data in hex_blocks() if "invalid" in attrs]
+
+
+@pytest.mark.parametrize("attrs,data", INVALID, ids=[f"{a['invalid']}-{a['field']}" for a, _ in INVALID])
+def test_reader_rejects_the_invalid_examples(attrs, data):
+    with pytest.raises(FormatError) as info:
+        if attrs["invalid"] == "anchor":
+            with open_cache(data) as cache:
+                cache.load_kv()
+        else:
+            with open_cache(example("anchor"), residual=data) as cache:
+                cache.load_kv()
+    assert info.value.field == attrs["field"], str(info.value)
