@@ -162,6 +162,9 @@ def serve(
     dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of the anchor connection (EF, AF41, 46)."),
     dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of the residual connection (CS1)."),
     once: bool = typer.Option(False, "--once", help="Exit after the cache has been sent completely once."),
+    app_priority: bool = typer.Option(True, "--app-priority/--no-app-priority", help="Hold the residual until "
+                                      "the anchor is sent (default), or send both at once and leave the order to "
+                                      "the network's DSCP classes."),
 ) -> None:
     """Serve a cache over TCP: the anchor and the residual on separate connections, anchor first."""
     from lynxkv.format import constants as c
@@ -181,9 +184,10 @@ def serve(
     bw = parse_bandwidth(bandwidth)
     server = CacheServer(SegmentFile(name, anchor), res_file, host=host, port=port, bandwidth=bw,
                          latency=parse_duration(latency), dscp_anchor=parse_dscp(dscp_anchor),
-                         dscp_residual=parse_dscp(dscp_residual),
+                         dscp_residual=parse_dscp(dscp_residual), app_priority=app_priority,
                          log=lambda msg: err.print(msg, highlight=False))
-    err.print(f"serving {cache} on tcp://{server.host}:{server.port} (rate {format_rate(bw)})", highlight=False)
+    err.print(f"serving {cache} on tcp://{server.host}:{server.port} (rate {format_rate(bw)})", highlight=False,
+              soft_wrap=True)
     try:
         done = (lambda: server.stats.completed["anchor"] >= 1 and
                 (res_file is None or server.stats.completed["residual"] >= 1)) if once else None

@@ -24,11 +24,14 @@ frame is a :class:`ProtocolError` (a LynxError): the receiver never writes a par
 
 Priority. The server sends both connections through ONE :class:`EmulatedLink` (optionally rate-limited): while the
 anchor connection has bytes left, the residual connection waits (strict priority); the anchor socket can carry a
-higher DSCP class (IP_TOS) than the residual so that routers on a real, shared link keep the same order.
+higher DSCP class (IP_TOS) than the residual so that routers on a real, shared link keep the same order. With
+``app_priority=False`` both connections send at once and only the network's DSCP classes order them (see
+tests/test_stream_netns.py: a veth link shaped by tc with an HTB class per DSCP class).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -162,8 +165,9 @@ class CacheServer:
     def __init__(self, anchor: SegmentFile, residual: SegmentFile | None, *, host: str = "127.0.0.1",
                  port: int = 0, bandwidth: float | None = None, latency: float = 0.0,
                  dscp_anchor: int | None = None, dscp_residual: int | None = None,
-                 log: Callable[[str], None] | None = None, block: int = BLOCK):
+                 log: Callable[[str], None] | None = None, block: int = BLOCK, app_priority: bool = True):
         self.block = block
+        self.app_priority = app_priority
         self.segments = {"anchor": anchor, "residual": residual}
         self.manifest = encode_frame(MANIFEST, json.dumps(
             {"anchor": anchor.describe(), "residual": residual.describe() if residual else None}).encode())
@@ -244,12 +248,15 @@ class CacheServer:
             try:
                 conn.sendall(self.manifest)
                 view = memoryview(seg.data)
-                with self.link.hold(stream):  # the anchor holds the link until its last byte is out
+                # The anchor holds the link until its last byte is out. Without application priority both
+                # connections send at once and the network's DSCP classes alone decide who goes first.
+                with self.link.hold(stream) if self.app_priority else contextlib.nullcontext():
                     for a in range(offset, len(seg.data), self.block):
                         if self._stop.is_set():
                             return
                         block = view[a:a + self.block]
-                        self.link.send(stream, len(block))
+                        if self.app_priority or self.link.bandwidth is not None:
+                            self.link.send(stream if self.app_priority else ANCHOR, len(block))
                         conn.sendall(encode_frame(DATA, bytes(block)))
                         record["bytes"] += len(block)
                 conn.sendall(encode_frame(END, json.dumps(
