@@ -253,3 +253,19 @@ def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_di
             except LynxError:
                 continue
             assert kv_equal(full, ref_full)
+
+
+def test_residual_eta_under_a_link(cache_dir):
+    """Right after the anchor, the ETA is about the residual's bytes over the link rate (the runner sizes its
+    speculation window with it)."""
+    _, path, anchor, residual, (ref_anchor, ref_full) = cache_dir
+    rate = 2e6  # bytes/s: the residual takes about 30 ms
+    with open_progressive(path, bandwidth=rate) as load:
+        assert kv_equal(load.wait_anchor(30), ref_anchor)
+        eta = load.residual_eta()
+        t0 = time.perf_counter()
+        assert kv_equal(load.residual.result(30), ref_full)
+        took = time.perf_counter() - t0
+        assert load.residual_eta() == 0.0
+    assert eta is not None and 0 < eta <= len(residual) / rate + 0.01
+    assert took == pytest.approx(eta, abs=0.05)

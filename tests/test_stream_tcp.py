@@ -201,7 +201,7 @@ def _fake_server(reply: bytes):
         c, _ = sock.accept()
         c.recv(4096)
         c.sendall(reply)
-        time.sleep(0.2)
+        time.sleep(0.05)
         c.close()
         sock.close()
 
@@ -254,3 +254,35 @@ def test_one_gbps_over_tcp_rate_limited_server(tmp_path):
         rep = srv.link.report()
     assert tl.anchor_ready_s <= 0.6 * tl.residual_ready_s
     assert rep["total"]["rate"] == pytest.approx(125e6, rel=0.10)
+
+
+def test_random_bytes_from_a_server_only_raise_lynx_errors():
+    """Fuzz the client's frame parser: whatever a server sends, the client raises a LynxError (never another
+    exception, never a hang, never an allocation of what a length field merely claims)."""
+    import random
+
+    rng = random.Random(11)
+    good = encode_frame(2, json.dumps({"anchor": {"name": "x", "size": 64, "crc32": 0}, "residual": None}).encode())
+    good += encode_frame(DATA, bytes(64))
+    for _ in range(25):
+        reply = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            reply[rng.randrange(len(reply))] = rng.randrange(256)
+        reply = bytes(reply[: rng.randint(0, len(reply))])
+        port = _fake_server(reply)
+        with pytest.raises(LynxError):
+            list(TcpSource(f"tcp://127.0.0.1:{port}", "anchor", attempts=1, timeout=2))
+
+
+def test_close_leaves_no_worker_threads(cache):
+    _, anchor, residual, _, _ = cache
+    before = {t.ident for t in threading.enumerate()}
+    with _server(anchor, residual, bandwidth=1e6) as srv:  # slow: close() arrives mid-transfer
+        load = open_progressive(f"tcp://127.0.0.1:{srv.port}")
+        time.sleep(0.05)
+        load.close()
+        with pytest.raises(LynxError):
+            load.residual.result(5)
+    time.sleep(0.3)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("lynxkv")]
+    assert left == []

@@ -103,7 +103,7 @@ def stream(
         with _progress() as bars:
             ta = bars.add_task("anchor", total=None)
             tr = bars.add_task("residual", total=None)
-            while not load.residual.done() and not (load.anchor_only and load._anchor_done.is_set()):
+            while not load.residual.done():
                 a_total, r_total = load.sizes
                 bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
                 bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
@@ -112,6 +112,8 @@ def stream(
             bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
             bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
         failure = load.residual.exception()
+        if load.anchor_error is not None:
+            raise load.anchor_error
         if failure is not None and not allow_anchor_only:
             raise failure
         report = transfer_report(load, source=source)

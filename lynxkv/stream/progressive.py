@@ -28,9 +28,11 @@ measured rates, and retry counts.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -55,6 +57,17 @@ from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
 from lynxkv.stream.sources import Fetch, RangeSource, RetryPolicy
 from lynxkv.stream.tiers import resolve_location, segment_size
 from lynxkv.stream.units import parse_bandwidth, parse_duration
+
+_LIVE: "weakref.WeakSet[ProgressiveLoad]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loads() -> None:
+    """Join the workers of loads still open at exit: a daemon thread torn down inside torch code at interpreter
+    shutdown aborts the process ("terminate called without an active exception")."""
+    for load in list(_LIVE):
+        load.close()
+
 
 EVENT_KINDS = ("anchor_page", "anchor_ready", "residual_page", "residual_ready", "residual_failed", "error")
 
@@ -132,6 +145,7 @@ class ProgressiveLoad:
                              name="lynxkv-residual"),
             threading.Thread(target=self._consumer, daemon=True, name="lynxkv-consumer"),
         ]
+        _LIVE.add(self)
         for t in self._threads:
             t.start()
 
@@ -153,6 +167,11 @@ class ProgressiveLoad:
     def sizes(self) -> tuple[int | None, int | None]:
         """(anchor bytes, residual bytes) to transfer, as far as known yet (None until known)."""
         return (self._anchor_size or None), self._residual_bytes_total
+
+    @property
+    def anchor_error(self) -> BaseException | None:
+        """The error that made the anchor unusable (None while it is fine)."""
+        return self._anchor_error
 
     @property
     def anchor_only(self) -> bool:
