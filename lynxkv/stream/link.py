@@ -49,8 +49,9 @@ class EmulatedLink:
         self.bandwidth = bandwidth
         self.latency = latency
         self.quantum = quantum
-        # 2 ms of link time: enough to forgive a late wake-up, too little to distort a measured rate.
-        self.burst = burst if burst is not None else int((bandwidth or 0) * 0.002)
+        # 5 ms of link time: enough to forgive a late wake-up on a busy machine, too little to distort a rate
+        # measured over a transfer of a few hundred milliseconds.
+        self.burst = burst if burst is not None else int((bandwidth or 0) * 0.005)
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._waiting = [0, 0]  # blocks waiting for a grant, per stream
