@@ -96,10 +96,11 @@ def main(argv: list[str]) -> None:
     print(f"{'scheme':8} {'file':22} {'raw':>10} {'--zstd':>10} {'ratio':>6} {'bits/el raw':>11} {'bits/el zstd':>12}")
     elements = 2 * len(kv) * kv[0][0].numel()
     for name, (raw, z) in files.items():
-        ra, za = raw.header.header_length + raw.header.segments[0].length, z.header.header_length + z.header.segments[0].length
+        ra, za = (f.header.header_length + f.header.segments[0].length for f in (raw, z))
         rr, zr = len(raw.anchor) - ra, len(z.anchor) - za
         for what, x, y in (("anchor (header+pages)", ra, za), ("residual", rr, zr), ("total", ra + rr, za + zr)):
-            print(f"{name:8} {what:22} {x:>10} {y:>10} {x / y:>6.3f} {8 * x / elements:>11.3f} {8 * y / elements:>12.3f}")
+            print(f"{name:8} {what:22} {x:>10} {y:>10} {x / y:>6.3f} {8 * x / elements:>11.3f} "
+                  f"{8 * y / elements:>12.3f}")
 
     big = [(torch.randn(3, decode_tokens, 64), torch.randn(3, decode_tokens, 64)) for _ in range(30)]
     built = build_files(encode_kv(big), single_file=True)
