@@ -175,7 +175,8 @@ class SectionIndex:
         return c.SEGMENT_KINDS.get(self.kind, f"segment{self.kind}")
 
     def entry(self, layer: int, page: int) -> PageEntry:
-        if not (0 <= page < self.pages_per_layer) or not (0 <= layer < len(self.entries) // max(self.pages_per_layer, 1)):
+        layers = len(self.entries) // max(self.pages_per_layer, 1)
+        if not (0 <= page < self.pages_per_layer and 0 <= layer < layers):
             raise InputError(f"{self.name} page (layer {layer}, page {page}) does not exist")
         return self.entries[layer * self.pages_per_layer + page]
 
