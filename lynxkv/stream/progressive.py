@@ -94,7 +94,8 @@ class ProgressiveLoad:
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
                  retry: RetryPolicy | None = None, dtype: torch.dtype = torch.float32,
                  fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
-                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None):
+                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None,
+                 dequantize_fn: Callable[..., torch.Tensor] | None = None):
         self.source = source
         self.residual_override = residual
         self.link = link
@@ -108,6 +109,7 @@ class ProgressiveLoad:
         self.is_tcp = source.startswith("tcp://")
         self.decode = decode
         self.tee = tee
+        self.dequantize_fn = dequantize_fn or dequantize
 
         self.header = None
         self.prompt_token_ids: list[int] | None = None
@@ -578,7 +580,7 @@ class ProgressiveLoad:
                 offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D]
                 scale=getattr(arec, f"{which}_scale"),
             )
-            out[i][:, t0:t0 + n] = dequantize(enc, s, anchor_only=rrec is None, dtype=self.dtype)
+            out[i][:, t0:t0 + n] = self.dequantize_fn(enc, s, anchor_only=rrec is None, dtype=self.dtype)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
@@ -587,7 +589,8 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      block_size: int = 1 << 20, retry: RetryPolicy | None = None,
                      dtype: torch.dtype = torch.float32, link: EmulatedLink | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
-                     tee: Callable[[str, int, bytes], None] | None = None) -> ProgressiveLoad:
+                     tee: Callable[[str, int, bytes], None] | None = None,
+                     dequantize_fn: Callable[..., torch.Tensor] | None = None) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
@@ -598,7 +601,9 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     ``fetch_hook(segment, fetch) -> fetch`` wraps the byte-range reads of a segment (instrumentation, fault
     injection). ``decode=False`` moves and verifies the bytes only (``wait_anchor`` and ``residual`` then give
     ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
-    order (to save a copy; commit it only once the load has verified every page)."""
+    order (to save a copy; commit it only once the load has verified every page). ``dequantize_fn(enc, scheme,
+    anchor_only=, dtype=)`` replaces the reference dequantizer (e.g. a faster CPU path); the default gives
+    exactly what ``open_cache(...).load_kv()`` gives."""
     if not isinstance(source, str) or not source:
         raise InputError(f"cache source: expected a path or URL, got {source!r}")
     if link is None and (bandwidth is not None or latency is not None):
@@ -606,4 +611,4 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
-                           fetch_hook=fetch_hook, decode=decode, tee=tee)
+                           fetch_hook=fetch_hook, decode=decode, tee=tee, dequantize_fn=dequantize_fn)
