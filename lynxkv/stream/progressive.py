@@ -22,7 +22,8 @@ loss is flagged (``timeline.residual_failed``, ``anchor_only`` property, a ``res
 caller decides what to do with explicitly lossy anchor-only KV.
 
 Timeline. ``anchor_ready_s``/``residual_ready_s`` are the times the dequantized KV is ready; ``extra`` holds the
-times the last verified byte of each segment arrived (``anchor_arrived_s``, ``residual_arrived_s``), the link's
+times the first byte and the last verified byte of each segment arrived (``anchor_first_s``, ``anchor_arrived_s``,
+``residual_first_s``, ``residual_arrived_s``), the link's
 measured rates, and retry counts.
 """
 
@@ -125,7 +126,8 @@ class ProgressiveLoad:
 
         self._t0 = time.perf_counter()
         self._timeline = LoadTimeline()
-        self._timeline.extra.update(anchor_arrived_s=None, residual_arrived_s=None, retries=[])
+        self._timeline.extra.update(anchor_first_s=None, anchor_arrived_s=None, residual_first_s=None,
+                                    residual_arrived_s=None, retries=[])
         self._events: list[LoadEvent] = []
         self._events_cond = threading.Condition()
         self._finished = False  # no more events will come
@@ -298,6 +300,8 @@ class ProgressiveLoad:
                         lag = delivered - time.perf_counter()
                         if lag > 0:
                             time.sleep(lag)
+                    if self._timeline.extra.get(f"{name}_first_s") is None:
+                        self._timeline.extra[f"{name}_first_s"] = self._now()
                     if self.tee is not None:
                         self.tee(name, offset, data)
                     buf.feed(offset, data)

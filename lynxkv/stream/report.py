@@ -44,10 +44,11 @@ def transfer_report(load, *, source: str) -> dict:
         total_rate = link["total"]["rate"]
         latency = link["latency_s"]
     else:
-        out["anchor_rate"] = _rate(tl.anchor_bytes, 0.0, tl.extra.get("anchor_arrived_s"))
-        out["residual_rate"] = None
-        end = tl.extra.get("residual_arrived_s") or tl.extra.get("anchor_arrived_s")
-        total_rate = _rate(tl.anchor_bytes + tl.residual_bytes, 0.0, end)
+        ex = tl.extra
+        out["anchor_rate"] = _rate(tl.anchor_bytes, ex.get("anchor_first_s"), ex.get("anchor_arrived_s"))
+        out["residual_rate"] = _rate(tl.residual_bytes, ex.get("residual_first_s"), ex.get("residual_arrived_s"))
+        end = ex.get("residual_arrived_s") or ex.get("anchor_arrived_s")
+        total_rate = _rate(tl.anchor_bytes + tl.residual_bytes, ex.get("anchor_first_s"), end)
         latency = 0.0
     out["total_rate"] = total_rate
     if h is not None:
