@@ -141,6 +141,23 @@ def _json(payload: bytes, what: str) -> dict:
     return obj
 
 
+def check_manifest(m: dict) -> dict:
+    """A MANIFEST must describe an anchor and, optionally, a residual with a name, a size and a CRC-32."""
+    for key in ("anchor", "residual"):
+        d = m.get(key)
+        if d is None and key == "residual":
+            continue
+        if not isinstance(d, dict):
+            raise ProtocolError(f"MANIFEST frame: `{key}` must be an object")
+        if not isinstance(d.get("name"), str):
+            raise ProtocolError(f"MANIFEST frame: `{key}.name` must be a string")
+        for field_name, cap in (("size", 1 << 48), ("crc32", 1 << 32)):
+            v = d.get(field_name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < cap:
+                raise ProtocolError(f"MANIFEST frame: `{key}.{field_name}` must be an integer in [0, {cap})")
+    return m
+
+
 # ---------------------------------------------------------------------------------------------------- server
 
 
@@ -316,7 +333,7 @@ class TcpSource:
                 raise LynxError(f"server refused the {self.stream} stream: {payload.decode('utf-8', 'replace')}")
             if kind != MANIFEST:
                 raise ProtocolError(f"expected a MANIFEST frame, got type {kind}")
-            manifest = _json(payload, "MANIFEST")
+            manifest = check_manifest(_json(payload, "MANIFEST"))
             if self.manifest is not None and manifest != self.manifest:
                 raise LynxError("the server's cache changed between reconnects")
             self.manifest = manifest
@@ -332,6 +349,7 @@ class TcpSource:
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         got = self.start
+        crc = 0  # running CRC-32 of the bytes received (meaningful when the stream started at byte 0)
         crc_ok = None
         k = 0
         try:
@@ -347,11 +365,11 @@ class TcpSource:
                         if kind == DATA:
                             if got + len(payload) > desc["size"]:
                                 raise ProtocolError(f"{self.stream}: server sent more than {desc['size']} bytes")
+                            crc = zlib.crc32(payload, crc)
                             yield got, payload
                             got += len(payload)
                         elif kind == END:
-                            end = _json(payload, "END")
-                            crc_ok = end
+                            crc_ok = _json(payload, "END")
                             break
                         elif kind == ERROR:
                             raise LynxError(f"server error: {payload.decode('utf-8', 'replace')}")
@@ -372,6 +390,11 @@ class TcpSource:
             self.close()
         if got != crc_ok.get("bytes") or got != desc["size"]:
             raise ProtocolError(f"{self.stream}: END says {crc_ok.get('bytes')} bytes, received {got}")
+        if self.start == 0 and crc != desc["crc32"]:
+            from lynxkv.errors import ChecksumError
+
+            raise ChecksumError(f"{self.stream} segment: CRC-32 {crc:08x} after transfer, the server announced "
+                                f"{desc['crc32']:08x}", field="crc32", where=self.stream)
 
 
 def receive_segments(url: str, *, on_block: Callable[[str, int, int], None] | None = None,
