@@ -133,6 +133,7 @@ class ProgressiveLoad:
         self._finished = False  # no more events will come
         self._header_ready = threading.Event()
         self._anchor_done = threading.Event()
+        self._anchor_fetched = threading.Event()  # every anchor byte is in (set by the anchor's pump)
         self._anchor_kv: KVPairs | None = None
         self._anchor_error: BaseException | None = None
         self._fatal: BaseException | None = None
@@ -314,6 +315,9 @@ class ProgressiveLoad:
                 buf.finish()
             except BaseException as exc:  # noqa: BLE001
                 buf.fail(exc if isinstance(exc, LynxError) else LynxError(f"{buf.name}: {exc}"))
+            finally:
+                if stream == ANCHOR:
+                    self._anchor_fetched.set()
 
         t = threading.Thread(target=run, daemon=True, name=f"lynxkv-pump-{buf.name}")
         t.start()
@@ -325,6 +329,9 @@ class ProgressiveLoad:
         return b"".join(data for _, data in src)
 
     def _range_stream(self, url: str, start: int, end: int, stream: int, name: str, link: bool = True):
+        """Ranged reads of ``[start, end)``; the residual keeps a single request in flight until every anchor
+        byte has been fetched, so on a shared store it does not slow the anchor down (strict priority at the
+        storage too, not only on the link)."""
         fetch = None
         if self.fetch_hook is not None:
             from lynxkv.stream.tiers import read_range
@@ -332,7 +339,8 @@ class ProgressiveLoad:
             fetch = self.fetch_hook(name, lambda a, b: read_range(url, a, b, self.storage_options))
         src = RangeSource(url, start, end, stream=stream, segment=name, link=self.link if link else None, fetch=fetch,
                           block_size=self.block_size, inflight=self.inflight, retry=self.retry,
-                          storage_options=self.storage_options, on_retry=self._on_retry)
+                          storage_options=self.storage_options, on_retry=self._on_retry,
+                          yield_to=(lambda: not self._anchor_fetched.is_set()) if stream == RESIDUAL else None)
         self._closers.append(src.close)
         return src
 

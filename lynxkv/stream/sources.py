@@ -59,7 +59,7 @@ class RangeSource:
     def __init__(self, url: str, start: int, end: int, *, stream: int, segment: str,
                  link: EmulatedLink | None = None, fetch: Fetch | None = None, block_size: int = 1 << 20,
                  inflight: int = 4, retry: RetryPolicy | None = None, storage_options: dict | None = None,
-                 on_retry: Callable[[str], None] | None = None):
+                 on_retry: Callable[[str], None] | None = None, yield_to: Callable[[], bool] | None = None):
         self.url, self.start, self.end = url, start, end
         self.stream, self.segment = stream, segment
         self.link = link
@@ -68,6 +68,7 @@ class RangeSource:
         self.inflight = max(1, inflight)
         self.retry = retry or RetryPolicy()
         self.on_retry = on_retry
+        self.yield_to = yield_to  # while it returns True, keep one request in flight (a higher priority loads)
         self.retries = 0
         self._closed = threading.Event()
 
@@ -127,7 +128,8 @@ class RangeSource:
         try:
             nxt = self.start
             while nxt < self.end or pending:
-                while nxt < self.end and len(pending) < self.inflight:
+                limit = 1 if self.yield_to is not None and self.yield_to() else self.inflight
+                while nxt < self.end and len(pending) < limit:
                     b = min(nxt + self.block_size, self.end)
                     pending.append((nxt, block_pool.submit(self._read_block, fetch_pool, nxt, b)))
                     nxt = b
