@@ -30,7 +30,8 @@ bounded byte source fed by a stream), ``progressive`` (the reader), ``tcp`` (the
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.progressive import LoadEvent, ProgressiveLoad, ResidualUnavailable, open_progressive
 from lynxkv.stream.sources import RetryPolicy
-from lynxkv.stream.tiers import AtomicWriter, copy_segment, read_range, resolve_location, write_bytes_atomic
+from lynxkv.stream.tiermove import move_cache
+from lynxkv.stream.tiers import AtomicWriter, read_range, resolve_location, write_bytes_atomic
 from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
 __all__ = [
@@ -40,8 +41,8 @@ __all__ = [
     "ProgressiveLoad",
     "ResidualUnavailable",
     "RetryPolicy",
-    "copy_segment",
     "format_rate",
+    "move_cache",
     "open_progressive",
     "parse_bandwidth",
     "parse_duration",

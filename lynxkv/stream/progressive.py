@@ -30,6 +30,7 @@ measured rates, and retry counts.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -625,6 +626,10 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     order (to save a copy; commit it only once the load has verified every page). ``dequantize_fn(enc, scheme,
     anchor_only=, dtype=)`` replaces the reference dequantizer (e.g. a faster CPU path); the default gives
     exactly what ``open_cache(...).load_kv()`` gives."""
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if residual is not None and isinstance(residual, os.PathLike):
+        residual = os.fspath(residual)
     if not isinstance(source, str) or not source:
         raise InputError(f"cache source: expected a path or URL, got {source!r}")
     if link is None and (bandwidth is not None or latency is not None):

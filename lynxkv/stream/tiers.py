@@ -182,36 +182,3 @@ class AtomicWriter:
             self.commit()
         else:
             self.abort()
-
-
-def copy_segment(src: str, dst: str, *, block_size: int = 8 << 20, storage_options: dict | None = None,
-                 progress: Callable[[int, int], None] | None = None, check: Callable[[bytes], None] | None = None
-                 ) -> dict:
-    """Copy one segment from ``src`` to ``dst`` atomically and check it on arrival.
-
-    The source is read in ranged blocks (``progress(done, total)`` after each); ``check(data)`` may validate the
-    complete bytes (the page checksums) before anything is published; after the commit the destination is read
-    back and its CRC-32 compared with the source's. Returns ``{"bytes", "crc32"}``."""
-    total = segment_size(src, storage_options)
-    buf = bytearray()
-    done = 0
-    while done < total:
-        block = read_range(src, done, min(total, done + block_size), storage_options)
-        if not block:
-            raise TransientError(f"{src}: object ended at byte {done}, expected {total} bytes")
-        buf += block
-        done += len(block)
-        if progress:
-            progress(done, total)
-    data = bytes(buf)
-    if check is not None:
-        check(data)
-    crc = zlib.crc32(data)
-    write_bytes_atomic(dst, data, storage_options)
-    back = read_all(dst, storage_options)
-    if len(back) != total or zlib.crc32(back) != crc:
-        from lynxkv.errors import ChecksumError
-
-        raise ChecksumError(f"{dst}: copy arrived with {len(back)} bytes and CRC-32 {zlib.crc32(back):08x}, "
-                            f"expected {total} bytes and {crc:08x}", field="segment", where=dst)
-    return {"bytes": total, "crc32": crc}
