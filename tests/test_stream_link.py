@@ -155,3 +155,33 @@ def test_range_source_reports_truncation():
                       block_size=512, retry=RetryPolicy(attempts=2, base=0.01))
     with pytest.raises(FormatError, match="truncated"):
         list(src)
+
+
+def test_stream_buffer_is_bounded_and_ordered():
+    """The feeder waits while more than ``cap`` bytes are held beyond what the reader released, unless the
+    reader is waiting for bytes further on; reads block until their bytes are in."""
+    from lynxkv.errors import FormatError
+    from lynxkv.stream.buffer import StreamBuffer
+
+    buf = StreamBuffer(10_000, "residual", cap=2_000)
+    fed = []
+
+    def feeder():
+        for a in range(0, 10_000, 1_000):
+            buf.feed(a, bytes([a // 1000]) * 1_000)
+            fed.append(a)
+        buf.finish()
+
+    t = threading.Thread(target=feeder, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert len(fed) == 3  # 3 000 bytes held > cap: the feeder waits
+    assert buf.read(500, 1_000) == bytes([0]) * 500 + bytes([1]) * 500
+    buf.release(3_000)
+    assert buf.read(9_500, 500) == bytes([9]) * 500  # a read far ahead lets the feeder through
+    t.join(5)
+    assert len(fed) == 10
+    with pytest.raises(FormatError, match="already released"):
+        buf.read(100, 10)
+    with pytest.raises(FormatError, match="out of order"):
+        StreamBuffer(10, "x").feed(5, b"a")

@@ -13,6 +13,11 @@ runner consumes). Threads and their roles:
   ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or ``residual_failed``), and
   builds the dequantized KV: anchor-only at ``anchor_ready``, full at ``residual_ready``.
 
+Memory. The transport is bounded: each segment's :class:`StreamBuffer` holds at most ``cap`` bytes (16 MiB) beyond
+what its parser has used, ranged reads keep ``inflight x block_size`` bytes in flight, and at most
+``max_pending_pages`` decoded residual pages wait for the consumer. What the load produces is held as it must be:
+the anchor codes of each page until its residual page arrives (to rebuild the full code), and the two KV outputs.
+
 Residual failures. Transient transport errors are retried with backoff inside the pump (see ``sources`` and
 ``tcp``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
 object, a connection that keeps failing. Then ``residual`` fails with that LynxError and
