@@ -88,3 +88,20 @@ def test_tier_copy_keeps_the_source(cache, tmp_path, capsys):
     from lynxkv.cache import verify_file
 
     assert verify_file(dest) == []
+
+
+def test_single_file_cache_copies_from_disk_and_over_tcp(tmp_path, capsys):
+    from lynxkv.stream.tcp import CacheServer, SegmentFile
+
+    anchor, _ = cache_bytes(random_kv(layers=2, heads=2, tokens=300, dim=16), single_file=True)
+    src = write_pair(tmp_path, anchor, None, name="one")
+    disk = tmp_path / "disk" / "one.lynx"
+    assert main(["stream", src, "-o", str(disk)]) == 0
+    assert disk.read_bytes() == anchor
+    capsys.readouterr()
+    with CacheServer(SegmentFile("one.lynx", anchor), None).start() as srv:
+        wire = tmp_path / "wire" / "one.lynx"
+        assert main(["stream", f"tcp://127.0.0.1:{srv.port}", "-o", str(wire), "--json"]) == 0
+    assert wire.read_bytes() == anchor
+    out = json.loads(capsys.readouterr().out)
+    assert out["anchor_bytes"] + out["residual_bytes"] == len(anchor) and out["residual_ready_s"] is not None
