@@ -298,15 +298,18 @@ class ProgressiveLoad:
         """Move ordered blocks into ``buf`` on a thread of its own."""
 
         def run() -> None:
+            first = True
             try:
                 for offset, data in blocks:
                     if self._closed.is_set():
                         return
                     if charge_link and self.link is not None:
-                        delivered = self.link.send(stream, len(data))
-                        lag = delivered - time.perf_counter()
-                        if lag > 0:
-                            time.sleep(lag)
+                        self.link.send(stream, len(data))  # blocks for the serialisation of these bytes
+                        if first and self.link.latency:
+                            # A pipe: the first byte arrives `latency` after it left, and the rest follow at
+                            # the link rate, so a continuous stream pays the latency once, not per block.
+                            time.sleep(self.link.latency)
+                    first = False
                     if self._timeline.extra.get(f"{name}_first_s") is None:
                         self._timeline.extra[f"{name}_first_s"] = self._now()
                     if self.tee is not None:
