@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -269,3 +270,36 @@ def test_residual_eta_under_a_link(cache_dir):
         assert load.residual_eta() == 0.0
     assert eta is not None and 0 < eta <= len(residual) / rate + 0.01
     assert took == pytest.approx(eta, abs=0.05)
+
+
+def test_several_ranged_reads_in_flight_and_residual_waits_its_turn(cache_dir):
+    """Object stores answer several GETs at once: the anchor keeps ``inflight`` reads going; the residual keeps
+    one until every anchor byte is in, then ``inflight`` too."""
+    _, _, anchor, _, (_, ref_full) = cache_dir
+    lock = threading.Lock()
+    live = {"anchor": 0, "residual": 0}
+    peak = {"anchor": 0, "residual": 0, "residual_during_anchor": 0}
+    anchor_done = threading.Event()
+
+    def hook(segment, fetch):
+        def slow(a, b):
+            with lock:
+                live[segment] += 1
+                peak[segment] = max(peak[segment], live[segment])
+                if segment == "residual" and not anchor_done.is_set():
+                    peak["residual_during_anchor"] = max(peak["residual_during_anchor"], live[segment])
+            time.sleep(0.02)  # a store's first-byte latency
+            try:
+                return fetch(a, b)
+            finally:
+                with lock:
+                    live[segment] -= 1
+                    if segment == "anchor" and b == len(anchor):
+                        anchor_done.set()  # the last anchor range is in (the residual opens up after this)
+
+        return slow
+
+    with open_progressive(cache_dir[1], fetch_hook=hook, block_size=4096, inflight=4) as load:
+        assert kv_equal(load.residual.result(60), ref_full)
+    assert peak["anchor"] >= 3 and peak["residual"] >= 3
+    assert peak["residual_during_anchor"] <= 1
