@@ -286,3 +286,14 @@ def test_close_leaves_no_worker_threads(cache):
     time.sleep(0.3)
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("lynxkv")]
     assert left == []
+
+
+def test_progressive_single_file_over_tcp(cache):
+    """A single-file cache arrives whole on the anchor connection; both parsers share that one stream."""
+    *_, ref_anchor, ref_full = cache
+    anchor, _ = cache_bytes(random_kv(layers=2, heads=2, tokens=700, dim=16, seed=5), single_file=True)
+    for _ in range(3):  # the two parsers race on one buffer: run it a few times
+        with _server(anchor, None) as srv:
+            with open_progressive(f"tcp://127.0.0.1:{srv.port}") as load:
+                assert kv_equal(load.wait_anchor(30), ref_anchor)
+                assert kv_equal(load.residual.result(30), ref_full)

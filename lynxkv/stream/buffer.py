@@ -29,6 +29,7 @@ class StreamBuffer:
         self._blocks: deque[tuple[int, bytes]] = deque()
         self._have = base  # end offset of the bytes received
         self._released = base
+        self._marks: dict[str, int] = {}  # per reader: released up to here (a single file has two readers)
         self._want = base
         self._error: BaseException | None = None
         self._finished = False
@@ -48,6 +49,18 @@ class StreamBuffer:
             self._blocks.append((offset, data))
             self._have += len(data)
             self.received += len(data)
+            self._cond.notify_all()
+
+    def register(self, reader: str, at: int) -> None:
+        """Add a reader that will read from ``at`` on (bytes below stay until the others release them)."""
+        with self._cond:
+            self._marks[reader] = at
+
+    def unregister(self, reader: str) -> None:
+        with self._cond:
+            self._marks.pop(reader, None)
+            if self._marks:
+                self._released = max(self._released, min(self._marks.values()))
             self._cond.notify_all()
 
     def finish(self) -> None:
@@ -85,9 +98,12 @@ class StreamBuffer:
                 out += data[max(0, offset - boff):end - boff]
             return bytes(out)
 
-    def release(self, upto: int) -> None:
+    def release(self, upto: int, reader: str = "main") -> None:
+        """``reader`` is done with everything below ``upto``; bytes go once every registered reader is done
+        with them (the anchor and the residual parser share the one stream of a single-file cache)."""
         with self._cond:
-            self._released = max(self._released, upto)
+            self._marks[reader] = max(self._marks.get(reader, self.base), upto)
+            self._released = max(self._released, min(self._marks.values()))
             while self._blocks and self._blocks[0][0] + len(self._blocks[0][1]) <= self._released:
                 self._blocks.popleft()
             self._cond.notify_all()

@@ -413,9 +413,10 @@ class ProgressiveLoad:
             # CRC first (inside both calls): a page that fails it raises here and never gets further.
             rec = (decode_anchor_page(stored, entry, h, layer, page) if self.decode
                    else check_and_decompress(stored, entry, f"anchor layer {layer} page {page}") and None)
-            buf.release(at + entry.stored_length)
+            buf.release(at + entry.stored_length, "anchor")
             self._put(0, ("anchor", layer, page, rec, entry.stored_length))
         self._timeline.extra["anchor_arrived_s"] = self._now()
+        buf.unregister("anchor")
         self._put(0, ("anchor_done",))
 
     # ------------------------------------------------------------------------------------------ residual
@@ -432,6 +433,7 @@ class ProgressiveLoad:
             base = seg.offset
             if self.is_tcp:
                 buf = self._anchor_buf  # the single file arrives whole on the anchor connection
+                buf.register("residual", base)
             else:
                 buf = StreamBuffer(self._source_size, "residual", base=base)
                 self._pump(iter(self._range_stream(self.source, base, base + seg.length, RESIDUAL, "residual")),
@@ -473,7 +475,7 @@ class ProgressiveLoad:
                                   f"{at + len(stored)}", field="page", where=f"residual layer {layer} page {page}")
             rec = (decode_residual_page(stored, entry, h, layer, page) if self.decode
                    else check_and_decompress(stored, entry, f"residual layer {layer} page {page}") and None)
-            buf.release(at + entry.stored_length)
+            buf.release(at + entry.stored_length, "residual")
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
                     return
