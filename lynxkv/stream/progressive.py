@@ -387,6 +387,7 @@ class ProgressiveLoad:
             self._timeline.anchor_bytes += len(head)
             rsrc = self._range_stream(self.source, len(head), end, ANCHOR, "anchor")
             self._pump(iter(rsrc), buf, ANCHOR, charge_link=False, name="anchor")
+        buf.register("anchor", 0)  # before any residual parser can share this buffer (single file over TCP)
         self._buffers.append(buf)
         self._anchor_size = self._source_size = size
         self._anchor_buf = buf
