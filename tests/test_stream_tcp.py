@@ -111,7 +111,8 @@ def test_progressive_load_over_tcp(cache):
 class CuttingProxy:
     """A TCP proxy to ``target`` that resets the first residual connection after ``cut`` bytes."""
 
-    def __init__(self, target_port: int, cut: int):
+    def __init__(self, target_port: int, cut: int, stall: float = 0.0):
+        self.stall = stall  # > 0: go silent for this long instead of resetting
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.target, self.cut = target_port, cut
@@ -145,6 +146,8 @@ class CuttingProxy:
                     break
                 if cut and sent + len(data) > self.cut:
                     client.sendall(data[: self.cut - sent])
+                    if self.stall:
+                        time.sleep(self.stall)  # a stalled connection: open, silent
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     break  # close with RST
                 client.sendall(data)
@@ -157,6 +160,23 @@ class CuttingProxy:
 
     def close(self):
         self.sock.close()
+
+
+def test_stalled_residual_connection_is_abandoned_and_resumed(cache):
+    from lynxkv.stream import RetryPolicy
+
+    _, anchor, residual, _, ref_full = cache
+    with _server(anchor, residual, block=4096) as srv:
+        proxy = CuttingProxy(srv.port, cut=len(residual) // 2, stall=3.0)
+        try:
+            with open_progressive(f"tcp://127.0.0.1:{proxy.port}",
+                                  retry=RetryPolicy(attempts=3, base=0.01, stall_timeout=0.4)) as load:
+                t0 = time.perf_counter()
+                assert kv_equal(load.residual.result(30), ref_full)
+                assert time.perf_counter() - t0 < 2.5  # did not wait for the stall to end
+                assert any("reconnecting at byte" in r for r in load.timeline.extra["retries"])
+        finally:
+            proxy.close()
 
 
 def test_connection_reset_mid_residual_resumes(cache):

@@ -332,6 +332,10 @@ class ProgressiveLoad:
         t.start()
         return t
 
+    def _tcp_retry(self) -> dict:
+        """The retry policy in TcpSource's terms: a silent connection for ``stall_timeout`` is a stall."""
+        return {"attempts": self.retry.attempts, "backoff": self.retry.base, "timeout": self.retry.stall_timeout}
+
     def _fetch_exact(self, a: int, b: int) -> bytes:
         """One small ranged read of the anchor (the header), with the same retries as the block streams."""
         src = self._range_stream(self.source, a, b, ANCHOR, "anchor", link=False)
@@ -358,7 +362,7 @@ class ProgressiveLoad:
         if self.is_tcp:
             from lynxkv.stream.tcp import TcpSource
 
-            tsrc = TcpSource(self.source, "anchor", on_retry=self._on_retry)
+            tsrc = TcpSource(self.source, "anchor", on_retry=self._on_retry, **self._tcp_retry())
             self._closers.append(tsrc.close)
             manifest = tsrc.fetch_manifest()
             self._manifest = manifest
@@ -448,7 +452,7 @@ class ProgressiveLoad:
                 desc = self._manifest.get("residual")
                 if not desc:
                     raise ResidualUnavailable(f"{self.source}: the server offers no residual segment")
-                tsrc = TcpSource(self.source, "residual", on_retry=self._on_retry)
+                tsrc = TcpSource(self.source, "residual", on_retry=self._on_retry, **self._tcp_retry())
                 self._closers.append(tsrc.close)
                 buf = StreamBuffer(int(desc["size"]), "residual")
                 self._pump(iter(tsrc), buf, RESIDUAL, charge_link=True, name="residual")
