@@ -647,8 +647,9 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
         residual = os.fspath(residual)
     if not isinstance(source, str) or not source:
         raise InputError(f"cache source: expected a path or URL, got {source!r}")
-    if link is None and (bandwidth is not None or latency is not None):
-        link = EmulatedLink(parse_bandwidth(bandwidth), parse_duration(latency))
+    rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
+    if link is None and (rate is not None or delay > 0):
+        link = EmulatedLink(rate, delay)
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
