@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from lynxkv.cache import CacheInfo, LynxCache, open_cache, save_cache
+from lynxkv.cache import CacheInfo, LynxCache, encode_kv, open_cache, save_cache
 from lynxkv.errors import InputError
 from lynxkv.inputs import KVPairs, kv_names, load_kv_safetensors
 from lynxkv.scheme import Scheme
@@ -18,8 +18,8 @@ def encode_file(path, output, scheme: Scheme, *, residual=None, single_file=Fals
     kv, naming = load_kv_safetensors(path)
     if naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
         kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv]
-    return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd,
-                      names=kv_names(len(kv), naming))
+    return save_to_tiers(output, kv, scheme, residual=residual, single_file=single_file, zstd=zstd,
+                         names=kv_names(len(kv), naming))
 
 
 def encode_model(model: str | None, output, scheme: Scheme, *, prompt: str | None = None, tokens: int = 1000,
@@ -33,8 +33,24 @@ def encode_model(model: str | None, output, scheme: Scheme, *, prompt: str | Non
     text = prompt if prompt is not None else builtin_prompt(loaded.tokenizer, tokens)
     ids = encode_prompt(loaded, text)
     kv, _ = prefill(loaded.model, ids)
-    return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd,
-                      prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint)
+    return save_to_tiers(output, kv, scheme, residual=residual, single_file=single_file, zstd=zstd,
+                         prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint)
+
+
+def save_to_tiers(output, kv, scheme: Scheme, *, residual: str | None = None, single_file: bool = False,
+                  zstd: bool = False, **meta) -> CacheInfo:
+    """:func:`~lynxkv.cache.save_cache`, except that the residual may go to any fsspec URL (``s3://``,
+    ``memory://`` ...): it is written there first (one atomic PUT), then the anchor, which records the URL."""
+    if residual is None or "://" not in residual:
+        return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd, **meta)
+    from lynxkv.format.writer import build_files, write_atomic
+    from lynxkv.stream.tiers import write_bytes_atomic
+
+    built = build_files(encode_kv(kv, scheme, **meta), residual_location=residual, zstd=zstd)
+    write_bytes_atomic(residual, built.residual)
+    write_atomic(output, built.anchor)
+    with open_cache(output) as cache:
+        return cache.info
 
 
 def describe(cache: LynxCache) -> dict:

@@ -112,3 +112,16 @@ def test_bad_input_is_one_clear_error(tmp_path, capsys, monkeypatch, argv, code,
     assert "Traceback" not in err and out == ""
     if code == 1:
         assert len(err.strip().splitlines()) <= 2  # one line (rich may wrap a long one)
+
+
+def test_residual_on_another_tier_is_recorded_and_read_back(tmp_path, capsys):
+    src = tmp_path / "kv.safetensors"
+    _dump(src)
+    url = "memory://cold-tier/c.lynxr"
+    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx", "--residual", url)[0] == 0
+    assert not (tmp_path / "c.lynxr").exists()
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json")
+    d = json.loads(out)
+    assert d["residual_location"] == url and d["residual_reachable"] is True
+    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src)
+    assert code == 0 and json.loads(out)["vnmse"]["mean"]["key_full"] < 1e-4
