@@ -51,7 +51,7 @@ from lynxkv.quant.reference import (
 from lynxkv.scheme import Scheme
 
 #: Elements per block of the per-element pass (fp32 buffers of 4 bytes each stay in L2/L3).
-BLOCK_ELEMENTS = 1 << 18
+BLOCK_ELEMENTS = 1 << 20
 
 QuantizeFn = Callable[[torch.Tensor, Scheme], EncodedTensor]
 
@@ -86,14 +86,15 @@ def _meta_from_stats(
     per-element ``|x - o|`` pass is needed to get the reference's ``dev``.
     """
     meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
-    if not (bool(torch.isfinite(mx).all()) and bool(torch.isfinite(mn).all())):
-        raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
     if centre is None:
         centre = (mx + mn) * 0.5
     offset = centre.to(meta_dtype)
-    if not bool(torch.isfinite(offset).all()):
-        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
     o = offset.float()
+    # a NaN or inf input makes max/min, hence the centre, non-finite: one check covers both, then diagnose
+    if not bool(torch.isfinite(o).all()):
+        if not (bool(torch.isfinite(mx).all()) and bool(torch.isfinite(mn).all())):
+            raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
+        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
     scale = meta_round_up(torch.maximum(mx - o, o - mn), meta_dtype)
     if not bool(torch.isfinite(scale).all()):
         raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
@@ -300,13 +301,19 @@ def encode_packed_fast(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, t
 
 def _pack_words(word, anchor_out, residual_out, t1, t2) -> None:
     """Split int16 words ``lo | hi << 8`` of two 8-bit codes into packed 4+4 anchor and residual bytes:
-    anchor ``(lo >> 4) | (hi & 0xF0)``, residual ``(lo & 0x0F) | ((hi & 0x0F) << 4)``."""
-    torch.bitwise_right_shift(word, 4, out=t1)  # s4 = word >> 4: bits 0-3 = lo >> 4, bits 4-7 = hi & 0x0F
-    torch.bitwise_right_shift(word, 8, out=t2)
-    t2.bitwise_and_(0xF0)
-    anchor_out.copy_(t2.bitwise_or_(t1.bitwise_and(0x0F)))
-    torch.bitwise_and(word, 0x0F, out=t2)
-    residual_out.copy_(t2.bitwise_or_(t1.bitwise_and_(0xF0)))
+    anchor ``(lo >> 4) | (hi & 0xF0)``, residual ``(lo & 0x0F) | ((hi & 0x0F) << 4)``.
+
+    With ``y = word & 0xF0F0`` the anchor is the low byte of ``(y >> 4) | (y >> 8)``; with ``z = word & 0x0F0F``
+    the residual is the low byte of ``z | (z >> 4)`` (the int16 -> uint8 cast keeps the low byte)."""
+    torch.bitwise_and(word, _I16_F0F0, out=t1)
+    torch.bitwise_right_shift(t1, 8, out=t2)
+    anchor_out.copy_(t2.bitwise_or_(t1.bitwise_right_shift_(4)))
+    torch.bitwise_and(word, 0x0F0F, out=t1)
+    torch.bitwise_right_shift(t1, 4, out=t2)
+    residual_out.copy_(t2.bitwise_or_(t1))
+
+
+_I16_F0F0 = 0xF0F0 - 0x10000  # the bit pattern 0xF0F0 as a signed int16
 
 
 @_single_thread
