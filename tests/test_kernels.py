@@ -178,3 +178,40 @@ def test_launchers_say_what_they_do_not_support(device):
         kdecode.decode(a, r[:, :-1].contiguous(), o, s, get_scheme("default"), torch.empty_like(x))
     with pytest.raises(InputError, match="out must be"):
         kdecode.decode(a, r, o, s, get_scheme("default"), torch.empty_like(x).to(torch.int32))
+
+
+
+COMPILE_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lynxkv.kernels import encode as kencode
+sig = {"x_ptr": "*bf16", "off_ptr": "*fp16", "scale_ptr": "*fp16", "a_ptr": "*u8", "r_ptr": "*u8",
+       **{k: "i32" for k in ("H", "T", "D", "NC", "sxb", "sxh", "sxt")},
+       **{k: "constexpr" for k in ("CHUNK", "LOG2_C", "HALF_D", "MEAN", "META_FP16", "PACK", "A", "R")}}
+cx = {"CHUNK": 32, "LOG2_C": 5, "HALF_D": 64, "MEAN": True, "META_FP16": True, "PACK": True, "A": 15, "R": 16}
+try:
+    src = ASTSource(fn=kencode._encode_kernel, signature=sig, constexprs=cx)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False}).asm["ptx"]
+except Exception as exc:
+    print(json.dumps({"skip": f"{type(exc).__name__}: {exc}"[:300]})); sys.exit(0)
+print(json.dumps({k: ptx.count(k) for k in ("div.rn.f32", "div.approx", "div.full", "fma.rn.f32")}))
+"""
+
+
+def test_encode_compiles_for_sm90_with_exact_division_and_no_fma():
+    """The encode's bit-exactness on a GPU rests on correctly rounded division and no FMA contraction: compile
+    it to PTX for an H100/H200 (sm_90; Triton ships ptxas, no GPU needed) and read the instructions."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in counts:
+        pytest.skip(f"cannot compile for sm_90 here: {counts['skip']}")
+    assert counts["div.rn.f32"] > 0 and counts["div.approx"] == 0 and counts["div.full"] == 0, counts
+    assert counts["fma.rn.f32"] == 0, counts

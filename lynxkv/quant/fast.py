@@ -477,22 +477,27 @@ def _check_shape(x: torch.Tensor) -> None:
 def best_quantize(scheme: Scheme, device: str | torch.device | None = None) -> QuantizeFn:
     """The fastest bit-exact ``quantize(x, scheme) -> EncodedTensor`` for ``scheme`` on ``device``.
 
-    CUDA (when Triton and the kernel support the scheme): the fused Triton encode; CPU: :func:`quantize_fast`
-    for the linear compander; anything else: the reference. The returned function accepts ``x`` on any device
-    and returns tensors on the device of ``x``.
+    ``device`` defaults to CUDA when available, else CPU. On CUDA, when Triton imports and the kernel supports
+    the scheme: the fused Triton encode for CUDA tensors (CPU tensors still take the fast CPU path); on CPU:
+    :func:`quantize_fast` for the linear compander; anything else: the reference. Every choice returns the
+    same bits as :func:`lynxkv.quant.quantize`.
     """
+    if not supports(scheme):
+        return quantize
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda":
-        try:
-            from lynxkv.kernels import encode as kencode
-
-            if kencode.supports(scheme):
-                return kencode.quantize_triton
-        except ImportError:
-            pass
-    if supports(scheme):
+    if dev.type != "cuda":
         return quantize_fast
-    return quantize
+    try:
+        from lynxkv.kernels import encode as kencode
+    except ImportError:  # Triton is optional
+        return quantize_fast
+    if not kencode.supports(scheme):
+        return quantize_fast
+
+    def quantize_best(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
+        return kencode.quantize_triton(x, scheme) if x.is_cuda else quantize_fast(x, scheme)
+
+    return quantize_best
 
 
 __all__ = [
