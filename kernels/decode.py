@@ -1,8 +1,8 @@
 """Fused Triton decodes: packed 4+4 anchor (+ residual) + metadata -> KV ``[B, H, T, D]`` in place.
 
 One program handles one chunk of C tokens of one (batch, head): it reads the packed bytes of the chunk as a
-``[C, D/2]`` tile (byte j of a row holds channel 2j in the low nibble and 2j + 1 in the high nibble), the
-per-channel ``o`` and ``s``, and writes straight into a preallocated KV tensor in the HF layout and dtype
+``[C, D/2]`` tile (byte j of a row holds channel 2j in the low nibble and 2j + 1 in the high nibble), spreads
+the nibbles to a ``[C, D]`` tile in registers (join + reshape), reads the per-channel ``o`` and ``s``, and writes straight into a preallocated KV tensor in the HF layout and dtype
 (any strides for B, H and T, so a slice of a larger cache works):
 
     full code:    v = a + ((r + 0.5) / R - 0.5)
@@ -34,6 +34,7 @@ def _decode_kernel(
     scale_ptr,  # [B, H, NC, D] scales, contiguous
     out_ptr,  # [B, H, T, D] output KV, channel stride 1
     H, T, D, NC,  # sizes
+    D2,  # D // 2, packed bytes per token row (a separate argument so Triton can see its alignment)
     sob, soh, sot,  # output strides (elements) of B, H, T
     CHUNK: tl.constexpr,  # C, tokens per chunk
     HALF_D: tl.constexpr,  # next power of two >= D / 2
@@ -46,33 +47,29 @@ def _decode_kernel(
     b = bh // H
     h = bh % H
     t0 = ci * CHUNK
+    BLOCK_D: tl.constexpr = 2 * HALF_D
     rows = tl.arange(0, CHUNK)
     pairs = tl.arange(0, HALF_D)
-    d_even = 2 * pairs
-    mask = (rows < T - t0)[:, None] & (d_even < D)[None, :]  # [C, D/2]
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < T - t0
+    pmask = row_ok[:, None] & (pairs < D2)[None, :]  # [C, D/2]
+    mask = row_ok[:, None] & (cols < D)[None, :]  # [C, D]
 
-    byte = b.to(tl.int64) * (H * T * D // 2) + ((h.to(tl.int64) * T + t0 + rows[:, None]) * D) // 2 + pairs[None, :]
-    ab = tl.load(a_ptr + byte, mask=mask, other=0).to(tl.int32)
-    mrow = (bh.to(tl.int64) * NC + ci) * D
-    col = d_even < D
-    oe = tl.load(off_ptr + mrow + d_even, mask=col, other=0.0).to(tl.float32)
-    oo = tl.load(off_ptr + mrow + d_even + 1, mask=col, other=0.0).to(tl.float32)
-    se = tl.load(scale_ptr + mrow + d_even, mask=col, other=0.0).to(tl.float32)
-    so = tl.load(scale_ptr + mrow + d_even + 1, mask=col, other=0.0).to(tl.float32)
-
-    ve = (ab & 15).to(tl.float32)
-    vo = (ab >> 4).to(tl.float32)
+    byte = (bh.to(tl.int64) * T + t0 + rows[:, None]) * D2 + pairs[None, :]
+    ab = tl.load(a_ptr + byte, mask=pmask, other=0).to(tl.int32)
+    # byte j -> channels 2j (low nibble) and 2j + 1 (high nibble): join along a new last axis, then flatten
+    v = tl.reshape(tl.join(ab & 15, ab >> 4), (CHUNK, BLOCK_D)).to(tl.float32)
     if not ANCHOR_ONLY:
-        rb = tl.load(r_ptr + byte, mask=mask, other=0).to(tl.int32)
-        ve = ve + (((rb & 15).to(tl.float32) + 0.5) / R - 0.5)
-        vo = vo + (((rb >> 4).to(tl.float32) + 0.5) / R - 0.5)
-    xe = oe[None, :] + se[None, :] * (ve * (2.0 / A) - 1.0)
-    xo = oo[None, :] + so[None, :] * (vo * (2.0 / A) - 1.0)
+        rb = tl.load(r_ptr + byte, mask=pmask, other=0).to(tl.int32)
+        res = tl.reshape(tl.join(rb & 15, rb >> 4), (CHUNK, BLOCK_D)).to(tl.float32)
+        v = v + ((res + 0.5) / R - 0.5)
+    mrow = (bh.to(tl.int64) * NC + ci) * D
+    o = tl.load(off_ptr + mrow + cols, mask=cols < D, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + mrow + cols, mask=cols < D, other=0.0).to(tl.float32)
+    x = o[None, :] + s[None, :] * (v * (2.0 / A) - 1.0)
 
     dst = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + (t0 + rows[:, None]).to(tl.int64) * sot
-    ty = out_ptr.dtype.element_ty
-    tl.store(dst + d_even[None, :], xe.to(ty), mask=mask)
-    tl.store(dst + d_even[None, :] + 1, xo.to(ty), mask=mask)
+    tl.store(dst + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(scheme: Scheme) -> bool:
@@ -118,10 +115,10 @@ def decode(
     half_d = triton.next_power_of_2(d // 2)
     _decode_kernel[(bsz * h, nc)](
         anchor, anchor if residual is None else residual, offset, scale, out,
-        h, t, d, nc,
+        h, t, d, nc, d // 2,
         out.stride(0), out.stride(1), out.stride(2),
         CHUNK=scheme.chunk, HALF_D=half_d, ANCHOR_ONLY=residual is None,
         A=scheme.anchor_steps, R=scheme.residual_levels,
-        num_warps=4 if scheme.chunk * half_d >= 1024 else 1,
+        num_warps=4 if scheme.chunk * half_d >= 512 else 1,
     )
     return out

@@ -1,7 +1,7 @@
 """Fused Triton encode: KV ``[B, H, T, D]`` (HF layout, bf16/fp16/fp32) -> per-chunk metadata + codes.
 
-One program handles one chunk of C tokens of one (batch, head) and all D channels, as two ``[C, D/2]`` tiles
-(the even and the odd channels, so that the pair of nibbles that share a packed byte sit in the same lane).
+One program handles one chunk of C tokens of one (batch, head) and all D channels: one coalesced ``[C, D]``
+tile load; the pairs of channels that share a packed byte are separated in registers (reshape + split).
 Per channel, in fp32, with the exact operation sequence of ``lynxkv.quant.reference`` (spec/FORMAT.md):
 
     centre = (max + min) * 0.5                  midrange; or the pinned tree sum / n for "mean"
@@ -42,6 +42,7 @@ def _encode_kernel(
     a_ptr,  # PACK: [B, H*T*D/2] packed anchor bytes; else [B, H, T, D] anchor codes (uint8, contiguous)
     r_ptr,  # same for the residual
     H, T, D, NC,  # sizes
+    D2,  # D // 2, packed bytes per token row (a separate argument so Triton can see its alignment)
     sxb, sxh, sxt,  # input strides (elements) of B, H, T
     CHUNK: tl.constexpr,  # C, tokens per chunk (power of two)
     LOG2_C: tl.constexpr,  # log2(C)
@@ -58,66 +59,59 @@ def _encode_kernel(
     h = bh % H
     t0 = ci * CHUNK
     n = tl.minimum(T - t0, CHUNK)  # valid tokens in this chunk
+    BLOCK_D: tl.constexpr = 2 * HALF_D
 
     rows = tl.arange(0, CHUNK)  # [C]
-    pairs = tl.arange(0, HALF_D)  # [D/2]
-    d_even = 2 * pairs
-    d_odd = 2 * pairs + 1
+    cols = tl.arange(0, BLOCK_D)  # [2 * D/2]
     row_ok = rows < n
-    m_even = row_ok[:, None] & (d_even < D)[None, :]  # [C, D/2]
-    m_odd = row_ok[:, None] & (d_odd < D)[None, :]
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]  # [C, BLOCK_D]
     base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t0.to(tl.int64) * sxt
-    rp = base + rows[:, None].to(tl.int64) * sxt
-    xe = tl.load(rp + d_even[None, :], mask=m_even, other=0.0).to(tl.float32)  # [C, D/2]
-    xo = tl.load(rp + d_odd[None, :], mask=m_odd, other=0.0).to(tl.float32)
+    x = tl.load(base + rows[:, None].to(tl.int64) * sxt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
-    oe, se = _chunk_meta(xe, row_ok, n, base + (n - 1).to(tl.int64) * sxt + d_even, d_even < D, CHUNK, LOG2_C, HALF_D, MEAN, META_FP16)
-    oo, so = _chunk_meta(xo, row_ok, n, base + (n - 1).to(tl.int64) * sxt + d_odd, d_odd < D, CHUNK, LOG2_C, HALF_D, MEAN, META_FP16)
+    o, s = _chunk_meta(x, row_ok, n, base + (n - 1).to(tl.int64) * sxt + cols, col_ok, CHUNK, LOG2_C, BLOCK_D, MEAN, META_FP16)
 
     mrow = (bh.to(tl.int64) * NC + ci) * D
     if META_FP16:
-        tl.store(off_ptr + mrow + d_even, oe.to(tl.float16), mask=d_even < D)
-        tl.store(off_ptr + mrow + d_odd, oo.to(tl.float16), mask=d_odd < D)
-        tl.store(scale_ptr + mrow + d_even, se.to(tl.float16), mask=d_even < D)
-        tl.store(scale_ptr + mrow + d_odd, so.to(tl.float16), mask=d_odd < D)
+        tl.store(off_ptr + mrow + cols, o.to(tl.float16), mask=col_ok)
+        tl.store(scale_ptr + mrow + cols, s.to(tl.float16), mask=col_ok)
     else:
-        tl.store(off_ptr + mrow + d_even, oe, mask=d_even < D)
-        tl.store(off_ptr + mrow + d_odd, oo, mask=d_odd < D)
-        tl.store(scale_ptr + mrow + d_even, se, mask=d_even < D)
-        tl.store(scale_ptr + mrow + d_odd, so, mask=d_odd < D)
+        tl.store(off_ptr + mrow + cols, o, mask=col_ok)
+        tl.store(scale_ptr + mrow + cols, s, mask=col_ok)
 
-    ae, re = _codes(xe, oe, se, A, R)  # int32 [C, D/2]
-    ao, ro = _codes(xo, oo, so, A, R)
+    a, r = _codes(x, o, s, A, R)  # int32 [C, BLOCK_D]
 
     # element index inside the batch item's [H, T, D] flattening
     flat = (h.to(tl.int64) * T + t0 + rows[:, None]) * D  # [C, 1]
     if PACK:
-        # bytes (flat + 2j) / 2: low nibble = channel 2j, high nibble = channel 2j + 1 (D is even)
-        byte = b.to(tl.int64) * (H * T * D // 2) + flat // 2 + pairs[None, :]
-        tl.store(a_ptr + byte, (ae | (ao << 4)).to(tl.uint8), mask=m_even)
-        tl.store(r_ptr + byte, (re | (ro << 4)).to(tl.uint8), mask=m_even)
+        # byte (flat + 2j) / 2 holds channel 2j in the low nibble and 2j + 1 in the high one (D is even)
+        a_lo, a_hi = tl.split(tl.reshape(a, (CHUNK, HALF_D, 2)))  # [C, D/2] each
+        r_lo, r_hi = tl.split(tl.reshape(r, (CHUNK, HALF_D, 2)))
+        pairs = tl.arange(0, HALF_D)
+        pmask = row_ok[:, None] & (pairs < D2)[None, :]
+        byte = (bh.to(tl.int64) * T + t0 + rows[:, None]) * D2 + pairs[None, :]  # = (b·H·T·D + flat) / 2 + j
+        tl.store(a_ptr + byte, (a_lo | (a_hi << 4)).to(tl.uint8), mask=pmask)
+        tl.store(r_ptr + byte, (r_lo | (r_hi << 4)).to(tl.uint8), mask=pmask)
     else:
-        el = b.to(tl.int64) * (H * T * D) + flat
-        tl.store(a_ptr + el + d_even[None, :], ae.to(tl.uint8), mask=m_even)
-        tl.store(a_ptr + el + d_odd[None, :], ao.to(tl.uint8), mask=m_odd)
-        tl.store(r_ptr + el + d_even[None, :], re.to(tl.uint8), mask=m_even)
-        tl.store(r_ptr + el + d_odd[None, :], ro.to(tl.uint8), mask=m_odd)
+        el = b.to(tl.int64) * (H * T * D) + flat + cols[None, :]
+        tl.store(a_ptr + el, a.to(tl.uint8), mask=mask)
+        tl.store(r_ptr + el, r.to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def _chunk_meta(
     x, row_ok, n, last_ptr, col_ok,
-    CHUNK: tl.constexpr, LOG2_C: tl.constexpr, HALF_D: tl.constexpr, MEAN: tl.constexpr, META_FP16: tl.constexpr,
+    CHUNK: tl.constexpr, LOG2_C: tl.constexpr, W: tl.constexpr, MEAN: tl.constexpr, META_FP16: tl.constexpr,
 ):
-    """(o, s) fp32 ``[D/2]`` of one ``[C, D/2]`` tile: the metadata values, already rounded to the meta dtype."""
+    """(o, s) fp32 ``[W]`` of one ``[C, W]`` tile: the metadata values, already rounded to the meta dtype."""
     mx = tl.max(tl.where(row_ok[:, None], x, -float("inf")), axis=0)
     mn = tl.min(tl.where(row_ok[:, None], x, float("inf")), axis=0)
     if MEAN:
         # The reference pads a short chunk with its last token times 0 and sums by halving:
         # s[i] = s[i] + s[i + n/2] (a sum of two terms is exact in any order).
-        zero = tl.load(last_ptr, mask=col_ok, other=0.0).to(tl.float32) * 0.0  # [D/2], keeps the sign of -0
+        zero = tl.load(last_ptr, mask=col_ok, other=0.0).to(tl.float32) * 0.0  # [W], keeps the sign of -0
         xs = tl.where(row_ok[:, None], x, zero[None, :])
-        xs = _tree_sum(xs, CHUNK, HALF_D, LOG2_C)
+        xs = _tree_sum(xs, CHUNK, W, LOG2_C)
         centre = tl.math.div_rn(xs, n.to(tl.float32))
     else:
         centre = (mx + mn) * 0.5
@@ -144,7 +138,7 @@ def _tree_sum(x, N: tl.constexpr, W: tl.constexpr, LOG2_N: tl.constexpr):
 
 @triton.jit
 def _codes(x, o, s, A: tl.constexpr, R: tl.constexpr):
-    """Anchor and residual (int32) of a ``[C, D/2]`` tile with per-channel fp32 ``o`` and ``s``."""
+    """Anchor and residual (int32) of a ``[C, W]`` tile with per-channel fp32 ``o`` and ``s``."""
     s1 = tl.where(s > 0, s, 1.0)
     u = tl.math.div_rn(x - o[None, :], s1[None, :])
     v = (u + 1.0) * (A / 2.0)
@@ -211,11 +205,11 @@ def encode(
     grid = (bsz * h, nc)
     _encode_kernel[grid](
         x, offset, scale, anchor, residual,
-        h, t, d, nc,
+        h, t, d, nc, d // 2,
         x.stride(0), x.stride(1), x.stride(2),
         CHUNK=c, LOG2_C=c.bit_length() - 1, HALF_D=half_d, MEAN=scheme.centring == "mean", META_FP16=scheme.meta_dtype == "fp16",
         PACK=pack, A=scheme.anchor_steps, R=scheme.residual_levels,
-        num_warps=4 if c * half_d >= 1024 else 1,
+        num_warps=4 if c * half_d >= 512 else 1,
         **_launch_options(),
     )
     if check_finite:

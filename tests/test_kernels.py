@@ -188,15 +188,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lynxkv.kernels import encode as kencode
 sig = {"x_ptr": "*bf16", "off_ptr": "*fp16", "scale_ptr": "*fp16", "a_ptr": "*u8", "r_ptr": "*u8",
-       **{k: "i32" for k in ("H", "T", "D", "NC", "sxb", "sxh", "sxt")},
+       **{k: "i32" for k in ("H", "T", "D", "NC", "D2", "sxb", "sxh", "sxt")},
        **{k: "constexpr" for k in ("CHUNK", "LOG2_C", "HALF_D", "MEAN", "META_FP16", "PACK", "A", "R")}}
 cx = {"CHUNK": 32, "LOG2_C": 5, "HALF_D": 64, "MEAN": True, "META_FP16": True, "PACK": True, "A": 15, "R": 16}
+# what the launcher's specialisation sees for head_dim 128 and 16-byte aligned buffers: divisible by 16
+attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name not in ("H",) and sig[name] != "constexpr"}
 try:
-    src = ASTSource(fn=kencode._encode_kernel, signature=sig, constexprs=cx)
+    src = ASTSource(fn=kencode._encode_kernel, signature=sig, constexprs=cx, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False}).asm["ptx"]
 except Exception as exc:
     print(json.dumps({"skip": f"{type(exc).__name__}: {exc}"[:300]})); sys.exit(0)
-print(json.dumps({k: ptx.count(k) for k in ("div.rn.f32", "div.approx", "div.full", "fma.rn.f32")}))
+print(json.dumps({k: ptx.count(k) for k in ("div.rn.f32", "div.approx", "div.full", "fma.rn.f32", "ld.global.v4", "st.global.v4")}))
 """
 
 
@@ -215,3 +217,4 @@ def test_encode_compiles_for_sm90_with_exact_division_and_no_fma():
         pytest.skip(f"cannot compile for sm_90 here: {counts['skip']}")
     assert counts["div.rn.f32"] > 0 and counts["div.approx"] == 0 and counts["div.full"] == 0, counts
     assert counts["fma.rn.f32"] == 0, counts
+    assert counts["ld.global.v4"] > 0 and counts["st.global.v4"] > 0, f"loads/stores not vectorised: {counts}"
