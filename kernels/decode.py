@@ -38,6 +38,7 @@ def _decode_kernel(
     sob, soh, sot,  # output strides (elements) of B, H, T
     CHUNK: tl.constexpr,  # C, tokens per chunk
     HALF_D: tl.constexpr,  # next power of two >= D / 2
+    BLOCK_D: tl.constexpr,  # 2 * HALF_D: channels per tile
     ANCHOR_ONLY: tl.constexpr,  # decode from the anchor alone
     A: tl.constexpr,  # anchor steps
     R: tl.constexpr,  # residual levels
@@ -47,7 +48,6 @@ def _decode_kernel(
     b = bh // H
     h = bh % H
     t0 = ci * CHUNK
-    BLOCK_D: tl.constexpr = 2 * HALF_D
     rows = tl.arange(0, CHUNK)
     pairs = tl.arange(0, HALF_D)
     cols = tl.arange(0, BLOCK_D)
@@ -117,7 +117,7 @@ def decode(
         anchor, anchor if residual is None else residual, offset, scale, out,
         h, t, d, nc, d // 2,
         out.stride(0), out.stride(1), out.stride(2),
-        CHUNK=scheme.chunk, HALF_D=half_d, ANCHOR_ONLY=residual is None,
+        CHUNK=scheme.chunk, HALF_D=half_d, BLOCK_D=2 * half_d, ANCHOR_ONLY=residual is None,
         A=scheme.anchor_steps, R=scheme.residual_levels,
         num_warps=4 if scheme.chunk * half_d >= 512 else 1,
     )

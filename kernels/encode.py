@@ -47,6 +47,7 @@ def _encode_kernel(
     CHUNK: tl.constexpr,  # C, tokens per chunk (power of two)
     LOG2_C: tl.constexpr,  # log2(C)
     HALF_D: tl.constexpr,  # next power of two >= ceil(D / 2): pairs of channels per tile
+    BLOCK_D: tl.constexpr,  # 2 * HALF_D: channels per tile
     MEAN: tl.constexpr,  # centring: mean (tree sum) instead of midrange
     META_FP16: tl.constexpr,  # metadata dtype fp16 (else fp32)
     PACK: tl.constexpr,  # write packed 4+4 nibbles (else unpacked anchor/residual bytes)
@@ -59,7 +60,6 @@ def _encode_kernel(
     h = bh % H
     t0 = ci * CHUNK
     n = tl.minimum(T - t0, CHUNK)  # valid tokens in this chunk
-    BLOCK_D: tl.constexpr = 2 * HALF_D
 
     rows = tl.arange(0, CHUNK)  # [C]
     cols = tl.arange(0, BLOCK_D)  # [2 * D/2]
@@ -207,7 +207,7 @@ def encode(
         x, offset, scale, anchor, residual,
         h, t, d, nc, d // 2,
         x.stride(0), x.stride(1), x.stride(2),
-        CHUNK=c, LOG2_C=c.bit_length() - 1, HALF_D=half_d, MEAN=scheme.centring == "mean", META_FP16=scheme.meta_dtype == "fp16",
+        CHUNK=c, LOG2_C=c.bit_length() - 1, HALF_D=half_d, BLOCK_D=2 * half_d, MEAN=scheme.centring == "mean", META_FP16=scheme.meta_dtype == "fp16",
         PACK=pack, A=scheme.anchor_steps, R=scheme.residual_levels,
         num_warps=4 if c * half_d >= 512 else 1,
         **_launch_options(),

@@ -189,8 +189,8 @@ from triton.compiler import ASTSource
 from lynxkv.kernels import encode as kencode
 sig = {"x_ptr": "*bf16", "off_ptr": "*fp16", "scale_ptr": "*fp16", "a_ptr": "*u8", "r_ptr": "*u8",
        **{k: "i32" for k in ("H", "T", "D", "NC", "D2", "sxb", "sxh", "sxt")},
-       **{k: "constexpr" for k in ("CHUNK", "LOG2_C", "HALF_D", "MEAN", "META_FP16", "PACK", "A", "R")}}
-cx = {"CHUNK": 32, "LOG2_C": 5, "HALF_D": 64, "MEAN": True, "META_FP16": True, "PACK": True, "A": 15, "R": 16}
+       **{k: "constexpr" for k in ("CHUNK", "LOG2_C", "HALF_D", "BLOCK_D", "MEAN", "META_FP16", "PACK", "A", "R")}}
+cx = {"CHUNK": 32, "LOG2_C": 5, "HALF_D": 64, "BLOCK_D": 128, "MEAN": True, "META_FP16": True, "PACK": True, "A": 15, "R": 16}
 # what the launcher's specialisation sees for head_dim 128 and 16-byte aligned buffers: divisible by 16
 attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name not in ("H",) and sig[name] != "constexpr"}
 try:
