@@ -12,8 +12,10 @@ with KV-like statistics) at 1K and 8K tokens, in one run:
 - ``lynxkv-fast``: :mod:`lynxkv.quant.fast` (fused quantize+pack; decode into a preallocated BF16 cache),
   and ``lynxkv-anchor``: the anchor-only decode.
 
-Throughputs are GB/s of BF16 KV (bytes of the BF16 cache / seconds), medians of ``--repeats`` runs; sizes are
-the stored bytes (payload + metadata) and bits per element. Prints a table, writes JSON with every sample.
+Throughputs are GB/s of BF16 KV (bytes of the BF16 cache / wall seconds), medians of ``--repeats`` runs after
+one warm-up run; ``GB/cpu-s`` divides by the process CPU time instead (all threads together), which stays
+meaningful on a machine shared with other work. Sizes are the stored bytes (payload + metadata) and bits per
+element. Prints a table, writes JSON with every sample and the load average.
 
     python benchmarks/bench_codec.py                 # full run (a few minutes on 2 cores)
     python benchmarks/bench_codec.py --quick         # small shapes, one repeat (seconds)
@@ -61,8 +63,10 @@ class Row:
     cache: str
     tokens: int
     method: str
-    encode_s: list[float] = field(default_factory=list)
+    encode_s: list[float] = field(default_factory=list)  # wall seconds per run
     decode_s: list[float] = field(default_factory=list)
+    encode_cpu_s: list[float] = field(default_factory=list)  # process CPU seconds (all threads) per run
+    decode_cpu_s: list[float] = field(default_factory=list)
     stored_bytes: int = 0
     note: str = ""
 
@@ -117,10 +121,26 @@ def real_smollm2_kv(tokens: int) -> list[torch.Tensor] | None:
 
 
 # ----------------------------------------------------------------------------------------------- methods
+_CPU_LOG: list[float] = []
+
+
 def timed(fn):
-    t0 = time.perf_counter()
+    """Wall time of ``fn()`` (returned) and its process CPU time (appended to ``_CPU_LOG``)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     res = fn()
-    return time.perf_counter() - t0, res
+    dt = time.perf_counter() - t0
+    _CPU_LOG.append(time.process_time() - c0)
+    return dt, res
+
+
+def attach_cpu(row: "Row", pattern: str) -> None:
+    """Distribute the CPU times logged by ``timed`` calls over the row's runs (``pattern``: "ed" = encode then
+    decode per run, "e"/"d" single)."""
+    logs = list(_CPU_LOG)
+    _CPU_LOG.clear()
+    for i, t in enumerate(logs):
+        kind = pattern[i % len(pattern)]
+        (row.encode_cpu_s if kind == "e" else row.decode_cpu_s).append(t)
 
 
 def bench_copy(cache: Cache, row: Row, repeats: int) -> None:
@@ -132,18 +152,18 @@ def bench_copy(cache: Cache, row: Row, repeats: int) -> None:
 
 
 def bench_safetensors(cache: Cache, row: Row, repeats: int, tmp: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load, save_file
 
     tensors = {f"l{i}": t for i, t in enumerate(cache.layers)}
     path = tmp / "bench_cache.safetensors"
     for _ in range(repeats):
         dt, _ = timed(lambda: save_file(tensors, str(path)))
         row.encode_s.append(dt)
-        dt, _ = timed(lambda: load_file(str(path)))
+        dt, _ = timed(lambda: load(path.read_bytes()))  # read every byte (load_file maps lazily)
         row.decode_s.append(dt)
     row.stored_bytes = path.stat().st_size
     path.unlink()
-    row.note = f"file on {tmp}"
+    row.note = f"file in {tmp} (page cache, no fsync)"
 
 
 def bench_zstd(cache: Cache, row: Row, repeats: int, level: int) -> bool:
@@ -279,36 +299,50 @@ def main(argv: list[str] | None = None) -> int:
         mk = lambda method: Row(label, tokens, method)  # noqa: E731
         r_copy, r_st, r_i8, r_fast, r_anchor = mk("copy"), mk("safetensors"), mk("int8/token"), mk("lynxkv-fast"), mk("lynxkv-anchor")
         bench_copy(cache, r_copy, runs)
+        attach_cpu(r_copy, "e")
+        r_copy.decode_cpu_s = list(r_copy.encode_cpu_s)
         bench_safetensors(cache, r_st, runs, args.tmp)
+        attach_cpu(r_st, "ed")
         zrows = []
         for level in (1, 3):
             rz = mk(f"zstd-{level}")
             bench_zstd(cache, rz, runs, level)
+            attach_cpu(rz, "ed")
             zrows.append(rz)
         bench_int8(cache, r_i8, runs)
+        attach_cpu(r_i8, "ed")
         all_exact &= bench_fast(cache, r_fast, r_anchor, runs, scheme)
+        logs = list(_CPU_LOG)  # per run: encode, full decode, anchor decode
+        _CPU_LOG.clear()
+        r_fast.encode_cpu_s, r_fast.decode_cpu_s = logs[0::3], logs[1::3]
+        r_anchor.encode_cpu_s, r_anchor.decode_cpu_s = logs[0::3], logs[2::3]
         rows += [r_copy, r_st, *zrows, r_i8]
         if args.no_reference or cache.numel > 200_000_000:
             print(f"{label}: torch reference skipped (too slow at this size; see the smaller caches)", file=sys.stderr)
         else:
             r_ref = mk("lynxkv-ref")
             bench_reference(cache, r_ref, 2 if cache.numel > 20_000_000 else runs, scheme)
+            attach_cpu(r_ref, "ed")
             rows.append(r_ref)
         rows += [r_fast, r_anchor]
         for r in rows:  # the first run of each method is a warm-up (allocator, page faults, thread pools)
             if r.cache == label and len(r.encode_s) > 1:
                 r.encode_s, r.decode_s = r.encode_s[1:], r.decode_s[1:]
+                r.encode_cpu_s, r.decode_cpu_s = r.encode_cpu_s[1:], r.decode_cpu_s[1:]
 
     print_table(rows, {r.cache: r for r in rows if r.method == "copy"})
     payload = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None},
+                    "load_avg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "scheme": scheme.describe(),
         "command": " ".join(sys.argv),
         "rows": [dict(cache=r.cache, tokens=r.tokens, method=r.method, encode_s=r.encode_s, decode_s=r.decode_s,
-                      encode_GBps=gbps(r, "encode"), decode_GBps=gbps(r, "decode"), stored_bytes=r.stored_bytes,
+                      encode_cpu_s=r.encode_cpu_s, decode_cpu_s=r.decode_cpu_s,
+                      encode_GBps=gbps(r, "encode"), decode_GBps=gbps(r, "decode"),
+                      encode_GB_per_cpu_s=gbps(r, "encode", cpu=True), decode_GB_per_cpu_s=gbps(r, "decode", cpu=True),
+                      stored_bytes=r.stored_bytes,
                       bf16_bytes=BF16_BYTES[(r.cache, r.tokens)], note=r.note) for r in rows],
         "fast_bit_exact": all_exact,
     }
@@ -321,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
 BF16_BYTES: dict[tuple[str, int], int] = {}
 
 
-def gbps(row: Row, which: str) -> float | None:
-    times = row.encode_s if which == "encode" else row.decode_s
+def gbps(row: Row, which: str, cpu: bool = False) -> float | None:
+    if cpu:
+        times = row.encode_cpu_s if which == "encode" else row.decode_cpu_s
+    else:
+        times = row.encode_s if which == "encode" else row.decode_s
     if not times:
         return None
     return BF16_BYTES[(row.cache, row.tokens)] / median(times) / 1e9
@@ -333,14 +370,17 @@ def print_table(rows: list[Row], copies: dict[str, Row]) -> None:
     from rich.table import Table
 
     table = Table(title="KV codec throughput (GB/s of BF16 KV, medians) and size")
-    for col in ("cache", "tokens", "method", "encode GB/s", "decode GB/s", "stored MB", "bits/elem", "note"):
+    cols = ("cache", "tokens", "method", "encode GB/s", "decode GB/s", "enc GB/cpu-s", "dec GB/cpu-s", "stored MB",
+            "bits/elem", "note")
+    for col in cols:
         table.add_column(col, justify="right" if col not in ("cache", "method", "note") else "left")
+    fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
     for r in rows:
-        enc, dec = gbps(r, "encode"), gbps(r, "decode")
         numel = BF16_BYTES[(r.cache, r.tokens)] / 2
-        table.add_row(r.cache, str(r.tokens), r.method, f"{enc:.2f}" if enc else "-", f"{dec:.2f}" if dec else "-",
+        table.add_row(r.cache, str(r.tokens), r.method, fmt(gbps(r, "encode")), fmt(gbps(r, "decode")),
+                      fmt(gbps(r, "encode", cpu=True)), fmt(gbps(r, "decode", cpu=True)),
                       f"{r.stored_bytes / 1e6:.1f}", f"{8 * r.stored_bytes / numel:.2f}", r.note)
-    Console(width=160).print(table)
+    Console(width=180).print(table)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ def test_bench_codec_quick(tmp_path):
     assert {"copy", "safetensors", "zstd-3", "int8/token", "lynxkv-ref", "lynxkv-fast", "lynxkv-anchor"} <= methods
     for r in data["rows"]:
         assert r["encode_s"] and all(t > 0 for t in r["encode_s"]), r
+        assert len(r["encode_cpu_s"]) == len(r["encode_s"]) and len(r["decode_cpu_s"]) == len(r["decode_s"]), r
         assert r["stored_bytes"] > 0
     fast = next(r for r in data["rows"] if r["method"] == "lynxkv-fast")
     assert fast["stored_bytes"] * 16 / fast["bf16_bytes"] == pytest.approx(9.0, rel=1e-3)  # 8 bits + fp16 meta / 32
