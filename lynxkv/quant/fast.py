@@ -4,7 +4,7 @@ Why it is fast (and still exact):
 
 - **Statistics without a per-element pass.** Rounding is monotone and symmetric, so
   ``max_i |fl(x_i - o)| = max(fl(max(x) - o), fl(o - min(x)))``: the scale comes from the chunk's max and min
-  (one fused ``aminmax`` over the bf16 input) instead of a full ``|x - o|`` pass.
+  (``amax``/``amin`` of the block's fp32 copy) instead of a full ``|x - o|`` pass.
 - **Fewer per-element steps, proven equal.** For the linear compander ``v = fl(fl(u + 1) * A/2)`` lies in
   ``[0, A]``, and with ``w = R·v`` (exact, R is a power of two, and ``fl(y·A/2)·R = fl(y·A·R/2)``) the pinned
   two-step rounding ``a = floor(v + 0.5)``, ``r = floor((v - a + 0.5)·R)`` collapses to
@@ -20,8 +20,10 @@ Why it is fast (and still exact):
   in-place ops, so each step reads and writes L2/L3, not DRAM, and no ``[H, nc, C, D]`` padded copy is made.
 - **Packing on 16-bit words.** Two codes along D are one little-endian ``int16`` word ``lo | hi << 8``; the
   anchor byte is ``(lo >> 4) | (hi & 0xF0)`` and the residual byte ``(lo & 0x0F) | (hi << 4)``.
+- **Both cores.** Blocks are independent; they run on a small thread pool (``LYNXKV_CPU_THREADS``, default the
+  torch thread count), each worker with one intra-op thread (torch releases the GIL inside ops).
 
-Only the linear compander with ``anchor_bits + residual_bits = 8`` takes the fast per-element path; the α-law
+Only the linear compander takes the fast per-element path (any anchor/residual split); the α-law
 compander (``log1p`` is not guaranteed to round identically across vectorised and scalar loops) uses the
 reference. Decoding is a per-(chunk, channel) affine map of the code, ``x̂ = B + K·code``, within the
 tolerances stated in the tests (it is not bit-identical to the reference dequantizer, which nobody needs).
@@ -42,7 +44,6 @@ from lynxkv.quant.pack import pack_bits, packed_size, unpack_bits
 from lynxkv.quant.reference import (
     META_TORCH_DTYPE,
     EncodedTensor,
-    _check_input,
     dequantize,
     meta_round_up,
     quantize,
