@@ -32,6 +32,7 @@ tolerances stated in the tests (it is not bit-identical to the reference dequant
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,6 @@ from lynxkv.quant.reference import (
     META_TORCH_DTYPE,
     EncodedTensor,
     dequantize,
-    meta_round_up,
     quantize,
     tree_sum,
 )
@@ -92,14 +92,26 @@ def _meta_from_stats(
     offset = centre.to(meta_dtype)
     o = offset.float()
     # a NaN or inf input makes max/min, hence the centre, non-finite: one check covers both, then diagnose
-    if not bool(torch.isfinite(o).all()):
-        if not (bool(torch.isfinite(mx).all()) and bool(torch.isfinite(mn).all())):
+    if not _all_finite(o):
+        if not (_all_finite(mx) and _all_finite(mn)):
             raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
         raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
-    scale = meta_round_up(torch.maximum(mx - o, o - mn), meta_dtype)
-    if not bool(torch.isfinite(scale).all()):
+    dev = torch.maximum(mx - o, o - mn)
+    if meta_dtype == torch.float32:
+        scale = dev
+    else:  # meta_round_up without its data-dependent branch: bump the fp16 bits by one where it rounded down
+        h = dev.to(meta_dtype)
+        bump = (h.float() < dev).to(torch.int16)
+        scale = (h.view(torch.int16) + bump).view(meta_dtype)
+    if not _all_finite(scale.float()):
         raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
     return offset, scale
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """``isfinite(t).all()``, via one sum on the common path (a finite sum means every term is finite)."""
+    total = float(t.sum(dtype=torch.float64))
+    return math.isfinite(total) or bool(torch.isfinite(t).all())
 
 
 def code_from_w(w: torch.Tensor, levels: int, out: torch.Tensor) -> torch.Tensor:
@@ -140,8 +152,8 @@ def _encode_block(
             centre = tree_sum(padded, dim=2) / torch.tensor(float(valid))
     offset, scale = _meta_from_stats(mx, mn, centre, scheme)
     o = offset.float().unsqueeze(2)  # [H, n, 1, D]
-    s = scale.float()
-    s = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(2)  # s = 0 means x - o = 0: u = 0 as specified
+    s = scale.to(torch.float32, copy=True)  # a copy even for fp32 metadata: it is modified in place
+    s = s.add_(s == 0).unsqueeze(2)  # s = 0 only when x - o = 0: dividing by 1 gives u = 0 as specified
     p = ws.p[:k].view(h, n, cb, d)
     xf.sub_(o).div_(s)  # u = (x - o) / s, correctly rounded
     xf.add_(1.0).mul_(scheme.anchor_steps * scheme.residual_levels / 2.0)  # w = R·fl((u + 1)·A/2), exact scaling
