@@ -38,11 +38,19 @@ def test_bench_codec_quick(tmp_path):
     assert "lynxkv-fast" in proc.stdout
 
 
-def test_bench_gpu_dry_run(tmp_path):
+def test_gpu_check_script_dry_run(tmp_path):
+    """gpu_check.sh's plumbing (import root without installing lynxkv, the test run, the benchmark, the files
+    under $OUT) on a CPU under the Triton interpreter at toy sizes."""
     pytest.importorskip("triton")
-    out = tmp_path / "gpu.json"
-    run(["benchmarks/bench_gpu.py", "--dry-run-cpu", "--tokens", "40", "--layers", "1", "--heads", "2",
-         "--head-dim", "16", "--json", str(out)], tmp_path, TRITON_INTERPRET="1")
-    data = json.loads(out.read_text())
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "lynxkv from " + str(Path("/tmp")) in proc.stdout or "lynxkv from /" in proc.stdout
+    data = json.loads((out / "gpu_bench.json").read_text())
     assert data["runs"][0]["bit_exact_vs_reference"] and data["runs"][0]["round_trip_within_step"]
     assert {r["op"] for r in data["rows"]} >= {"device copy", "encode (fused Triton)", "decode full (fused Triton)"}
+    assert (out / "gpu_check.log").read_text().count("== done: tests rc=0, benchmark rc=0") == 1
+    assert (out / "gpu_tests.xml").exists()
