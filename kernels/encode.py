@@ -111,8 +111,13 @@ def _chunk_meta(
         # s[i] = s[i] + s[i + n/2] (a sum of two terms is exact in any order).
         zero = tl.load(last_ptr, mask=col_ok, other=0.0).to(tl.float32) * 0.0  # [W], keeps the sign of -0
         xs = tl.where(row_ok[:, None], x, zero[None, :])
-        xs = _tree_sum(xs, CHUNK, W, LOG2_C)
-        centre = tl.math.div_rn(xs, n.to(tl.float32))
+        # A tree node is -0 exactly when both children are -0, so the reference's sum is -0 iff every term is
+        # -0; Triton's reductions may start from +0, so restore that sign explicitly.
+        neg_zero = ((xs == 0.0) & (xs.to(tl.int32, bitcast=True) < 0)).to(tl.int32)
+        all_neg_zero = tl.min(neg_zero, axis=0) == 1  # [W]
+        total = _tree_sum(xs, CHUNK, W, LOG2_C)
+        total = tl.where(all_neg_zero, -tl.abs(total), total)
+        centre = tl.math.div_rn(total, n.to(tl.float32))
     else:
         centre = (mx + mn) * 0.5
     if META_FP16:

@@ -218,3 +218,23 @@ def test_encode_compiles_for_sm90_with_exact_division_and_no_fma():
     assert counts["div.rn.f32"] > 0 and counts["div.approx"] == 0 and counts["div.full"] == 0, counts
     assert counts["fma.rn.f32"] == 0, counts
     assert counts["ld.global.v4"] > 0 and counts["st.global.v4"] > 0, f"loads/stores not vectorised: {counts}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", [SCHEMES["default"], SCHEMES["mean"]], ids=["midrange", "mean"])
+def test_encode_constant_and_signed_zero_chunks(scheme, device):
+    """Degenerate chunks: all -0.0 (the mean must keep the sign, as the reference's tree sum does), constant
+    values (scale 0, codes at the centre), and a tail chunk of one token."""
+    x = torch.zeros((1, 2, 33, 4))
+    x[0, 0] = -0.0
+    x[0, 1, :, 1] = 3.25
+    x[0, 1, :, 2] = -7.0e-3
+    x = x.to(device)
+    a, r, off, sc = kencode.encode(x, scheme, pack=False)
+    ref = quantize(x[0].cpu(), scheme)
+    for name, want, got in (("offset", ref.offset, off[0]), ("scale", ref.scale, sc[0]),
+                            ("anchor", ref.anchor, a[0]), ("residual", ref.residual, r[0])):
+        got = got.cpu()
+        same_bits = torch.equal(want.view(torch.int16), got.view(torch.int16)) if want.dtype == torch.float16 else torch.equal(want, got)
+        assert same_bits, first_mismatches(name, want.view(torch.int16) if want.dtype == torch.float16 else want,
+                                           got.view(torch.int16) if got.dtype == torch.float16 else got)
