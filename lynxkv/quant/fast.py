@@ -199,9 +199,12 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 def _workers() -> int:
-    """Worker threads for the block loop: ``LYNXKV_CPU_THREADS`` or the intra-op thread count (at most 8)."""
+    """Worker threads for the block loop: ``LYNXKV_CPU_THREADS``, else the caller's intra-op thread count
+    (as it was before :func:`_single_thread` lowered it to 1), at most 8."""
     env = os.environ.get("LYNXKV_CPU_THREADS")
-    return max(1, int(env)) if env and env.isdigit() else max(1, min(8, torch.get_num_threads()))
+    if env and env.isdigit():
+        return max(1, int(env))
+    return max(1, min(8, getattr(_LOCAL, "outer_threads", None) or torch.get_num_threads()))
 
 
 def _step(nc: int, per_chunk: int) -> int:
@@ -242,9 +245,11 @@ def _single_thread(fn):
         if n == 1:
             return fn(*args, **kwargs)
         torch.set_num_threads(1)
+        _LOCAL.outer_threads = n  # what _workers() sizes the pool by
         try:
             return fn(*args, **kwargs)
         finally:
+            _LOCAL.outer_threads = None
             torch.set_num_threads(n)
 
     return wrapper
