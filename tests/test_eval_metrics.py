@@ -52,11 +52,12 @@ def test_attention_repeats_kv_heads_for_grouped_queries():
     torch.manual_seed(0)
     q = torch.randn(4, 3, 8)  # 4 query heads over 2 KV heads
     k, v = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
-    out, w = metrics.attention(q, k, v)
+    out, logw = metrics.attention(q, k, v)
     for h in range(4):
-        o1, w1 = metrics.attention(q[h : h + 1], k[h // 2 : h // 2 + 1], v[h // 2 : h // 2 + 1])
-        torch.testing.assert_close(out[h : h + 1], o1)
-        torch.testing.assert_close(w[h : h + 1], w1)
+        kh, vh = k[h // 2].double(), v[h // 2].double()
+        w1 = torch.softmax(q[h].double() @ kh.T / 8**0.5, dim=-1)  # [3, 5]
+        torch.testing.assert_close(out[h], w1 @ vh)
+        torch.testing.assert_close(logw[h].exp(), w1)
     with pytest.raises(ValueError):
         metrics.attention(torch.randn(3, 1, 8), k, v)
 

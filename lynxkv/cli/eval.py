@@ -32,6 +32,9 @@ def eval_command(
     as_json: bool = typer.Option(False, "--json", help="Print the full result as JSON on stdout."),
     as_markdown: bool = typer.Option(False, "--markdown", help="Print the tables as Markdown on stdout."),
     plot_dir: str = typer.Option(None, "--plot", help="Write PNG plots into this directory."),
+    threads: int = typer.Option(
+        1, "--threads", min=0, help="torch intra-op threads (0: torch's default). One is fastest on a busy machine."
+    ),
 ) -> None:
     """Score lynx schemes against BF16, FP8, INT8/INT4, HF-style grouped INT and KIVI on real KV caches.
 
@@ -46,6 +49,10 @@ def eval_command(
     if model and kv:
         raise InputError("--model and --kv are exclusive: a KV dump is scored without a model")
     codecs = baselines.select(schemes, sweep=sweep)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err, transient=True,

@@ -38,22 +38,35 @@ def vnmse_global(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return num / den
 
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """GQA: ``[H_kv, T, D]`` → ``[H_kv·groups, T, D]``, query head ``h`` reading KV head ``h // groups``."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     """Unmasked softmax attention of queries ``[Hq, W, D]`` over keys/values ``[H_kv, T, D]`` (Hq a multiple
-    of H_kv). Returns (output ``[Hq, W, D]``, weights ``[Hq, W, T]``), in fp64."""
-    hq, hk = q.shape[0], k.shape[0]
+    of H_kv; query head h reads KV head h // (Hq/H_kv)). Returns (output ``[Hq, W, D]``, log-weights
+    ``[Hq, W, T]``), in fp64."""
+    hq, w, d = q.shape
+    hk = k.shape[0]
     if hq % hk:
         raise ValueError(f"query heads {hq} are not a multiple of KV heads {hk}")
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
-    kk, vv = repeat_kv(k.double(), hq // hk), repeat_kv(v.double(), hq // hk)
-    logits = torch.matmul(q.double(), kk.transpose(-1, -2)) * scale  # [Hq, W, T]
-    weights = torch.softmax(logits, dim=-1)
-    return torch.matmul(weights, vv), weights
+    scale = scale if scale is not None else d**-0.5
+    qg = q.double().reshape(hk, (hq // hk) * w, d)  # [H_kv, groups·W, D]: a group's queries share a KV head
+    logits = torch.matmul(qg, k.double().transpose(-1, -2)) * scale  # [H_kv, groups·W, T]
+    logw = torch.log_softmax(logits, dim=-1)
+    out = torch.matmul(logw.exp(), v.double())  # [H_kv, groups·W, D]
+    return out.reshape(hq, w, -1), logw.reshape(hq, w, -1)
+
+
+def attention_error_vs(
+    exact: tuple[torch.Tensor, torch.Tensor],
+    q: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[float, float]:
+    """:func:`attention_error` with the exact ``(output, log-weights)`` of :func:`attention` computed once."""
+    out, logp = exact
+    out_hat, logp_hat = attention(q, k_hat, v_hat, scale)
+    rel = float((out_hat - out).pow(2).sum() / out.pow(2).sum().clamp_min(1e-300))
+    kl = (logp.exp() * (logp - logp_hat)).sum(-1).clamp_min(0.0)  # [Hq, W]
+    return rel, float(kl.mean())
 
 
 def attention_error(
@@ -69,11 +82,7 @@ def attention_error(
     Returns (relative output error ``Σ‖ô−o‖² / Σ‖o‖²`` with ``o = softmax(qKᵀ·scale)V``,
     mean over (head, query) of ``KL(p ‖ p̂)`` of the attention weights, in nats).
     """
-    out, p = attention(q, k, v, scale)
-    out_hat, p_hat = attention(q, k_hat, v_hat, scale)
-    rel = float((out_hat - out).pow(2).sum() / out.pow(2).sum().clamp_min(1e-300))
-    kl = (p * (torch.log(p.clamp_min(1e-300)) - torch.log(p_hat.clamp_min(1e-300)))).sum(-1)  # [Hq, W]
-    return rel, float(kl.mean())
+    return attention_error_vs(attention(q, k, v, scale), q, k_hat, v_hat, scale)
 
 
 def next_token_kl(exact_logits: torch.Tensor, approx_logits: torch.Tensor) -> torch.Tensor:

@@ -44,11 +44,17 @@ def kv_scores(codec, kv: KVPairs, approx: KVPairs) -> dict:
     }
 
 
-def draft_scores(model, ref: Reference, approx: KVPairs) -> dict:
+def exact_attention(ref: Reference) -> list:
+    """Per layer, the exact (output, log-weights) of the window's queries over the prompt's cache."""
+    return [metrics.attention(q, k, v, ref.scaling) for q, (k, v) in zip(ref.queries, ref.prefix_kv)]
+
+
+def draft_scores(model, ref: Reference, approx: KVPairs, exact_attn: list | None = None) -> dict:
     """Attention error with the real queries, teacher-forced draft quality and held-out perplexity change."""
+    exact_attn = exact_attn if exact_attn is not None else exact_attention(ref)
     rel, akl = [], []
-    for q, (k, v), (kh, vh) in zip(ref.queries, ref.prefix_kv, approx):
-        r, a = metrics.attention_error(q, k, v, kh, vh, ref.scaling)
+    for q, exact, (kh, vh) in zip(ref.queries, exact_attn, approx):
+        r, a = metrics.attention_error_vs(exact, q, kh, vh, ref.scaling)
         rel.append(r)
         akl.append(a)
     logits = forward_logits(model, approx, window_inputs(ref.last_token, ref.tokens))  # [W, V]
@@ -72,10 +78,11 @@ def draft_scores(model, ref: Reference, approx: KVPairs) -> dict:
 def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, heldout, tick: Tick | None = None) -> dict:
     """Scores of every codec on one prompt ``ids`` ``[T]``: ``{codec name: {metric: value}}``."""
     ref = build_reference(model, ids, window, heldout)
+    exact_attn = exact_attention(ref)
     scores = {}
     for codec in codecs:
         approx = roundtrip_cache(codec, ref.prefix_kv)
-        scores[codec.name] = {**kv_scores(codec, ref.prefix_kv, approx), **draft_scores(model, ref, approx)}
+        scores[codec.name] = {**kv_scores(codec, ref.prefix_kv, approx), **draft_scores(model, ref, approx, exact_attn)}
         if tick:
             tick()
     return scores
