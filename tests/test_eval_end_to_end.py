@@ -101,6 +101,7 @@ def test_cli_json_and_plots_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     assert c["int4-tensor"]["k_vnmse"] > c["int8-tensor"]["k_vnmse"] > c["lynx-default"]["k_vnmse"]
     assert c["lynx-default-anchor"]["bits"] < c["lynx-default"]["bits"]
     assert len(c["bf16"]["k_vnmse_layers"]) == 2
+    assert c["fp32"]["ppl_delta"] == pytest.approx(0.0, abs=1e-9) and "ppl_delta" in c["int4-tensor"]
     for name in ("prefix_curve_80.png", "error_vs_bits_120.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

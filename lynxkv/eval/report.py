@@ -92,8 +92,9 @@ def plot(result: dict, directory: str) -> list[str]:
         curves = {n: s["prefix_curve"] for n, s in codecs.items() if "prefix_curve" in s}
         if curves:
             fig, ax = plt.subplots(figsize=(8, 5))
-            for name, curve in curves.items():
-                ax.step(range(len(curve)), curve, where="post", label=name)
+            for i, (name, curve) in enumerate(curves.items()):  # 10 colours, then the next line style
+                style = ("-", "--", ":", "-.")[i // 10 % 4]
+                ax.step(range(len(curve)), curve, where="post", label=name, linestyle=style)
             ax.set_xlabel("k (tokens)")
             ax.set_ylabel("P(accepted prefix ≥ k)")
             ax.set_title(f"Accepted prefix, ~{tokens} tokens")
