@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import make_tiny_llama
+from conftest import make_tiny_llama
 
 from lynxkv.eval import draft, runner
 
@@ -138,3 +138,18 @@ def test_cli_on_a_kv_dump_and_its_errors(tmp_path, capsys):
     assert "bad.safetensors" in err and "Traceback" not in err
     assert run_cli(["eval", "--kv", str(path), "--schemes", "int9"]) == 1
     assert "unknown codec 'int9'" in capsys.readouterr().err
+
+
+def test_heldout_text_continues_the_document_after_the_prompt():
+    from lynxkv.eval.inputs import builtin_case, prompt_starts
+    from lynxkv.prompts import QUESTION, document
+
+    tok = byte_tokenizer()
+    starts = prompt_starts(3)
+    assert len(set(starts)) == 3
+    ids, held = builtin_case(tok, 200, starts[1], 40)
+    text = tok.decode(ids.tolist())
+    assert text.endswith(QUESTION) and held.numel() == 40
+    doc_part = text[: -len(QUESTION)]
+    assert document(starts[1], min_chars=5000).startswith(doc_part + tok.decode(held.tolist()))
+    assert builtin_case(tok, 200, starts[1], 0)[1] is None
