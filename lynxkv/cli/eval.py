@@ -19,7 +19,14 @@ def _lengths(spec: str) -> list[int]:
     return values
 
 
-@app.command("eval")
+HELP = (
+    "Score lynx schemes against BF16, FP8, INT8/INT4, grouped INT (HF QuantizedCache) and KIVI on real KV caches."
+    "\n\nMetrics: K/V vNMSE, attention error with the model's queries, teacher-forced draft agreement, KL and "
+    "accepted prefix over a W-token window, held-out perplexity change, bits per element with metadata."
+)
+
+
+@app.command("eval", help=HELP)
 def eval_command(
     model: str = typer.Option(None, "--model", help="HF model name/path or .gguf file (default: offline SmolLM2)."),
     kv: str = typer.Option(None, "--kv", help="Safetensors KV dump instead of a model (KV-only metrics)."),
@@ -28,7 +35,9 @@ def eval_command(
     window: int = typer.Option(64, "--window", min=1, help="Teacher-forced draft window W (tokens)."),
     heldout: int = typer.Option(64, "--heldout", min=0, help="Held-out tokens for the perplexity change (0: off)."),
     schemes: str = typer.Option(None, "--schemes", help="Comma-separated codec names (default: all)."),
-    sweep: bool = typer.Option(False, "--sweep", help="Ablation around the default scheme instead of baselines."),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Ablation of lynx schemes, one factor at a time around the default (no baselines)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the full result as JSON on stdout."),
     as_markdown: bool = typer.Option(False, "--markdown", help="Print the tables as Markdown on stdout."),
     plot_dir: str = typer.Option(None, "--plot", help="Write PNG plots into this directory."),
@@ -36,12 +45,7 @@ def eval_command(
         1, "--threads", min=0, help="torch intra-op threads (0: torch's default). One is fastest on a busy machine."
     ),
 ) -> None:
-    """Score lynx schemes against BF16, FP8, INT8/INT4, HF-style grouped INT and KIVI on real KV caches.
-
-    Metrics: vNMSE of keys and values, attention-output error with the model's queries, teacher-forced draft
-    agreement / next-token KL / accepted prefix over a W-token window, held-out perplexity change, bits per
-    element including metadata.
-    """
+    """Parse, evaluate (lynxkv.eval.suite), print (lynxkv.eval.report)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lynxkv.eval import baselines, report, suite

@@ -3,7 +3,7 @@
 Notation: ``x`` is an exact keys or values tensor ``[H, T, D]`` (H KV heads, T tokens, D head_dim), ``x̂`` its
 reconstruction. A "vector" is one ``[D]`` row: one head's key or value of one token, the unit attention reads.
 
-- per-vector vNMSE (DRIVE / EDEN): ``mean_v ‖x̂_v − x_v‖² / ‖x_v‖²`` over the vectors with ``‖x_v‖ > 0``;
+- per-vector vNMSE (DRIVE / EDEN): ``mean_v ‖x̂_v − x_v‖² / ‖x_v‖²`` over vectors with ``‖x_v‖ > 0``;
 - global vNMSE: ``Σ_v ‖x̂_v − x_v‖² / Σ_v ‖x_v‖²`` (one ratio of sums, dominated by the large vectors).
 
 The two differ by how much small vectors count: a quantizer with per-chunk scales makes the relative error of
