@@ -97,7 +97,7 @@ def test_cli_json_and_plots_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     c = block["codecs"]
     assert list(c) == names.split(",")
     assert c["fp32"]["agree"] == 1.0 and c["fp32"]["prefix_mean"] == 8 and c["fp32"]["k_vnmse"] == 0.0
-    assert c["fp32"]["prefix_curve"] == [1.0] * 9
+    assert c["fp32"]["prefix_curve"] == [1.0] * 9 and c["fp32"]["agree_prompts"] == [1.0, 1.0]
     assert c["int4-tensor"]["k_vnmse"] > c["int8-tensor"]["k_vnmse"] > c["lynx-default"]["k_vnmse"]
     assert c["lynx-default-anchor"]["bits"] < c["lynx-default"]["bits"]
     assert len(c["bf16"]["k_vnmse_layers"]) == 2
@@ -108,7 +108,7 @@ def test_cli_json_and_plots_on_a_tiny_model(tiny_dir, tmp_path, capsys):
 
 def test_cli_table_and_markdown(tiny_dir, capsys):
     rc = run_cli(["eval", "--model", tiny_dir, "--tokens", "60", "--prompts", "1", "--window", "4",
-                  "--heldout", "0", "--schemes", "bf16,kivi4", "--markdown"])  # fmt: skip
+                  "--heldout", "0", "--prompt-offset", "5", "--schemes", "bf16,kivi4", "--markdown"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0
     assert "| codec | bits/el | K vNMSE" in out and "| kivi4 |" in out
@@ -153,3 +153,26 @@ def test_heldout_text_continues_the_document_after_the_prompt():
     doc_part = text[: -len(QUESTION)]
     assert document(starts[1], min_chars=5000).startswith(doc_part + tok.decode(held.tolist()))
     assert builtin_case(tok, 200, starts[1], 0)[1] is None
+
+
+@pytest.mark.slow
+def test_smollm2_default_scheme_drafts_well_and_the_paper_ordering_holds(smollm2):
+    """On the real model (one ~500-token prompt, W = 32): the anchor drafts most tokens right, the full code
+    is near-exact, and per-tensor INT4 >> per-tensor INT8 >> lynx full in vNMSE."""
+    from lynxkv.eval import baselines, suite
+
+    names = "fp32,int4-tensor,int8-tensor,lynx-default,lynx-default-anchor"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = suite.evaluate_model(
+            smollm2, baselines.select(names), lengths=[500], prompts=1, window=32, heldout=0, prompt_offset=40
+        )
+    finally:
+        torch.set_num_threads(threads)
+    c = result["lengths"][0]["codecs"]
+    assert c["fp32"]["agree"] == 1.0 and c["fp32"]["kl"] < 1e-9
+    assert c["lynx-default"]["kl"] < 2e-3 and c["lynx-default"]["agree"] >= 0.9
+    assert c["lynx-default-anchor"]["kl"] < 0.1 and c["lynx-default-anchor"]["agree"] >= 0.8
+    for kind in ("k_vnmse", "v_vnmse"):
+        assert c["int4-tensor"][kind] > 10 * c["int8-tensor"][kind] > 10 * c["lynx-default"][kind]

@@ -32,6 +32,9 @@ def eval_command(
     kv: str = typer.Option(None, "--kv", help="Safetensors KV dump instead of a model (KV-only metrics)."),
     tokens: str = typer.Option("1000", "--tokens", help="Context lengths in tokens, comma-separated."),
     prompts: int = typer.Option(4, "--prompts", min=1, help="Built-in prompts per length."),
+    prompt_offset: int = typer.Option(
+        0, "--prompt-offset", min=0, help="Shift the corpus sections the built-in prompts start at (other text)."
+    ),
     window: int = typer.Option(64, "--window", min=1, help="Teacher-forced draft window W (tokens)."),
     heldout: int = typer.Option(64, "--heldout", min=0, help="Held-out tokens for the perplexity change (0: off)."),
     schemes: str = typer.Option(None, "--schemes", help="Comma-separated codec names (default: all)."),
@@ -75,7 +78,8 @@ def eval_command(
             if loaded.tokenizer is None:
                 raise InputError(f"model {loaded.name!r} has no tokenizer; built-in prompts need one")
             result = suite.evaluate_model(
-                loaded, codecs, lengths=lengths, prompts=prompts, window=window, heldout=heldout, progress=progress
+                loaded, codecs, lengths=lengths, prompts=prompts, window=window, heldout=heldout,
+                prompt_offset=prompt_offset, progress=progress,
             )
     if plot_dir:
         result["plots"] = report.plot(result, plot_dir)

@@ -14,8 +14,9 @@ from lynxkv.prompts import QUESTION, builtin_prompt, document
 PROMPT_STRIDE = 17
 
 
-def prompt_starts(count: int) -> list[int]:
-    return [i * PROMPT_STRIDE for i in range(count)]
+def prompt_starts(count: int, offset: int = 0) -> list[int]:
+    """Corpus sections where the ``count`` prompts of one length start (``offset`` shifts them all)."""
+    return [offset + i * PROMPT_STRIDE for i in range(count)]
 
 
 def builtin_case(tokenizer, tokens: int, start: int, heldout: int) -> tuple[torch.Tensor, torch.Tensor | None]:

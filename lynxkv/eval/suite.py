@@ -26,16 +26,20 @@ def evaluate_model(
     prompts: int = 4,
     window: int = 64,
     heldout: int = 64,
+    prompt_offset: int = 0,
     progress=None,
 ) -> dict:
     """Score ``codecs`` on ``prompts`` built-in prompts for each length in ``lengths`` (tokens)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    result = {"kind": "model", "model": loaded.name, "window": window, "heldout": heldout, "lengths": []}
+    result = {
+        "kind": "model", "model": loaded.name, "window": window, "heldout": heldout,
+        "prompt_offset": prompt_offset, "lengths": [],
+    }  # fmt: skip
     for tokens in lengths:
         task = progress.add_task(f"{tokens} tokens", total=prompts * len(codecs)) if progress else None
         tick = (lambda: progress.advance(task)) if progress else None
         per_prompt, sizes = [], []
-        for start in prompt_starts(prompts):
+        for start in prompt_starts(prompts, prompt_offset):
             ids, held = builtin_case(loaded.tokenizer, tokens, start, heldout)
             sizes.append(int(ids.numel()))
             per_prompt.append(runner.score_prompt(loaded.model, ids, codecs, window, held, tick))
