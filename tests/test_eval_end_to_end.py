@@ -140,6 +140,19 @@ def test_cli_on_a_kv_dump_and_its_errors(tmp_path, capsys):
     assert "unknown codec 'int9'" in capsys.readouterr().err
 
 
+def test_cli_on_user_text(tiny_dir, tmp_path, capsys):
+    text = tmp_path / "story.txt"
+    text.write_text("Once upon a time a lynx cached its keys. " * 12, encoding="utf-8")  # 492 bytes = tokens
+    rc = run_cli(["eval", "--model", tiny_dir, "--text", str(text), "--tokens", "100", "--prompts", "9",
+                  "--window", "4", "--heldout", "20", "--schemes", "fp32", "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    block = json.loads(captured.out)["lengths"][0]
+    assert block["prompt_tokens"] == [100] * 4  # 492 // (100 + 20) pieces
+    assert run_cli(["eval", "--model", tiny_dir, "--text", str(text), "--tokens", "600"]) == 1
+    assert "fewer than one prompt" in capsys.readouterr().err
+
+
 def test_heldout_text_continues_the_document_after_the_prompt():
     from lynxkv.eval.inputs import builtin_case, prompt_starts
     from lynxkv.prompts import QUESTION, document

@@ -19,6 +19,14 @@ def _lengths(spec: str) -> list[int]:
     return values
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--text {path}: cannot read it as UTF-8 text ({exc})") from None
+
+
 HELP = (
     "Score lynx schemes against BF16, FP8, INT8/INT4, grouped INT (HF QuantizedCache) and KIVI on real KV caches."
     "\n\nMetrics: K/V vNMSE, attention error with the model's queries, teacher-forced draft agreement, KL and "
@@ -30,6 +38,7 @@ HELP = (
 def eval_command(
     model: str = typer.Option(None, "--model", help="HF model name/path or .gguf file (default: offline SmolLM2)."),
     kv: str = typer.Option(None, "--kv", help="Safetensors KV dump instead of a model (KV-only metrics)."),
+    text: str = typer.Option(None, "--text", help="UTF-8 text file to cut prompts from instead of built-in text."),
     tokens: str = typer.Option("1000", "--tokens", help="Context lengths in tokens, comma-separated."),
     prompts: int = typer.Option(4, "--prompts", min=1, help="Built-in prompts per length."),
     prompt_offset: int = typer.Option(
@@ -53,8 +62,8 @@ def eval_command(
 
     from lynxkv.eval import baselines, report, suite
 
-    if model and kv:
-        raise InputError("--model and --kv are exclusive: a KV dump is scored without a model")
+    if kv and (model or text):
+        raise InputError("--kv excludes --model and --text: a KV dump is scored without a model")
     codecs = baselines.select(schemes, sweep=sweep)
     if threads:
         import torch
@@ -73,13 +82,14 @@ def eval_command(
             from lynxkv.models import load_model
 
             lengths = _lengths(tokens)
+            user_text = _read_text(text) if text else None
             err.print(f"loading model {model or 'smollm2 (offline default)'} ...")
             loaded = load_model(model, dtype=torch.float32)
             if loaded.tokenizer is None:
                 raise InputError(f"model {loaded.name!r} has no tokenizer; built-in prompts need one")
             result = suite.evaluate_model(
                 loaded, codecs, lengths=lengths, prompts=prompts, window=window, heldout=heldout,
-                prompt_offset=prompt_offset, progress=progress,
+                prompt_offset=prompt_offset, text=user_text, progress=progress,
             )
     if plot_dir:
         result["plots"] = report.plot(result, plot_dir)

@@ -37,6 +37,28 @@ def builtin_case(tokenizer, tokens: int, start: int, heldout: int) -> tuple[torc
     return ids, (held if held.numel() else None)
 
 
+Case = tuple[torch.Tensor, "torch.Tensor | None"]  # (prompt ids [T], held-out ids [N] or None)
+
+
+def text_cases(tokenizer, text: str, tokens: int, count: int, heldout: int) -> list[Case]:
+    """Up to ``count`` (prompt ids ``[tokens]``, held-out ids ``[heldout]``) pairs cut one after the other from a
+    user's ``text``: prompt i is tokens ``[i·(tokens+heldout), i·(tokens+heldout) + tokens)``, its held-out text the
+    ``heldout`` tokens after it."""
+    ids = torch.tensor(tokenizer(text).input_ids, dtype=torch.long)
+    stride = tokens + heldout
+    n = min(count, ids.numel() // stride)
+    if n == 0:
+        raise InputError(
+            f"--text: the text has {ids.numel()} tokens, fewer than one prompt of {tokens} plus {heldout} held-out"
+        )
+    cases = []
+    for i in range(n):
+        start = i * stride
+        held = ids[start + tokens : start + stride] if heldout else None
+        cases.append((ids[start : start + tokens], held))
+    return cases
+
+
 def load_kv_dump(path: str) -> KVPairs:
     """Per-layer (keys, values) ``[H, T, D]`` in fp32 from a safetensors KV dump (the naming conventions of
     :mod:`lynxkv.inputs`: ``layers.{i}.key`` / ``past_key_values.{i}.value``, ``[H, T, D]`` or ``[1, H, T, D]``).

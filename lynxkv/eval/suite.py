@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from lynxkv.eval import runner
-from lynxkv.eval.inputs import builtin_case, load_kv_dump, prompt_starts
+from lynxkv.eval.inputs import builtin_case, load_kv_dump, prompt_starts, text_cases
 
 
 def evaluate_model(
@@ -27,9 +27,11 @@ def evaluate_model(
     window: int = 64,
     heldout: int = 64,
     prompt_offset: int = 0,
+    text: str | None = None,
     progress=None,
 ) -> dict:
-    """Score ``codecs`` on ``prompts`` built-in prompts for each length in ``lengths`` (tokens)."""
+    """Score ``codecs`` on ``prompts`` prompts for each length in ``lengths`` (tokens): built-in prompts, or
+    consecutive pieces of ``text`` when given."""
     t0, c0 = time.perf_counter(), time.process_time()
     result = {
         "kind": "model", "model": loaded.name, "window": window, "heldout": heldout,
@@ -39,8 +41,12 @@ def evaluate_model(
         task = progress.add_task(f"{tokens} tokens", total=prompts * len(codecs)) if progress else None
         tick = (lambda: progress.advance(task)) if progress else None
         per_prompt, sizes = [], []
-        for start in prompt_starts(prompts, prompt_offset):
-            ids, held = builtin_case(loaded.tokenizer, tokens, start, heldout)
+        if text is None:
+            starts = prompt_starts(prompts, prompt_offset)
+            cases = (builtin_case(loaded.tokenizer, tokens, s, heldout) for s in starts)
+        else:
+            cases = iter(text_cases(loaded.tokenizer, text, tokens, prompts, heldout))
+        for ids, held in cases:
             sizes.append(int(ids.numel()))
             per_prompt.append(runner.score_prompt(loaded.model, ids, codecs, window, held, tick))
         result["lengths"].append(
