@@ -44,3 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
+from lynxkv.cli import eval as _eval  # noqa: E402,F401  (eval)

@@ -1,0 +1,1 @@
+"""Offline evaluation of KV-cache codecs: metrics, baselines, draft quality, reports (``lynxkv eval``)."""
