@@ -76,3 +76,13 @@ class StepLoad:
 
     def close(self):
         pass
+
+
+def single_thread():
+    """Tiny models run fastest on one intra-op thread (two threads on a shared 2-core box mostly spin)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -9,7 +9,10 @@ from conftest import make_tiny_llama
 from lynxkv.loading import PreparedLoad
 from lynxkv.models import model_fingerprint
 from lynxkv.spec_decode import RunConfig, decode_plain, run, stream
-from runner_helpers import StepLoad, caches, perturbed, prompt_ids
+from runner_helpers import single_thread, StepLoad, caches, perturbed, prompt_ids
+
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
 @pytest.fixture(scope="module")

@@ -215,7 +215,7 @@ def stream(
             eta, step = load.residual_eta(), sum(step_times) / len(step_times)
             if eta is not None and eta < config.eta_guard * step:
                 stats.waited_on_eta = True
-                concurrent.futures.wait([residual], timeout=eta + step)
+                concurrent.futures.wait([residual], timeout=eta + 2 * step + 0.01)  # slack for a late wake-up
                 if residual.done():
                     break
         if draft_cache is None:
