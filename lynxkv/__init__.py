@@ -5,12 +5,20 @@ Each KV page is quantized to an 8-bit code per element and split into a high-bit
 verifies the drafts in one pass, so the output equals decoding on the full code.
 """
 
+from lynxkv.cache import CacheInfo, EncodedCache, LynxCache, encode_kv, open_cache, save_cache, verify_file
 from lynxkv.errors import ChecksumError, FormatError, InputError, LynxError, SchemeError
 from lynxkv.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheInfo",
+    "EncodedCache",
+    "LynxCache",
+    "encode_kv",
+    "open_cache",
+    "save_cache",
+    "verify_file",
     "DEFAULT",
     "PAPER",
     "PRESETS",

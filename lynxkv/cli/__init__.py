@@ -23,6 +23,7 @@ app = typer.Typer(
 
 # Each command module registers itself on `app` when imported.
 from lynxkv.cli import codec  # noqa: E402,F401  (encode, decode, inspect, verify)
+from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,228 @@
+"""``lynxkv stream``, ``lynxkv serve`` and ``lynxkv tier``: moving caches between tiers and over the network."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import typer
+
+from lynxkv.cli import app
+from lynxkv.cli.console import err, out, print_json
+from lynxkv.errors import InputError, LynxError
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
+def _progress():
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TransferSpeedColumn)
+
+    return Progress(TextColumn("{task.description:<9}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeElapsedColumn(), console=err, transient=False)
+
+
+class _Saver:
+    """Writes what a load receives to DEST (and its residual next to it) only once every page has been
+    verified: residual first, then the anchor, each atomically (an anchor never points at a missing residual)."""
+
+    def __init__(self, dest: str, residual_dest: str | None):
+        from lynxkv.stream.tiers import AtomicWriter
+
+        self.dest, self.residual_dest = dest, residual_dest
+        self._make = AtomicWriter
+        self.parts: dict[str, list[bytes]] = {"anchor": [], "residual": []}
+        self._lock = threading.Lock()
+
+    def tee(self, segment: str, offset: int, data: bytes) -> None:
+        with self._lock:
+            self.parts[segment].append(bytes(data))
+
+    def commit(self, load, anchor_only: bool) -> dict:
+        from lynxkv.format import constants as c
+        from lynxkv.stream.tiers import has_protocol, resolve_location
+
+        h = load.header
+        seg = h.segment(c.SEGMENT_RESIDUAL)
+        written = {}
+        anchor = b"".join(self.parts["anchor"])
+        residual = b"".join(self.parts["residual"])
+        if seg is not None and seg.placement == c.PLACEMENT_INLINE:
+            if not load.is_tcp:  # two range streams over one file: put it back together
+                anchor = anchor + residual
+            if anchor_only:
+                raise LynxError("the residual of this single-file cache failed; nothing was written")
+            with self._make(self.dest) as w:
+                w.write(anchor)
+            return {"anchor": self.dest}
+        if not anchor_only:
+            rdest = self.residual_dest
+            if rdest is None:
+                if has_protocol(seg.location) or seg.location.startswith("/"):
+                    raise InputError(f"the anchor records its residual at the absolute location {seg.location}; "
+                                     "say where to write the copy with --residual-out")
+                rdest = resolve_location(self.dest, seg.location)
+            with self._make(rdest) as w:
+                w.write(residual)
+            written["residual"] = rdest
+        with self._make(self.dest) as w:
+            w.write(anchor)
+        written["anchor"] = self.dest
+        return written
+
+
+@app.command()
+def stream(
+    source: str = typer.Argument(..., help="Cache to load: path or URL of the anchor file, or tcp://HOST:PORT."),
+    output: str = typer.Option(None, "-o", "--output", help="Save the received cache here (path or URL)."),
+    residual: str = typer.Option(None, "--residual", help="Read the residual from here instead of the "
+                                 "location the anchor header records."),
+    residual_out: str = typer.Option(None, "--residual-out", help="Where to save the residual copy (default: "
+                                     "the anchor's recorded relative location, next to --output)."),
+    bandwidth: str = typer.Option(None, "--bandwidth", help="Emulated link rate shared by both streams, e.g. "
+                                  "1Gbps, 500Mbps, 100MB/s (the anchor has strict priority)."),
+    latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
+    allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual fails, finish "
+                                           "with the anchor only (lossy, flagged) instead of failing."),
+    inflight: int = typer.Option(4, "--inflight", min=1, max=64, help="Range requests in flight per segment."),
+    as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
+) -> None:
+    """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
+    from lynxkv.stream.progressive import open_progressive
+    from lynxkv.stream.report import transfer_report
+    from lynxkv.stream.units import format_rate
+
+    saver = _Saver(output, residual_out) if output else None
+    load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
+                            allow_anchor_only=allow_anchor_only, inflight=inflight, decode=False,
+                            tee=saver.tee if saver else None)
+    try:
+        with _progress() as bars:
+            ta = bars.add_task("anchor", total=None)
+            tr = bars.add_task("residual", total=None)
+            while not load.residual.done() and not (load.anchor_only and load._anchor_done.is_set()):
+                a_total, r_total = load.sizes
+                bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
+                bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
+                time.sleep(0.05)
+            a_total, r_total = load.sizes
+            bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
+            bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
+        failure = load.residual.exception()
+        if failure is not None and not allow_anchor_only:
+            raise failure
+        report = transfer_report(load, source=source)
+        if saver is not None:
+            report["written"] = saver.commit(load, anchor_only=failure is not None)
+    finally:
+        load.close()
+
+    if failure is not None:
+        err.print(f"[bold yellow]warning:[/] residual failed, anchor only (lossy): {failure}", highlight=False)
+    if as_json:
+        print_json(report)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"lynxkv stream {source}", title_justify="left")
+    for col in ("stream", "ready", "bytes", "rate"):
+        t.add_column(col, justify="right" if col != "stream" else "left")
+    t.add_row("anchor", _fmt_s(report["anchor_ready_s"]), f"{report['anchor_bytes']:,}",
+              format_rate(report["anchor_rate"]) if report["anchor_rate"] else "-")
+    t.add_row("residual", _fmt_s(report["residual_ready_s"]) if failure is None else "FAILED",
+              f"{report['residual_bytes']:,}", format_rate(report["residual_rate"]) if report["residual_rate"] else "-")
+    t.add_row("total", "", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
+              format_rate(report["total_rate"]) if report["total_rate"] else "-")
+    out.print(t)
+    if report.get("monolithic"):
+        m = Table(title="monolithic transfer of the same cache on this link", title_justify="left")
+        for col in ("format", "bytes", "time"):
+            m.add_column(col, justify="right" if col != "format" else "left")
+        for name, row in report["monolithic"].items():
+            m.add_row(name.upper(), f"{row['bytes']:,}", _fmt_s(row["seconds"]))
+        m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", _fmt_s(report["anchor_ready_s"]))
+        m.add_row("lynx full", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
+                  _fmt_s(report["residual_ready_s"]))
+        out.print(m)
+    if report.get("written"):
+        err.print("wrote " + ", ".join(f"{k} {v}" for k, v in report["written"].items()), highlight=False)
+
+
+@app.command()
+def serve(
+    cache: str = typer.Argument(..., help="The cache to serve: path or URL of its anchor file."),
+    port: int = typer.Option(7070, "--port", help="TCP port (0 picks a free one; the port is printed)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    residual: str = typer.Option(None, "--residual", help="Residual location override."),
+    bandwidth: str = typer.Option(None, "--bandwidth", help="Rate limit shared by both connections, e.g. 1Gbps."),
+    latency: str = typer.Option(None, "--latency", help="Emulated latency added to the rate limit, e.g. 2ms."),
+    dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of the anchor connection (EF, AF41, 46)."),
+    dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of the residual connection (CS1)."),
+    once: bool = typer.Option(False, "--once", help="Exit after the cache has been sent completely once."),
+) -> None:
+    """Serve a cache over TCP: the anchor and the residual on separate connections, anchor first."""
+    from lynxkv.format import constants as c
+    from lynxkv.stream.relocate import anchor_header_of
+    from lynxkv.stream.tcp import CacheServer, SegmentFile, parse_dscp
+    from lynxkv.stream.tiers import local_path, read_all, resolve_location
+    from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
+
+    anchor = read_all(cache)
+    h = anchor_header_of(anchor)
+    seg = h.segment(c.SEGMENT_RESIDUAL)
+    res_file = None
+    if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
+        rurl = residual or resolve_location(cache, seg.location)
+        res_file = SegmentFile(seg.location, read_all(rurl))
+    name = os.path.basename(local_path(cache).rstrip("/"))
+    bw = parse_bandwidth(bandwidth)
+    server = CacheServer(SegmentFile(name, anchor), res_file, host=host, port=port, bandwidth=bw,
+                         latency=parse_duration(latency), dscp_anchor=parse_dscp(dscp_anchor),
+                         dscp_residual=parse_dscp(dscp_residual),
+                         log=lambda msg: err.print(msg, highlight=False))
+    err.print(f"serving {cache} on tcp://{server.host}:{server.port} (rate {format_rate(bw)})", highlight=False)
+    try:
+        done = (lambda: server.stats.completed["anchor"] >= 1 and
+                (res_file is None or server.stats.completed["residual"] >= 1)) if once else None
+        server.serve_forever(until=done)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+
+
+@app.command()
+def tier(
+    src: str = typer.Argument(..., help="The cache's anchor file (path or URL)."),
+    dst: str = typer.Argument(None, help="New location of the anchor file (default: leave it where it is)."),
+    residual_to: str = typer.Option(None, "--residual-to", help="New location of the residual (path or URL)."),
+    keep: bool = typer.Option(False, "--keep", help="Copy instead of move (keep the source files)."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was moved as JSON on stdout."),
+) -> None:
+    """Move a cache's anchor and/or residual between tiers (local, s3://, memory://, ...), atomically.
+
+    Each segment is read, checked page by page (CRC-32) and published only if it is intact; after the copy the
+    destination is read back and its CRC-32 compared. When the residual moves, the anchor header is rewritten to
+    record its new location (relative when it sits next to the anchor)."""
+    from lynxkv.stream.tiermove import move_cache
+
+    if dst is None and residual_to is None:
+        raise InputError("nothing to do: give a destination for the anchor and/or --residual-to")
+    with _progress() as bars:
+        tasks: dict[str, int] = {}
+
+        def progress(segment: str, done: int, total: int) -> None:
+            if segment not in tasks:
+                tasks[segment] = bars.add_task(segment, total=total)
+            bars.update(tasks[segment], completed=done, total=total)
+
+        result = move_cache(src, dst, residual_to=residual_to, keep=keep, progress=progress)
+    if as_json:
+        print_json(result)
+    else:
+        for k, v in result["moved"].items():
+            out.print(f"{k}: {v['from']} -> {v['to']} ({v['bytes']:,} bytes, crc32 {v['crc32']:08x})")
+        out.print(f"residual location recorded in the anchor: {result['residual_location']}")

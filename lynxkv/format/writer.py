@@ -1,0 +1,168 @@
+"""Writing ``.lynx`` v1: page records -> sections -> files, atomically.
+
+:func:`build_files` turns an :class:`~lynxkv.cache.EncodedCache` into the exact bytes of the anchor file and
+(unless ``single_file``) the residual file; it is deterministic given ``cache_id`` (the golden examples of
+spec/FORMAT.md rely on that). :func:`write_atomic` puts bytes under a path through a temporary file in the
+same directory, fsync and rename, so a crash never leaves a half-written file under the real name.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lynxkv.errors import InputError
+from lynxkv.format import constants as c
+from lynxkv.format.layout import (
+    AnchorHeader,
+    PageEntry,
+    ResidualHeader,
+    SegmentEntry,
+    crc32,
+    pack_anchor_header,
+    pack_index,
+    pack_residual_header,
+)
+from lynxkv.format.records import choose_codec, encode_anchor_record, encode_residual_record
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lynxkv.cache import EncodedCache
+
+
+@dataclass(frozen=True)
+class BuiltFiles:
+    anchor: bytes  # the anchor file (with the residual section inline when single_file)
+    residual: bytes | None  # the residual file, or None for a single file
+    header: AnchorHeader
+
+
+def _section(records: list[bytes], lead: int, zstd: bool) -> tuple[list[PageEntry], list[bytes]]:
+    """Index entries and stored payloads; ``lead`` = bytes before the first page inside the section."""
+    entries, stored = [], []
+    pos = lead
+    for raw in records:
+        codec, data = choose_codec(raw, zstd)
+        entries.append(PageEntry(pos, len(data), len(raw), codec, crc32(data)))
+        stored.append(data)
+        pos += len(data)
+    return entries, stored
+
+
+def _page_records(enc: "EncodedCache") -> tuple[list[bytes], list[bytes]]:
+    s = enc.scheme
+    anchors, residuals = [], []
+    for keys, values in enc.layers:  # layer-major streaming order
+        for p in range(enc.pages_per_layer):
+            start, stop = p * s.page, min((p + 1) * s.page, enc.tokens)
+            k, v = keys.tokens(start, stop, s.chunk), values.tokens(start, stop, s.chunk)
+            anchors.append(encode_anchor_record(k, v, s))
+            residuals.append(encode_residual_record(k, v, s))
+    return anchors, residuals
+
+
+def build_files(enc: "EncodedCache", *, cache_id: bytes | None = None, single_file: bool = False,
+                zstd: bool = False, residual_location: str = "") -> BuiltFiles:
+    """The bytes of a ``.lynx`` cache. ``residual_location`` is the residual file's path relative to the anchor
+    file's directory (or a URL); it is ignored for a single file."""
+    cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+    if len(cache_id) != 16:
+        raise InputError(f"cache_id: expected 16 bytes, got {len(cache_id)}")
+    if not single_file and not residual_location:
+        raise InputError("residual_location: a two-file cache needs the residual file's location")
+    if len(residual_location.encode("utf-8")) > c.MAX_LOCATION:
+        raise InputError(f"residual_location: at most {c.MAX_LOCATION} bytes")
+    names = tuple(enc.names or ())
+    if names and (len(names) != 2 * len(enc.layers) or any("\n" in n or not n for n in names)):
+        raise InputError(f"names: expected {2 * len(enc.layers)} non-empty names without newlines")
+    fingerprint = enc.model_fingerprint or ""
+    prompt = tuple(int(t) for t in (enc.prompt_token_ids or ()))
+    if any(not 0 <= t < 2**32 for t in prompt):
+        raise InputError("prompt_token_ids: every id must fit in 32 bits")
+    layers, heads, dim = len(enc.layers), enc.kv_heads, enc.head_dim
+    for name, value, cap in (("layers", layers, c.MAX_LAYERS), ("kv_heads", heads, c.MAX_KV_HEADS),
+                             ("head_dim", dim, c.MAX_HEAD_DIM), ("tokens", enc.tokens, c.MAX_TOKENS),
+                             ("prompt_token_ids", len(prompt), c.MAX_PROMPT_TOKENS)):
+        if not (0 if name in ("tokens", "prompt_token_ids") else 1) <= value <= cap:
+            raise InputError(f"{name}: {value} is outside what format v1 stores (at most {cap})")
+
+    anchor_records, residual_records = _page_records(enc)
+    n_pages = len(anchor_records)
+    index_size = n_pages * c.PAGE_ENTRY_SIZE
+    a_entries, a_stored = _section(anchor_records, index_size, zstd)
+    a_index = pack_index(a_entries)
+    a_length = index_size + sum(len(b) for b in a_stored)
+
+    r_lead = c.RESIDUAL_HEADER_SIZE + index_size
+    r_entries, r_stored = _section(residual_records, r_lead, zstd)
+    r_index = pack_index(r_entries)
+    r_head = pack_residual_header(ResidualHeader(cache_id, layers, heads, dim, enc.tokens, enc.scheme.page,
+                                                 enc.scheme.residual_bits, crc32(r_index)))
+    residual = b"".join([r_head, r_index, *r_stored])
+
+    def header(anchor_offset: int) -> AnchorHeader:
+        anchor_seg = SegmentEntry(c.SEGMENT_ANCHOR, c.PLACEMENT_INLINE, n_pages, anchor_offset, a_length,
+                                  crc32(a_index))
+        if single_file:
+            res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_INLINE, n_pages, anchor_offset + a_length,
+                                   len(residual), crc32(r_index))
+        else:
+            res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_EXTERNAL, n_pages, 0, len(residual),
+                                   crc32(r_index), residual_location)
+        return AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id,
+                            (anchor_seg, res_seg), prompt, fingerprint, names,
+                            c.FLAG_BATCH_DIM if enc.batch_dim else 0)
+
+    # The header holds the anchor section's offset, which is the header's own length: pack once to learn it.
+    length = len(pack_anchor_header(header(0)))
+    h = header(length)
+    head = pack_anchor_header(h)
+    assert len(head) == length  # offsets are fixed-width, so the length cannot change
+    anchor = b"".join([head, a_index, *a_stored] + ([residual] if single_file else []))
+    from dataclasses import replace
+
+    return BuiltFiles(anchor, None if single_file else residual, replace(h, header_length=length))
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, rename."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise InputError(f"{path}: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable where the platform allows it
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def default_residual_path(anchor_path: str | os.PathLike) -> Path:
+    p = Path(anchor_path)
+    return p.with_suffix(c.RESIDUAL_SUFFIX) if p.suffix == ".lynx" else p.with_name(p.name + c.RESIDUAL_SUFFIX)
+
+
+def relative_location(anchor_path: str | os.PathLike, residual_path: str | os.PathLike) -> str:
+    """The residual's location as written into the anchor header: relative to the anchor's directory."""
+    a = Path(os.path.abspath(anchor_path)).parent
+    r = Path(os.path.abspath(residual_path))
+    return Path(os.path.relpath(r, a)).as_posix()

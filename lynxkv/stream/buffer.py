@@ -1,0 +1,93 @@
+"""A byte source fed by an ordered block stream: the bridge between transports and the format's readers.
+
+The format reads through ``src.read(offset, length)`` on an object with ``size``. A :class:`StreamBuffer` offers
+exactly that over bytes that are still arriving: ``read`` blocks until the range is in, then returns it. The
+reader calls :meth:`release` once it has used everything below an offset; the buffer drops those blocks, and the
+feeding side waits while more than ``cap`` bytes are held beyond what was released (unless a reader is waiting
+for bytes further on), so memory stays bounded however large the segment is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from lynxkv.errors import FormatError, LynxError
+
+
+class StreamClosed(LynxError):
+    """The load was closed while a read was waiting."""
+
+
+class StreamBuffer:
+    def __init__(self, size: int, name: str, *, base: int = 0, cap: int = 16 << 20):
+        self.size = size  # absolute size of the object the offsets refer to
+        self.name = name
+        self.base = base
+        self.cap = cap
+        self.received = 0  # bytes fed so far
+        self._blocks: deque[tuple[int, bytes]] = deque()
+        self._have = base  # end offset of the bytes received
+        self._released = base
+        self._want = base
+        self._error: BaseException | None = None
+        self._finished = False
+        self._cond = threading.Condition()
+
+    # -- feeding side
+    def feed(self, offset: int, data: bytes) -> None:
+        with self._cond:
+            if offset != self._have:
+                raise FormatError(f"{self.name}: block at byte {offset} arrived out of order (expected {self._have})",
+                                  where=self.name)
+            while (self._have - self._released > self.cap and self._want <= self._have
+                   and self._error is None):
+                self._cond.wait(0.5)
+            if self._error is not None:
+                raise self._error
+            self._blocks.append((offset, data))
+            self._have += len(data)
+            self.received += len(data)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    # -- reading side (the format's ByteSource protocol)
+    def read(self, offset: int, length: int) -> bytes:
+        end = min(offset + max(length, 0), self.size)
+        with self._cond:
+            if offset < self._released:
+                raise FormatError(f"{self.name}: byte {offset} was already released (reads must move forward)",
+                                  where=self.name)
+            self._want = max(self._want, end)
+            while self._have < end:
+                if self._error is not None:
+                    raise self._error
+                if self._finished:
+                    break  # the object ended early: return what there is; the format reports the truncation
+                self._cond.notify_all()
+                self._cond.wait(0.5)
+            out = bytearray()
+            for boff, data in self._blocks:
+                if boff >= end:
+                    break
+                if boff + len(data) <= offset:
+                    continue
+                out += data[max(0, offset - boff):end - boff]
+            return bytes(out)
+
+    def release(self, upto: int) -> None:
+        with self._cond:
+            self._released = max(self._released, upto)
+            while self._blocks and self._blocks[0][0] + len(self._blocks[0][1]) <= self._released:
+                self._blocks.popleft()
+            self._cond.notify_all()

@@ -1,0 +1,142 @@
+"""An emulated network link: one token bucket shared by the anchor and residual streams, strict priority.
+
+Model. The link serialises bytes at ``bandwidth`` bytes/s and delivers each byte ``latency`` seconds after it was
+serialised (a pipe: latency adds once per stream, not once per block). Both streams draw from ONE token bucket:
+
+    tokens(t) = min(burst, tokens(t0) + bandwidth * (t - t0))      # refill, capped at `burst` bytes
+    send(n):  tokens -= n;  sleep until tokens >= 0                  # debt model: exact long-run rate
+
+The cap ``burst`` absorbs scheduler hiccups (a thread woken late does not lose link time) without letting a
+stream exceed the rate for long. Strict priority: a residual block is granted only while no anchor block is
+waiting, so the residual gets exactly what the anchor leaves (the paper's rule; a stalled anchor source leaves
+the link to the residual). Blocks are granted whole, so a grant delays the anchor by at most one residual block:
+callers send in quanta of ``quantum`` bytes.
+
+Per stream the link records bytes and the first-grant / last-delivery times, from which the measured rates are
+reported.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+ANCHOR, RESIDUAL = 0, 1
+STREAM_NAMES = ("anchor", "residual")
+
+
+@dataclass
+class StreamStats:
+    bytes: int = 0
+    first_s: float | None = None  # when its first byte started on the wire (seconds since the link was made)
+    last_s: float | None = None  # when its last byte was delivered
+
+    @property
+    def rate(self) -> float | None:
+        """Measured bytes/s over the stream's own active interval."""
+        if self.first_s is None or self.last_s is None or self.last_s <= self.first_s:
+            return None
+        return self.bytes / (self.last_s - self.first_s)
+
+
+class EmulatedLink:
+    """A shared, rate-limited, strictly prioritised link (``bandwidth=None``: priority only, no rate limit)."""
+
+    def __init__(self, bandwidth: float | None, latency: float = 0.0, *, quantum: int = 256 * 1024,
+                 burst: int | None = None):
+        self.bandwidth = bandwidth
+        self.latency = latency
+        self.quantum = quantum
+        # 2 ms of link time: enough to forgive a late wake-up, too little to distort a measured rate.
+        self.burst = burst if burst is not None else int((bandwidth or 0) * 0.002)
+        self.t0 = time.perf_counter()
+        self._cond = threading.Condition()
+        self._waiting = [0, 0]  # blocks waiting for a grant, per stream
+        self._tokens = 0.0
+        self._refilled_at: float | None = None  # the bucket starts empty at the first send
+        self._idle = True
+        self.stats = (StreamStats(), StreamStats())
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def send(self, stream: int, nbytes: int) -> float:
+        """Block until ``nbytes`` of ``stream`` have been serialised; return the perf_counter time at which they
+        are delivered (serialisation end + latency).
+
+        The whole send counts as waiting demand of its stream from the first quantum to the last, so a lower
+        priority cannot slip in between the quanta of one send; large sends are still charged quantum by
+        quantum so the bucket never runs far into debt."""
+        with self._cond:
+            self._waiting[stream] += 1
+            while any(self._waiting[s] for s in range(stream)):  # a higher-priority send is waiting
+                self._cond.wait()
+            st = self.stats[stream]
+            if st.first_s is None:
+                st.first_s = self.now()
+        try:
+            remaining = max(nbytes, 0)
+            while remaining > 0:
+                n = min(remaining, self.quantum)
+                with self._cond:  # a higher priority that arrived meanwhile goes first, from the next quantum on
+                    while any(self._waiting[s] for s in range(stream)):
+                        self._cond.wait()
+                self._charge(n)
+                remaining -= n
+                with self._cond:
+                    st.bytes += n
+        finally:
+            end = time.perf_counter()
+            with self._cond:
+                self._waiting[stream] -= 1
+                if nbytes > 0:
+                    st.last_s = end + self.latency - self.t0
+                if not any(self._waiting):
+                    self._idle = True
+                self._cond.notify_all()
+        return end + self.latency
+
+    @contextmanager
+    def hold(self, stream: int):
+        """Count ``stream`` as having demand for the whole ``with`` block (a sender with a whole segment queued),
+        so lower priorities wait even between its sends."""
+        with self._cond:
+            self._waiting[stream] += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._waiting[stream] -= 1
+                self._cond.notify_all()
+
+    def _charge(self, n: int) -> None:
+        """Take ``n`` tokens from the shared bucket and sleep off any debt (outside the lock)."""
+        if self.bandwidth is None:
+            return
+        with self._cond:
+            now = time.perf_counter()
+            if self._refilled_at is None or self._idle:  # after an idle spell the bucket starts empty:
+                self._refilled_at, self._tokens, self._idle = now, 0.0, False  # no credit for idle time
+            self._tokens = min(self.burst, self._tokens + (now - self._refilled_at) * self.bandwidth)
+            self._refilled_at = now
+            self._tokens -= n
+            wait = -self._tokens / self.bandwidth
+        if wait > 0:
+            time.sleep(wait)
+
+    def report(self) -> dict:
+        """Measured per-stream and total figures (bytes, seconds since the link was made, bytes/s)."""
+        a, r = self.stats
+        firsts = [s.first_s for s in self.stats if s.first_s is not None]
+        lasts = [s.last_s for s in self.stats if s.last_s is not None]
+        total = a.bytes + r.bytes
+        span = (max(lasts) - min(firsts)) if firsts and lasts else None
+        return {
+            "bandwidth": self.bandwidth,
+            "latency_s": self.latency,
+            "anchor": {"bytes": a.bytes, "first_s": a.first_s, "last_s": a.last_s, "rate": a.rate},
+            "residual": {"bytes": r.bytes, "first_s": r.first_s, "last_s": r.last_s, "rate": r.rate},
+            "total": {"bytes": total, "span_s": span, "rate": (total / span) if span else None},
+        }

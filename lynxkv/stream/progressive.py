@@ -1,0 +1,569 @@
+"""The progressive reader: a cache loading anchor first, page by page, from any tier or a TCP server.
+
+``open_progressive(source)`` returns a :class:`ProgressiveLoad` (the :class:`~lynxkv.loading.CacheLoad` the decode
+runner consumes). Threads and their roles:
+
+- one *pump* per segment moves ordered blocks from its transport (ranged reads with several requests in flight
+  for storage URLs, or a TCP connection) through the shared emulated link into a bounded :class:`StreamBuffer`;
+- one *parser* per segment reads the segment's header and page index with the format's own functions, then cuts
+  each page out of the stream in file order (layer-major), checks its CRC-32 and decodes it
+  (``decode_anchor_page`` / ``decode_residual_page``); a page whose checksum fails is never handed on;
+- one *consumer* takes decoded pages from a priority queue, anchor pages first (the receiver drains anchor
+  buffers before residual ones), holds residual pages back until the anchor is complete, emits the events
+  ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or ``residual_failed``), and
+  builds the dequantized KV: anchor-only at ``anchor_ready``, full at ``residual_ready``.
+
+Residual failures. Transient transport errors are retried with backoff inside the pump (see ``sources`` and
+``tcp``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
+object, a connection that keeps failing. Then ``residual`` fails with that LynxError and
+``timeline.residual_failed`` says why. With ``allow_anchor_only=False`` (the default) the whole load is failed:
+``wait_anchor`` and the event iterator raise too. With ``allow_anchor_only=True`` the anchor stays usable, the
+loss is flagged (``timeline.residual_failed``, ``anchor_only`` property, a ``residual_failed`` event) and the
+caller decides what to do with explicitly lossy anchor-only KV.
+
+Timeline. ``anchor_ready_s``/``residual_ready_s`` are the times the dequantized KV is ready; ``extra`` holds the
+times the last verified byte of each segment arrived (``anchor_arrived_s``, ``residual_arrived_s``), the link's
+measured rates, and retry counts.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from lynxkv.errors import FormatError, InputError, LynxError
+from lynxkv.format import constants as c
+from lynxkv.format.layout import page_tokens
+from lynxkv.format.records import check_and_decompress
+from lynxkv.format.reader import (
+    decode_anchor_page,
+    decode_residual_page,
+    read_anchor_header,
+    read_anchor_index,
+    read_residual_section,
+)
+from lynxkv.loading import KVPairs, LoadTimeline
+from lynxkv.quant.reference import EncodedTensor, dequantize
+from lynxkv.stream.buffer import StreamBuffer, StreamClosed
+from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
+from lynxkv.stream.sources import Fetch, RangeSource, RetryPolicy
+from lynxkv.stream.tiers import resolve_location, segment_size
+from lynxkv.stream.units import parse_bandwidth, parse_duration
+
+EVENT_KINDS = ("anchor_page", "anchor_ready", "residual_page", "residual_ready", "residual_failed", "error")
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    kind: str  # one of EVENT_KINDS
+    t: float  # seconds since the load started
+    layer: int | None = None
+    page: int | None = None
+    bytes: int = 0  # stored bytes of this page (page events)
+    message: str | None = None  # residual_failed / error
+
+
+class ResidualUnavailable(LynxError):
+    """The residual could not be loaded; only the (lossy) anchor is available."""
+
+
+class ProgressiveLoad:
+    """A cache loading progressively (see the module docstring). Use :func:`open_progressive` to make one."""
+
+    def __init__(self, source: str, *, residual: str | None = None, link: EmulatedLink | None = None,
+                 on_event: Callable[[LoadEvent], None] | None = None, allow_anchor_only: bool = False,
+                 storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
+                 retry: RetryPolicy | None = None, dtype: torch.dtype = torch.float32,
+                 fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
+                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None):
+        self.source = source
+        self.residual_override = residual
+        self.link = link
+        self.on_event = on_event
+        self.allow_anchor_only = allow_anchor_only
+        self.storage_options = storage_options
+        self.inflight, self.block_size = inflight, block_size
+        self.retry = retry or RetryPolicy()
+        self.dtype = dtype
+        self.fetch_hook = fetch_hook
+        self.is_tcp = source.startswith("tcp://")
+        self.decode = decode
+        self.tee = tee
+
+        self.header = None
+        self.prompt_token_ids: list[int] | None = None
+        self.model_fingerprint: str | None = None
+        self.residual_url: str | None = None
+
+        self._t0 = time.perf_counter()
+        self._timeline = LoadTimeline()
+        self._timeline.extra.update(anchor_arrived_s=None, residual_arrived_s=None, retries=[])
+        self._events: list[LoadEvent] = []
+        self._events_cond = threading.Condition()
+        self._finished = False  # no more events will come
+        self._header_ready = threading.Event()
+        self._anchor_done = threading.Event()
+        self._anchor_kv: KVPairs | None = None
+        self._anchor_error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._future: Future = Future()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._residual_slots = threading.Semaphore(max_pending_pages)
+        self._closed = threading.Event()
+        self._buffers: list[StreamBuffer] = []
+        self._closers: list[Callable[[], None]] = []
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._residual_bytes_total: int | None = None
+        self._residual_rate_t: tuple[float, int] | None = None
+        self._residual_buf: StreamBuffer | None = None
+        self._kv_out: tuple = ([], [])
+        self._anchor_size = 0
+        self._threads = [
+            threading.Thread(target=self._guard, args=("anchor", self._anchor_worker), daemon=True,
+                             name="lynxkv-anchor"),
+            threading.Thread(target=self._guard, args=("residual", self._residual_worker), daemon=True,
+                             name="lynxkv-residual"),
+            threading.Thread(target=self._consumer, daemon=True, name="lynxkv-consumer"),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------------------------------ public API
+    def wait_anchor(self, timeout: float | None = None) -> KVPairs:
+        if not self._anchor_done.wait(timeout):
+            raise TimeoutError("anchor not ready")
+        if self._anchor_error is not None:
+            raise self._anchor_error
+        if self._fatal is not None:
+            raise self._fatal
+        return self._anchor_kv  # type: ignore[return-value]
+
+    @property
+    def residual(self) -> Future:
+        return self._future
+
+    @property
+    def sizes(self) -> tuple[int | None, int | None]:
+        """(anchor bytes, residual bytes) to transfer, as far as known yet (None until known)."""
+        return (self._anchor_size or None), self._residual_bytes_total
+
+    @property
+    def anchor_only(self) -> bool:
+        """True when the residual failed and only the lossy anchor is available."""
+        return self._timeline.residual_failed is not None
+
+    def residual_eta(self) -> float | None:
+        if self._future.done():
+            return 0.0
+        total = self._residual_bytes_total
+        got = self._timeline.residual_bytes
+        if self.link is not None and self.link.bandwidth:
+            a = self.header
+            remaining_anchor = 0 if self._anchor_done.is_set() or a is None else max(
+                0, self._anchor_size - self._timeline.anchor_bytes)
+            if total is not None:
+                return (remaining_anchor + total - got) / self.link.bandwidth + self.link.latency
+        if total is None or not got or self._residual_rate_t is None:
+            return None
+        t_first, _ = self._residual_rate_t
+        elapsed = time.perf_counter() - t_first
+        return (total - got) / (got / elapsed) if elapsed > 0 else None
+
+    @property
+    def timeline(self) -> LoadTimeline:
+        if self.link is not None:
+            self._timeline.extra["link"] = self.link.report()
+        return self._timeline
+
+    def events(self, timeout: float | None = None) -> Iterator[LoadEvent]:
+        """Every event from the start, as it happens; ends after ``residual_ready`` / ``residual_failed``.
+        Raises the load's error at the end when the load failed (and anchor-only was not allowed)."""
+        i = 0
+        while True:
+            with self._events_cond:
+                while i >= len(self._events) and not self._finished:
+                    if not self._events_cond.wait(timeout):
+                        raise TimeoutError("no load event within the timeout")
+                batch = self._events[i:]
+                finished = self._finished
+            for ev in batch:
+                yield ev
+            i += len(batch)
+            if finished and i >= len(self._events):
+                break
+        err = self._anchor_error or self._fatal
+        if err is not None:
+            raise err
+
+    def __iter__(self) -> Iterator[LoadEvent]:
+        return self.events()
+
+    def close(self) -> None:
+        self._closed.set()
+        for b in self._buffers:
+            b.fail(StreamClosed("load closed"))
+        for fn in self._closers:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort on shutdown
+                pass
+        self._queue.put((9, -1, ("stop",)))
+        for t in self._threads:  # let the workers leave torch code before the caller goes on (or exits)
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+
+    def __enter__(self) -> "ProgressiveLoad":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ plumbing
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _emit(self, ev: LoadEvent) -> None:
+        with self._events_cond:
+            self._events.append(ev)
+            self._events_cond.notify_all()
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:  # noqa: BLE001 - a failing observer must not break the load
+                pass
+
+    def _put(self, prio: int, item: tuple) -> None:
+        with self._seq_lock:
+            self._seq += 1
+            seq = self._seq
+        self._queue.put((prio, seq, item))
+
+    def _guard(self, segment: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which decides
+            if not isinstance(exc, LynxError):
+                exc = LynxError(f"{segment} segment: {type(exc).__name__}: {exc}")
+            self._put(0 if segment == "anchor" else 1, ("error", segment, exc))
+
+    def _on_retry(self, msg: str) -> None:
+        self._timeline.extra["retries"].append(msg)
+
+    def _pump(self, blocks, buf: StreamBuffer, stream: int, charge_link: bool, name: str) -> threading.Thread:
+        """Move ordered blocks into ``buf`` on a thread of its own."""
+
+        def run() -> None:
+            try:
+                for offset, data in blocks:
+                    if self._closed.is_set():
+                        return
+                    if charge_link and self.link is not None:
+                        delivered = self.link.send(stream, len(data))
+                        lag = delivered - time.perf_counter()
+                        if lag > 0:
+                            time.sleep(lag)
+                    if self.tee is not None:
+                        self.tee(name, offset, data)
+                    buf.feed(offset, data)
+                    if stream == ANCHOR:
+                        self._timeline.anchor_bytes += len(data)
+                    else:
+                        if self._residual_rate_t is None:
+                            self._residual_rate_t = (time.perf_counter(), 0)
+                        self._timeline.residual_bytes += len(data)
+                buf.finish()
+            except BaseException as exc:  # noqa: BLE001
+                buf.fail(exc if isinstance(exc, LynxError) else LynxError(f"{buf.name}: {exc}"))
+
+        t = threading.Thread(target=run, daemon=True, name=f"lynxkv-pump-{buf.name}")
+        t.start()
+        return t
+
+    def _range_stream(self, url: str, start: int, end: int, stream: int, name: str):
+        fetch = None
+        if self.fetch_hook is not None:
+            from lynxkv.stream.tiers import read_range
+
+            fetch = self.fetch_hook(name, lambda a, b: read_range(url, a, b, self.storage_options))
+        src = RangeSource(url, start, end, stream=stream, segment=name, link=self.link, fetch=fetch,
+                          block_size=self.block_size, inflight=self.inflight, retry=self.retry,
+                          storage_options=self.storage_options, on_retry=self._on_retry)
+        self._closers.append(src.close)
+        return src
+
+    # ------------------------------------------------------------------------------------------ anchor
+    def _anchor_worker(self) -> None:
+        if self.is_tcp:
+            from lynxkv.stream.tcp import TcpSource
+
+            tsrc = TcpSource(self.source, "anchor", on_retry=self._on_retry)
+            self._closers.append(tsrc.close)
+            manifest = tsrc.fetch_manifest()
+            self._manifest = manifest
+            size = int(manifest["anchor"]["size"])
+            buf = StreamBuffer(size, "anchor")
+            self._pump(iter(tsrc), buf, ANCHOR, charge_link=True, name="anchor")
+        else:
+            size = segment_size(self.source, self.storage_options)
+            buf = StreamBuffer(size, "anchor")
+            rsrc = self._range_stream(self.source, 0, size, ANCHOR, "anchor")
+            self._pump(iter(rsrc), buf, ANCHOR, charge_link=False, name="anchor")
+        self._buffers.append(buf)
+        self._anchor_size = size
+        self._anchor_buf = buf
+
+        # An inline residual (single-file cache) lies after the anchor section: the anchor stream must not check
+        # the file's exact length against the anchor section alone, so read_anchor_header checks it.
+        h = read_anchor_header(buf)
+        if not self.is_tcp:  # a single file: the anchor stream stops where the anchor section ends
+            rsrc.truncate(h.segments[0].offset + h.segments[0].length)
+            buf.size = min(buf.size, h.segments[0].offset + h.segments[0].length)
+            self._anchor_size = buf.size
+        self.header = h
+        self.prompt_token_ids = list(h.prompt_token_ids) or None
+        self.model_fingerprint = h.fingerprint or None
+        index = read_anchor_index(buf, h)
+        self._header_ready.set()
+        self._put(0, ("header", h))
+        ppl = index.pages_per_layer
+        for i, entry in enumerate(index.entries):
+            layer, page = divmod(i, ppl)
+            at = index.base + entry.offset
+            stored = buf.read(at, entry.stored_length)
+            if len(stored) != entry.stored_length:
+                raise FormatError(f"anchor layer {layer} page {page}: the stream ended at byte {at + len(stored)}",
+                                  field="page", where=f"anchor layer {layer} page {page}")
+            # CRC first (inside both calls): a page that fails it raises here and never gets further.
+            rec = (decode_anchor_page(stored, entry, h, layer, page) if self.decode
+                   else check_and_decompress(stored, entry, f"anchor layer {layer} page {page}") and None)
+            buf.release(at + entry.stored_length)
+            self._put(0, ("anchor", layer, page, rec, entry.stored_length))
+        self._timeline.extra["anchor_arrived_s"] = self._now()
+        self._put(0, ("anchor_done",))
+
+    # ------------------------------------------------------------------------------------------ residual
+    def _residual_worker(self) -> None:
+        while not self._header_ready.wait(0.2):
+            if self._closed.is_set() or self._anchor_done.is_set():
+                return  # the anchor failed (the consumer reports it) or the load was closed
+        h = self.header
+        seg = h.segment(c.SEGMENT_RESIDUAL)
+        if seg is None:
+            raise ResidualUnavailable("this cache has no residual segment")
+        self._residual_bytes_total = seg.length
+        if seg.placement == c.PLACEMENT_INLINE:
+            base = seg.offset
+            if self.is_tcp:
+                buf = self._anchor_buf  # the single file arrives whole on the anchor connection
+            else:
+                buf = StreamBuffer(self._anchor_size, "residual", base=base)
+                self._pump(iter(self._range_stream(self.source, base, base + seg.length, RESIDUAL, "residual")),
+                           buf, RESIDUAL, charge_link=False, name="residual")
+            self.residual_url = self.source
+        else:
+            base = 0
+            if self.is_tcp:
+                from lynxkv.stream.tcp import TcpSource
+
+                desc = self._manifest.get("residual")
+                if not desc:
+                    raise ResidualUnavailable(f"{self.source}: the server offers no residual segment")
+                tsrc = TcpSource(self.source, "residual", on_retry=self._on_retry)
+                self._closers.append(tsrc.close)
+                buf = StreamBuffer(int(desc["size"]), "residual")
+                self._pump(iter(tsrc), buf, RESIDUAL, charge_link=True, name="residual")
+                self.residual_url = self.source
+            else:
+                url = self.residual_override or resolve_location(self.source, seg.location)
+                self.residual_url = url
+                size = segment_size(url, self.storage_options)
+                buf = StreamBuffer(size, "residual")
+                if size == seg.length:
+                    self._pump(iter(self._range_stream(url, 0, size, RESIDUAL, "residual")), buf, RESIDUAL,
+                               charge_link=False, name="residual")
+                else:
+                    buf.finish()  # read_residual_section reports the length mismatch (truncated / trailing)
+            self._buffers.append(buf)
+        self._residual_buf = buf
+        _, index = read_residual_section(buf, h, base=base)
+        ppl = index.pages_per_layer
+        for i, entry in enumerate(index.entries):
+            layer, page = divmod(i, ppl)
+            at = index.base + entry.offset
+            stored = buf.read(at, entry.stored_length)
+            if len(stored) != entry.stored_length:
+                raise FormatError(f"residual layer {layer} page {page}: the stream ended at byte "
+                                  f"{at + len(stored)}", field="page", where=f"residual layer {layer} page {page}")
+            rec = (decode_residual_page(stored, entry, h, layer, page) if self.decode
+                   else check_and_decompress(stored, entry, f"residual layer {layer} page {page}") and None)
+            buf.release(at + entry.stored_length)
+            while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
+                if self._closed.is_set():
+                    return
+            self._put(1, ("residual", layer, page, rec, entry.stored_length))
+        self._timeline.extra["residual_arrived_s"] = self._now()
+        self._put(1, ("residual_done",))
+
+    # ------------------------------------------------------------------------------------------ consumer
+    def _consumer(self) -> None:
+        anchors: dict[tuple[int, int], object] = {}
+        held: list[tuple] = []
+        anchor_complete = False
+        try:
+            while True:
+                _, _, item = self._queue.get()
+                kind = item[0]
+                if kind == "stop":
+                    self._fail_all(StreamClosed("load closed"))
+                    return
+                if kind == "header":
+                    if self.decode:
+                        h = item[1]
+                        shape = (h.kv_heads, h.tokens, h.head_dim)
+                        self._kv_out = tuple([(torch.empty(shape, dtype=self.dtype),
+                                               torch.empty(shape, dtype=self.dtype)) for _ in range(h.layers)]
+                                             for _ in range(2))  # (anchor-only, full)
+                    continue
+                if kind == "error":
+                    _, segment, exc = item
+                    if segment == "anchor" or not self.allow_anchor_only:
+                        self._fail_all(exc)  # without the anchor, or without leave to go lossy, the load fails
+                        return
+                    self._residual_failed(exc)
+                    for it in held:
+                        self._residual_slots.release()
+                    held.clear()
+                    if anchor_complete:
+                        self._finish()
+                        return
+                    continue  # keep loading the anchor; anchor_done then ends the load, flagged lossy
+                if kind == "anchor":
+                    _, layer, page, rec, n = item
+                    if self.decode:
+                        anchors[(layer, page)] = rec
+                        self._dequantize_page(layer, page, rec, None)
+                    self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
+                    continue
+                if kind == "anchor_done":
+                    self._anchor_kv = self._kv_out[0] if self.decode else None
+                    self._timeline.anchor_ready_s = self._now()
+                    anchor_complete = True
+                    self._anchor_done.set()
+                    self._emit(LoadEvent("anchor_ready", self._now()))
+                    if self._future.done():  # the residual already failed
+                        self._finish()
+                        return
+                    for it in held:
+                        self._queue.put((1, it[0], it[1]))
+                    held.clear()
+                    continue
+                if not anchor_complete:  # residual items wait for the anchor (the paper's drain order)
+                    held.append((self._next_seq(), item))
+                    continue
+                if self._future.done():  # the residual already failed: drop what is still queued
+                    if kind == "residual":
+                        self._residual_slots.release()
+                    continue
+                if kind == "residual":
+                    _, layer, page, rec, n = item
+                    if self.decode:
+                        self._dequantize_page(layer, page, anchors.pop((layer, page)), rec)
+                    self._residual_slots.release()
+                    self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
+                    continue
+                if kind == "residual_done":
+                    full = self._kv_out[1] if self.decode else None
+                    self._timeline.residual_ready_s = self._now()
+                    self._future.set_result(full)
+                    self._emit(LoadEvent("residual_ready", self._now()))
+                    self._finish()
+                    return
+        except BaseException as exc:  # noqa: BLE001 - e.g. a dequantization failure
+            self._fail_all(exc if isinstance(exc, LynxError) else LynxError(f"{type(exc).__name__}: {exc}"))
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            self._seq += 1
+            return self._seq
+
+    def _residual_failed(self, exc: BaseException) -> None:
+        if self._future.done():
+            return
+        self._timeline.residual_failed = str(exc)
+        if not self.allow_anchor_only:
+            self._fatal = exc
+        self._future.set_exception(exc)
+        self._emit(LoadEvent("residual_failed", self._now(), message=str(exc)))
+        if self._residual_buf is not None:  # stop the residual transport
+            self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if not self._anchor_done.is_set():
+            self._anchor_error = exc
+            self._anchor_done.set()
+        if not self._future.done():
+            self._timeline.residual_failed = str(exc)
+            self._future.set_exception(exc)
+        self._emit(LoadEvent("error", self._now(), message=str(exc)))
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._events_cond:
+            self._finished = True
+            self._events_cond.notify_all()
+
+    # ------------------------------------------------------------------------------------------ KV
+    def _dequantize_page(self, layer: int, page: int, arec, rrec) -> None:
+        """Dequantize one page into the layer's output tensors: anchor-only (``rrec`` None) or full.
+
+        A page is exactly P/C whole chunks, so dequantizing page by page equals dequantizing the whole tensor;
+        doing it as pages arrive overlaps the arithmetic with the transfer."""
+        h = self.header
+        s = h.scheme
+        t0 = page * s.page
+        n = page_tokens(h.tokens, s.page, page)
+        out = self._kv_out[0 if rrec is None else 1][layer]
+        for i, which in enumerate(("key", "value")):
+            anchor = getattr(arec, f"{which}_anchor")  # uint8 [H, n, D]
+            enc = EncodedTensor(
+                anchor=anchor,
+                residual=getattr(rrec, f"{which}_residual") if rrec is not None else torch.zeros_like(anchor),
+                offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D]
+                scale=getattr(arec, f"{which}_scale"),
+            )
+            out[i][:, t0:t0 + n] = dequantize(enc, s, anchor_only=rrec is None, dtype=self.dtype)
+
+
+def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
+                     latency: str | float | None = None, on_event: Callable[[LoadEvent], None] | None = None,
+                     allow_anchor_only: bool = False, storage_options: dict | None = None, inflight: int = 4,
+                     block_size: int = 1 << 20, retry: RetryPolicy | None = None,
+                     dtype: torch.dtype = torch.float32, link: EmulatedLink | None = None,
+                     fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
+                     tee: Callable[[str, int, bytes], None] | None = None) -> ProgressiveLoad:
+    """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
+
+    ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
+    ``tcp://HOST:PORT`` of ``lynxkv serve``. ``residual`` overrides where the residual lives (default: the location
+    the anchor header records, relative to the anchor). ``bandwidth`` (``"1Gbps"``, bytes/s as a number) and
+    ``latency`` (``"2ms"``) put both streams through one emulated link with strict anchor priority.
+    ``allow_anchor_only`` lets the anchor survive a failed residual (flagged lossy; see the module docstring).
+    ``fetch_hook(segment, fetch) -> fetch`` wraps the byte-range reads of a segment (instrumentation, fault
+    injection). ``decode=False`` moves and verifies the bytes only (``wait_anchor`` and ``residual`` then give
+    ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
+    order (to save a copy; commit it only once the load has verified every page)."""
+    if not isinstance(source, str) or not source:
+        raise InputError(f"cache source: expected a path or URL, got {source!r}")
+    if link is None and (bandwidth is not None or latency is not None):
+        link = EmulatedLink(parse_bandwidth(bandwidth), parse_duration(latency))
+    return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
+                           allow_anchor_only=allow_anchor_only, storage_options=storage_options,
+                           inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
+                           fetch_hook=fetch_hook, decode=decode, tee=tee)

@@ -1,0 +1,67 @@
+"""Parsing link rates and durations written the way people write them: ``1Gbps``, ``500Mbps``, ``100MB/s``, ``2ms``.
+
+Rates come back in **bytes per second** (the unit every byte counter in lynxkv uses). Decimal prefixes, as
+networking uses them: ``1Gbps`` = 1e9 bit/s = 125e6 B/s; ``MiB/s`` is binary (2**20 B/s). ``b``/``bit`` are bits,
+``B`` is bytes; a bare ``bps`` suffix means bits.
+"""
+
+from __future__ import annotations
+
+import re
+
+from lynxkv.errors import InputError
+
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "g": 1e9, "G": 1e9, "t": 1e12, "T": 1e12}
+_BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]i?)?\s*(bps|bit/s|b/s|B/s|Bps|B)?\s*$")
+_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s)?\s*$")
+_TIME_UNIT = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}
+
+
+def parse_bandwidth(text: str | float | int | None) -> float | None:
+    """``"1Gbps"`` -> 125e6 (bytes/s). Numbers pass through as bytes/s; ``None`` or ``""`` means unlimited."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = _RATE.match(text)
+        if not m:
+            raise InputError(f"bandwidth {text!r}: expected a number with a unit such as 1Gbps, 500Mbps or 100MB/s")
+        number, prefix, unit = float(m.group(1)), m.group(2) or "", m.group(3)
+        if unit is None:
+            raise InputError(f"bandwidth {text!r}: missing unit (bps for bits per second, B/s for bytes per second)")
+        mult = _BINARY[prefix] if prefix.endswith("i") else _PREFIX[prefix]
+        per_byte = 1.0 if unit in ("B/s", "Bps", "B") else 1.0 / 8.0
+        value = number * mult * per_byte
+    if not value > 0:
+        raise InputError(f"bandwidth {text!r}: must be positive")
+    return value
+
+
+def parse_duration(text: str | float | int | None) -> float:
+    """``"2ms"`` -> 0.002 (seconds); a bare number is seconds; ``None`` is 0."""
+    if text is None or text == "":
+        return 0.0
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = _TIME.match(text)
+        if not m:
+            raise InputError(f"duration {text!r}: expected a number with a unit such as 2ms, 150us or 0.5s")
+        value = float(m.group(1)) * _TIME_UNIT[m.group(2)]
+    if value < 0:
+        raise InputError(f"duration {text!r}: must not be negative")
+    return value
+
+
+def format_rate(bytes_per_s: float | None) -> str:
+    """125e6 -> ``"1.00 Gbit/s"``: rates are shown in bits per second, as links are sold."""
+    if bytes_per_s is None:
+        return "unlimited"
+    bits = bytes_per_s * 8
+    for unit, div in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= div:
+            return f"{bits / div:.2f} {unit}"
+    return f"{bits:.0f} bit/s"
