@@ -86,3 +86,20 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def save_tiny_model_dir(model, path) -> str:
+    """Save ``model`` with a word-level tokenizer (token i is the word ``w{i}``) so ``load_model(path)`` and the
+    CLI's ``--model PATH`` can load it like any Hugging Face model directory."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)

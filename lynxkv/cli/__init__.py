@@ -24,6 +24,7 @@ app = typer.Typer(
 # Each command module registers itself on `app` when imported.
 from lynxkv.cli import codec  # noqa: E402,F401  (encode, decode, inspect, verify)
 from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)
+from lynxkv.cli import run  # noqa: E402,F401  (run)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,16 +147,19 @@ def stream(
     provisional: bool = False,
     tracker: AcceptanceTracker | None = None,
     fingerprint: str | None = None,
+    started_at: float | None = None,
 ) -> Iterator[Event]:
     """Run Lynx decoding over ``load`` and yield :class:`Event` s as tokens are drafted, committed, retracted.
 
-    ``fingerprint`` is the model's (computed when not given). The last event is ``done`` with the stats.
+    ``fingerprint`` is the model's (computed when not given). ``started_at`` is the ``time.perf_counter()`` at
+    which the load was opened (default: now), the zero of every time in the stats. The last event is ``done``.
+    The cache's identity is checked once its header has arrived with the anchor, before any token is drafted.
     """
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if started_at is None else started_at
     now = lambda: time.perf_counter() - t0  # noqa: E731
-    prompt = check_load(load, fingerprint or model_fingerprint(model))
+    fingerprint = fingerprint or model_fingerprint(model)
     config_obj = model.config
-    stats = RunStats(prompt_tokens=len(prompt))
+    stats = RunStats()
     params = config.sampling
     generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     committed: list[int] = []
@@ -196,6 +199,8 @@ def stream(
     except TimeoutError:
         raise ResidualUnavailable(f"the anchor did not arrive within {config.anchor_timeout:g} s") from None
     stats.anchor_ready_s = now()
+    prompt = check_load(load, fingerprint)
+    stats.prompt_tokens = len(prompt)
     check_kv(anchor_kv, config_obj, len(prompt), "anchor")
 
     # ---- draft while the residual streams -------------------------------------------------------------------
