@@ -34,25 +34,32 @@ def _logit_gap_report(model, full_kv, ids, got, want):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("length", [1, 2, 7, 33, 100])
 @pytest.mark.parametrize("window", [0, 1, 5, 24])
-def test_greedy_matches_full_cache(models, seed, length, window):
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_greedy_matches_full_cache(models, seed, length, window, chunk):
     model = models[seed]
     ids = prompt_ids(seed, length)
     _, anchor_kv, full_kv = caches(model, ids)
     want = decode_plain(model, full_kv, ids, 40)
     load = StepLoad(model, ids, anchor_kv, full_kv)
-    res = run(model, load, RunConfig(max_new_tokens=40, max_window=window))
+    res = run(model, load, RunConfig(max_new_tokens=40, max_window=window, verify_chunk=chunk))
     assert res.stats.drafted == min(window, 40)
     assert res.token_ids == want, _logit_gap_report(model, full_kv, ids, res.token_ids, want)
     assert res.verified and res.stats.committed == 40
 
 
 @pytest.mark.parametrize("window", [1, 8, 30])
-def test_every_draft_accepted_when_anchor_is_exact(models, window):
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_every_draft_accepted_when_anchor_is_exact(models, window, chunk):
     model = models[0]
     ids = prompt_ids(5, 50)
     _, _, full_kv = caches(model, ids)
-    res = run(model, StepLoad(model, ids, full_kv, full_kv), RunConfig(max_new_tokens=32, max_window=window))
+    res = run(model, StepLoad(model, ids, full_kv, full_kv), RunConfig(max_new_tokens=32, max_window=window, verify_chunk=chunk))
     assert res.stats.drafted == window and res.stats.accepted == window
+    # chunks of 2, 4, 8, 16, ... until every draft is covered
+    passes, covered, c = 0, 0, chunk
+    while chunk and covered < window:
+        covered, c, passes = covered + c, c * 2, passes + 1
+    assert res.stats.verify_passes == (passes if chunk else 1)
     assert res.token_ids == decode_plain(model, full_kv, ids, 32)
 
 
@@ -66,8 +73,8 @@ def test_first_draft_rejected_with_coarse_anchor(models, seed):
     coarse = next(
         c for c in (perturbed(exact, 3.0, s) for s in range(seed, seed + 20)) if decode_plain(model, c, ids, 1)[0] != first
     )
-    res = run(model, StepLoad(model, ids, coarse, full_kv), RunConfig(max_new_tokens=20, max_window=6))
-    assert res.stats.drafted == 6 and res.stats.accepted == 0
+    res = run(model, StepLoad(model, ids, coarse, full_kv), RunConfig(max_new_tokens=20, max_window=6, verify_chunk=2))
+    assert res.stats.drafted == 6 and res.stats.accepted == 0 and res.stats.verify_passes == 1
     assert res.token_ids == decode_plain(model, full_kv, ids, 20)
 
 

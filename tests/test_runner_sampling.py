@@ -103,7 +103,8 @@ def small_vocab():
     return model, ids, perturbed(exact, 2.0, 0), full_kv
 
 
-def test_end_to_end_distribution_matches_full_cache(small_vocab):
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_end_to_end_distribution_matches_full_cache(small_vocab, chunk):
     """Many seeded runs with 2 drafted tokens on a coarse anchor: the joint law of the first three committed
     tokens equals sampling on the full cache (computed exactly over the 8^3 sequences)."""
     model, ids, coarse, full_kv = small_vocab
@@ -129,7 +130,7 @@ def test_end_to_end_distribution_matches_full_cache(small_vocab):
     for seed in range(n_runs):
         res = run(
             model, StepLoad(model, ids, coarse, full_kv, fingerprint=fp),
-            RunConfig(max_new_tokens=3, max_window=2, sampling=params, seed=seed), fingerprint=fp,
+            RunConfig(max_new_tokens=3, max_window=2, sampling=params, seed=seed, verify_chunk=chunk), fingerprint=fp,
         )
         a, b, c = res.token_ids
         counts[(a * V + b) * V + c] += 1

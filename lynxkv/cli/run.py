@@ -86,7 +86,8 @@ def _stats_table(stats, gain_label: str, gain: float | None):
         ("drafted / accepted", f"{stats.drafted} / {stats.accepted}"),
         ("acceptance rate", "-" if acc is None else f"{acc:.2f}"),
         ("window (planned / cap)", f"{stats.window_planned if stats.window_planned is not None else '-'} / {stats.window_cap}"),
-        ("draft step / verify / TPOT", f"{_s(stats.draft_step_s, 'ms')} / {_s(stats.verify_s, 'ms')} / {_s(stats.tpot_s, 'ms')}"),
+        ("draft step / verify (passes) / TPOT", f"{_s(stats.draft_step_s, 'ms')} / {_s(stats.verify_s, 'ms')} "
+         f"({stats.verify_passes}) / {_s(stats.tpot_s, 'ms')}"),
         ("Δ theoretical = min(t_res, 64·TPOT)", _s(stats.gain_theoretical(64))),
         (gain_label, _s(gain)),
     ]
@@ -126,6 +127,8 @@ def run(
     latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
     residual: str = typer.Option(None, "--residual", help="Read the residual from here (path, URL)."),
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
+    verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
+                                     "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
                                            "many seconds from the start."),
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual never arrives, "
@@ -152,7 +155,7 @@ def run(
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
-        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only,
+        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
         stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 

@@ -54,6 +54,7 @@ class RunConfig:
     residual_timeout: float | None = None  # seconds from the start
     allow_anchor_only: bool = False  # on residual failure, continue unverified on the anchor (flagged)
     stop_token_ids: tuple[int, ...] = ()
+    verify_chunk: int = 0  # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see _verify)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -276,18 +277,14 @@ def stream(
     # ---- verify: one forward over [last prompt token, d0 .. d(k-1)] ---------------------------------------
     cache = start_cache(full_kv, config_obj, len(prompt))
     tv = time.perf_counter()
-    target_logits = forward_tokens(model, cache, [prompt[-1]] + drafts)  # [k+1, V]
-    if params.greedy:
-        accepted, next_token = accept_greedy(drafts, target_logits)
-    else:
-        target_probs = logits_to_probs(target_logits, params)  # [k+1, V]
-        draft_stack = torch.stack(draft_probs) if draft_probs else target_probs[:0]  # [k, V]
-        accepted, next_token = accept_sampled(drafts, draft_stack, target_probs, generator)
+    accepted, next_token, fed, passes = _verify(model, cache, prompt[-1], drafts, draft_probs, params, generator,
+                                                config.verify_chunk)
     stats.verify_s = time.perf_counter() - tv
+    stats.verify_passes = passes
     stats.accepted = accepted
     if tracker is not None:
         tracker.record(len(drafts), accepted)
-    drop_last(cache, len(drafts) - accepted)  # cache: prompt + d0 .. d(accepted-1)
+    drop_last(cache, fed - accepted)  # cache: prompt + d0 .. d(accepted-1)
 
     ev = commit(drafts[:accepted], confirmed=accepted)
     if ev is not None:
@@ -303,6 +300,39 @@ def stream(
     yield from _decode(model, cache, next_token, params, generator, commit, finished, stats, verified=True)
     stats.load = asdict(load.timeline)
     yield Event("done", now(), stats=stats)
+
+
+def _verify(model, cache, last: int, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
+            generator, chunk: int) -> tuple[int, int, int, int]:
+    """Verify ``drafts`` on the full cache (holding the prompt minus its last token): (accepted, next token,
+    drafts fed into the cache, forward passes).
+
+    ``chunk <= 0``: ONE forward over ``[last, d0 .. d(k-1)]`` (logits ``[k+1, V]``; row j judges draft j, row k
+    gives the bonus). ``chunk > 0``: the same rows computed in passes of ``chunk``, ``2·chunk``, ... drafts that stop
+    at the first rejection. A multi-token forward is nearly free on a GPU but costs about ``k/8`` decode steps on a
+    CPU at long context, so on a CPU with a poor anchor most of a long window is verified for nothing; the rows,
+    and so the accepted tokens, are the same either way (fp32). With sampling, a bonus drawn at the end of a fully
+    accepted pass that is not the last one is discarded: an independent draw, so the law is unchanged.
+    """
+    k = len(drafts)
+    pos, carry, passes = 0, None, 0
+    while True:
+        m = k - pos if chunk <= 0 else min(chunk, k - pos)
+        inputs = ([last] if pos == 0 else []) + drafts[pos : pos + m]
+        new_rows = forward_tokens(model, cache, inputs)  # [len(inputs), V]
+        passes += 1
+        rows = new_rows if carry is None else torch.cat([carry, new_rows])  # [m+1, V]
+        window = drafts[pos : pos + m]
+        if params.greedy:
+            n, next_token = accept_greedy(window, rows)
+        else:
+            target_probs = logits_to_probs(rows, params)  # [m+1, V]
+            q = torch.stack(draft_probs[pos : pos + m]) if m else target_probs[:0]  # [m, V]
+            n, next_token = accept_sampled(window, q, target_probs, generator)
+        if n < m or pos + m == k:
+            return pos + n, next_token, pos + m, passes
+        carry, pos = rows[-1:], pos + m
+        chunk *= 2
 
 
 def _decode(model, cache, pending, params, generator, commit, finished, stats: RunStats, *, verified: bool):

@@ -22,7 +22,8 @@ class RunStats:
     window_cap: int = 0
     window_planned: int | None = None  # from the residual ETA and the draft step time, at the first draft
     draft_step_s: float | None = None  # mean time of one draft forward (anchor cache)
-    verify_s: float | None = None  # the one verify forward over [last, d0 .. d(k-1)]
+    verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
+    verify_passes: int = 0
     decode_step_s: float | None = None  # mean time of one plain decode step after the verify (full cache)
     waited_on_eta: bool = False  # stopped drafting because the residual was due within a fraction of a step
     drafting_disabled: str | None = None  # why no drafts were made although speculation was on
