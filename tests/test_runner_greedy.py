@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -95,8 +97,10 @@ def test_wall_clock_residual(models, delay):
     model = models[2]
     ids = prompt_ids(7, 60)
     _, anchor_kv, full_kv = caches(model, ids)
-    load = PreparedLoad(anchor_kv, full_kv, residual_delay=delay, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
-    res = run(model, load, RunConfig(max_new_tokens=48, max_window=64))
+    fp = model_fingerprint(model)
+    started = time.perf_counter()
+    load = PreparedLoad(anchor_kv, full_kv, residual_delay=delay, prompt_token_ids=ids, model_fingerprint=fp)
+    res = run(model, load, RunConfig(max_new_tokens=48, max_window=64), started_at=started)
     assert res.token_ids == decode_plain(model, full_kv, ids, 48)
     s = res.stats
     assert s.residual_ready_s is not None and s.residual_ready_s >= delay * 0.9

@@ -29,13 +29,19 @@ def check_kv(kv: KVPairs, config, prompt_len: int, what: str) -> None:
 
 
 def start_cache(kv: KVPairs, config, prompt_len: int, dtype: torch.dtype = torch.float32):
-    """A fresh ``transformers`` cache with the first ``prompt_len - 1`` tokens of ``kv`` (each ``[H, T, D]``)."""
-    keep = prompt_len - 1
+    """A fresh ``transformers`` cache with the first ``prompt_len - 1`` tokens of ``kv`` (each ``[H, T, D]``).
+
+    Built over all T tokens and then cropped by one: for contiguous fp32 input both steps are views, so opening
+    a 4K-token cache costs nothing (slicing ``[:, :T-1]`` first would copy every layer). The tensors are shared
+    with ``kv`` but never written: a forward appends with ``torch.cat`` into new storage.
+    """
     from transformers import DynamicCache
 
-    if keep == 0:
+    if prompt_len <= 1:
         return DynamicCache(config=config)
-    return kv_to_cache([(k[:, :keep], v[:, :keep]) for k, v in kv], config, dtype=dtype)
+    cache = kv_to_cache(kv, config, dtype=dtype)
+    drop_last(cache, 1)
+    return cache
 
 
 @torch.no_grad()

@@ -272,10 +272,12 @@ def stream(
         yield Event("done", now(), stats=stats, verified=False)
         return
 
+    stats.residual_seen_s = now()
     check_kv(full_kv, config_obj, len(prompt), "full")
 
     # ---- verify: one forward over [last prompt token, d0 .. d(k-1)] ---------------------------------------
     cache = start_cache(full_kv, config_obj, len(prompt))
+    stats.verify_start_s = now()
     tv = time.perf_counter()
     accepted, next_token, fed, passes = _verify(model, cache, prompt[-1], drafts, draft_probs, params, generator,
                                                 config.verify_chunk)

@@ -14,6 +14,8 @@ class RunStats:
     prompt_tokens: int = 0
     anchor_ready_s: float | None = None  # wait_anchor() returned
     residual_ready_s: float | None = None  # the residual future completed (observed by a callback)
+    residual_seen_s: float | None = None  # the runner took the full KV (after any in-flight draft step)
+    verify_start_s: float | None = None  # the full cache was rebuilt and the verify forward began
     first_draft_s: float | None = None
     first_commit_s: float | None = None
     commit_times_s: list[float] = field(default_factory=list)  # one per committed token, in order
