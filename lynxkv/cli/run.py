@@ -76,6 +76,8 @@ def _stats_table(stats, gain_label: str, gain: float | None):
     from rich.table import Table
 
     t = Table(title="lynx run", show_header=False, title_justify="left")
+    t.add_column(no_wrap=True)
+    t.add_column()
     acc = stats.acceptance_rate
     rows = [
         ("anchor ready", _s(stats.anchor_ready_s)),
@@ -106,8 +108,8 @@ def _compare_table(rows: list[dict], verdict: dict, link_text: str):
 
     t = Table(title=f"TT-N side by side ({link_text}; monolithic transfers computed as latency + bytes/bandwidth, "
               "then waited)", title_justify="left")
-    for col in ("method", "data ready", "TT1", "TT32", "TT64", "same tokens as lynx"):
-        t.add_column(col)
+    for col in ("method", "data ready", "TT1", "TT32", "TT64", "= lynx"):
+        t.add_column(col, no_wrap=True)
     for r in rows:
         name = r["method"] + ("" if r["verified"] else " (lossy)")
         t.add_row(name, _s(r["ready_s"]), _s(r["tt1_s"]), _s(r["tt32_s"]), _s(r["tt64_s"]),

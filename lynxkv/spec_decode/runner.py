@@ -198,7 +198,7 @@ def stream(
     try:
         anchor_kv = load.wait_anchor(remaining)
     except TimeoutError:
-        raise ResidualUnavailable(f"the anchor did not arrive within {config.anchor_timeout:g} s") from None
+        raise LynxError(f"the anchor did not arrive within {config.anchor_timeout:g} s") from None
     stats.anchor_ready_s = now()
     prompt = check_load(load, fingerprint)
     stats.prompt_tokens = len(prompt)
