@@ -34,9 +34,8 @@ def _logit_gap_report(model, full_kv, ids, got, want):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("length", [1, 2, 7, 33, 100])
-@pytest.mark.parametrize("window", [0, 1, 5, 24])
-@pytest.mark.parametrize("chunk", [0, 3])
+@pytest.mark.parametrize("length", [1, 2, 33, 100])
+@pytest.mark.parametrize("window,chunk", [(0, 0), (1, 0), (5, 0), (24, 0), (5, 3), (24, 3)])
 def test_greedy_matches_full_cache(models, seed, length, window, chunk):
     model = models[seed]
     ids = prompt_ids(seed, length)
