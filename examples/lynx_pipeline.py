@@ -2,7 +2,7 @@
 under an emulated link, drafting on the anchor while the residual streams -> compare with monolithic loading.
 
     python examples/lynx_pipeline.py                       # SmolLM2, a ~1000-token prompt, 64 new tokens
-    python examples/lynx_pipeline.py --tokens 4000 --residual-steps 40
+    python examples/lynx_pipeline.py --tokens 4000 --residual-steps 40 --anchor-bits 5   # a 5+3 split
     python examples/lynx_pipeline.py --model PATH --tokens 200 --new-tokens 16   # any HF causal LM directory
 
 The link rate is chosen so that the residual takes about ``--residual-steps`` decode steps to arrive (measured
@@ -21,6 +21,7 @@ import torch
 from lynxkv.cache import save_cache
 from lynxkv.models import encode_prompt, load_model, prefill
 from lynxkv.prompts import builtin_prompt
+from lynxkv.scheme import get_scheme
 from lynxkv.spec_decode import RunConfig, run
 from lynxkv.spec_decode.compare import judge, run_baselines, tt_rows
 from lynxkv.spec_decode.model_ops import forward_tokens, start_cache
@@ -44,6 +45,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=1000, help="prompt length in tokens")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--residual-steps", type=float, default=40.0, help="residual transfer time in decode steps")
+    ap.add_argument("--anchor-bits", type=int, default=None, help="anchor bits of the 8-bit code (default scheme: 4)")
     ap.add_argument("--dir", default=None, help="where to write the tiers (default: a temporary directory)")
     args = ap.parse_args(argv)
 
@@ -59,7 +61,9 @@ def main(argv=None) -> dict:
     os.makedirs(fast, exist_ok=True)
     os.makedirs(slow, exist_ok=True)
     anchor_path = os.path.join(fast, "cache.lynx")
-    info = save_cache(anchor_path, kv, prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint,
+    scheme = get_scheme() if args.anchor_bits is None else get_scheme(
+        anchor_bits=args.anchor_bits, residual_bits=8 - args.anchor_bits)
+    info = save_cache(anchor_path, kv, scheme, prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint,
                       residual_path=os.path.join(slow, "cache.lynxr"))
     print(f"encoded: anchor {info.anchor_bytes / 1e6:.2f} MB on {fast}, residual {info.residual_bytes / 1e6:.2f} MB "
           f"on {slow}")

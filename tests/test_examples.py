@@ -46,7 +46,7 @@ def test_stream_tokens_example(model_dir, capsys):
 
 
 def test_pipeline_example(model_dir, tmp_path, capsys):
-    res = _load("lynx_pipeline").main(["--model", model_dir, "--tokens", "120", "--new-tokens", "16",
+    res = _load("lynx_pipeline").main(["--model", model_dir, "--tokens", "120", "--new-tokens", "16", "--anchor-bits", "5",
                                        "--residual-steps", "10", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     rows = {r["method"]: r for r in res["rows"]}
