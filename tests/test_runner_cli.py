@@ -97,3 +97,32 @@ def test_missing_residual(tiny_cache, capsys, tmp_path):
     assert code == 0, err
     doc = json.loads(out)
     assert doc["verified"] is False and doc["stats"]["residual_error"] and len(doc["token_ids"]) == 6
+
+
+def test_terminal_view_shows_drafts_dim_and_retracts_them(tiny_cache, monkeypatch):
+    """On a terminal, drafts are shown provisionally and withdrawn when retracted; the end state is the
+    committed text alone."""
+    import io
+
+    from rich.console import Console
+
+    import lynxkv.cli.run as run_cli
+    from lynxkv.models import load_model
+    from lynxkv.spec_decode import Event
+
+    model_dir = tiny_cache[0]
+    tok = load_model(model_dir).tokenizer
+    monkeypatch.setattr(run_cli, "out", Console(file=io.StringIO(), force_terminal=True, width=200))
+    p = run_cli._Printer(tok, live=True)
+    assert p.live is not None
+    views = []
+    for ev in [Event("draft", 0.1, tokens=[5]), Event("draft", 0.2, tokens=[6]), Event("draft", 0.3, tokens=[7]),
+               Event("commit", 0.4, tokens=[5], confirmed=1), Event("retract", 0.4, count=2),
+               Event("commit", 0.4, tokens=[9])]:
+        p.event(ev)
+        views.append((p.view.plain, [s.style for s in p.view.spans]))
+    p.close()
+    assert views[2][0] == "w5 w6 w7" and views[2][1] == ["dim"]  # all provisional, dim
+    assert views[3][0] == "w5 w6 w7"  # w5 now final, w6 w7 still dim
+    assert views[4] == ("w5", [])  # retracted
+    assert views[5][0] == "w5 w9" and p.committed == [5, 9]

@@ -54,6 +54,7 @@ class _Printer:
             done = self._text(self.committed)
             view = Text(done)
             view.append(self._text(self.committed + self.provisional)[len(done):], style="dim")
+            self.view = view
             self.live.update(view, refresh=True)
         elif ev.kind == "commit":
             text = self._text(self.committed)
