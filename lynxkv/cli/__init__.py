@@ -24,6 +24,8 @@ app = typer.Typer(
 # Each command module registers itself on `app` when imported.
 from lynxkv.cli import codec  # noqa: E402,F401  (encode, decode, inspect, verify)
 from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)
+from lynxkv.cli import run  # noqa: E402,F401  (run)
+from lynxkv.cli import eval as _eval  # noqa: E402,F401  (eval)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,4 +46,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
-from lynxkv.cli import eval as _eval  # noqa: E402,F401  (eval)

@@ -1,0 +1,243 @@
+"""``lynxkv run``: decode from a .lynx cache, drafting on the anchor while the residual streams, then verifying."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from lynxkv.cli import app
+from lynxkv.cli.console import err, out, print_json
+
+
+def _s(x: float | None, unit: str = "s") -> str:
+    return "-" if x is None else (f"{x * 1e3:.1f} ms" if unit == "ms" else f"{x:.3f} s")
+
+
+class _Printer:
+    """Shows the text as it is committed. On a terminal, drafts appear dim and vanish when retracted (a rich
+    Live view); elsewhere only committed text is written, as it is committed."""
+
+    def __init__(self, tokenizer, live: bool):
+        self.tok = tokenizer
+        self.committed: list[int] = []
+        self.provisional: list[int] = []
+        self.shown = ""
+        self.warned = False
+        self.live = None
+        if live:
+            from rich.live import Live
+
+            self.live = Live(console=out, auto_refresh=False, transient=False)
+            self.live.start()
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def event(self, ev) -> None:
+        if ev.kind == "draft":
+            self.provisional.extend(ev.tokens)
+        elif ev.kind == "retract":
+            del self.provisional[len(self.provisional) - ev.count :]
+        elif ev.kind == "commit":
+            del self.provisional[: ev.confirmed]
+            self.committed.extend(ev.tokens)
+            if not ev.verified and not self.warned:
+                self.warned = True
+                err.print("[bold yellow]warning:[/] the residual did not arrive; the text below is UNVERIFIED "
+                          "anchor-only output (lossy)")
+        else:
+            return
+        if self.live is not None:
+            from rich.text import Text
+
+            done = self._text(self.committed)
+            view = Text(done)
+            view.append(self._text(self.committed + self.provisional)[len(done):], style="dim")
+            self.view = view
+            self.live.update(view, refresh=True)
+        elif ev.kind == "commit":
+            text = self._text(self.committed)
+            if not text.endswith("\ufffd") and text.startswith(self.shown):
+                out.print(text[len(self.shown):], end="")
+                out.file.flush()
+                self.shown = text
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+        else:
+            text = self._text(self.committed)
+            if text.startswith(self.shown):
+                out.print(text[len(self.shown):], end="")
+        out.print()
+
+
+def _stats_table(stats, gain_label: str, gain: float | None):
+    from rich.table import Table
+
+    t = Table(title="lynx run", show_header=False, title_justify="left")
+    t.add_column(no_wrap=True)
+    t.add_column()
+    acc = stats.acceptance_rate
+    rows = [
+        ("anchor ready", _s(stats.anchor_ready_s)),
+        ("residual ready", _s(stats.residual_ready_s)),
+        ("first draft token", _s(stats.first_draft_s)),
+        ("first committed token", _s(stats.first_commit_s)),
+        ("TT1 / TT32 / TT64 committed", " / ".join(_s(stats.tt(n)) for n in (1, 32, 64))),
+        ("drafted / accepted", f"{stats.drafted} / {stats.accepted}"),
+        ("acceptance rate", "-" if acc is None else f"{acc:.2f}"),
+        ("window (planned / cap)", f"{stats.window_planned if stats.window_planned is not None else '-'} / {stats.window_cap}"),
+        ("draft step / verify (passes) / TPOT", f"{_s(stats.draft_step_s, 'ms')} / {_s(stats.verify_s, 'ms')} "
+         f"({stats.verify_passes}) / {_s(stats.tpot_s, 'ms')}"),
+        ("Δ theoretical = min(t_res, 64·TPOT)", _s(stats.gain_theoretical(64))),
+        (gain_label, _s(gain)),
+    ]
+    if stats.waited_on_eta:
+        rows.append(("window", "stopped drafting: residual due within a fraction of a step"))
+    if stats.drafting_disabled:
+        rows.append(("drafting disabled", stats.drafting_disabled))
+    rows.append(("verified", "yes" if stats.verified else f"NO (anchor-only: {stats.residual_error})"))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _compare_table(rows: list[dict], verdict: dict, link_text: str):
+    from rich.table import Table
+
+    t = Table(title=f"TT-N side by side ({link_text}; monolithic transfers computed as latency + bytes/bandwidth, "
+              "then waited)", title_justify="left")
+    for col in ("method", "data ready", "TT1", "TT32", "TT64", "= lynx"):
+        t.add_column(col, no_wrap=True)
+    for r in rows:
+        name = r["method"] + ("" if r["verified"] else " (lossy)")
+        t.add_row(name, _s(r["ready_s"]), _s(r["tt1_s"]), _s(r["tt32_s"]), _s(r["tt64_s"]),
+                  "yes" if r["same_tokens_as_lynx"] else "no")
+    return t
+
+
+@app.command()
+def run(
+    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file, or tcp://HOST:PORT."),
+    model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (runs with the same seed are identical)."),
+    bandwidth: str = typer.Option(None, "--bandwidth", help="Emulated link rate for both streams, e.g. 200Mbps."),
+    latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
+    residual: str = typer.Option(None, "--residual", help="Read the residual from here (path, URL)."),
+    max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
+    verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
+                                     "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
+    residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
+                                           "many seconds from the start."),
+    allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual never arrives, "
+                                           "finish on the anchor and flag the output as unverified."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the end-of-sequence token."),
+    compare: bool = typer.Option(False, "--compare", help="Also run the monolithic baselines on the same link."),
+    as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
+) -> None:
+    """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
+    import torch
+
+    from lynxkv.models import load_model
+    from lynxkv.spec_decode import RunConfig, SamplingParams
+    from lynxkv.spec_decode import runner as sd
+    from lynxkv.stream.progressive import open_progressive
+    from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
+    err.print(f"loading model {model or 'SmolLM2-135M-Instruct (offline default)'} ...")
+    loaded = load_model(model)
+    with torch.no_grad():  # first-call initialisation is not charged to the first draft
+        loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long))
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    cfg = RunConfig(
+        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
+        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
+        stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
+    )
+
+    started = time.perf_counter()
+    load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
+                            allow_anchor_only=allow_anchor_only)
+    printer = None
+    try:
+        printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
+        tokens: list[int] = []
+        stats = None
+        for ev in sd.stream(loaded.model, load, cfg, provisional=printer is not None and printer.live is not None,
+                            fingerprint=loaded.fingerprint, started_at=started):
+            if printer is not None:
+                printer.event(ev)
+            if ev.kind == "commit":
+                tokens.extend(ev.tokens)
+            elif ev.kind == "done":
+                stats = ev.stats
+        if printer is not None:
+            printer.close()
+            printer = None
+        result = sd.RunResult(tokens, stats)
+        report: dict = {
+            "token_ids": tokens,
+            "text": loaded.tokenizer.decode(tokens, skip_special_tokens=True),
+            "verified": stats.verified,
+            "stats": stats.to_dict(),
+        }
+        gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)
+        if compare:
+            cmp = _compare(loaded, load, result, cfg, rate, delay)
+            report["compare"] = cmp
+            gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
+    finally:
+        if printer is not None:
+            printer.close()
+        load.close()
+
+    if as_json:
+        print_json(report)
+        return
+    out.print(_stats_table(stats, gain_label, gain))
+    if compare:
+        link = report["compare"]["link"]
+        link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
+        out.print(_compare_table(report["compare"]["rows"], report["compare"]["judge"], link_text))
+        j = report["compare"]["judge"]
+        if j["beats_full_by_0.6_delta"] is not None:
+            out.print(
+                f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
+                f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
+                f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
+                f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
+            )
+
+
+def _compare(loaded, load, result, cfg, rate: float | None, delay: float) -> dict:
+    from lynxkv.errors import LynxError
+    from lynxkv.spec_decode.compare import judge, run_baselines, tt_rows
+
+    if not result.verified:
+        raise LynxError("--compare needs the residual (the run fell back to anchor-only output)")
+    tl = load.timeline
+    anchor_kv, full_kv = load.wait_anchor(), load.residual.result()
+    if rate is None:  # no emulated link: use the rate this load actually achieved
+        total = tl.anchor_bytes + tl.residual_bytes
+        rate = total / tl.residual_ready_s if tl.residual_ready_s else None
+    err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
+    baselines = run_baselines(
+        loaded.model, list(load.prompt_token_ids), loaded.fingerprint, anchor_kv, full_kv,
+        anchor_bytes=tl.anchor_bytes, residual_bytes=tl.residual_bytes, bandwidth=rate, latency=delay, config=cfg,
+    )
+    return {
+        "link": {"bandwidth_bytes_per_s": rate, "latency_s": delay},
+        "transfer": "monolithic: computed as latency + bytes / bandwidth, then actually waited before decoding",
+        "bytes": {"anchor": tl.anchor_bytes, "residual": tl.residual_bytes,
+                  "monolithic-bf16": 2 * sum(k.numel() + v.numel() for k, v in full_kv)},
+        "rows": tt_rows(result, baselines),
+        "judge": judge(result, baselines),
+        "baseline_stats": {name: res.stats.to_dict() for name, (_, res) in baselines.items()},
+    }

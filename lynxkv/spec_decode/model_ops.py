@@ -1,0 +1,71 @@
+"""The few model-facing steps of the runner: start a cache from stored KV, run tokens, drop rejected tokens.
+
+Where the first new token comes from: a stored cache holds KV for all T prompt tokens but not the logits of the
+last one. :func:`start_cache` keeps the first T-1 tokens of the stored KV and the runner re-feeds the last
+prompt token, so the first prediction is a normal forward on exactly the cache being evaluated (anchor-only for
+drafting, full for verifying). The reference decoder (:func:`lynxkv.spec_decode.decode_plain`) does the same,
+so "identical to decoding on the full cache" compares like with like. The recomputed KV of the last prompt
+token is the model's own fp32 value, not the quantized one: one token out of T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lynxkv.errors import InputError
+from lynxkv.models import KVPairs, kv_shape, kv_to_cache
+
+
+def check_kv(kv: KVPairs, config, prompt_len: int, what: str) -> None:
+    """The KV matches the model's (layers, kv_heads, head_dim) and holds every prompt token."""
+    layers, heads, head_dim = kv_shape(config)
+    if len(kv) != layers:
+        raise InputError(f"{what} KV has {len(kv)} layers, the model has {layers}")
+    k0 = kv[0][0]
+    if k0.dim() != 3 or k0.shape[0] != heads or k0.shape[2] != head_dim:
+        raise InputError(f"{what} KV layer shape {tuple(k0.shape)} does not match the model's [{heads}, T, {head_dim}]")
+    if k0.shape[1] != prompt_len:
+        raise InputError(f"{what} KV holds {k0.shape[1]} tokens but the prompt has {prompt_len} token ids")
+
+
+def start_cache(kv: KVPairs, config, prompt_len: int, dtype: torch.dtype = torch.float32):
+    """A fresh ``transformers`` cache with the first ``prompt_len - 1`` tokens of ``kv`` (each ``[H, T, D]``).
+
+    Built over all T tokens and then cropped by one: for contiguous fp32 input both steps are views, so opening
+    a 4K-token cache costs nothing (slicing ``[:, :T-1]`` first would copy every layer). The tensors are shared
+    with ``kv`` but never written: a forward appends with ``torch.cat`` into new storage.
+    """
+    from transformers import DynamicCache
+
+    if prompt_len <= 1:
+        return DynamicCache(config=config)
+    cache = kv_to_cache(kv, config, dtype=dtype)
+    drop_last(cache, 1)
+    return cache
+
+
+@torch.no_grad()
+def forward_tokens(model, cache, tokens: list[int]) -> torch.Tensor:
+    """Run ``tokens`` after the cache (which grows in place); logits ``[len(tokens), V]`` in fp32.
+
+    Row j predicts the token that follows ``tokens[j]``.
+    """
+    ids = torch.tensor([tokens], dtype=torch.long)  # [1, n]
+    out = model(input_ids=ids, cache=cache, use_cache=True)
+    return out.logits[0].float()  # [n, V]
+
+
+def drop_last(cache, count: int) -> None:
+    """Remove the last ``count`` tokens from ``cache`` in place.
+
+    ``DynamicCache.crop`` in transformers 5.x takes a negative count of tokens to remove (a positive argument
+    raises); ``crop(0)`` is a no-op, so 0 is handled the same way here.
+    """
+    if count < 0:
+        raise ValueError(f"cannot drop {count} tokens")
+    if count:
+        cache.crop(-count)
+
+
+def cache_len(cache) -> int:
+    return int(cache.get_seq_length())

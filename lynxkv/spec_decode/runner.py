@@ -1,0 +1,391 @@
+"""The Lynx decode loop: draft on the anchor while the residual streams, verify once, continue on the full cache.
+
+    open  ->  wait_anchor()  ->  start_cache(anchor KV, T-1) ; re-feed the last prompt token
+    draft ->  d0, d1, ... (each from the anchor cache, greedy or sampled, keeping its distribution)
+              until the residual is complete, the window cap is hit, or the residual is due within a fraction
+              of a draft step (its ETA from the transport)
+    verify -> start_cache(full KV, T-1) ; ONE forward over [last prompt token, d0 .. d(k-1)] -> logits [k+1, V]
+              accept the longest valid prefix (greedy: argmax match; sampling: min(1, p/q)), then the
+              correction / bonus token from the target; drop the rejected tokens from the cache
+    decode -> plain decoding on the full cache until max_new_tokens or a stop token
+
+The committed tokens are exactly those of plain decoding on the full cache (greedy: token for token; sampling: in
+distribution). A residual that fails or times out raises :class:`ResidualUnavailable` unless the caller asked for
+``allow_anchor_only``, in which case the output continues on the anchor cache and is flagged unverified.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from lynxkv.errors import InputError, LynxError
+from lynxkv.loading import CacheLoad, KVPairs
+from lynxkv.models import model_fingerprint
+from lynxkv.spec_decode.model_ops import check_kv, drop_last, forward_tokens, start_cache
+from lynxkv.spec_decode.sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    choose,
+    logits_to_probs,
+)
+from lynxkv.spec_decode.stats import RunStats
+
+
+class ResidualUnavailable(LynxError):
+    """The residual failed or did not arrive in time, and anchor-only output was not requested."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None  # sampling RNG seed (None: nondeterministic)
+    speculate: bool = True  # False: wait for the residual, then decode plainly (the monolithic baseline)
+    max_window: int = 64  # cap on drafted tokens
+    eta_guard: float = 0.5  # stop drafting when the residual is due within this fraction of a draft step
+    anchor_timeout: float | None = None  # seconds from the start
+    residual_timeout: float | None = None  # seconds from the start
+    allow_anchor_only: bool = False  # on residual failure, continue unverified on the anchor (flagged)
+    stop_token_ids: tuple[int, ...] = ()
+    verify_chunk: int = 0  # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see _verify)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_window < 0:
+            raise InputError(f"max_window must be >= 0, got {self.max_window}")
+
+
+@dataclass
+class AcceptanceTracker:
+    """Acceptance of recent verify windows, shared across runs on the same kind of cache.
+
+    When the last ``patience`` windows all accepted less than ``threshold`` of their drafts, drafting is not
+    worth its compute (the paper's advice: wait for the residual instead). Every ``retry_every``-th skipped run
+    drafts again, so a recovery is noticed.
+    """
+
+    threshold: float = 0.2
+    patience: int = 3
+    retry_every: int = 8
+    rates: list[float] = field(default_factory=list)
+    skipped: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rates.append(accepted / drafted)
+            del self.rates[: -max(self.patience, 1)]
+
+    def skip_reason(self) -> str | None:
+        """Why the next run should not draft, or None to draft (counts the skip)."""
+        recent = self.rates[-self.patience :]
+        if len(recent) < self.patience or max(recent) >= self.threshold:
+            return None
+        self.skipped += 1
+        if self.skipped % self.retry_every == 0:
+            return None
+        return (
+            f"acceptance below {self.threshold:.2f} in the last {self.patience} windows "
+            f"({', '.join(f'{r:.2f}' for r in recent)}): waiting for the residual instead of drafting"
+        )
+
+
+@dataclass
+class Event:
+    """One step of a run, for a UI or a serving engine.
+
+    ``draft``: provisional ``tokens`` (only with ``provisional=True``); ``commit``: final ``tokens`` (the first
+    ``confirmed`` of them were the oldest provisional ones); ``retract``: the newest ``count`` provisional tokens
+    are withdrawn; ``done``: the end, with ``stats``. ``verified`` is False only for anchor-only output.
+    """
+
+    kind: str
+    time_s: float
+    tokens: list[int] = field(default_factory=list)
+    confirmed: int = 0
+    count: int = 0
+    verified: bool = True
+    stats: RunStats | None = None
+
+
+@dataclass
+class RunResult:
+    token_ids: list[int]
+    stats: RunStats
+
+    @property
+    def verified(self) -> bool:
+        return self.stats.verified
+
+
+def check_load(load: CacheLoad, fingerprint: str) -> list[int]:
+    """The load's prompt token ids, after refusing caches made by another model or without token ids."""
+    ids = load.prompt_token_ids
+    if not ids:
+        raise InputError("the cache records no prompt token ids, so there is no prompt to continue")
+    if load.model_fingerprint is None:
+        raise InputError("the cache does not record which model made it (no model fingerprint)")
+    if load.model_fingerprint != fingerprint:
+        raise InputError(
+            f"the cache was made by another model (fingerprint {load.model_fingerprint}, "
+            f"this model is {fingerprint}); pass the model that produced it"
+        )
+    return [int(t) for t in ids]
+
+
+def stream(
+    model,
+    load: CacheLoad,
+    config: RunConfig = RunConfig(),
+    *,
+    provisional: bool = False,
+    tracker: AcceptanceTracker | None = None,
+    fingerprint: str | None = None,
+    started_at: float | None = None,
+) -> Iterator[Event]:
+    """Run Lynx decoding over ``load`` and yield :class:`Event` s as tokens are drafted, committed, retracted.
+
+    ``fingerprint`` is the model's (computed when not given). ``started_at`` is the ``time.perf_counter()`` at
+    which the load was opened (default: now), the zero of every time in the stats. The last event is ``done``.
+    The cache's identity is checked once its header has arrived with the anchor, before any token is drafted.
+    """
+    t0 = time.perf_counter() if started_at is None else started_at
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+    fingerprint = fingerprint or model_fingerprint(model)
+    config_obj = model.config
+    stats = RunStats()
+    params = config.sampling
+    generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+    committed: list[int] = []
+    stops = set(config.stop_token_ids)
+
+    residual = load.residual
+
+    def on_residual(fut: concurrent.futures.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            stats.residual_ready_s = now()
+
+    residual.add_done_callback(on_residual)
+
+    def commit(tokens: list[int], confirmed: int, verified: bool = True) -> Event | None:
+        room = config.max_new_tokens - len(committed)
+        tokens = tokens[:room]
+        for i, tok in enumerate(tokens):
+            if tok in stops:
+                tokens = tokens[: i + 1]
+                break
+        if not tokens:
+            return None
+        t = now()
+        committed.extend(tokens)
+        stats.commit_times_s.extend([t] * len(tokens))
+        if stats.first_commit_s is None:
+            stats.first_commit_s = t
+        return Event("commit", t, tokens=tokens, confirmed=min(confirmed, len(tokens)), verified=verified)
+
+    def finished() -> bool:
+        return len(committed) >= config.max_new_tokens or (bool(committed) and committed[-1] in stops)
+
+    # ---- anchor -------------------------------------------------------------------------------------------
+    remaining = None if config.anchor_timeout is None else max(0.0, config.anchor_timeout)
+    try:
+        anchor_kv = load.wait_anchor(remaining)
+    except TimeoutError:
+        raise LynxError(f"the anchor did not arrive within {config.anchor_timeout:g} s") from None
+    stats.anchor_ready_s = now()
+    prompt = check_load(load, fingerprint)
+    stats.prompt_tokens = len(prompt)
+    check_kv(anchor_kv, config_obj, len(prompt), "anchor")
+
+    # ---- draft while the residual streams -------------------------------------------------------------------
+    cap = min(config.max_window, config.max_new_tokens) if config.speculate else 0
+    stats.window_cap = cap
+    if cap and tracker is not None:
+        stats.drafting_disabled = tracker.skip_reason()
+        if stats.drafting_disabled:
+            cap = 0
+    drafts: list[int] = []
+    draft_probs: list[torch.Tensor] = []
+    draft_cache = None
+    pending = prompt[-1]  # the token the next forward consumes
+    step_times: list[float] = []
+    while len(drafts) < cap and not residual.done():
+        if step_times and config.eta_guard > 0:
+            eta, step = load.residual_eta(), sum(step_times) / len(step_times)
+            if eta is not None and eta < config.eta_guard * step:
+                stats.waited_on_eta = True
+                concurrent.futures.wait([residual], timeout=eta + 2 * step + 0.01)  # slack for a late wake-up
+                if residual.done():
+                    break
+        if draft_cache is None:
+            draft_cache = start_cache(anchor_kv, config_obj, len(prompt))
+        ts = time.perf_counter()
+        logits = forward_tokens(model, draft_cache, [pending])[-1]  # [V]
+        token, probs = choose(logits, params, generator)
+        step_times.append(time.perf_counter() - ts)
+        drafts.append(token)
+        if probs is not None:
+            draft_probs.append(probs)
+        pending = token
+        if stats.first_draft_s is None:
+            stats.first_draft_s = now()
+            eta = load.residual_eta()
+            if eta is not None:
+                stats.window_planned = min(cap, 1 + math.ceil(eta / max(step_times[0], 1e-9)))
+        if provisional:
+            yield Event("draft", now(), tokens=[token])
+        if token in stops:
+            break
+    stats.drafted = len(drafts)
+    if step_times:
+        stats.draft_step_s = sum(step_times) / len(step_times)
+
+    # ---- wait for the residual --------------------------------------------------------------------------------
+    full_kv: KVPairs | None = None
+    error: str | None = None
+    timeout = None if config.residual_timeout is None else max(0.0, config.residual_timeout - now())
+    try:
+        full_kv = residual.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        error = f"the residual did not arrive within {config.residual_timeout:g} s"
+    except Exception as exc:  # the transport's failure, whatever its type
+        error = f"the residual failed: {exc}"
+
+    if full_kv is None:
+        if not config.allow_anchor_only:
+            raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
+        stats.verified, stats.residual_error = False, error
+        if draft_cache is None:
+            draft_cache = start_cache(anchor_kv, config_obj, len(prompt))
+        ev = commit(drafts, confirmed=len(drafts), verified=False)
+        if ev:
+            yield ev
+        yield from _decode(model, draft_cache, pending, params, generator, commit, finished, stats, verified=False)
+        stats.load = asdict(load.timeline)
+        yield Event("done", now(), stats=stats, verified=False)
+        return
+
+    stats.residual_seen_s = now()
+    check_kv(full_kv, config_obj, len(prompt), "full")
+
+    # ---- verify: one forward over [last prompt token, d0 .. d(k-1)] ---------------------------------------
+    cache = start_cache(full_kv, config_obj, len(prompt))
+    stats.verify_start_s = now()
+    tv = time.perf_counter()
+    accepted, next_token, fed, passes = _verify(model, cache, prompt[-1], drafts, draft_probs, params, generator,
+                                                config.verify_chunk)
+    stats.verify_s = time.perf_counter() - tv
+    stats.verify_passes = passes
+    stats.accepted = accepted
+    if tracker is not None:
+        tracker.record(len(drafts), accepted)
+    drop_last(cache, fed - accepted)  # cache: prompt + d0 .. d(accepted-1)
+
+    ev = commit(drafts[:accepted], confirmed=accepted)
+    if ev is not None:
+        yield ev
+    if provisional and len(drafts) > accepted:
+        yield Event("retract", now(), count=len(drafts) - accepted)
+    if not finished():
+        ev = commit([next_token], confirmed=0)
+        if ev is not None:
+            yield ev
+
+    # ---- continue on the full cache ---------------------------------------------------------------------------
+    yield from _decode(model, cache, next_token, params, generator, commit, finished, stats, verified=True)
+    stats.load = asdict(load.timeline)
+    yield Event("done", now(), stats=stats)
+
+
+def _verify(model, cache, last: int, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
+            generator, chunk: int) -> tuple[int, int, int, int]:
+    """Verify ``drafts`` on the full cache (holding the prompt minus its last token): (accepted, next token,
+    drafts fed into the cache, forward passes).
+
+    ``chunk <= 0``: ONE forward over ``[last, d0 .. d(k-1)]`` (logits ``[k+1, V]``; row j judges draft j, row k
+    gives the bonus). ``chunk > 0``: the same rows computed in passes of ``chunk``, ``2·chunk``, ... drafts that stop
+    at the first rejection. A multi-token forward is nearly free on a GPU but costs about ``k/8`` decode steps on a
+    CPU at long context, so on a CPU with a poor anchor most of a long window is verified for nothing; the rows,
+    and so the accepted tokens, are the same either way (fp32). With sampling, a bonus drawn at the end of a fully
+    accepted pass that is not the last one is discarded: an independent draw, so the law is unchanged.
+    """
+    k = len(drafts)
+    pos, carry, passes = 0, None, 0
+    while True:
+        m = k - pos if chunk <= 0 else min(chunk, k - pos)
+        inputs = ([last] if pos == 0 else []) + drafts[pos : pos + m]
+        new_rows = forward_tokens(model, cache, inputs)  # [len(inputs), V]
+        passes += 1
+        rows = new_rows if carry is None else torch.cat([carry, new_rows])  # [m+1, V]
+        window = drafts[pos : pos + m]
+        if params.greedy:
+            n, next_token = accept_greedy(window, rows)
+        else:
+            target_probs = logits_to_probs(rows, params)  # [m+1, V]
+            q = torch.stack(draft_probs[pos : pos + m]) if m else target_probs[:0]  # [m, V]
+            n, next_token = accept_sampled(window, q, target_probs, generator)
+        if n < m or pos + m == k:
+            return pos + n, next_token, pos + m, passes
+        carry, pos = rows[-1:], pos + m
+        chunk *= 2
+
+
+def _decode(model, cache, pending, params, generator, commit, finished, stats: RunStats, *, verified: bool):
+    """Plain decoding: feed ``pending``, choose the next token, commit it, until ``finished()``."""
+    times: list[float] = []
+    while not finished():
+        ts = time.perf_counter()
+        logits = forward_tokens(model, cache, [pending])[-1]  # [V]
+        token, _ = choose(logits, params, generator)
+        times.append(time.perf_counter() - ts)
+        ev = commit([token], confirmed=0, verified=verified)
+        if ev is None:
+            break
+        yield ev
+        pending = token
+    if times:
+        stats.decode_step_s = sum(times) / len(times)
+
+
+def run(model, load: CacheLoad, config: RunConfig = RunConfig(), **kwargs) -> RunResult:
+    """Run to the end and return the committed token ids and the stats (see :func:`stream`)."""
+    tokens: list[int] = []
+    stats = None
+    for ev in stream(model, load, config, **kwargs):
+        if ev.kind == "commit":
+            tokens.extend(ev.tokens)
+        elif ev.kind == "done":
+            stats = ev.stats
+    assert stats is not None  # stream always ends with "done"
+    return RunResult(tokens, stats)
+
+
+@torch.no_grad()
+def decode_plain(
+    model,
+    kv: KVPairs,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    *,
+    generator: torch.Generator | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Reference decoding without speculation on ``kv`` (the same start convention as the runner)."""
+    cache = start_cache(kv, model.config, len(prompt_ids))
+    out: list[int] = []
+    pending = int(prompt_ids[-1])
+    while len(out) < max_new_tokens:
+        logits = forward_tokens(model, cache, [pending])[-1]
+        pending, _ = choose(logits, sampling, generator)
+        out.append(pending)
+        if pending in stop_token_ids:
+            break
+    return out

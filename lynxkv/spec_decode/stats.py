@@ -1,0 +1,88 @@
+"""What a run measured, returned as data (the CLI prints it; nothing here prints).
+
+All times are seconds since the run started (the moment :func:`lynxkv.spec_decode.stream` was entered, which
+callers place right after opening the load, so it is also the load's start up to microseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    anchor_ready_s: float | None = None  # wait_anchor() returned
+    residual_ready_s: float | None = None  # the residual future completed (observed by a callback)
+    residual_seen_s: float | None = None  # the runner took the full KV (after any in-flight draft step)
+    verify_start_s: float | None = None  # the full cache was rebuilt and the verify forward began
+    first_draft_s: float | None = None
+    first_commit_s: float | None = None
+    commit_times_s: list[float] = field(default_factory=list)  # one per committed token, in order
+    drafted: int = 0
+    accepted: int = 0
+    window_cap: int = 0
+    window_planned: int | None = None  # from the residual ETA and the draft step time, at the first draft
+    draft_step_s: float | None = None  # mean time of one draft forward (anchor cache)
+    verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
+    verify_passes: int = 0
+    decode_step_s: float | None = None  # mean time of one plain decode step after the verify (full cache)
+    waited_on_eta: bool = False  # stopped drafting because the residual was due within a fraction of a step
+    drafting_disabled: str | None = None  # why no drafts were made although speculation was on
+    verified: bool = True  # False only for explicitly requested anchor-only output
+    residual_error: str | None = None
+    load: dict = field(default_factory=dict)  # the transport's own LoadTimeline
+
+    @property
+    def committed(self) -> int:
+        return len(self.commit_times_s)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def residual_after_anchor_s(self) -> float | None:
+        """t_res: how long the residual kept the decoder waiting after the anchor was usable."""
+        if self.residual_ready_s is None or self.anchor_ready_s is None:
+            return None
+        return max(0.0, self.residual_ready_s - self.anchor_ready_s)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token of plain decoding (after the verify; the draft step time if none ran)."""
+        return self.decode_step_s if self.decode_step_s is not None else self.draft_step_s
+
+    def tt(self, n: int) -> float | None:
+        """Time to ``n`` committed tokens (None if fewer were committed)."""
+        return self.commit_times_s[n - 1] if 0 < n <= len(self.commit_times_s) else None
+
+    def gain_theoretical(self, n: int) -> float | None:
+        """Δ = min(t_res, n·TPOT): the most drafting during the residual transfer can save on TT-n."""
+        t_res, tpot = self.residual_after_anchor_s, self.tpot_s
+        if t_res is None or tpot is None:
+            return None
+        return min(t_res, n * tpot)
+
+    def gain_estimated(self, n: int) -> float | None:
+        """Measured TT-n against the counterfactual "wait for the residual, then decode n tokens at the
+        measured TPOT" (``--compare`` measures that baseline instead of estimating it)."""
+        tt, tpot = self.tt(n), self.tpot_s
+        if tt is None or tpot is None or self.residual_ready_s is None:
+            return None
+        return self.residual_ready_s + n * tpot - tt
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            committed=self.committed,
+            acceptance_rate=self.acceptance_rate,
+            residual_after_anchor_s=self.residual_after_anchor_s,
+            tpot_s=self.tpot_s,
+            tt1_s=self.tt(1),
+            tt32_s=self.tt(32),
+            tt64_s=self.tt(64),
+            gain_theoretical_64_s=self.gain_theoretical(64),
+            gain_estimated_64_s=self.gain_estimated(64),
+        )
+        return d

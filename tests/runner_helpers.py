@@ -1,0 +1,105 @@
+"""Shared helpers for the runner tests: tiny-model caches, a load whose residual lands after exactly k drafts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+
+from lynxkv.loading import LoadTimeline
+from lynxkv.models import model_fingerprint, prefill
+from lynxkv.scheme import get_scheme
+from lynxkv.spec_decode.loads import split_kv
+
+
+def prompt_ids(seed: int, length: int, vocab: int = 128) -> list[int]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+def caches(model, ids: list[int], *, scheme: str = "default", **overrides):
+    """(exact KV, anchor-only KV, full-code KV) of ``ids`` under ``model``."""
+    kv, _ = prefill(model, torch.tensor(ids))
+    anchor_kv, full_kv = split_kv(kv, get_scheme(scheme, **overrides))
+    return kv, anchor_kv, full_kv
+
+
+def perturbed(kv, scale: float, seed: int = 0):
+    """``kv`` plus Gaussian noise of ``scale`` times each tensor's std: a very coarse 'anchor'."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k, v in kv:
+        out.append(tuple(x + scale * x.std() * torch.randn(x.shape, generator=g) for x in (k, v)))
+    return out
+
+
+class _OnDemand(concurrent.futures.Future):
+    """A future that is not done until someone asks for its result: the residual 'lands' exactly when the
+    runner stops drafting (at its window cap), with no wall-clock dependence."""
+
+    def __init__(self, value=None, error=None):
+        super().__init__()
+        self._value, self._error = value, error
+
+    def result(self, timeout=None):
+        if not self.done():
+            if self._error is not None:
+                self.set_exception(self._error)
+            else:
+                self.set_result(self._value)
+        return super().result(timeout)
+
+
+class StepLoad:
+    """A CacheLoad whose anchor is ready at once and whose residual arrives after the window cap is drafted."""
+
+    def __init__(self, model, ids, anchor_kv, full_kv, *, error=None, fingerprint=None):
+        self.prompt_token_ids = list(ids)
+        self.model_fingerprint = fingerprint or model_fingerprint(model)
+        self._anchor = anchor_kv
+        self._future = _OnDemand(full_kv, error)
+        self._timeline = LoadTimeline()
+
+    def wait_anchor(self, timeout=None):
+        return self._anchor
+
+    @property
+    def residual(self):
+        return self._future
+
+    def residual_eta(self):
+        return None
+
+    @property
+    def timeline(self):
+        return self._timeline
+
+    def close(self):
+        pass
+
+
+def single_thread():
+    """Tiny models run fastest on one intra-op thread (two threads on a shared 2-core box mostly spin)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def save_tiny_model_dir(model, path) -> str:
+    """Save ``model`` with a word-level tokenizer (token i is the word ``w{i}``) so ``load_model(path)`` and the
+    CLI's ``--model PATH`` can load it like any Hugging Face model directory."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,128 @@
+"""``lynxkv run`` end to end on a tiny model saved as a Hugging Face directory, through the progressive reader."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from lynxkv.cache import save_cache
+from lynxkv.cli import main
+from lynxkv.models import model_fingerprint, prefill
+from lynxkv.spec_decode import decode_plain
+from lynxkv.spec_decode.loads import split_kv
+from lynxkv.scheme import get_scheme
+from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runcli")
+    model = make_tiny_llama(4, layers=3, head_dim=32)
+    model_dir = save_tiny_model_dir(model, d / "model")
+    ids = prompt_ids(4, 300)
+    kv, _ = prefill(model, torch.tensor(ids))
+    save_cache(d / "c.lynx", kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    _, full_kv = split_kv(kv, get_scheme())
+    want = decode_plain(model, full_kv, ids, 24)
+    return model_dir, str(d / "c.lynx"), want, d
+
+
+def _run(capsys, *args):
+    code = main(["run", *args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_json_output_equals_full_cache_decoding(tiny_cache, capsys):
+    model_dir, path, want, _ = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["token_ids"] == want
+    assert doc["text"] == " ".join(f"w{t}" for t in want)
+    assert doc["verified"] is True
+    s = doc["stats"]
+    assert s["committed"] == 24 and s["anchor_ready_s"] < s["residual_ready_s"] <= s["tt1_s"]
+    assert s["load"]["anchor_bytes"] > 0 and s["load"]["residual_bytes"] > 0
+
+
+def test_plain_output_and_stats_table(tiny_cache, capsys):
+    model_dir, path, want, _ = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s")
+    assert code == 0, err
+    assert out.startswith(" ".join(f"w{t}" for t in want))
+    for label in ("anchor ready", "residual ready", "first draft token", "TT1 / TT32 / TT64", "drafted / accepted",
+                  "acceptance rate", "Δ theoretical"):
+        assert label in out
+
+
+def test_compare_runs_all_baselines(tiny_cache, capsys):
+    model_dir, path, want, _ = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
+                          "--latency", "1ms", "--compare", "--json")
+    assert code == 0, err
+    cmp = json.loads(out)["compare"]
+    rows = {r["method"]: r for r in cmp["rows"]}
+    assert set(rows) == {"lynx", "monolithic-bf16", "monolithic-full", "anchor-only"}
+    assert rows["monolithic-full"]["same_tokens_as_lynx"] is True
+    assert rows["anchor-only"]["verified"] is False
+    # the monolithic transfers were waited for: nothing is decoded before its bytes would have arrived
+    for name in ("monolithic-bf16", "monolithic-full", "anchor-only"):
+        assert rows[name]["tt1_s"] >= rows[name]["ready_s"]
+    b = cmp["bytes"]
+    assert rows["monolithic-full"]["ready_s"] == pytest.approx(0.001 + (b["anchor"] + b["residual"]) / 8e6)
+    assert rows["monolithic-bf16"]["ready_s"] > rows["monolithic-full"]["ready_s"] > rows["anchor-only"]["ready_s"]
+    assert cmp["judge"]["tt_lynx_s"] is None  # fewer than 64 tokens: no TT64 verdict is made up
+
+
+def test_wrong_model_is_one_clear_error(tiny_cache, capsys, tmp_path):
+    _, path, _, _ = tiny_cache
+    other = save_tiny_model_dir(make_tiny_llama(5, layers=3, head_dim=32), tmp_path / "other")
+    code, out, err = _run(capsys, path, "--model", other, "-n", "4")
+    assert code == 1 and "another model" in err and "Traceback" not in err
+
+
+def test_missing_residual(tiny_cache, capsys, tmp_path):
+    model_dir, path, _, d = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "4", "--residual", str(tmp_path / "gone.lynxr"))
+    assert code == 1 and "residual" in err and "Traceback" not in err
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "6", "--ignore-eos", "--json",
+                          "--residual", str(tmp_path / "gone.lynxr"), "--allow-anchor-only")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["verified"] is False and doc["stats"]["residual_error"] and len(doc["token_ids"]) == 6
+
+
+def test_terminal_view_shows_drafts_dim_and_retracts_them(tiny_cache, monkeypatch):
+    """On a terminal, drafts are shown provisionally and withdrawn when retracted; the end state is the
+    committed text alone."""
+    import io
+
+    from rich.console import Console
+
+    import lynxkv.cli.run as run_cli
+    from lynxkv.models import load_model
+    from lynxkv.spec_decode import Event
+
+    model_dir = tiny_cache[0]
+    tok = load_model(model_dir).tokenizer
+    monkeypatch.setattr(run_cli, "out", Console(file=io.StringIO(), force_terminal=True, width=200))
+    p = run_cli._Printer(tok, live=True)
+    assert p.live is not None
+    views = []
+    for ev in [Event("draft", 0.1, tokens=[5]), Event("draft", 0.2, tokens=[6]), Event("draft", 0.3, tokens=[7]),
+               Event("commit", 0.4, tokens=[5], confirmed=1), Event("retract", 0.4, count=2),
+               Event("commit", 0.4, tokens=[9])]:
+        p.event(ev)
+        views.append((p.view.plain, [s.style for s in p.view.spans]))
+    p.close()
+    assert views[2][0] == "w5 w6 w7" and views[2][1] == ["dim"]  # all provisional, dim
+    assert views[3][0] == "w5 w6 w7"  # w5 now final, w6 w7 still dim
+    assert views[4] == ("w5", [])  # retracted
+    assert views[5][0] == "w5 w9" and p.committed == [5, 9]

@@ -1,0 +1,110 @@
+"""Refusals and failure paths: wrong model, missing prompt ids, a residual that never arrives, the window policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_tiny_llama
+from lynxkv.errors import InputError, LynxError
+from lynxkv.loading import PreparedLoad
+from lynxkv.models import model_fingerprint
+from lynxkv.spec_decode import AcceptanceTracker, ResidualUnavailable, RunConfig, decode_plain, run, stream
+from runner_helpers import StepLoad, caches, perturbed, prompt_ids, single_thread
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = make_tiny_llama(0)
+    ids = prompt_ids(0, 30)
+    exact, anchor_kv, full_kv = caches(model, ids)
+    return model, ids, exact, anchor_kv, full_kv
+
+
+def test_refuses_cache_of_another_model(setup):
+    model, ids, _, anchor_kv, full_kv = setup
+    other = make_tiny_llama(1)
+    load = StepLoad(model, ids, anchor_kv, full_kv, fingerprint=model_fingerprint(other))
+    with pytest.raises(InputError, match="another model"):
+        run(model, load)
+
+
+def test_refuses_cache_without_prompt_ids_or_fingerprint(setup):
+    model, ids, _, anchor_kv, full_kv = setup
+    load = StepLoad(model, ids, anchor_kv, full_kv)
+    load.prompt_token_ids = None
+    with pytest.raises(InputError, match="prompt token ids"):
+        run(model, load)
+    load = StepLoad(model, ids, anchor_kv, full_kv)
+    load.model_fingerprint = None
+    with pytest.raises(InputError, match="fingerprint"):
+        run(model, load)
+
+
+def test_refuses_kv_that_does_not_fit(setup):
+    model, ids, _, anchor_kv, full_kv = setup
+    with pytest.raises(InputError, match="prompt has 29"):
+        run(model, StepLoad(model, ids[:-1], anchor_kv, full_kv))
+    with pytest.raises(InputError, match="layers"):
+        run(model, StepLoad(model, ids, anchor_kv[:1], full_kv))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_failed_residual_is_a_clear_error(setup, window):
+    model, ids, _, anchor_kv, _ = setup
+    load = StepLoad(model, ids, anchor_kv, None, error=LynxError("tier 'slow' unreachable"))
+    with pytest.raises(ResidualUnavailable, match="unreachable.*anchor-only"):
+        run(model, load, RunConfig(max_new_tokens=10, max_window=window))
+
+
+def test_residual_timeout(setup):
+    model, ids, _, anchor_kv, full_kv = setup
+    load = PreparedLoad(anchor_kv, full_kv, residual_delay=30.0, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    try:
+        with pytest.raises(ResidualUnavailable, match="within 0.2 s"):
+            run(model, load, RunConfig(max_new_tokens=10, max_window=3, residual_timeout=0.2))
+    finally:
+        load.close()
+
+
+@pytest.mark.parametrize("window", [0, 4, 10])
+def test_anchor_only_output_is_flagged(setup, window):
+    """Only on request: the output continues on the anchor, equals plain decoding there, and says unverified."""
+    model, ids, _, anchor_kv, _ = setup
+    load = StepLoad(model, ids, anchor_kv, None, error=LynxError("source down"))
+    events = list(stream(model, load, RunConfig(max_new_tokens=10, max_window=window, allow_anchor_only=True)))
+    commits = [e for e in events if e.kind == "commit"]
+    assert commits and all(not e.verified for e in commits)
+    tokens = [t for e in commits for t in e.tokens]
+    assert tokens == decode_plain(model, anchor_kv, ids, 10)
+    stats = events[-1].stats
+    assert stats.verified is False and "source down" in stats.residual_error
+
+
+def test_tracker_stops_drafting_after_low_acceptance(setup):
+    model, ids, exact, _, full_kv = setup
+    first = decode_plain(model, full_kv, ids, 1)[0]
+    coarse = next(c for c in (perturbed(exact, 3.0, s) for s in range(20)) if decode_plain(model, c, ids, 1)[0] != first)
+    tracker = AcceptanceTracker(threshold=0.5, patience=2, retry_every=3)
+    cfg = RunConfig(max_new_tokens=8, max_window=4)
+    drafted = []
+    for _ in range(6):
+        res = run(model, StepLoad(model, ids, coarse, full_kv), cfg, tracker=tracker)
+        assert res.token_ids == decode_plain(model, full_kv, ids, 8)
+        drafted.append(res.stats.drafted)
+        if res.stats.drafted == 0:
+            assert "acceptance below 0.50" in res.stats.drafting_disabled
+    # two poor windows, then waiting; every third skipped run probes again
+    assert drafted == [4, 4, 0, 0, 4, 0]
+
+
+def test_eta_guard_waits_instead_of_drafting(setup):
+    """When the residual is due within a fraction of a draft step, the runner stops drafting and waits."""
+    model, ids, _, anchor_kv, full_kv = setup
+    fp = model_fingerprint(model)
+    load = PreparedLoad(anchor_kv, full_kv, residual_delay=0.3, prompt_token_ids=ids, model_fingerprint=fp)
+    # a huge guard (1e6 draft steps) makes any ETA "imminent": exactly one draft, then a wait
+    res = run(model, load, RunConfig(max_new_tokens=6, max_window=6, eta_guard=1e6))
+    assert res.stats.waited_on_eta and res.stats.drafted == 1
+    assert res.token_ids == decode_plain(model, full_kv, ids, 6)
