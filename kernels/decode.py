@@ -73,7 +73,7 @@ def _decode_kernel(
 
 
 def supports(scheme: Scheme) -> bool:
-    return scheme.compander == "linear" and scheme.anchor_bits == 4
+    return scheme.compander == "linear" and scheme.grid == "nested" and scheme.anchor_bits == 4
 
 
 def decode(
@@ -90,7 +90,7 @@ def decode(
     ``[B, H, ceil(T/C), D]`` as written by :func:`lynxkv.kernels.encode.encode`. Returns ``out``.
     """
     if not supports(scheme):
-        raise InputError("the Triton decode supports only the linear compander with a 4+4 split; use the reference")
+        raise InputError("the Triton decode supports only the linear compander, nested grid, 4+4 split; use the reference")
     if out.dim() != 4 or out.dtype not in _OUT_DTYPES or out.stride(-1) != 1:
         raise InputError(
             f"out must be a [batch, kv_heads, tokens, head_dim] bf16/fp16/fp32 tensor with a contiguous head_dim, "

@@ -154,12 +154,12 @@ def _codes(x, o, s, A: tl.constexpr, R: tl.constexpr):
 
 def supports(scheme: Scheme) -> bool:
     """The kernel handles the linear compander with either centring, any chunk, fp16/fp32 metadata."""
-    return scheme.compander == "linear"
+    return scheme.compander == "linear" and scheme.grid == "nested"
 
 
 def _check(x: torch.Tensor, scheme: Scheme, pack: bool) -> None:
     if not supports(scheme):
-        raise InputError("the Triton encode supports only the linear compander; use lynxkv.quant.quantize for alpha")
+        raise InputError("the Triton encode supports only the linear compander on the nested grid; use lynxkv.quant.quantize")
     if x.dim() != 4:
         raise InputError(f"expected a [batch, kv_heads, tokens, head_dim] tensor, got shape {tuple(x.shape)}")
     if x.dtype not in _IN_DTYPES:

@@ -6,6 +6,9 @@ A scheme fixes everything the decoder needs to turn codes back into values (spec
 - ``centring``: ``midrange`` (chunk (max+min)/2) or ``mean`` (chunk mean, Lynx's Algorithm 1);
 - ``chunk`` C: tokens that share one (offset, scale) pair per channel; ``page`` P: tokens per stored page;
 - ``anchor_bits`` / ``residual_bits``: the split of the 8-bit code (high bits = anchor, low bits = residual);
+- ``grid``: ``nested`` (the anchor levels include the chunk's extremes, the residual places the value inside
+  the anchor's cell) or ``uniform`` (a plain 255-step grid whose high bits are the anchor, decoded at the middle
+  of its bin: Lynx's Algorithm 1);
 - ``meta_dtype``: the storage dtype of the per-chunk offset and scale (``fp16`` or ``fp32``).
 """
 
@@ -20,6 +23,7 @@ from lynxkv.errors import SchemeError
 COMPANDERS = ("linear", "alpha")
 CENTRINGS = ("midrange", "mean")
 META_DTYPES = ("fp16", "fp32")
+GRIDS = ("nested", "uniform")
 CODE_BITS = 8
 
 MAX_CHUNK = 1024
@@ -37,12 +41,15 @@ class Scheme:
     anchor_bits: int = 4
     residual_bits: int = 4
     meta_dtype: str = "fp16"
+    grid: str = "nested"
 
     def __post_init__(self) -> None:
         if self.compander not in COMPANDERS:
             raise SchemeError(f"compander: expected one of {COMPANDERS}, got {self.compander!r}")
         if self.centring not in CENTRINGS:
             raise SchemeError(f"centring: expected one of {CENTRINGS}, got {self.centring!r}")
+        if self.grid not in GRIDS:
+            raise SchemeError(f"grid: expected one of {GRIDS}, got {self.grid!r}")
         if self.meta_dtype not in META_DTYPES:
             raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.compander == "alpha":
@@ -75,6 +82,11 @@ class Scheme:
         return 1 << self.residual_bits
 
     @property
+    def code_steps(self) -> int:
+        """Q = 255: steps of the uniform grid over [-1, 1]."""
+        return (1 << CODE_BITS) - 1
+
+    @property
     def meta_bytes(self) -> int:
         return 2 if self.meta_dtype == "fp16" else 4
 
@@ -93,8 +105,9 @@ class Scheme:
 
     def describe(self) -> str:
         comp = "linear" if self.compander == "linear" else f"alpha={self.alpha:g}"
+        grid = "" if self.grid == "nested" else f", {self.grid} grid"
         return (
-            f"{comp}, {self.centring}, C={self.chunk}, P={self.page}, "
+            f"{comp}, {self.centring}{grid}, C={self.chunk}, P={self.page}, "
             f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}"
         )
 
@@ -110,13 +123,17 @@ def _is_pow2(n: int) -> bool:
 #: min/max-inclusive 4-bit grid. Chosen by `lynxkv eval` (README, "Choosing the default scheme").
 DEFAULT = Scheme()
 
-#: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation.
-PAPER = Scheme(compander="alpha", alpha=100.0, centring="mean")
+#: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
+#: uniform 8-bit grid whose high nibble is the anchor.
+PAPER = Scheme(compander="alpha", alpha=100.0, centring="mean", grid="uniform")
 
 PRESETS: dict[str, Scheme] = {
     "default": DEFAULT,
     "paper": PAPER,
     "paper-a1": PAPER.replace(alpha=1.0),
+    # The measured runner-up for the default (README, "Choosing the default scheme"): the default's grid with a
+    # mild α-law compander; reference arithmetic only (no fast path or kernel).
+    "alpha1": DEFAULT.replace(compander="alpha", alpha=1.0),
 }
 
 

@@ -31,7 +31,8 @@ ANCHOR_FIXED_STRUCT = (
     "B"  # 43  meta_dtype
     "B"  # 44  anchor_bits
     "B"  # 45  residual_bits
-    "H"  # 46  reserved (must be 0)
+    "B"  # 46  grid
+    "B"  # 47  reserved (must be 0)
     "I"  # 48  chunk
     "I"  # 52  page
     "d"  # 56  alpha (f64)
@@ -42,7 +43,7 @@ ANCHOR_FIXED_STRUCT = (
     "I"  # 88  names_length
     "I"  # 92  unused (writers write 0, readers ignore)
 )
-ANCHOR_FIXED_SIZE = 8 + 2 + 2 + 4 + 4 + 4 + 4 * 4 + 6 * 1 + 2 + 4 + 4 + 8 + 16 + 4 + 2 + 2 + 4 + 4  # 96
+ANCHOR_FIXED_SIZE = 8 + 2 + 2 + 4 + 4 + 4 + 4 * 4 + 6 * 1 + 1 + 1 + 4 + 4 + 8 + 16 + 4 + 2 + 2 + 4 + 4  # 96
 
 # Byte offsets of the fixed fields, for error messages ("`tokens` at byte 36").
 ANCHOR_FIELD_OFFSETS = {
@@ -62,7 +63,8 @@ ANCHOR_FIELD_OFFSETS = {
     "meta_dtype": 43,
     "anchor_bits": 44,
     "residual_bits": 45,
-    "reserved1": 46,
+    "grid": 46,
+    "reserved1": 47,
     "chunk": 48,
     "page": 52,
     "alpha": 56,
@@ -154,6 +156,7 @@ DTYPE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 COMPANDER_CODES = {"linear": 0, "alpha": 1}
 CENTRING_CODES = {"midrange": 0, "mean": 1}
 META_DTYPE_CODES = {"fp16": 0, "fp32": 1}
+GRID_CODES = {"nested": 0, "uniform": 1}
 
 SEGMENT_ANCHOR = 1
 SEGMENT_RESIDUAL = 2

@@ -171,7 +171,7 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
         c.ANCHOR_MAGIC, c.VERSION_MAJOR, h.version_minor, h.flags, length, 0,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
         c.DTYPE_CODES[h.dtype], c.COMPANDER_CODES[s.compander], c.CENTRING_CODES[s.centring],
-        c.META_DTYPE_CODES[s.meta_dtype], s.anchor_bits, s.residual_bits, 0,
+        c.META_DTYPE_CODES[s.meta_dtype], s.anchor_bits, s.residual_bits, c.GRID_CODES[s.grid], 0,
         s.chunk, s.page, float(s.alpha), h.cache_id, len(h.prompt_token_ids), len(h.segments),
         len(fingerprint), len(names), 0,
     )
@@ -225,7 +225,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
         raise _err("header_crc32", f"{what} byte {length - c.CRC_SIZE}", f"{actual_crc:#010x}",
                    f"{stored_crc:#010x}", checksum=True)
     (_, _, _, _, _, reserved0, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
-     anchor_bits, residual_bits, reserved1, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
+     anchor_bits, residual_bits, grid, reserved1, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
      _unused) = _ANCHOR_FIXED.unpack_from(buf, 0)
     off = c.ANCHOR_FIELD_OFFSETS
     for name, value in (("reserved0", reserved0), ("reserved1", reserved1)):
@@ -240,7 +240,8 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     _cap("fingerprint_length", n_fp, c.MAX_FINGERPRINT, off, what)
     _cap("names_length", n_names, c.MAX_NAMES_LENGTH, off, what)
     enums = (("dtype", dtype, c.DTYPE_CODES), ("compander", compander, c.COMPANDER_CODES),
-             ("centring", centring, c.CENTRING_CODES), ("meta_dtype", meta_dtype, c.META_DTYPE_CODES))
+             ("centring", centring, c.CENTRING_CODES), ("meta_dtype", meta_dtype, c.META_DTYPE_CODES),
+             ("grid", grid, c.GRID_CODES))
     decoded = {}
     for name, value, table in enums:
         inv = _inv(table)
@@ -250,7 +251,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     try:
         scheme = Scheme(compander=decoded["compander"], alpha=alpha, centring=decoded["centring"], chunk=chunk,
                         page=page, anchor_bits=anchor_bits, residual_bits=residual_bits,
-                        meta_dtype=decoded["meta_dtype"])
+                        meta_dtype=decoded["meta_dtype"], grid=decoded["grid"])
     except SchemeError as exc:
         raise FormatError(f"`scheme` at {what} bytes 41-63: {exc}", field="scheme", where=f"{what} byte 41") from None
 

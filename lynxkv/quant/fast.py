@@ -58,8 +58,9 @@ QuantizeFn = Callable[[torch.Tensor, Scheme], EncodedTensor]
 
 
 def supports(scheme: Scheme) -> bool:
-    """Whether the fast per-element path applies (linear compander); others fall back to the reference."""
-    return scheme.compander == "linear"
+    """Whether the fast per-element path applies (linear compander, nested grid); others fall back to the
+    reference."""
+    return scheme.compander == "linear" and scheme.grid == "nested"
 
 
 # ----------------------------------------------------------------------------------------------- encode

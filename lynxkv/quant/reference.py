@@ -20,7 +20,15 @@ said otherwise; ``meta()`` is the cast to the scheme's metadata dtype):
     r      = clamp(floor((v - a + 0.5) * R), 0, R-1) # signed position inside the anchor step, R = 2**residual_bits
     code   = a * R + r
 
-Decoding: ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
+With ``grid = "uniform"`` (the paper preset) the code is instead a plain 8-bit grid over [-1, 1], Q = 255:
+
+    v      = (z + 1) * (Q / 2)
+    code   = clamp(floor(v + 0.5), 0, Q);  a = code >> residual_bits;  r = code & (R - 1)
+
+decoded as ``ẑ = code * (2/Q) - 1`` (full) or at the middle of the anchor's bin,
+``ẑ = (a * R + (R - 1) / 2) * (2/Q) - 1`` (anchor only).
+
+Decoding (nested grid): ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
 level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes), then
 ``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * expm1(|ẑ| * c) / alpha``, ``x̂ = o + s * û``.
 """
@@ -144,9 +152,14 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
 
     A = float(scheme.anchor_steps)
     R = float(scheme.residual_levels)
-    v = (z + 1.0) * (A / 2.0)
-    a = torch.clamp(torch.floor(v + 0.5), 0.0, A)
-    r = torch.clamp(torch.floor((v - a + 0.5) * R), 0.0, R - 1.0)
+    if scheme.grid == "uniform":
+        Q = float(scheme.code_steps)
+        code = torch.clamp(torch.floor((z + 1.0) * (Q / 2.0) + 0.5), 0.0, Q).to(torch.uint8)
+        a, r = split_code(code, scheme)
+    else:
+        v = (z + 1.0) * (A / 2.0)
+        a = torch.clamp(torch.floor(v + 0.5), 0.0, A)
+        r = torch.clamp(torch.floor((v - a + 0.5) * R), 0.0, R - 1.0)
 
     a = a.view(h, -1, d)[:, :t].to(torch.uint8).contiguous()
     r = r.view(h, -1, d)[:, :t].to(torch.uint8).contiguous()
@@ -184,10 +197,18 @@ def dequantize(
         return torch.empty((h, 0, d), dtype=dtype)
     A = float(scheme.anchor_steps)
     R = float(scheme.residual_levels)
-    v = enc.anchor.float()
-    if not anchor_only:
-        v = v + ((enc.residual.float() + 0.5) / R - 0.5)
-    zhat = v * (2.0 / A) - 1.0
+    if scheme.grid == "uniform":
+        Q = float(scheme.code_steps)
+        if anchor_only:
+            q = enc.anchor.float() * R + (R - 1.0) / 2.0
+        else:
+            q = join_code(enc.anchor, enc.residual, scheme).float()
+        zhat = q * (2.0 / Q) - 1.0
+    else:
+        v = enc.anchor.float()
+        if not anchor_only:
+            v = v + ((enc.residual.float() + 0.5) / R - 0.5)
+        zhat = v * (2.0 / A) - 1.0
     uhat = expand(zhat, scheme)
     chunk = scheme.chunk
     o = enc.offset.float().repeat_interleave(chunk, dim=1)[:, :t]
@@ -198,7 +219,8 @@ def dequantize(
 def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False) -> torch.Tensor:
     """Per-element bound on ``|x̂ - x|`` in fp32 (spec/FORMAT.md, "Error bound"), shape ``[H, T, D]``.
 
-    Linear: ``s / (A·R)`` for the full code and ``s / A`` for the anchor. α-law multiplies by the largest slope
+    Linear, nested grid: ``s / (A·R)`` for the full code and ``s / A`` for the anchor; uniform grid: ``s / Q`` and
+    ``s · R / Q`` (half a bin, the anchor being decoded at its bin's middle). α-law multiplies by the largest slope
     of the expander over the reachable ``|ẑ| <= 1 + step``, ``c·exp(c·(1 + step))/α``, where ``step`` is the
     linear bound in z units (a top-level anchor may carry a residual just above z = 1). A slack of
     ``2^-20·(|o| + s)`` covers fp32 rounding.
@@ -206,7 +228,11 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     _, t, _ = enc.anchor.shape
     A = float(scheme.anchor_steps)
     R = float(scheme.residual_levels)
-    step = 1.0 / A if anchor_only else 1.0 / (A * R)
+    if scheme.grid == "uniform":
+        Q = float(scheme.code_steps)
+        step = R / Q if anchor_only else 1.0 / Q
+    else:
+        step = 1.0 / A if anchor_only else 1.0 / (A * R)
     if scheme.compander == "alpha":
         c = _alpha_constant(scheme)
         step *= c * math.exp(c * (1.0 + step)) / scheme.alpha
