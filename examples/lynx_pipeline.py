@@ -16,7 +16,6 @@ import os
 import tempfile
 import time
 
-import torch
 
 from lynxkv.cache import save_cache
 from lynxkv.models import encode_prompt, load_model, prefill
@@ -24,19 +23,8 @@ from lynxkv.prompts import builtin_prompt
 from lynxkv.scheme import get_scheme
 from lynxkv.spec_decode import RunConfig, run
 from lynxkv.spec_decode.compare import judge, run_baselines, tt_rows
-from lynxkv.spec_decode.model_ops import forward_tokens, start_cache
+from lynxkv.spec_decode.model_ops import measure_tpot
 from lynxkv.stream.progressive import open_progressive
-
-
-def measure_tpot(model, kv, prompt_len: int, steps: int = 4) -> float:
-    """Median seconds of one plain decode step at this context length."""
-    cache = start_cache(kv, model.config, prompt_len)
-    times = []
-    for _ in range(steps + 1):
-        t = time.perf_counter()
-        forward_tokens(model, cache, [0])
-        times.append(time.perf_counter() - t)
-    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def main(argv=None) -> dict:

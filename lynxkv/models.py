@@ -6,6 +6,7 @@ Keys and values move between lynxkv and ``transformers`` as per-layer ``[kv_head
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
@@ -57,15 +58,31 @@ def _load_cached(name: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # GGUF conversion bars would clutter stderr
     path, kwargs = _resolve(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        with _quiet_tqdm():  # the GGUF loader draws its own progress bar on stderr
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"cannot load model {name!r}: {first}") from exc
     model.eval()
     return LoadedModel(model, tokenizer, name, model_fingerprint(model))
+
+
+@contextlib.contextmanager
+def _quiet_tqdm():
+    from unittest import mock
+
+    import tqdm.auto
+
+    real = tqdm.auto.tqdm
+    with mock.patch.object(tqdm.auto, "tqdm", lambda *a, **k: real(*a, **{**k, "disable": True})):
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        with mock.patch.object(gguf_utils, "tqdm", lambda *a, **k: real(*a, **{**k, "disable": True})):
+            yield
 
 
 def model_fingerprint(model: "torch.nn.Module") -> str:

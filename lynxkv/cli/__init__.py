@@ -26,6 +26,7 @@ from lynxkv.cli import codec  # noqa: E402,F401  (encode, decode, inspect, verif
 from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)
 from lynxkv.cli import run  # noqa: E402,F401  (run)
 from lynxkv.cli import eval as _eval  # noqa: E402,F401  (eval)
+from lynxkv.cli import demo  # noqa: E402,F401  (demo)
 
 
 def main(argv: list[str] | None = None) -> int:

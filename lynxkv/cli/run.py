@@ -139,7 +139,7 @@ def run(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the end-of-sequence token."),
     compare: bool = typer.Option(False, "--compare", help="Also run the monolithic baselines on the same link."),
     as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
-) -> None:
+) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
 
@@ -200,7 +200,7 @@ def run(
 
     if as_json:
         print_json(report)
-        return
+        return report
     out.print(_stats_table(stats, gain_label, gain))
     if compare:
         link = report["compare"]["link"]
@@ -214,6 +214,7 @@ def run(
                 f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
                 f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
             )
+    return report
 
 
 def _compare(loaded, load, result, cfg, rate: float | None, delay: float) -> dict:

@@ -69,3 +69,16 @@ def drop_last(cache, count: int) -> None:
 
 def cache_len(cache) -> int:
     return int(cache.get_seq_length())
+
+
+def measure_tpot(model, kv: KVPairs, prompt_len: int, steps: int = 4) -> float:
+    """Median seconds of one plain decode step after a cache of ``prompt_len`` tokens (one warm-up step)."""
+    import time
+
+    cache = start_cache(kv, model.config, prompt_len)
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        forward_tokens(model, cache, [0])
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[len(times[1:]) // 2]
