@@ -40,7 +40,7 @@ from lynxkv.format.reader import (
 from lynxkv.format.records import AnchorPage, ResidualPage, check_and_decompress, stack_records, stackable
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files, default_residual_path, relative_location, write_atomic
-from lynxkv.quant.reference import EncodedTensor, dequantize, quantize
+from lynxkv.quant.reference import EncodedTensor, dequantize
 from lynxkv.scheme import DEFAULT, Scheme
 
 KVPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [H, T, D]
@@ -90,8 +90,15 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
               quantize_fn: Callable[[torch.Tensor, Scheme], EncodedTensor] | None = None,
               prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
               names: Sequence[str] | None = None) -> EncodedCache:
-    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16)."""
-    quantize_fn = quantize_fn or quantize
+    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16).
+
+    ``quantize_fn`` defaults to :func:`lynxkv.quant.fast.best_quantize` for the scheme: the Triton kernel on a
+    GPU, the fast CPU path otherwise, the reference where neither supports the scheme; all give the same bits.
+    """
+    if quantize_fn is None:  # the fastest implementation that gives the reference's bits for this scheme
+        from lynxkv.quant.fast import best_quantize
+
+        quantize_fn = best_quantize(scheme)
     if not len(kv):
         raise InputError("kv: expected at least one layer")
     layers, shape, batch, dtype = [], None, None, None
