@@ -201,6 +201,17 @@ def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_head
     return minor, flags, length
 
 
+def _check_header_crc(buf, length: int, what: str) -> None:
+    """The whole header is there and its trailing CRC-32 matches bytes ``[0, length - 4)``."""
+    if len(buf) < length:
+        raise _err("header_length", f"{what} byte 16", f"<= {len(buf)} available bytes", length)
+    stored_crc = struct.unpack_from("<I", buf, length - c.CRC_SIZE)[0]
+    actual_crc = crc32(memoryview(buf)[: length - c.CRC_SIZE])
+    if stored_crc != actual_crc:
+        raise _err("header_crc32", f"{what} byte {length - c.CRC_SIZE}", f"{actual_crc:#010x}",
+                   f"{stored_crc:#010x}", checksum=True)
+
+
 def anchor_header_length(prefix, file_size: int | None = None) -> int:
     """Check the first :data:`PREFIX_SIZE` bytes of an anchor file; return ``header_length``."""
     return _check_prefix(prefix, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
@@ -217,13 +228,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     what = "anchor"
     minor, flags, length = _check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
                                          c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, what)
-    if len(buf) < length:
-        raise _err("header_length", f"{what} byte 16", f"<= {len(buf)} available bytes", length)
-    stored_crc = struct.unpack_from("<I", buf, length - c.CRC_SIZE)[0]
-    actual_crc = crc32(memoryview(buf)[: length - c.CRC_SIZE])
-    if stored_crc != actual_crc:
-        raise _err("header_crc32", f"{what} byte {length - c.CRC_SIZE}", f"{actual_crc:#010x}",
-                   f"{stored_crc:#010x}", checksum=True)
+    _check_header_crc(buf, length, what)
     (_, _, _, _, _, reserved0, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
      anchor_bits, residual_bits, grid, reserved1, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
      _unused) = _ANCHOR_FIXED.unpack_from(buf, 0)
@@ -371,13 +376,7 @@ def parse_residual_header(buf, section_size: int | None = None) -> ResidualHeade
     what = "residual"
     minor, flags, length = _check_prefix(buf, c.RESIDUAL_MAGIC, c.KNOWN_RESIDUAL_FLAGS, c.RESIDUAL_HEADER_SIZE,
                                          c.RESIDUAL_HEADER_SIZE, section_size, what)
-    if len(buf) < length:
-        raise _err("header_length", f"{what} byte 16", f"<= {len(buf)} available bytes", length)
-    stored_crc = struct.unpack_from("<I", buf, length - c.CRC_SIZE)[0]
-    actual_crc = crc32(memoryview(buf)[: length - c.CRC_SIZE])
-    if stored_crc != actual_crc:
-        raise _err("header_crc32", f"{what} byte {length - c.CRC_SIZE}", f"{actual_crc:#010x}",
-                   f"{stored_crc:#010x}", checksum=True)
+    _check_header_crc(buf, length, what)
     (_, _, _, _, _, reserved0, cache_id, layers, kv_heads, head_dim, tokens, page, residual_bits, reserved1,
      index_crc, _) = _RESIDUAL.unpack_from(buf, 0)
     off = c.RESIDUAL_FIELD_OFFSETS

@@ -407,22 +407,28 @@ class ProgressiveLoad:
         index = read_anchor_index(buf, h)
         self._header_ready.set()
         self._put(0, ("header", h))
-        ppl = index.pages_per_layer
-        for i, entry in enumerate(index.entries):
-            layer, page = divmod(i, ppl)
-            at = index.base + entry.offset
-            stored = buf.read(at, entry.stored_length)
-            if len(stored) != entry.stored_length:
-                raise FormatError(f"anchor layer {layer} page {page}: the stream ended at byte {at + len(stored)}",
-                                  field="page", where=f"anchor layer {layer} page {page}")
-            # CRC first (inside both calls): a page that fails it raises here and never gets further.
-            rec = (decode_anchor_page(stored, entry, h, layer, page) if self.decode
-                   else check_and_decompress(stored, entry, f"anchor layer {layer} page {page}") and None)
-            buf.release(at + entry.stored_length, "anchor")
-            self._put(0, ("anchor", layer, page, rec, entry.stored_length))
+        for layer, page, rec, stored_length in self._arriving_pages(buf, index, "anchor", decode_anchor_page):
+            self._put(0, ("anchor", layer, page, rec, stored_length))
         self._timeline.extra["anchor_arrived_s"] = self._now()
         buf.unregister("anchor")
         self._put(0, ("anchor_done",))
+
+    def _arriving_pages(self, buf, index, segment: str, decode_page):
+        """Each page of ``index`` as its bytes arrive in ``buf``: (layer, page, record, stored length), the CRC
+        checked before it is yielded (inside ``decode_page`` or ``check_and_decompress``: a page that fails it
+        raises here and never gets further) and its bytes released from the buffer."""
+        ppl = index.pages_per_layer
+        for i, entry in enumerate(index.entries):
+            layer, page = divmod(i, ppl)
+            where = f"{segment} layer {layer} page {page}"
+            at = index.base + entry.offset
+            stored = buf.read(at, entry.stored_length)
+            if len(stored) != entry.stored_length:
+                raise FormatError(f"{where}: the stream ended at byte {at + len(stored)}", field="page", where=where)
+            rec = (decode_page(stored, entry, self.header, layer, page) if self.decode
+                   else check_and_decompress(stored, entry, where) and None)
+            buf.release(at + entry.stored_length, segment)
+            yield layer, page, rec, entry.stored_length
 
     # ------------------------------------------------------------------------------------------ residual
     def _residual_worker(self) -> None:
@@ -470,21 +476,11 @@ class ProgressiveLoad:
             self._buffers.append(buf)
         self._residual_buf = buf
         _, index = read_residual_section(buf, h, base=base)
-        ppl = index.pages_per_layer
-        for i, entry in enumerate(index.entries):
-            layer, page = divmod(i, ppl)
-            at = index.base + entry.offset
-            stored = buf.read(at, entry.stored_length)
-            if len(stored) != entry.stored_length:
-                raise FormatError(f"residual layer {layer} page {page}: the stream ended at byte "
-                                  f"{at + len(stored)}", field="page", where=f"residual layer {layer} page {page}")
-            rec = (decode_residual_page(stored, entry, h, layer, page) if self.decode
-                   else check_and_decompress(stored, entry, f"residual layer {layer} page {page}") and None)
-            buf.release(at + entry.stored_length, "residual")
+        for layer, page, rec, stored_length in self._arriving_pages(buf, index, "residual", decode_residual_page):
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
                     return
-            self._put(1, ("residual", layer, page, rec, entry.stored_length))
+            self._put(1, ("residual", layer, page, rec, stored_length))
         self._timeline.extra["residual_arrived_s"] = self._now()
         self._put(1, ("residual_done",))
 
