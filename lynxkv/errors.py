@@ -35,3 +35,7 @@ class SchemeError(LynxError):
 
 class InputError(LynxError):
     """An input tensor file, model or prompt cannot be used."""
+
+
+class ResidualUnavailable(LynxError):
+    """The residual could not be loaded (it failed, or did not arrive in time): only the lossy anchor is there."""

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from lynxkv.errors import InputError, LynxError
+from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.loading import CacheLoad, KVPairs
 from lynxkv.models import model_fingerprint
 from lynxkv.spec_decode.model_ops import check_kv, drop_last, forward_tokens, start_cache
@@ -36,10 +36,6 @@ from lynxkv.spec_decode.sampling import (
     logits_to_probs,
 )
 from lynxkv.spec_decode.stats import RunStats
-
-
-class ResidualUnavailable(LynxError):
-    """The residual failed or did not arrive in time, and anchor-only output was not requested."""
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from lynxkv.errors import FormatError, InputError, LynxError
+from lynxkv.errors import FormatError, InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.layout import PREFIX_SIZE, anchor_header_length, page_tokens, parse_anchor_header
 from lynxkv.format.records import check_and_decompress
@@ -94,10 +94,6 @@ class LoadEvent:
     page: int | None = None
     bytes: int = 0  # stored bytes of this page (page events)
     message: str | None = None  # residual_failed / error
-
-
-class ResidualUnavailable(LynxError):
-    """The residual could not be loaded; only the (lossy) anchor is available."""
 
 
 class ProgressiveLoad:
