@@ -10,14 +10,18 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``.
+    """Yield a temporary path beside ``path``; on success fsync it, rename it over ``path`` and fsync the
+    directory (where the platform allows it).
 
     On any error the temporary file is removed and ``path`` is left as it was: a crash never leaves a
-    half-written file under the real name.
+    half-written file under the real name. The directory must exist.
     """
+    from lynxkv.errors import InputError
+
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):
+        raise InputError(f"{path}: directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     os.close(fd)
     try:
@@ -29,6 +33,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
 
 def human_bytes(n: float) -> str:
