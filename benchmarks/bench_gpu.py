@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from lynxkv.quant import pack_bits, quantize
     from lynxkv.scheme import get_scheme
 
-    scheme = get_scheme("default")
+    scheme = get_scheme("linear")  # the Triton kernels implement the linear compander
     dev = "cpu" if args.dry_run_cpu else "cuda"
     card = "CPU (interpreter dry run)" if args.dry_run_cpu else torch.cuda.get_device_name(0)
     sync = (lambda: None) if args.dry_run_cpu else torch.cuda.synchronize

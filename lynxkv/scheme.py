@@ -119,9 +119,14 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-#: The default: linear 8-bit code over the chunk's mid-range, whose 4 high bits are the nearest level of a
-#: min/max-inclusive 4-bit grid. Chosen by `lynxkv eval` (README, "Choosing the default scheme").
-DEFAULT = Scheme()
+#: A linear 8-bit code over the chunk's mid-range whose 4 high bits are the nearest level of a min/max-inclusive
+#: 4-bit grid: exactly rounded IEEE arithmetic only, so every implementation (reference, fast CPU path, Triton)
+#: gives the same codes on every device, and the fastest encode.
+LINEAR = Scheme()
+
+#: The default: the same grid with a mild α-law compander (α = 1), chosen by `lynxkv eval` for the best
+#: anchor-only draft quality at 5 bits (README, "Choosing the default scheme").
+DEFAULT = LINEAR.replace(compander="alpha", alpha=1.0)
 
 #: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
 #: uniform 8-bit grid whose high nibble is the anchor.
@@ -129,11 +134,9 @@ PAPER = Scheme(compander="alpha", alpha=100.0, centring="mean", grid="uniform")
 
 PRESETS: dict[str, Scheme] = {
     "default": DEFAULT,
+    "linear": LINEAR,
     "paper": PAPER,
     "paper-a1": PAPER.replace(alpha=1.0),
-    # The measured runner-up for the default (README, "Choosing the default scheme"): the default's grid with a
-    # mild α-law compander; reference arithmetic only (no fast path or kernel).
-    "alpha1": DEFAULT.replace(compander="alpha", alpha=1.0),
 }
 
 

@@ -32,9 +32,9 @@ DEVICES = [
     ),
 ]
 SCHEMES = {
-    "default": get_scheme("default"),
-    "mean": get_scheme("default", centring="mean"),
-    "fp32meta-C16": get_scheme("default", meta_dtype="fp32", chunk=16, page=64),
+    "default": get_scheme("linear"),
+    "mean": get_scheme("linear", centring="mean"),
+    "fp32meta-C16": get_scheme("linear", meta_dtype="fp32", chunk=16, page=64),
 }
 SHAPES = {  # [B, H, T, D]
     "T1": (1, 3, 1, 64),
@@ -162,22 +162,22 @@ def test_launchers_say_what_they_do_not_support(device):
     with pytest.raises(InputError, match="linear compander"):
         kencode.encode(x, get_scheme("paper"))
     with pytest.raises(InputError, match="4\\+4"):
-        kencode.encode(x, get_scheme("default", anchor_bits=5))
+        kencode.encode(x, get_scheme("linear", anchor_bits=5))
     with pytest.raises(InputError, match="batch, kv_heads"):
-        kencode.encode(x[0], get_scheme("default"))
+        kencode.encode(x[0], get_scheme("linear"))
     with pytest.raises(InputError, match="stride 1"):
-        kencode.encode(x.transpose(2, 3), get_scheme("default"))
+        kencode.encode(x.transpose(2, 3), get_scheme("linear"))
     with pytest.raises(InputError, match="bf16, fp16 or fp32"):
-        kencode.encode(x.double(), get_scheme("default"))
+        kencode.encode(x.double(), get_scheme("linear"))
     bad = x.clone()
     bad[0, 1, 3, 2] = float("inf")
     with pytest.raises(InputError, match="inf or NaN"):
-        kencode.encode(bad, get_scheme("default"))
-    a, r, o, s = kencode.encode(x, get_scheme("default"))
+        kencode.encode(bad, get_scheme("linear"))
+    a, r, o, s = kencode.encode(x, get_scheme("linear"))
     with pytest.raises(InputError, match="residual"):
-        kdecode.decode(a, r[:, :-1].contiguous(), o, s, get_scheme("default"), torch.empty_like(x))
+        kdecode.decode(a, r[:, :-1].contiguous(), o, s, get_scheme("linear"), torch.empty_like(x))
     with pytest.raises(InputError, match="out must be"):
-        kdecode.decode(a, r, o, s, get_scheme("default"), torch.empty_like(x).to(torch.int32))
+        kdecode.decode(a, r, o, s, get_scheme("linear"), torch.empty_like(x).to(torch.int32))
 
 
 

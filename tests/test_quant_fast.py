@@ -13,14 +13,16 @@ from lynxkv.quant import fast
 from lynxkv.scheme import get_scheme
 
 SCHEMES = {
-    "default": get_scheme("default"),
-    "mean": get_scheme("default", centring="mean"),
-    "fp32meta": get_scheme("default", meta_dtype="fp32"),
-    "5+3": get_scheme("default", anchor_bits=5),
-    "3+5-mean": get_scheme("default", anchor_bits=3, centring="mean"),
-    "C16": get_scheme("default", chunk=16, page=64),
-    "C1": get_scheme("default", chunk=1, page=1),
-    "paper": get_scheme("paper"),  # alpha: falls back to the reference, must still agree
+    "default": get_scheme("default"),  # alpha = 1
+    "linear": get_scheme("linear"),
+    "mean": get_scheme("linear", centring="mean"),
+    "fp32meta": get_scheme("linear", meta_dtype="fp32"),
+    "5+3": get_scheme("linear", anchor_bits=5),
+    "3+5-mean": get_scheme("linear", anchor_bits=3, centring="mean"),
+    "C16": get_scheme("linear", chunk=16, page=64),
+    "C1": get_scheme("linear", chunk=1, page=1),
+    "alpha100-5+3": get_scheme("default", alpha=100.0, anchor_bits=5),
+    "paper": get_scheme("paper"),  # uniform grid: falls back to the reference, must still agree
 }
 SHAPES = {
     "T1": (3, 1, 64),

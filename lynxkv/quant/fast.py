@@ -43,9 +43,11 @@ import torch
 from lynxkv.errors import InputError
 from lynxkv.quant.pack import pack_bits, packed_size, unpack_bits
 from lynxkv.quant.reference import (
-    META_TORCH_DTYPE,
     EncodedTensor,
+    META_TORCH_DTYPE,
+    compand,
     dequantize,
+    expand,
     quantize,
     tree_sum,
 )
@@ -58,9 +60,9 @@ QuantizeFn = Callable[[torch.Tensor, Scheme], EncodedTensor]
 
 
 def supports(scheme: Scheme) -> bool:
-    """Whether the fast per-element path applies (linear compander, nested grid); others fall back to the
+    """Whether the fast path applies (the nested grid, either compander); the uniform grid falls back to the
     reference."""
-    return scheme.compander == "linear" and scheme.grid == "nested"
+    return scheme.grid == "nested"
 
 
 # ----------------------------------------------------------------------------------------------- encode
@@ -157,6 +159,8 @@ def _encode_block(
     s = s.add_(s == 0).unsqueeze(2)  # s = 0 only when x - o = 0: dividing by 1 gives u = 0 as specified
     p = ws.p[:k].view(h, n, cb, d)
     xf.sub_(o).div_(s)  # u = (x - o) / s, correctly rounded
+    if scheme.compander != "linear":
+        xf.copy_(compand(xf, scheme))  # z: the reference's own function, so the same bits
     xf.add_(1.0).mul_(scheme.anchor_steps * scheme.residual_levels / 2.0)  # w = R·fl((u + 1)·A/2), exact scaling
     code_from_w(xf, scheme.residual_levels, p)
     codes = ws.codes[:k].view(h, n, cb, d)
@@ -371,11 +375,24 @@ def _affine(offset: torch.Tensor, scale: torch.Tensor, scheme: Scheme, anchor_on
     return o - s * (1.0 + (r - 1.0) / (a_steps * r)), s * (2.0 / (a_steps * r))
 
 
+def _expanded_levels(scheme: Scheme, anchor_only: bool) -> torch.Tensor:
+    """``û`` of every code (or anchor) value, fp32 ``[256]``: a companded scheme decodes through this table."""
+    q = torch.arange(256, dtype=torch.float32)
+    v = q if anchor_only else (q + 0.5) / float(scheme.residual_levels) - 0.5
+    return expand(v * (2.0 / float(scheme.anchor_steps)) - 1.0, scheme)
+
+
 def _decode_pass(code_of, offset, scale, shape, scheme: Scheme, anchor_only: bool, out: torch.Tensor) -> torch.Tensor:
-    """Write ``B + K·code`` block by block into ``out``; ``code_of(t0, t1, ws)`` gives ``[H, t1-t0, D]`` uint8."""
+    """Write ``B + K·code`` (linear) or ``o + s·levels[code]`` (companded) block by block into ``out``;
+    ``code_of(t0, t1, ws)`` gives ``[H, t1-t0, D]`` uint8."""
     h, t, d = shape
     c = scheme.chunk
-    base, k = _affine(offset, scale, scheme, anchor_only)  # [H, nc, 1, D]
+    levels = None
+    if scheme.compander == "linear":
+        base, k = _affine(offset, scale, scheme, anchor_only)  # [H, nc, 1, D]
+    else:
+        levels = _expanded_levels(scheme, anchor_only)
+        base, k = offset.float().unsqueeze(2), scale.float().unsqueeze(2)
     nc = -(-t // c)
     nfull = t // c
     step = _step(nc, h * c * d)
@@ -386,7 +403,10 @@ def _decode_pass(code_of, offset, scale, shape, scheme: Scheme, anchor_only: boo
         t0, t1 = c0 * c, c0 * c + n * cb
         q = code_of(t0, t1, ws).view(h, n, cb, d)
         f = ws.xf[: q.numel()].view(h, n, cb, d)
-        f.copy_(q)
+        if levels is None:
+            f.copy_(q)
+        else:
+            torch.index_select(levels, 0, q.reshape(-1).long(), out=f.view(-1))
         f.mul_(k[:, c0:c1]).add_(base[:, c0:c1])
         out[:, t0:t1].copy_(f.view(h, n * cb, d))
 

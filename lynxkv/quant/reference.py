@@ -13,8 +13,9 @@ said otherwise; ``meta()`` is the cast to the scheme's metadata dtype):
     scale  = meta_up(dev)                            # the smallest metadata value >= dev
     s      = fp32(scale)
     u      = (x - o) / s      if s > 0 else 0        # in [-1, 1]
-    z      = u                                       # linear, or sign(u) * (log1p(alpha*|u|) / c),
-                                                     # c = fp32(log1p(alpha)) computed in float64
+    z      = u                                       # linear, or sign(u) * fp32(log1p(alpha*|u|) / c)
+                                                     # with the log1p and the division in float64,
+                                                     # c = log1p(alpha) in float64
     v      = (z + 1) * (A / 2)                       # anchor coordinate in [0, A], A = 2**anchor_bits - 1
     a      = clamp(floor(v + 0.5), 0, A)             # nearest anchor level (round half up)
     r      = clamp(floor((v - a + 0.5) * R), 0, R-1) # signed position inside the anchor step, R = 2**residual_bits
@@ -30,7 +31,12 @@ decoded as ``ẑ = code * (2/Q) - 1`` (full) or at the middle of the anchor's bi
 
 Decoding (nested grid): ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
 level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes), then
-``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * expm1(|ẑ| * c) / alpha``, ``x̂ = o + s * û``.
+``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * fp32(expm1(|ẑ| * c) / alpha)`` (float64 inside),
+``x̂ = o + s * û``.
+
+The α-law step runs in float64 and is rounded once to fp32: two correct-to-an-ulp ``log1p`` implementations
+(vectorised and scalar, CPU and GPU) then agree on the fp32 ``z`` except in vanishingly rare double-rounding
+cases, so the codes are reproducible across implementations.
 """
 
 from __future__ import annotations
@@ -166,22 +172,20 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
     return EncodedTensor(a, r, offset.contiguous(), scale.contiguous())
 
 
-def _alpha_constant(scheme: Scheme) -> float:
-    return float(torch.tensor(math.log1p(scheme.alpha), dtype=torch.float32))
-
-
 def compand(u: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """The compander ``[-1, 1] -> [-1, 1]`` (fp32 in, fp32 out; α-law computed in float64)."""
     if scheme.compander == "linear":
         return u
-    c = _alpha_constant(scheme)
-    return torch.sign(u) * (torch.log1p(u.abs() * scheme.alpha) / c)
+    mag = torch.log1p(u.double().abs() * scheme.alpha) / math.log1p(scheme.alpha)
+    return torch.sign(u) * mag.float()
 
 
 def expand(z: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """The inverse of :func:`compand` (fp32 in, fp32 out; α-law computed in float64)."""
     if scheme.compander == "linear":
         return z
-    c = _alpha_constant(scheme)
-    return torch.sign(z) * (torch.expm1(z.abs() * c) / scheme.alpha)
+    mag = torch.expm1(z.double().abs() * math.log1p(scheme.alpha)) / scheme.alpha
+    return torch.sign(z) * mag.float()
 
 
 def dequantize(
@@ -234,7 +238,7 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     else:
         step = 1.0 / A if anchor_only else 1.0 / (A * R)
     if scheme.compander == "alpha":
-        c = _alpha_constant(scheme)
+        c = math.log1p(scheme.alpha)
         step *= c * math.exp(c * (1.0 + step)) / scheme.alpha
     o = enc.offset.float().repeat_interleave(scheme.chunk, dim=1)[:, :t]
     s = enc.scale.float().repeat_interleave(scheme.chunk, dim=1)[:, :t]
