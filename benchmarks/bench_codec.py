@@ -267,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference rows")
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--json", type=Path, default=Path("out/bench_codec.json"))
+    ap.add_argument("--scheme", default="default", help="lynxkv scheme preset (default, linear, ...)")
     args = ap.parse_args(argv)
-    scheme = get_scheme("default")
+    scheme = get_scheme(args.scheme)
 
     if args.quick:
         repeats, plan = 1, [

@@ -103,9 +103,10 @@ def test_tail_tokens_and_odd_shapes_round_trip_with_the_right_shape():
 
 def test_sweep_and_selection():
     sweep = baselines.sweep_codecs()
-    for name in ("default", "alpha=1", "alpha=255", "C=16", "C=64", "P=128", "P=512", "split=6+2"):
+    for name in ("default", "linear", "alpha=255", "C=16", "C=64", "P=128", "P=512", "split=6+2"):
         assert name in sweep and f"{name}-anchor" in sweep
     assert sweep["C=64"].scheme.chunk == 64 and sweep["alpha=10"].scheme.alpha == 10.0
+    assert sweep["linear"].scheme.compander == "linear" and sweep["default"].scheme.alpha == 1.0
     chosen = baselines.select("bf16, lynx-default-anchor")
     assert [c.name for c in chosen] == ["bf16", "lynx-default-anchor"]
     with pytest.raises(InputError, match="nope"):

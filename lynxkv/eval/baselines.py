@@ -254,7 +254,8 @@ def _baselines() -> list:
 
 def _lynx_codecs() -> list:
     default = get_scheme("default")
-    codecs = lynx_pair("lynx-default", default) + lynx_pair("lynx-paper", get_scheme("paper"))
+    codecs = lynx_pair("lynx-default", default) + lynx_pair("lynx-linear", get_scheme("linear"))
+    codecs += lynx_pair("lynx-paper", get_scheme("paper"))
     for a in (3, 5, 6):
         codecs += lynx_pair(f"lynx-{a}+{8 - a}", default.replace(anchor_bits=a, residual_bits=8 - a))
     return codecs
@@ -267,11 +268,11 @@ def registry() -> dict[str, object]:
 
 def sweep_codecs() -> dict[str, object]:
     """The ablation, one factor at a time around the default scheme (full and anchor for each variant):
-    compander (linear, α ∈ {1, 10, 100, 255}), centring (midrange, mean), chunk C ∈ {16, 32, 64},
+    compander (linear, α ∈ {1 (the default), 10, 100, 255}), centring (midrange, mean), chunk C ∈ {16, 32, 64},
     page P ∈ {128, 256, 512} and split ∈ {3+5, 4+4, 5+3, 6+2}."""
     base = get_scheme("default")
-    variants: list[tuple[str, Scheme]] = [("default", base)]
-    variants += [(f"alpha={a:g}", base.replace(compander="alpha", alpha=float(a))) for a in (1, 10, 100, 255)]
+    variants: list[tuple[str, Scheme]] = [("default", base), ("linear", get_scheme("linear"))]
+    variants += [(f"alpha={a:g}", base.replace(compander="alpha", alpha=float(a))) for a in (10, 100, 255)]
     variants += [("centring=mean", base.replace(centring="mean"))]
     variants += [(f"C={c}", base.replace(chunk=c)) for c in (16, 64)]
     variants += [(f"P={p}", base.replace(page=p)) for p in (128, 512)]
