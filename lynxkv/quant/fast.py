@@ -5,8 +5,8 @@ Why it is fast (and still exact):
 - **Statistics without a per-element pass.** Rounding is monotone and symmetric, so
   ``max_i |fl(x_i - o)| = max(fl(max(x) - o), fl(o - min(x)))``: the scale comes from the chunk's max and min
   (``amax``/``amin`` of the block's fp32 copy) instead of a full ``|x - o|`` pass.
-- **Fewer per-element steps, proven equal.** For the linear compander ``v = fl(fl(u + 1) * A/2)`` lies in
-  ``[0, A]``, and with ``w = R·v`` (exact, R is a power of two, and ``fl(y·A/2)·R = fl(y·A·R/2)``) the pinned
+- **Fewer per-element steps, proven equal.** For the companded ``z`` (``u`` itself for the linear compander)
+  ``v = fl(fl(z + 1) * A/2)`` lies in ``[0, A]``, and with ``w = R·v`` (exact, R is a power of two, and ``fl(y·A/2)·R = fl(y·A·R/2)``) the pinned
   two-step rounding ``a = floor(v + 0.5)``, ``r = floor((v - a + 0.5)·R)`` collapses to
 
       code = a·R + r = floor(min(fl(w + R/2), R)) + floor(max(w, R/2)) - R/2
@@ -23,10 +23,12 @@ Why it is fast (and still exact):
 - **Both cores.** Blocks are independent; they run on a small thread pool (``LYNXKV_CPU_THREADS``, default the
   torch thread count), each worker with one intra-op thread (torch releases the GIL inside ops).
 
-Only the linear compander takes the fast per-element path (any anchor/residual split); the α-law
-compander (``log1p`` is not guaranteed to round identically across vectorised and scalar loops) uses the
-reference. Decoding is a per-(chunk, channel) affine map of the code, ``x̂ = B + K·code``, within the
-tolerances stated in the tests (it is not bit-identical to the reference dequantizer, which nobody needs).
+Every nested-grid scheme takes the fast path (any anchor/residual split). The α-law compander calls the
+reference's own :func:`~lynxkv.quant.reference.compand` (float64 ``log1p``, rounded once to fp32) on each block,
+so its ``z`` is the reference's; it costs most of the encode time of a companded scheme. The uniform grid uses
+the reference. Decoding is a per-(chunk, channel) affine map of the code, ``x̂ = B + K·code`` (linear), or
+``x̂ = o + s·levels[code]`` through a 256-entry table of expanded levels (α-law), within the tolerances stated in
+the tests (it is not bit-identical to the reference dequantizer, which nobody needs).
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ def chunk_meta(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Ten
 
 @_single_thread
 def quantize_fast(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
-    """Same result as :func:`lynxkv.quant.quantize` (bit for bit), faster on CPU for the linear compander."""
+    """Same result as :func:`lynxkv.quant.quantize` (bit for bit), faster on CPU for nested-grid schemes."""
     if not supports(scheme):
         return quantize(x, scheme)
     _check_shape(x)
@@ -518,7 +520,7 @@ def best_quantize(scheme: Scheme, device: str | torch.device | None = None) -> Q
 
     ``device`` defaults to CUDA when available, else CPU. On CUDA, when Triton imports and the kernel supports
     the scheme: the fused Triton encode for CUDA tensors (CPU tensors still take the fast CPU path); on CPU:
-    :func:`quantize_fast` for the linear compander; anything else: the reference. Every choice returns the
+    :func:`quantize_fast` for nested-grid schemes; anything else: the reference. Every choice returns the
     same bits as :func:`lynxkv.quant.quantize`.
     """
     if not supports(scheme):
