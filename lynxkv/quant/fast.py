@@ -7,7 +7,8 @@ Why it is fast (and still exact):
   (``amax``/``amin`` of the block's fp32 copy) instead of a full ``|x - o|`` pass.
 - **Fewer per-element steps, proven equal.** For the companded ``z`` (``u`` itself for the linear compander)
   ``v = fl(fl(z + 1) * A/2)`` lies in ``[0, A]``, and with ``w = R·v`` (exact, R is a power of two, and
-  ``fl(y·A/2)·R = fl(y·A·R/2)``) the pinned two-step rounding ``a = floor(v + 0.5)``, ``r = floor((v - a + 0.5)·R)`` collapses to
+  ``fl(y·A/2)·R = fl(y·A·R/2)``) the pinned two-step rounding ``a = floor(v + 0.5)``,
+  ``r = floor((v - a + 0.5)·R)`` collapses to
 
       code = a·R + r = floor(min(fl(w + R/2), R)) + floor(max(w, R/2)) - R/2
 
