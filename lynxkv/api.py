@@ -3,13 +3,14 @@ measure its reconstruction error."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from lynxkv.cache import CacheInfo, LynxCache, encode_kv, open_cache, save_cache
 from lynxkv.errors import InputError
-from lynxkv.inputs import KVPairs, kv_names, load_kv_safetensors
+from lynxkv.eval.metrics import vnmse_global
+from lynxkv.inputs import kv_names, load_kv_safetensors
+from lynxkv.models import KVPairs
 from lynxkv.scheme import Scheme
 
 
@@ -64,13 +65,6 @@ def describe(cache: LynxCache) -> dict:
     return d
 
 
-def vnmse(x_hat: torch.Tensor, x: torch.Tensor) -> float:
-    """Σ‖x̂−x‖² / Σ‖x‖² in float64."""
-    x64, d = x.double(), x_hat.double() - x.double()
-    denom = float((x64 * x64).sum())
-    return float((d * d).sum()) / denom if denom else 0.0
-
-
 def reconstruction_error(cache_path, original_path, *, residual=None) -> dict:
     """vNMSE per layer of keys and values, full and anchor-only, against the original dump, and the means."""
     original, _ = load_kv_safetensors(original_path)
@@ -86,7 +80,7 @@ def kv_error(full: KVPairs, anchor: KVPairs, original: KVPairs) -> dict:
         )
     rows = []
     for (kf, vf), (ka, va), (k, v) in zip(full, anchor, original):
-        rows.append({"key_full": vnmse(kf, k), "value_full": vnmse(vf, v),
-                     "key_anchor": vnmse(ka, k), "value_anchor": vnmse(va, v)})
+        rows.append({"key_full": vnmse_global(k, kf), "value_full": vnmse_global(v, vf),
+                     "key_anchor": vnmse_global(k, ka), "value_anchor": vnmse_global(v, va)})
     mean = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
     return {"metric": "global vNMSE per layer, mean over layers", "per_layer": rows, "mean": mean}

@@ -40,10 +40,10 @@ from lynxkv.format.reader import (
 from lynxkv.format.records import AnchorPage, ResidualPage, check_and_decompress, stack_records, stackable
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files, default_residual_path, relative_location, write_atomic
-from lynxkv.quant.reference import EncodedTensor, dequantize
+from lynxkv.models import KVPairs
+from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor, dequantize
 from lynxkv.scheme import DEFAULT, Scheme
 
-KVPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [H, T, D]
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -268,7 +268,7 @@ class LynxCache:
             else:
                 r = self.read_residual_page(layer, p)
                 codes.append(torch.stack([r.key_residual, r.value_residual]))
-        meta_dtype = {"fp16": torch.float16, "fp32": torch.float32}[s.meta_dtype]
+        meta_dtype = META_TORCH_DTYPE[s.meta_dtype]
         meta = (torch.cat(metas, dim=2) if metas else torch.empty((4, H, 0, D), dtype=meta_dtype)) if anchor else None
         code = torch.cat(codes, dim=2) if codes else torch.empty((2, H, 0, D), dtype=torch.uint8)
         return meta, code

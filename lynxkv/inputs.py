@@ -22,14 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lynxkv.cache import DTYPE_NAMES
 from lynxkv.errors import InputError
+from lynxkv.models import KVPairs
 
-KVPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 NAME_STYLES = ("layers", "past_key_values")
 _NAME = re.compile(r"^(layers|past_key_values)\.(\d+)\.(key|value)$")
-_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-DTYPE_BY_NAME = {v: k for k, v in _DTYPES.items()}
 MAX_LAYERS = 4096
 
 
@@ -46,7 +45,7 @@ class KVNaming:
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _DTYPES[dtype]
+        return DTYPE_NAMES[dtype]
     except KeyError:
         raise InputError(f"unsupported dtype {dtype}; expected one of fp32, fp16, bf16") from None
 

@@ -13,9 +13,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
+from lynxkv.models import KVPairs
 
-KVPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [H, T, D]
 
 
 @dataclass

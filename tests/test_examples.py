@@ -6,7 +6,6 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
 from conftest import make_tiny_llama
 from lynxkv.models import encode_prompt, load_model, prefill

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lynxkv.models import encode_prompt, prefill
 from lynxkv.prompts import builtin_prompt

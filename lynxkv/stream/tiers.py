@@ -17,7 +17,6 @@ import os
 import posixpath
 import secrets
 import zlib
-from typing import Callable
 
 from lynxkv.errors import InputError, LynxError
 
