@@ -38,7 +38,7 @@ import torch
 
 from lynxkv.quant import dequantize, pack_bits, quantize, unpack_bits
 from lynxkv.quant import fast
-from lynxkv.scheme import get_scheme
+from lynxkv.quant.scheme import get_scheme
 
 CACHE_DIR = Path(os.environ.get("LYNXKV_BENCH_CACHE", Path.home() / ".cache" / "lynxkv" / "bench"))
 
@@ -95,8 +95,8 @@ def real_smollm2_kv(tokens: int) -> list[torch.Tensor] | None:
     path = CACHE_DIR / "smollm2_kv_8192.safetensors"
     if not path.exists():
         try:
-            from lynxkv.models import encode_prompt, load_model, prefill
-            from lynxkv.prompts import builtin_prompt
+            from lynxkv.hf.models import encode_prompt, load_model, prefill
+            from lynxkv.hf.prompts import builtin_prompt
 
             loaded = load_model()
         except Exception as exc:  # noqa: BLE001 - the offline model is optional for the benchmark

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from lynxkv.kernels import decode as kdecode
     from lynxkv.kernels import encode as kencode
     from lynxkv.quant import pack_bits, quantize
-    from lynxkv.scheme import get_scheme
+    from lynxkv.quant.scheme import get_scheme
 
     scheme = get_scheme("linear")  # the Triton kernels implement the linear compander
     dev = "cpu" if args.dry_run_cpu else "cuda"

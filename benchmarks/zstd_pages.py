@@ -24,7 +24,7 @@ import zstandard
 from lynxkv.cache import encode_kv, open_cache
 from lynxkv.format.writer import build_files
 from lynxkv.quant.pack import pack_bits
-from lynxkv.scheme import get_scheme
+from lynxkv.quant.scheme import get_scheme
 
 
 def load_kv(path: str | None):
@@ -34,8 +34,8 @@ def load_kv(path: str | None):
         t = load_file(path)
         n = len([k for k in t if k.endswith(".key")])
         return [(t[f"layers.{i}.key"], t[f"layers.{i}.value"]) for i in range(n)]
-    from lynxkv.models import encode_prompt, load_model, prefill
-    from lynxkv.prompts import builtin_prompt
+    from lynxkv.hf.models import encode_prompt, load_model, prefill
+    from lynxkv.hf.prompts import builtin_prompt
 
     lm = load_model()
     kv, _ = prefill(lm.model, encode_prompt(lm, builtin_prompt(lm.tokenizer, tokens=1000)))

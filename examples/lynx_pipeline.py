@@ -18,12 +18,12 @@ import time
 
 
 from lynxkv.cache import save_cache
-from lynxkv.models import encode_prompt, load_model, prefill
-from lynxkv.prompts import builtin_prompt
-from lynxkv.scheme import get_scheme
-from lynxkv.spec_decode import RunConfig, run
-from lynxkv.spec_decode.compare import judge, run_baselines, tt_rows
-from lynxkv.spec_decode.model_ops import measure_tpot
+from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf.prompts import builtin_prompt
+from lynxkv.quant.scheme import get_scheme
+from lynxkv.speculative import RunConfig, run
+from lynxkv.speculative.compare import judge, run_baselines, tt_rows
+from lynxkv.speculative.model_ops import measure_tpot
 from lynxkv.stream.progressive import open_progressive
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 
-from lynxkv.models import encode_prompt, load_model, prefill
-from lynxkv.prompts import builtin_prompt
-from lynxkv.scheme import get_scheme
-from lynxkv.spec_decode import RunConfig, stream
-from lynxkv.spec_decode.loads import split_kv, stream_bytes
+from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf.prompts import builtin_prompt
+from lynxkv.quant.scheme import get_scheme
+from lynxkv.speculative import RunConfig, stream
+from lynxkv.speculative.simulated import split_kv, stream_bytes
 from lynxkv.loading import PreparedLoad
 
 

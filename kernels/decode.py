@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lynxkv.errors import InputError
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

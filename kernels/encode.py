@@ -29,7 +29,7 @@ import triton.language as tl
 
 from lynxkv.errors import InputError
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -7,7 +7,7 @@ verifies the drafts in one pass, so the output equals decoding on the full code.
 
 from lynxkv.cache import CacheInfo, EncodedCache, LynxCache, encode_kv, open_cache, save_cache, verify_file
 from lynxkv.errors import ChecksumError, FormatError, InputError, LynxError, SchemeError
-from lynxkv.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
+from lynxkv.quant.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
 
 __version__ = "0.1.0"
 

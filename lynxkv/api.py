@@ -9,9 +9,9 @@ import torch
 from lynxkv.cache import CacheInfo, LynxCache, encode_kv, open_cache, save_cache
 from lynxkv.errors import InputError
 from lynxkv.eval.metrics import vnmse_global
-from lynxkv.inputs import kv_names, load_kv_safetensors
-from lynxkv.models import KVPairs
-from lynxkv.scheme import Scheme
+from lynxkv.dumps import kv_names, load_kv_safetensors
+from lynxkv.kv import KVPairs
+from lynxkv.quant.scheme import Scheme
 
 
 def encode_file(path, output, scheme: Scheme, *, residual=None, single_file=False, zstd=False) -> CacheInfo:
@@ -27,8 +27,8 @@ def encode_model(model: str | None, output, scheme: Scheme, *, prompt: str | Non
                  residual=None, single_file=False, zstd=False) -> CacheInfo:
     """Prefill ``model`` on ``prompt`` (default: the built-in prompt of ``tokens`` tokens) and encode its cache,
     with the prompt token ids and the model fingerprint."""
-    from lynxkv.models import encode_prompt, load_model, prefill
-    from lynxkv.prompts import builtin_prompt
+    from lynxkv.hf.models import encode_prompt, load_model, prefill
+    from lynxkv.hf.prompts import builtin_prompt
 
     loaded = load_model(model)
     text = prompt if prompt is not None else builtin_prompt(loaded.tokenizer, tokens)

@@ -40,13 +40,11 @@ from lynxkv.format.reader import (
 from lynxkv.format.records import AnchorPage, ResidualPage, check_and_decompress, stack_records, stackable
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files, default_residual_path, relative_location, write_atomic
-from lynxkv.models import KVPairs
+from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor, dequantize
-from lynxkv.scheme import DEFAULT, Scheme
+from lynxkv.quant.scheme import DEFAULT, Scheme
 
 
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass

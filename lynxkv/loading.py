@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lynxkv.models import KVPairs
+from lynxkv.kv import KVPairs
 
 
 

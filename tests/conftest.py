@@ -38,7 +38,7 @@ def tiny_model():
 def smollm2():
     """The offline SmolLM2-135M-Instruct (about 20 s to load); tests using it are marked ``slow``."""
     from lynxkv.errors import InputError
-    from lynxkv.models import load_model, smollm2_dir
+    from lynxkv.hf.models import load_model, smollm2_dir
 
     try:
         smollm2_dir()

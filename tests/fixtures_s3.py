@@ -128,7 +128,7 @@ def synthetic_cache_bytes(layers: int, heads: int, tokens: int, dim: int, *, see
     from lynxkv.cache import EncodedCache
     from lynxkv.format import build_files
     from lynxkv.quant.reference import EncodedTensor
-    from lynxkv.scheme import DEFAULT
+    from lynxkv.quant.scheme import DEFAULT
 
     g = torch.Generator().manual_seed(seed)
     nc = -(-tokens // DEFAULT.chunk)

@@ -7,9 +7,9 @@ import concurrent.futures
 import torch
 
 from lynxkv.loading import LoadTimeline
-from lynxkv.models import model_fingerprint, prefill
-from lynxkv.scheme import get_scheme
-from lynxkv.spec_decode.loads import split_kv
+from lynxkv.hf.models import model_fingerprint, prefill
+from lynxkv.quant.scheme import get_scheme
+from lynxkv.speculative.simulated import split_kv
 
 
 def prompt_ids(seed: int, length: int, vocab: int = 128) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_tiny_llama
 
-from lynxkv.eval import draft, runner
+from lynxkv.eval import draft, harness
 
 
 def run_cli(args: list[str]) -> int:
@@ -73,7 +73,7 @@ def test_exact_cache_scores_perfectly_and_a_coarse_one_does_not(tiny_model):
     ids = torch.randint(0, 128, (40,))
     heldout = torch.randint(0, 128, (8,))
     codecs = [registry()[n] for n in ("fp32", "kivi2")]
-    scores = runner.score_prompt(tiny_model, ids, codecs, 12, heldout)
+    scores = harness.score_prompt(tiny_model, ids, codecs, 12, heldout)
     exact = scores["fp32"]
     assert exact["agree"] == 1.0 and exact["prefix"] == 12
     assert exact["kl"] < 1e-9 and exact["attn_err"] == 0.0 and abs(exact["ppl_delta"]) < 1e-6
@@ -154,8 +154,8 @@ def test_cli_on_user_text(tiny_dir, tmp_path, capsys):
 
 
 def test_heldout_text_continues_the_document_after_the_prompt():
-    from lynxkv.eval.inputs import builtin_case, prompt_starts
-    from lynxkv.prompts import QUESTION, document
+    from lynxkv.eval.cases import builtin_case, prompt_starts
+    from lynxkv.hf.prompts import QUESTION, document
 
     tok = byte_tokenizer()
     starts = prompt_starts(3)

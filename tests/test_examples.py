@@ -8,11 +8,11 @@ import os
 import pytest
 
 from conftest import make_tiny_llama
-from lynxkv.models import encode_prompt, load_model, prefill
-from lynxkv.prompts import builtin_prompt
-from lynxkv.spec_decode import decode_plain
-from lynxkv.spec_decode.loads import split_kv
-from lynxkv.scheme import get_scheme
+from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf.prompts import builtin_prompt
+from lynxkv.speculative import decode_plain
+from lynxkv.speculative.simulated import split_kv
+from lynxkv.quant.scheme import get_scheme
 from runner_helpers import save_tiny_model_dir, single_thread
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")

@@ -15,7 +15,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.reader import BytesSource
 from lynxkv.format.verify import verify_cache
 from lynxkv.format.writer import build_files
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 SCHEME = Scheme(chunk=4, page=8)
 FINGERPRINT = "00112233445566778899aabbccddeeff"

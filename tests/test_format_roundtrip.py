@@ -12,7 +12,7 @@ from lynxkv.errors import InputError, LynxError
 from lynxkv.format.reader import BytesSource
 from lynxkv.format.writer import build_files
 from lynxkv.quant import dequantize, quantize
-from lynxkv.scheme import DEFAULT, PAPER, Scheme
+from lynxkv.quant.scheme import DEFAULT, PAPER, Scheme
 
 
 def make_kv(layers: int, heads: int, tokens: int, dim: int, dtype=torch.float32, seed: int = 0):

@@ -21,7 +21,7 @@ from lynxkv.errors import InputError  # noqa: E402
 from lynxkv.kernels import decode as kdecode  # noqa: E402
 from lynxkv.kernels import encode as kencode  # noqa: E402
 from lynxkv.quant import dequantize, pack_bits, quantize  # noqa: E402
-from lynxkv.scheme import get_scheme  # noqa: E402
+from lynxkv.quant.scheme import get_scheme  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICES = [

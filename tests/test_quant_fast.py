@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from lynxkv.errors import InputError
 from lynxkv.quant import dequantize, pack_bits, quantize, unpack_bits
 from lynxkv.quant import fast
-from lynxkv.scheme import get_scheme
+from lynxkv.quant.scheme import get_scheme
 
 SCHEMES = {
     "default": get_scheme("default"),  # alpha = 1

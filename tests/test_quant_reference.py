@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lynxkv.errors import InputError, SchemeError
 from lynxkv.quant import dequantize, error_bound, join_code, pack_bits, quantize, split_code, unpack_bits
-from lynxkv.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
+from lynxkv.quant.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
 
 SCHEMES = {
     "default": DEFAULT,

@@ -11,10 +11,10 @@ import torch
 from conftest import make_tiny_llama
 from lynxkv.cache import save_cache
 from lynxkv.cli import main
-from lynxkv.models import model_fingerprint, prefill
-from lynxkv.spec_decode import decode_plain
-from lynxkv.spec_decode.loads import split_kv
-from lynxkv.scheme import get_scheme
+from lynxkv.hf.models import model_fingerprint, prefill
+from lynxkv.speculative import decode_plain
+from lynxkv.speculative.simulated import split_kv
+from lynxkv.quant.scheme import get_scheme
 from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
@@ -107,8 +107,8 @@ def test_terminal_view_shows_drafts_dim_and_retracts_them(tiny_cache, monkeypatc
     from rich.console import Console
 
     import lynxkv.cli.run as run_cli
-    from lynxkv.models import load_model
-    from lynxkv.spec_decode import Event
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative import Event
 
     model_dir = tiny_cache[0]
     tok = load_model(model_dir).tokenizer

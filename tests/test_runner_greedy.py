@@ -9,8 +9,8 @@ import torch
 
 from conftest import make_tiny_llama
 from lynxkv.loading import PreparedLoad
-from lynxkv.models import model_fingerprint
-from lynxkv.spec_decode import RunConfig, decode_plain, run, stream
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative import RunConfig, decode_plain, run, stream
 from runner_helpers import single_thread, StepLoad, caches, perturbed, prompt_ids
 
 
@@ -25,7 +25,7 @@ def models():
 def _logit_gap_report(model, full_kv, ids, got, want):
     """Where the two sequences first differ, the reference's top-2 logit gap there (a near-tie explains it)."""
     j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    from lynxkv.spec_decode.model_ops import forward_tokens, start_cache
+    from lynxkv.speculative.model_ops import forward_tokens, start_cache
 
     cache = start_cache(full_kv, model.config, len(ids))
     logits = forward_tokens(model, cache, [ids[-1]] + want[:j])[-1]
@@ -145,7 +145,7 @@ def test_stream_events_replay_to_committed_text(models):
 
 def test_sequence_vs_one_pass_logits_agree_in_fp32(models):
     """The premise of exactness: a multi-token forward and step-by-step decoding agree to ~1e-5 in fp32."""
-    from lynxkv.spec_decode.model_ops import forward_tokens, start_cache
+    from lynxkv.speculative.model_ops import forward_tokens, start_cache
 
     model = models[0]
     ids = prompt_ids(9, 50)

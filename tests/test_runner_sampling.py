@@ -7,10 +7,10 @@ import torch
 
 from conftest import make_tiny_llama
 from lynxkv.errors import InputError
-from lynxkv.models import model_fingerprint
-from lynxkv.spec_decode import RunConfig, SamplingParams, accept_greedy, accept_sampled, logits_to_probs, run
-from lynxkv.spec_decode.model_ops import forward_tokens, start_cache
-from lynxkv.spec_decode.sampling import residual_distribution
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative import RunConfig, SamplingParams, accept_greedy, accept_sampled, logits_to_probs, run
+from lynxkv.speculative.model_ops import forward_tokens, start_cache
+from lynxkv.speculative.sampling import residual_distribution
 from runner_helpers import single_thread, StepLoad, caches, perturbed, prompt_ids
 
 

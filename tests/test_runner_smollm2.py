@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from lynxkv.models import encode_prompt, prefill
-from lynxkv.prompts import builtin_prompt
-from lynxkv.scheme import get_scheme
-from lynxkv.spec_decode import RunConfig, decode_plain, run
-from lynxkv.spec_decode.loads import split_kv
-from lynxkv.spec_decode.model_ops import forward_tokens, start_cache
+from lynxkv.hf.models import encode_prompt, prefill
+from lynxkv.hf.prompts import builtin_prompt
+from lynxkv.quant.scheme import get_scheme
+from lynxkv.speculative import RunConfig, decode_plain, run
+from lynxkv.speculative.simulated import split_kv
+from lynxkv.speculative.model_ops import forward_tokens, start_cache
 from runner_helpers import StepLoad, perturbed, single_thread
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ import torch
 
 from lynxkv.api import kv_error
 from lynxkv.cache import open_cache, save_cache
-from lynxkv.models import encode_prompt, prefill
-from lynxkv.prompts import builtin_prompt
-from lynxkv.scheme import DEFAULT, PAPER
+from lynxkv.hf.models import encode_prompt, prefill
+from lynxkv.hf.prompts import builtin_prompt
+from lynxkv.quant.scheme import DEFAULT, PAPER
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from lynxkv.cache import encode_kv, open_cache
 from lynxkv.errors import FormatError
 from lynxkv.format.writer import build_files
 from lynxkv.quant import dequantize, quantize
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "FORMAT.md"
 BLOCK = re.compile(r"```hex ([^\n]*)\n(.*?)```", re.S)

@@ -43,7 +43,7 @@ def encode(
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
     from lynxkv.api import encode_file, encode_model
-    from lynxkv.scheme import get_scheme
+    from lynxkv.quant.scheme import get_scheme
 
     sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
     if (input is None) == (model is None):
@@ -82,8 +82,9 @@ def decode(
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
 ) -> None:
     """Turn a .lynx cache back into tensors, with the names and shapes that went in."""
-    from lynxkv.cache import TORCH_DTYPES, open_cache
-    from lynxkv.inputs import save_kv_safetensors
+    from lynxkv.cache import open_cache
+    from lynxkv.kv import TORCH_DTYPES
+    from lynxkv.dumps import save_kv_safetensors
 
     if dtype is not None and dtype not in _DTYPE_CHOICES:
         raise InputError(f"--dtype: expected one of {', '.join(_DTYPE_CHOICES)}, got {dtype!r}")

@@ -37,9 +37,9 @@ def demo(
     from lynxkv.cache import open_cache
     from lynxkv.cli.codec import inspect, verify
     from lynxkv.cli.run import run
-    from lynxkv.models import load_model, prefill
-    from lynxkv.scheme import DEFAULT
-    from lynxkv.spec_decode.model_ops import measure_tpot
+    from lynxkv.hf.models import load_model, prefill
+    from lynxkv.quant.scheme import DEFAULT
+    from lynxkv.speculative.model_ops import measure_tpot
     from lynxkv.stream.units import format_rate
     from lynxkv.util import human_bytes
 

@@ -79,7 +79,7 @@ def eval_command(
         else:
             import torch
 
-            from lynxkv.models import load_model
+            from lynxkv.hf.models import load_model
 
             lengths = _lengths(tokens)
             user_text = _read_text(text) if text else None

@@ -143,9 +143,9 @@ def run(
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
 
-    from lynxkv.models import load_model
-    from lynxkv.spec_decode import RunConfig, SamplingParams
-    from lynxkv.spec_decode import runner as sd
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative import RunConfig, SamplingParams
+    from lynxkv.speculative import runner as sd
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
@@ -219,7 +219,7 @@ def run(
 
 def _compare(loaded, load, result, cfg, rate: float | None, delay: float) -> dict:
     from lynxkv.errors import LynxError
-    from lynxkv.spec_decode.compare import judge, run_baselines, tt_rows
+    from lynxkv.speculative.compare import judge, run_baselines, tt_rows
 
     if not result.verified:
         raise LynxError("--compare needs the residual (the run fell back to anchor-only output)")

@@ -17,7 +17,7 @@ Baselines (the storage dtype of each scale/zero in brackets):
   its defaults (quanto backend, ``axis=0``, ``q_group_size=64``), without its full-precision recent window;
 - ``kivi4`` / ``kivi2``: KIVI: keys asymmetric per channel over groups of 32 tokens, values asymmetric per
   token over groups of 32 channels [fp16 scale + fp16 zero], also without KIVI's full-precision recent window;
-- ``lynx-*``: a :class:`~lynxkv.scheme.Scheme` through the reference quantizer, full code or anchor only.
+- ``lynx-*``: a :class:`~lynxkv.quant.scheme.Scheme` through the reference quantizer, full code or anchor only.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from lynxkv.errors import InputError
 from lynxkv.quant.reference import dequantize, quantize
-from lynxkv.scheme import Scheme, get_scheme
+from lynxkv.quant.scheme import Scheme, get_scheme
 
 Shape = tuple[int, int, int]
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.models import KVPairs, kv_to_cache, prefill
+from lynxkv.hf.models import kv_to_cache, prefill
+from lynxkv.kv import KVPairs
 
 
 @dataclass

@@ -6,7 +6,7 @@ The result is one JSON-ready dict:
      "lengths": [{"tokens": 1000, "prompt_tokens": [...], "codecs": {name: summary}}, ...],
      "seconds": wall time, "cpu_seconds": process CPU time}
 
-Summaries hold means over prompts (see :func:`lynxkv.eval.runner.summarize`); the vNMSE figures are the
+Summaries hold means over prompts (see :func:`lynxkv.eval.harness.summarize`); the vNMSE figures are the
 per-layer global ratio averaged over layers (``k_vnmse``) and the per-vector mean (``k_vnmse_pv``).
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from lynxkv.eval import runner
-from lynxkv.eval.inputs import builtin_case, load_kv_dump, prompt_starts, text_cases
+from lynxkv.eval import harness
+from lynxkv.eval.cases import builtin_case, load_kv_dump, prompt_starts, text_cases
 
 
 def evaluate_model(
@@ -48,9 +48,9 @@ def evaluate_model(
             cases = iter(text_cases(loaded.tokenizer, text, tokens, prompts, heldout))
         for ids, held in cases:
             sizes.append(int(ids.numel()))
-            per_prompt.append(runner.score_prompt(loaded.model, ids, codecs, window, held, tick))
+            per_prompt.append(harness.score_prompt(loaded.model, ids, codecs, window, held, tick))
         result["lengths"].append(
-            {"tokens": tokens, "prompt_tokens": sizes, "codecs": runner.summarize(per_prompt, codecs, window)}
+            {"tokens": tokens, "prompt_tokens": sizes, "codecs": harness.summarize(per_prompt, codecs, window)}
         )
     result["seconds"] = time.perf_counter() - t0
     result["cpu_seconds"] = time.process_time() - c0
@@ -62,13 +62,13 @@ def evaluate_kv(path: str, codecs: list, *, progress=None) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     kv = load_kv_dump(path)
     task = progress.add_task("kv dump", total=len(codecs)) if progress else None
-    scores = runner.score_kv(kv, codecs, (lambda: progress.advance(task)) if progress else None)
+    scores = harness.score_kv(kv, codecs, (lambda: progress.advance(task)) if progress else None)
     tokens = int(kv[0][0].shape[1])
     return {
         "kind": "kv",
         "model": None,
         "source": path,
-        "lengths": [{"tokens": tokens, "prompt_tokens": [tokens], "codecs": runner.summarize([scores], codecs, 0)}],
+        "lengths": [{"tokens": tokens, "prompt_tokens": [tokens], "codecs": harness.summarize([scores], codecs, 0)}],
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time() - c0,
     }

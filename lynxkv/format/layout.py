@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from lynxkv.errors import ChecksumError, FormatError, SchemeError
 from lynxkv.format import constants as c
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 _ANCHOR_FIXED = struct.Struct(c.ANCHOR_FIXED_STRUCT)
 _SEGMENT = struct.Struct(c.SEGMENT_STRUCT)

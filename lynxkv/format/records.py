@@ -22,7 +22,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.layout import PageEntry, RecordLayout, crc32
 from lynxkv.quant.pack import pack_bits, unpack_bits
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 _META_NP = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
 

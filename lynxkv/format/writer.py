@@ -82,7 +82,7 @@ def build_files(enc: "EncodedCache", *, cache_id: bytes | None = None, single_fi
     if fingerprint and (len(fingerprint) != c.FINGERPRINT_HEX_LENGTH
                         or any(ch not in "0123456789abcdef" for ch in fingerprint)):
         raise InputError(f"model_fingerprint: expected {c.FINGERPRINT_HEX_LENGTH} lowercase hex digits "
-                         f"(lynxkv.models.model_fingerprint), got {fingerprint!r}")
+                         f"(lynxkv.hf.models.model_fingerprint), got {fingerprint!r}")
     prompt = tuple(int(t) for t in (enc.prompt_token_ids or ()))
     if any(not 0 <= t < 2**32 for t in prompt):
         raise InputError("prompt_token_ids: every id must fit in 32 bits")

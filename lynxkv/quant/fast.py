@@ -54,7 +54,7 @@ from lynxkv.quant.reference import (
     quantize,
     tree_sum,
 )
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 #: Elements per block of the per-element pass (fp32 buffers of 4 bytes each stay in L2/L3).
 BLOCK_ELEMENTS = 1 << 20

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from lynxkv.errors import InputError, SchemeError
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 META_TORCH_DTYPE = {"fp16": torch.float16, "fp32": torch.float32}
 

@@ -57,7 +57,8 @@ from lynxkv.format.reader import (
     read_anchor_index,
     read_residual_section,
 )
-from lynxkv.loading import KVPairs, LoadTimeline
+from lynxkv.kv import KVPairs
+from lynxkv.loading import LoadTimeline
 from lynxkv.quant.reference import EncodedTensor, dequantize
 from lynxkv.stream.buffer import StreamBuffer, StreamClosed
 from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink

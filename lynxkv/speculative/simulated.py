@@ -14,9 +14,10 @@ import math
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.loading import KVPairs, PreparedLoad
+from lynxkv.kv import KVPairs
+from lynxkv.loading import PreparedLoad
 from lynxkv.quant.reference import dequantize, quantize
-from lynxkv.scheme import Scheme
+from lynxkv.quant.scheme import Scheme
 
 
 def stream_bytes(kv: KVPairs, scheme: Scheme) -> tuple[int, int]:

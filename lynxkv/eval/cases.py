@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.inputs import load_kv_safetensors
-from lynxkv.models import KVPairs
-from lynxkv.prompts import QUESTION, builtin_prompt, document
+from lynxkv.dumps import load_kv_safetensors
+from lynxkv.kv import KVPairs
+from lynxkv.hf.prompts import QUESTION, builtin_prompt, document
 
 #: Distance between the corpus sections that start two prompts of the same length (a prime, so successive
 #: prompts start on unrelated topics of the ~90 sorted pydoc topics).
@@ -22,7 +22,7 @@ def prompt_starts(count: int, offset: int = 0) -> list[int]:
 def builtin_case(tokenizer, tokens: int, start: int, heldout: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prompt ids ``[T]`` of about ``tokens`` tokens, and the next ``heldout`` tokens of the same document.
 
-    The prompt is :func:`lynxkv.prompts.builtin_prompt` (documentation + a question); the held-out text is the
+    The prompt is :func:`lynxkv.hf.prompts.builtin_prompt` (documentation + a question); the held-out text is the
     documentation that continues after the part the prompt kept, which the model has not seen.
     """
     prompt = builtin_prompt(tokenizer, tokens, start=start)
@@ -61,7 +61,7 @@ def text_cases(tokenizer, text: str, tokens: int, count: int, heldout: int) -> l
 
 def load_kv_dump(path: str) -> KVPairs:
     """Per-layer (keys, values) ``[H, T, D]`` in fp32 from a safetensors KV dump (the naming conventions of
-    :mod:`lynxkv.inputs`: ``layers.{i}.key`` / ``past_key_values.{i}.value``, ``[H, T, D]`` or ``[1, H, T, D]``).
+    :mod:`lynxkv.dumps`: ``layers.{i}.key`` / ``past_key_values.{i}.value``, ``[H, T, D]`` or ``[1, H, T, D]``).
     Safetensors only: nothing on this path can execute code."""
     kv, _ = load_kv_safetensors(path)
     if kv[0][0].shape[1] == 0:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lynxkv.cache import DTYPE_NAMES
+from lynxkv.kv import DTYPE_NAMES
 from lynxkv.errors import InputError
-from lynxkv.models import KVPairs
+from lynxkv.kv import KVPairs
 
 
 NAME_STYLES = ("layers", "past_key_values")

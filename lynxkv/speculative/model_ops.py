@@ -3,7 +3,7 @@
 Where the first new token comes from: a stored cache holds KV for all T prompt tokens but not the logits of the
 last one. :func:`start_cache` keeps the first T-1 tokens of the stored KV and the runner re-feeds the last
 prompt token, so the first prediction is a normal forward on exactly the cache being evaluated (anchor-only for
-drafting, full for verifying). The reference decoder (:func:`lynxkv.spec_decode.decode_plain`) does the same,
+drafting, full for verifying). The reference decoder (:func:`lynxkv.speculative.decode_plain`) does the same,
 so "identical to decoding on the full cache" compares like with like. The recomputed KV of the last prompt
 token is the model's own fp32 value, not the quantized one: one token out of T.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.models import KVPairs, kv_shape, kv_to_cache
+from lynxkv.hf.models import kv_shape, kv_to_cache
+from lynxkv.kv import KVPairs
 
 
 def check_kv(kv: KVPairs, config, prompt_len: int, what: str) -> None:
