@@ -41,7 +41,7 @@ from lynxkv.format.records import AnchorPage, ResidualPage, check_and_decompress
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files, default_residual_path, relative_location, write_atomic
 from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES
-from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor, dequantize
+from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
 
 

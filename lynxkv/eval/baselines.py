@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.quant.reference import dequantize, quantize
+from lynxkv.quant import dequantize, quantize
 from lynxkv.quant.scheme import Scheme, get_scheme
 
 Shape = tuple[int, int, int]

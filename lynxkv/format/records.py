@@ -20,8 +20,8 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.layout import PageEntry, RecordLayout, crc32
-from lynxkv.quant.pack import pack_bits, unpack_bits
-from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
+from lynxkv.quant import pack_bits, unpack_bits
+from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
 _META_NP = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}

@@ -2,6 +2,7 @@
 
 from lynxkv.quant.pack import pack_bits, unpack_bits
 from lynxkv.quant.reference import (
+    META_TORCH_DTYPE,
     EncodedTensor,
     dequantize,
     error_bound,
@@ -11,6 +12,7 @@ from lynxkv.quant.reference import (
 )
 
 __all__ = [
+    "META_TORCH_DTYPE",
     "EncodedTensor",
     "dequantize",
     "error_bound",

@@ -16,7 +16,7 @@ import torch
 from lynxkv.errors import InputError
 from lynxkv.kv import KVPairs
 from lynxkv.loading import PreparedLoad
-from lynxkv.quant.reference import dequantize, quantize
+from lynxkv.quant import dequantize, quantize
 from lynxkv.quant.scheme import Scheme
 
 

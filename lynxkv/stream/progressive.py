@@ -59,7 +59,7 @@ from lynxkv.format.reader import (
 )
 from lynxkv.kv import KVPairs
 from lynxkv.loading import LoadTimeline
-from lynxkv.quant.reference import EncodedTensor, dequantize
+from lynxkv.quant import EncodedTensor, dequantize
 from lynxkv.stream.buffer import StreamBuffer, StreamClosed
 from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
 from lynxkv.stream.sources import Fetch, RangeSource, RetryPolicy
