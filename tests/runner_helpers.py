@@ -7,7 +7,8 @@ import concurrent.futures
 import torch
 
 from lynxkv.loading import LoadTimeline
-from lynxkv.hf.models import model_fingerprint, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative.simulated import split_kv
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ import torch
 from conftest import make_tiny_llama
 from lynxkv.cache import save_cache
 from lynxkv.cli import main
-from lynxkv.hf.models import model_fingerprint, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import decode_plain
 from lynxkv.speculative.simulated import split_kv
 from lynxkv.quant.scheme import get_scheme

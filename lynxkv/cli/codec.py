@@ -42,7 +42,8 @@ def encode(
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
-    from lynxkv.api import encode_file, encode_model
+    from lynxkv.api import encode_file
+    from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
     sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
