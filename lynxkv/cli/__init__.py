@@ -21,6 +21,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from lynxkv import __version__
+
+        typer.echo(f"lynxkv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Progressive, tiered KV-cache storage and transfer: anchor first, residual later, exact output."""
+
 # Each command module registers itself on `app` when imported.
 from lynxkv.cli import codec  # noqa: E402,F401  (encode, decode, inspect, verify)
 from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)

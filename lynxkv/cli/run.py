@@ -184,8 +184,10 @@ def run(
                             allow_anchor_only=allow_anchor_only)
     printer = None
     try:
-        cached = [int(t) for t in (load.prompt_token_ids or [])]
-        new = continuation_ids(loaded.tokenizer, cached, prompt) if prompt is not None and cached else None
+        new = None
+        if prompt is not None:  # the cached prompt's ids arrive with the anchor header
+            load.wait_anchor()
+            new = continuation_ids(loaded.tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt)
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None
@@ -203,7 +205,7 @@ def run(
             printer = None
         result = sd.RunResult(tokens, stats)
         report: dict = {
-            "prompt_token_ids": cached + (new or []),
+            "prompt_token_ids": [int(t) for t in load.prompt_token_ids or []] + (new or []),
             "token_ids": tokens,
             "text": loaded.tokenizer.decode(tokens, skip_special_tokens=True),
             "verified": stats.verified,
