@@ -118,7 +118,7 @@ def test_residual_on_another_tier_is_recorded_and_read_back(tmp_path, capsys):
     src = tmp_path / "kv.safetensors"
     _dump(src)
     url = "memory://cold-tier/c.lynxr"
-    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx", "--residual", url)[0] == 0
+    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx", "--residual-out", url)[0] == 0
     assert not (tmp_path / "c.lynxr").exists()
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json")
     d = json.loads(out)
