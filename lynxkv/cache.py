@@ -109,8 +109,6 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
         v3, _ = _as_hdt(pair[1], "values")
         layers.append((quantize_fn(k3.detach().cpu(), scheme), quantize_fn(v3.detach().cpu(), scheme)))
     h, t, d = shape
-    if prompt_token_ids is not None and len(prompt_token_ids) and len(prompt_token_ids) != t:
-        raise InputError(f"the KV holds {t} tokens but prompt_token_ids has {len(prompt_token_ids)}")
     return EncodedCache(scheme, layers, h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
                         model_fingerprint or None, tuple(names) if names else None, bool(batch))

@@ -27,7 +27,8 @@ def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
 def encode(
     input: Optional[Path] = typer.Argument(None, help="A KV dump (.safetensors). Omit it to prefill --model."),
     output: Path = typer.Option(..., "-o", "--output", help="The anchor file to write (.lynx)."),
-    residual: Optional[str] = typer.Option(None, help="Where the residual goes (default: OUTPUT with .lynxr)."),
+    residual_out: Optional[str] = typer.Option(None, "--residual-out", help="Where the residual goes, a path or "
+                                               "URL (default: OUTPUT with .lynxr)."),
     model: Optional[str] = typer.Option(None, help="Prefill this HF model (default without INPUT: the offline "
                                         "SmolLM2, 'smollm2')."),
     prompt_file: Optional[Path] = typer.Option(None, help="Prompt text to prefill (default: built-in)."),
@@ -59,18 +60,18 @@ def encode(
     if dtype not in TORCH_DTYPES:
         raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     refuse_overwrite(output, force)
-    if residual is not None and single_file:
-        raise InputError("--residual and --single-file exclude each other")
+    if residual_out is not None and single_file:
+        raise InputError("--residual-out and --single-file exclude each other")
     if not single_file:
-        refuse_overwrite(residual or default_residual_path(output), force)
+        refuse_overwrite(residual_out or default_residual_path(output), force)
     if input is not None:
         with progress_step(f"encoding {input}"):
-            info = save_dump(input, output, sch, residual_path=residual, single_file=single_file, zstd=zstd)
+            info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd)
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
         name = model or "SmolLM2-135M-Instruct (offline default)"
         with progress_step(f"loading {name} ({dtype}), prefilling and encoding"):
-            info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual,
+            info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual_out,
                                 single_file=single_file, zstd=zstd, dtype=TORCH_DTYPES[dtype])
     if json:
         print_json(info.to_dict())

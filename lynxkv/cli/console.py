@@ -51,11 +51,10 @@ def print_json(data) -> None:
 @contextlib.contextmanager
 def progress_step(description: str):
     """A progress line on stderr for one long step (a spinner, the step and its elapsed time), removed when the
-    step ends; a one-line message when stderr is not a terminal."""
+    step ends; nothing when stderr is not a terminal (a log keeps only results and errors)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     if not err.is_terminal:
-        err.print(f"{escape(description)} ...")
         yield
         return
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,

@@ -60,7 +60,8 @@ def demo(
             os.unlink(stale)
 
     t0 = time.perf_counter()
-    _show(["encode", "--model", "smollm2", "--tokens", str(tokens), "-o", str(anchor), "--residual", str(residual)])
+    _show(["encode", "--model", "smollm2", "--tokens", str(tokens), "-o", str(anchor), "--residual-out",
+           str(residual)])
     with progress_step("loading SmolLM2"):
         loaded = load_model(None)
     ids = encode_prompt(loaded, builtin_prompt(loaded.tokenizer, tokens))
