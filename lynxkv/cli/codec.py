@@ -9,10 +9,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, escape, out, print_json, progress_step, read_text
 from lynxkv.errors import InputError
-from lynxkv.util import human_bytes
+from lynxkv.stream.units import format_bytes
 
 _DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
@@ -46,7 +46,7 @@ def encode(
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
-    from lynxkv.api import encode_file
+    from lynxkv.cache import default_residual_path, save_dump
     from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
@@ -63,10 +63,10 @@ def encode(
     if residual_out is not None and single_file:
         raise InputError("--residual-out and --single-file exclude each other")
     if not single_file:
-        refuse_overwrite(residual_out or output.with_suffix(".lynxr"), force)
+        refuse_overwrite(residual_out or default_residual_path(output), force)
     if input is not None:
         with progress_step(f"encoding {input}"):
-            info = encode_file(input, output, sch, residual=residual_out, single_file=single_file, zstd=zstd)
+            info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd)
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
         name = model or "SmolLM2-135M-Instruct (offline default)"
@@ -78,7 +78,7 @@ def encode(
     else:
         err.print(
             f"wrote {escape(str(output))} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
-            f"anchor {human_bytes(info.anchor_bytes)}, residual {human_bytes(info.residual_bytes)}, "
+            f"anchor {format_bytes(info.anchor_bytes)}, residual {format_bytes(info.residual_bytes)}, "
             f"{info.bits_per_element['total']:.3f} bits/element ({info.bits_per_element['anchor']:.3f} in the anchor)"
         )
 
@@ -122,10 +122,10 @@ def inspect(
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a cache's scheme, shape, pages, sizes and bits per element, and where its residual lives."""
-    from lynxkv.api import describe
+    from lynxkv.cache import open_cache
 
-    with _open(cache, residual) as c:
-        d = describe(c)
+    with open_cache(cache, residual=residual) as c:
+        d = c.describe()
     if json:
         print_json(d)
         return
@@ -136,9 +136,9 @@ def inspect(
     t.add_row("shape", f"{d['layers']} layers × {d['kv_heads']} KV heads × {d['tokens']} tokens × "
                        f"{d['head_dim']} head dim ({d['dtype']})")
     t.add_row("pages", f"{d['pages_per_layer']} per layer of {d['scheme']['page']} tokens")
-    t.add_row("anchor", f"{human_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
+    t.add_row("anchor", f"{format_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
     res_where = "inline (single file)" if d["residual_inline"] else d["residual_location"]
-    t.add_row("residual", f"{human_bytes(d['residual_bytes'])} at {res_where}: "
+    t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: "
                           f"{'reachable' if d['residual_reachable'] else 'NOT reachable'}")
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
@@ -156,7 +156,7 @@ def verify(
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Check both segments' structure and every checksum (exit 1 on any finding); optionally measure error."""
-    from lynxkv.api import reconstruction_error
+    from lynxkv.eval.metrics import reconstruction_error
     from lynxkv.cache import verify_file
 
     findings = verify_file(cache, residual=residual)
@@ -186,9 +186,3 @@ def _print_vnmse(v: dict) -> None:
     t.add_row("mean", *(f"{m[k]:.3e}" for k in ("key_full", "value_full", "key_anchor", "value_anchor")),
               style="bold")
     out.print(t)
-
-
-def _open(cache: str, residual: str | None):
-    from lynxkv.cache import open_cache
-
-    return open_cache(cache, residual=residual)

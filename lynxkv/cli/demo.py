@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, escape, out, print_json, progress_step
 
 
@@ -36,7 +36,7 @@ def demo(
     """Run the whole Lynx pipeline on the offline SmolLM2 and a built-in prompt."""
     import torch
 
-    from lynxkv.api import describe, save_to_tiers
+    from lynxkv.cache import save_cache
     from lynxkv.cache import open_cache, verify_file
     from lynxkv.cli.run import compare_table, print_judge, stats_table
     from lynxkv.eval.metrics import kv_error
@@ -49,7 +49,7 @@ def demo(
     from lynxkv.speculative.model_ops import measure_tpot
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate
-    from lynxkv.util import human_bytes
+    from lynxkv.stream.units import format_bytes
 
     hot, cold = directory / "hot", directory / "cold"
     hot.mkdir(parents=True, exist_ok=True)
@@ -68,15 +68,15 @@ def demo(
     with progress_step(f"prefilling {len(ids)} tokens"):
         original, _ = prefill(loaded.model, ids)
     with progress_step("encoding"):
-        info = save_to_tiers(anchor, original, DEFAULT, residual=str(residual), prompt_token_ids=ids.tolist(),
+        info = save_cache(anchor, original, DEFAULT, residual_path=str(residual), prompt_token_ids=ids.tolist(),
                              model_fingerprint=loaded.fingerprint)
-    err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {human_bytes(info.anchor_bytes)} on the "
-              f"fast tier ({escape(str(hot))}), residual {human_bytes(info.residual_bytes)} on the slow tier "
+    err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {format_bytes(info.anchor_bytes)} on the "
+              f"fast tier ({escape(str(hot))}), residual {format_bytes(info.residual_bytes)} on the slow tier "
               f"({escape(str(cold))})")
 
     _show(["inspect", str(anchor)])
     with open_cache(anchor) as cache:
-        described = describe(cache)
+        described = cache.describe()
         errors = kv_error(cache.load_kv(dtype=torch.float32), cache.load_kv(anchor_only=True, dtype=torch.float32),
                           original)
     out.print(f"{described['layers']} layers × {described['kv_heads']} KV heads × {described['tokens']} tokens × "

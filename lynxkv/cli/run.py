@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json, read_text
 from lynxkv.errors import InputError
 

@@ -153,3 +153,13 @@ def kv_error(full, anchor, original) -> dict:
                      "key_anchor": vnmse_global(k, ka), "value_anchor": vnmse_global(v, va)})
     mean = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
     return {"metric": "global vNMSE per layer, mean over layers", "per_layer": rows, "mean": mean}
+
+
+def reconstruction_error(cache_path, original_path, *, residual=None) -> dict:
+    """:func:`kv_error` of a stored cache (full and anchor-only reconstruction) against the original dump."""
+    from lynxkv.cache import open_cache
+    from lynxkv.dumps import load_kv_safetensors
+
+    original, _ = load_kv_safetensors(original_path)
+    with open_cache(cache_path, residual=residual) as c:
+        return kv_error(c.load_kv(dtype=torch.float32), c.load_kv(anchor_only=True, dtype=torch.float32), original)

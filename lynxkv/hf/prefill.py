@@ -60,7 +60,7 @@ def encode_model(model: str | None, output, scheme, *, prompt: str | None = None
                  residual=None, single_file=False, zstd=False, dtype: torch.dtype = torch.float32):
     """Prefill ``model`` (loaded in ``dtype``) on ``prompt`` (default: the built-in prompt of ``tokens`` tokens)
     and encode its cache, with the prompt token ids and the model fingerprint. Returns the cache's ``CacheInfo``."""
-    from lynxkv.api import save_to_tiers
+    from lynxkv.cache import save_cache
     from lynxkv.hf.models import encode_prompt, load_model
     from lynxkv.hf.prompts import builtin_prompt
 
@@ -68,5 +68,5 @@ def encode_model(model: str | None, output, scheme, *, prompt: str | None = None
     text = prompt if prompt is not None else builtin_prompt(loaded.tokenizer, tokens)
     ids = encode_prompt(loaded, text)
     kv, _ = prefill(loaded.model, ids)
-    return save_to_tiers(output, kv, scheme, residual=residual, single_file=single_file, zstd=zstd,
+    return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd,
                          prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint)
