@@ -29,10 +29,10 @@ def encode_model(model: str | None, output, scheme: Scheme, *, prompt: str | Non
                       prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint)
 
 
-def reconstruction_error(cache_path, original_path, *, residual=None) -> dict:
+def reconstruction_error(cache_path, original_path, *, residual=None, allow_locations=()) -> dict:
     """vNMSE per layer of keys and values, full and anchor-only, against the original dump, and the means."""
     original, _ = load_kv_safetensors(original_path)
-    with open_cache(cache_path, residual=residual) as c:
+    with open_cache(cache_path, residual=residual, allow_locations=allow_locations) as c:
         return kv_error(c.load_kv(dtype=torch.float32), c.load_kv(anchor_only=True, dtype=torch.float32), original)
 
 

@@ -171,10 +171,11 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
 class LynxCache:
     """An open ``.lynx`` cache. Pages are read on demand (one byte-range read each, CRC checked)."""
 
-    def __init__(self, source, *, residual=None, name: str | None = None):
+    def __init__(self, source, *, residual=None, name: str | None = None, allow_locations=()):
         self._src = open_source(source, name)
         self.name = self._src.name
         self._residual_arg = residual
+        self._allow = tuple(allow_locations)
         self._rsrc = None  # an external residual's source, once opened
         try:
             self._reader = PageReader(self._src)
@@ -196,7 +197,7 @@ class LynxCache:
             return open_source(self._residual_arg)
         if seg.placement == c.PLACEMENT_INLINE:
             return None
-        return open_source(resolve_location(self.name, seg.location))
+        return open_source(resolve_location(self.name, seg.location, allow=self._allow))
 
     def _residual(self) -> SectionIndex:
         if c.SEGMENT_RESIDUAL not in self._reader._indexes:
@@ -261,12 +262,20 @@ class LynxCache:
             for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
                 src.close()
 
-    def describe(self) -> dict:
+    def describe(self, *, check_residual: bool | None = None) -> dict:
         """What ``lynxkv inspect --json`` prints (stable keys: tokens, layers, kv_heads, head_dim, scheme,
-        bits_per_element.total / .anchor, prompt_token_ids when stored)."""
+        bits_per_element.total / .anchor, prompt_token_ids when stored).
+
+        ``residual_reachable`` is checked (the residual opened, its header and index read) with
+        ``check_residual``; by default only where that reads nothing but a local file the trust rule lets the
+        cache follow without asking (inline, or relative inside the anchor's directory), else it is ``None``."""
         d = self.info.to_dict()
         d["scheme_description"] = self.info.scheme.describe()
-        d["residual_reachable"] = self.residual_reachable()
+        if check_residual is None:
+            loc = self.info.residual_location
+            check_residual = (self._residual_arg is None and (loc is None or "://" not in loc and not loc.startswith("/")
+                                                              and not self.name.startswith("<") and "://" not in self.name))
+        d["residual_reachable"] = self.residual_reachable() if check_residual else None
         if not d.get("prompt_token_ids"):
             d.pop("prompt_token_ids", None)
         return d
@@ -287,14 +296,18 @@ class LynxCache:
         self.close()
 
 
-def open_cache(path, *, residual=None) -> LynxCache:
-    """Open a ``.lynx`` anchor file (path, URL, bytes or file object); ``residual`` overrides the residual
-    location."""
-    return LynxCache(path, residual=residual)
+def open_cache(path, *, residual=None, allow_locations=()) -> LynxCache:
+    """Open a ``.lynx`` anchor file (path, URL, bytes or file object).
+
+    The residual is read from ``residual`` when given (the caller named it), else from the location the anchor
+    header records, under the trust rule of :func:`lynxkv.storage.resolve_location`: a relative location inside
+    the anchor's directory, or a place under a prefix of ``allow_locations`` (or ``$LYNXKV_ALLOW_LOCATIONS``)."""
+    return LynxCache(path, residual=residual, allow_locations=allow_locations)
 
 
-def verify_file(path, *, residual=None) -> list[Finding]:
-    """Findings for a cache that may be too damaged to open: never raises for a bad file."""
+def verify_file(path, *, residual=None, allow_locations=()) -> list[Finding]:
+    """Findings for a cache that may be too damaged to open: never raises for a bad file (the residual is found
+    as :func:`open_cache` finds it)."""
     src = open_source(path)
     opened = []
 
@@ -303,7 +316,8 @@ def verify_file(path, *, residual=None) -> list[Finding]:
             rsrc = open_source(residual)
         else:
             h = PageReader(src, exact_size=False).header  # verify_cache only asks after this succeeded
-            rsrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_RESIDUAL).location))
+            rsrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_RESIDUAL).location,
+                                                allow=allow_locations))
         opened.append(rsrc)
         return rsrc
 
@@ -358,7 +372,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         built = build_files(enc, cache_id=cache_id, zstd=zstd, residual_location=location)
         write_atomic(rpath, built.residual)  # first: an anchor never points at a missing residual
         write_atomic(path, built.anchor)
-    with open_cache(path, residual=None if single_file or residual_location is None else rpath) as cache:
+    with open_cache(path, residual=None if single_file else rpath) as cache:
         return cache.info
 
 

@@ -58,17 +58,19 @@ def demo(
     err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {format_bytes(info.anchor_bytes)} on the "
               f"fast tier ({hot}), residual {format_bytes(info.residual_bytes)} on the slow tier ({cold})")
 
-    _show(["inspect", str(anchor)])
-    inspect(cache=str(anchor), residual=None, json=False)
+    # The residual lies outside the anchor's directory: the trust rule wants it named or allowed.
+    allow = [str(cold)]
+    _show(["inspect", str(anchor), "--allow-location", str(cold)])
+    inspect(cache=str(anchor), residual=None, check_residual=True, allow_location=allow, json=False)
 
     # verify --against needs the original tensors: prefill again (cheap next to decoding) and compare in memory.
-    _show(["verify", str(anchor)])
+    _show(["verify", str(anchor), "--allow-location", str(cold)])
     try:
-        verify(cache=str(anchor), residual=None, against=None, json=False)
+        verify(cache=str(anchor), residual=None, against=None, allow_location=allow, json=False)
     except typer.Exit as exc:
         raise SystemExit(exc.exit_code) from None
     loaded = load_model(None)
-    with open_cache(anchor) as cache:
+    with open_cache(anchor, allow_locations=allow) as cache:
         ids = torch.tensor(cache.info.prompt_token_ids)
         original, _ = prefill(loaded.model, ids)
         errors = kv_error(cache.load_kv(dtype=torch.float32), cache.load_kv(anchor_only=True, dtype=torch.float32),
@@ -84,10 +86,10 @@ def demo(
     err.print(f"\nTPOT {tpot * 1e3:.0f} ms at {len(ids)} tokens: an emulated link of {format_rate(rate)} makes the "
               f"residual take about {residual_steps:g} decode steps")
     bandwidth = f"{rate * 8:.0f}bps"
-    _show(["run", str(anchor), "--bandwidth", bandwidth, "--max-new-tokens", str(new_tokens), "--ignore-eos",
-           "--compare"])
+    _show(["run", str(anchor), "--residual", str(residual), "--bandwidth", bandwidth, "--max-new-tokens",
+           str(new_tokens), "--ignore-eos", "--compare"])
     report = run(cache=str(anchor), model=None, max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, seed=None,
-                 bandwidth=bandwidth, latency=None, residual=None, max_window=64, verify_chunk=0,
+                 bandwidth=bandwidth, latency=None, residual=str(residual), max_window=64, verify_chunk=0,
                  residual_timeout=None, allow_anchor_only=False, ignore_eos=True, compare=True, as_json=False)
 
     s = report["stats"]

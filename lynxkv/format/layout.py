@@ -186,8 +186,8 @@ def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_head
     if len(buf) < PREFIX_SIZE:
         raise _err("magic", f"{what} byte 0", f"a header of at least {PREFIX_SIZE} bytes", f"{len(buf)} bytes")
     got_magic = bytes(buf[0:8])
-    if got_magic != magic:
-        raise _err("magic", f"{what} byte 0", magic.hex(), got_magic.hex())
+    if got_magic != magic:  # the bytes of a foreign file are not shown
+        raise _err("magic", f"{what} byte 0", magic.hex(), f"other bytes (not a .lynx {what} file)")
     major, minor, flags, length = struct.unpack_from("<HHII", buf, 8)
     if major != c.VERSION_MAJOR:
         raise _err("version_major", f"{what} byte 8", c.VERSION_MAJOR, major)
