@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from lynxkv.cache import check_decoded_size
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
@@ -326,6 +327,7 @@ class ProgressiveLoad:
                 if kind == "header":
                     if self.decode:
                         h = item[1]
+                        check_decoded_size(h, self.dtype)
                         shape = (h.kv_heads, h.tokens, h.head_dim)
                         self._kv_out = tuple([(torch.empty(shape, dtype=self.dtype),
                                                torch.empty(shape, dtype=self.dtype)) for _ in range(h.layers)]

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import threading
 
+from lynxkv.cache import residual_file_of
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.storage import AtomicWriter, exists, read_all, write_target
-from lynxkv.stream.tier import check_cache_bytes
+from lynxkv.storage import AtomicWriter, exists, read_all, record_location, remove, same_object, write_target
+from lynxkv.stream.tier import check_cache_bytes, relocate_residual
 
 
 class ReceivedCopy:
@@ -68,9 +69,16 @@ class ReceivedCopy:
         anchor = self._joined("anchor")
         residual = None if anchor_only else self._joined("residual")
         check_cache_bytes(anchor, residual)
+        old = residual_file_of(self.dest) if self.force else None  # the replaced copy's residual, removed last
         if residual is not None:
             rdest = self.residual_dest or write_target(self.dest, seg.location)
             self.refuse_existing(rdest)
+            if exists(rdest):
+                # Replacing (--force): the new residual under a fresh name and the anchor pointing at it, so a
+                # reader of dest sees the old copy or the new one, never a mix; the old residual goes last.
+                old = old or rdest
+                rdest = f"{rdest}.{load.header.cache_id.hex()[:8]}"
+                anchor = relocate_residual(anchor, record_location(self.dest, rdest))
             with AtomicWriter(rdest, make_dirs=True) as w:
                 w.write(residual)
             written["residual"] = rdest
@@ -78,4 +86,6 @@ class ReceivedCopy:
             w.write(anchor)
         written["anchor"] = self.dest
         check_cache_bytes(read_all(self.dest), None if residual is None else read_all(written["residual"]))
+        if old is not None and not same_object(old, written.get("residual", self.dest)):
+            remove(old)
         return written
