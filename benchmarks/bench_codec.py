@@ -95,7 +95,8 @@ def real_smollm2_kv(tokens: int) -> list[torch.Tensor] | None:
     path = CACHE_DIR / "smollm2_kv_8192.safetensors"
     if not path.exists():
         try:
-            from lynxkv.hf.models import encode_prompt, load_model, prefill
+            from lynxkv.hf import prefill
+            from lynxkv.hf.models import encode_prompt, load_model
             from lynxkv.hf.prompts import builtin_prompt
 
             loaded = load_model()

@@ -18,7 +18,8 @@ import time
 
 
 from lynxkv.cache import save_cache
-from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, run

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, stream

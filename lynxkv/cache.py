@@ -33,7 +33,7 @@ from lynxkv.format.reader import PageReader, SectionIndex
 from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files
-from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES
+from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
 from lynxkv.quant import EncodedTensor, dequantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import exists, open_source, record_location, remove, resolve_location, same_object, write_atomic
@@ -80,11 +80,13 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
               quantize_fn: Callable[[torch.Tensor, Scheme], EncodedTensor] | None = None,
               prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
               names: Sequence[str] | None = None) -> EncodedCache:
-    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16).
+    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16), given as
+    per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.kv.cache_to_kv`).
 
     ``quantize_fn`` defaults to :func:`lynxkv.quant.fast.best_quantize` for the scheme: the Triton kernel on a
     GPU, the fast CPU path otherwise, the reference where neither supports the scheme; all give the same bits.
     """
+    kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
     if quantize_fn is None:  # the fastest implementation that gives the reference's bits for this scheme
         from lynxkv.quant.fast import best_quantize
 

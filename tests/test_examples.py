@@ -8,7 +8,8 @@ import os
 import pytest
 
 from conftest import make_tiny_llama
-from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.speculative import decode_plain
 from lynxkv.speculative.simulated import split_kv

@@ -344,7 +344,7 @@ def test_tier_refuses_to_move_what_it_cannot_delete_before_writing(tmp_path, cap
 
     save_cache(tmp_path / "c.lynx", kv(), SCHEME)
     monkeypatch.setattr(tier, "can_remove", lambda url: False)  # e.g. an HTTP source
-    code, _, err = cli(capsys, "tier", tmp_path / "c.lynx", "--residual-to", tmp_path / "cold" / "c.lynxr")
+    code, _, err = cli(capsys, "tier", tmp_path / "c.lynx", "--residual-out", tmp_path / "cold" / "c.lynxr")
     assert code == 1 and "--keep" in one_error(err) and not (tmp_path / "cold").exists()
 
 

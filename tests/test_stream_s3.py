@@ -88,7 +88,7 @@ def test_tier_moves_residual_to_s3_and_back(tmp_path, s3_server, kv_ref, capsys)
     _, anchor, residual, _, ref_full = kv_ref
     path = write_pair(tmp_path, anchor, residual)
     rurl = s3_server.url("tiered/x.lynxr")
-    assert main(["tier", path, "--residual-to", rurl, "--json"]) == 0
+    assert main(["tier", path, "--residual-out", rurl, "--json"]) == 0
     assert not os.path.exists(tmp_path / "x.lynxr")  # moved, not copied
     assert read_range(rurl, 0, len(residual)) == residual  # the residual itself is unchanged
     with open_cache(path) as c:
@@ -103,7 +103,7 @@ def test_tier_moves_residual_to_s3_and_back(tmp_path, s3_server, kv_ref, capsys)
         assert kv_equal(load.residual.result(60), ref_full)
     # Back to local disk, both segments.
     back = str(tmp_path / "back" / "y.lynx")
-    assert main(["tier", aurl, back, "--residual-to", str(tmp_path / "back" / "y.lynxr")]) == 0
+    assert main(["tier", aurl, back, "--residual-out", str(tmp_path / "back" / "y.lynxr")]) == 0
     with open_cache(back) as c:
         assert c.info.residual_location == "y.lynxr"
         assert kv_equal(c.load_kv(), ref_full)
@@ -115,7 +115,7 @@ def test_tier_refuses_a_corrupt_source(tmp_path, s3_server, kv_ref):
     bad = bytearray(residual)
     bad[-10] ^= 1
     path = write_pair(tmp_path, anchor, bytes(bad))
-    assert main(["tier", path, "--residual-to", s3_server.url("never/x.lynxr")]) == 1
+    assert main(["tier", path, "--residual-out", s3_server.url("never/x.lynxr")]) == 1
     with pytest.raises(LynxError):
         size_of(s3_server.url("never/x.lynxr"))
     assert os.path.exists(tmp_path / "x.lynxr")  # nothing moved

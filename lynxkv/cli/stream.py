@@ -160,7 +160,7 @@ def serve(
 def tier(
     src: str = typer.Argument(..., help="The cache's anchor file (path or URL)."),
     dst: str = typer.Argument(None, help="New location of the anchor file (default: leave it where it is)."),
-    residual_to: str = typer.Option(None, "--residual-to", help="New location of the residual (path or URL)."),
+    residual_out: str = typer.Option(None, "--residual-out", help="New location of the residual (path or URL)."),
     keep: bool = typer.Option(False, "--keep", help="Copy instead of move (keep the source files)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print what was moved as JSON on stdout."),
@@ -172,8 +172,8 @@ def tier(
     record its new location (relative when it sits next to the anchor)."""
     from lynxkv.stream.tier import move_cache
 
-    if dst is None and residual_to is None:
-        raise InputError("nothing to do: give a destination for the anchor and/or --residual-to")
+    if dst is None and residual_out is None:
+        raise InputError("nothing to do: give a destination for the anchor and/or --residual-out")
     with _progress() as bars:
         tasks: dict[str, int] = {}
 
@@ -182,7 +182,7 @@ def tier(
                 tasks[segment] = bars.add_task(segment, total=total)
             bars.update(tasks[segment], completed=done, total=total)
 
-        result = move_cache(src, dst, residual_to=residual_to, keep=keep, progress=progress,
+        result = move_cache(src, dst, residual_to=residual_out, keep=keep, progress=progress,
                             allow_locations=allow_location or ())
     if as_json:
         print_json(result)
