@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
 
     cfg = RunConfig(max_new_tokens=args.max_new_tokens)
     started = time.perf_counter()
-    load = open_progressive(anchor_path, bandwidth=bandwidth)
+    load = open_progressive(anchor_path, bandwidth=bandwidth, allow_locations=[slow])  # the slow tier, allowed
     try:
         lynx = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
         anchor_kv, full_kv = load.wait_anchor(), load.residual.result()

@@ -122,6 +122,14 @@ def test_residual_on_another_tier_is_recorded_and_read_back(tmp_path, capsys):
     assert not (tmp_path / "c.lynxr").exists()
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json")
     d = json.loads(out)
-    assert d["residual_location"] == url and d["residual_reachable"] is True
-    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src)
+    assert d["residual_location"] == url and d["residual_reachable"] is None  # not fetched unless asked
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual")
+    assert json.loads(out)["residual_reachable"] is False  # asked, but the URL is not allowed
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual",
+                       "--allow-location", "memory://cold-tier/")
+    assert json.loads(out)["residual_reachable"] is True
+    code, out, err = run(capsys, "verify", tmp_path / "c.lynx", "--json")
+    assert code == 1 and "--allow-location" in out
+    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src,
+                       "--allow-location", "memory://cold-tier/")
     assert code == 0 and json.loads(out)["vnmse"]["mean"]["key_full"] < 1e-4

@@ -15,6 +15,9 @@ from lynxkv.errors import InputError
 from lynxkv.stream.units import format_bytes
 
 _DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+ALLOW_HELP = ("Let the cache's recorded residual location lie under this prefix (a path or URL such as "
+              "s3://bucket/; repeatable; also $LYNXKV_ALLOW_LOCATIONS, comma-separated). By default only a file "
+              "inside the anchor's directory is followed.")
 
 
 def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
@@ -90,6 +93,7 @@ def decode(
     anchor_only: bool = typer.Option(False, "--anchor-only", help="Reconstruct from the anchor alone."),
     dtype: Optional[str] = typer.Option(None, help="Output dtype: bf16, fp16 or fp32 (default: the original)."),
     residual: Optional[str] = typer.Option(None, help="Read the residual from here instead."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
     json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
@@ -101,7 +105,8 @@ def decode(
     if dtype is not None and dtype not in _DTYPE_CHOICES:
         raise InputError(f"--dtype: expected one of {', '.join(_DTYPE_CHOICES)}, got {dtype!r}")
     refuse_overwrite(output, force)
-    with open_cache(cache, residual=residual) as c, progress_step(f"decoding {cache}"):
+    with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c, \
+            progress_step(f"decoding {cache}"):
         kv = c.load_kv(anchor_only=anchor_only, dtype=TORCH_DTYPES[dtype] if dtype else None)
         meta = {"lynxkv.cache_id": c.info.cache_id, "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
         save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)
@@ -119,13 +124,17 @@ def decode(
 def inspect(
     cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
     residual: Optional[str] = typer.Option(None, help="Look for the residual here instead."),
+    check_residual: Optional[bool] = typer.Option(None, "--check-residual/--no-check-residual", help="Open the "
+                                                  "residual to see whether it is reachable (default: only when it "
+                                                  "is inline or a file in the anchor's directory)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a cache's scheme, shape, pages, sizes and bits per element, and where its residual lives."""
     from lynxkv.cache import open_cache
 
-    with open_cache(cache, residual=residual) as c:
-        d = c.describe()
+    with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c:
+        d = c.describe(check_residual=True if residual is not None and check_residual is None else check_residual)
     if json:
         print_json(d)
         return
@@ -138,8 +147,8 @@ def inspect(
     t.add_row("pages", f"{d['pages_per_layer']} per layer of {d['scheme']['page']} tokens")
     t.add_row("anchor", f"{format_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
     res_where = "inline (single file)" if d["residual_inline"] else d["residual_location"]
-    t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: "
-                          f"{'reachable' if d['residual_reachable'] else 'NOT reachable'}")
+    reach = {True: "reachable", False: "NOT reachable", None: "not checked (--check-residual)"}
+    t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: {reach[d['residual_reachable']]}")
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
     t.add_row("prompt", f"{len(d['prompt_token_ids'])} token ids" if d.get("prompt_token_ids") else "not stored")
@@ -153,16 +162,18 @@ def verify(
     cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
     residual: Optional[str] = typer.Option(None, help="Check the residual at this location instead."),
     against: Optional[Path] = typer.Option(None, help="The original KV dump: report vNMSE per layer."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Check both segments' structure and every checksum (exit 1 on any finding); optionally measure error."""
     from lynxkv.eval.metrics import reconstruction_error
     from lynxkv.cache import verify_file
 
-    findings = verify_file(cache, residual=residual)
+    allow = tuple(allow_location or ())
+    findings = verify_file(cache, residual=residual, allow_locations=allow)
     result: dict = {"ok": not findings, "findings": [f.to_dict() for f in findings]}
     if against is not None and not findings:
-        result["vnmse"] = reconstruction_error(cache, against, residual=residual)
+        result["vnmse"] = reconstruction_error(cache, against, residual=residual, allow_locations=allow)
     if json:
         print_json(result)
     else:

@@ -74,8 +74,10 @@ def demo(
               f"fast tier ({escape(str(hot))}), residual {format_bytes(info.residual_bytes)} on the slow tier "
               f"({escape(str(cold))})")
 
-    _show(["inspect", str(anchor)])
-    with open_cache(anchor) as cache:
+    # The residual lies outside the anchor's directory: the trust rule wants its place allowed.
+    allow = [str(cold)]
+    _show(["inspect", str(anchor), "--allow-location", str(cold)])
+    with open_cache(anchor, allow_locations=allow) as cache:
         described = cache.describe()
         errors = kv_error(cache.load_kv(dtype=torch.float32), cache.load_kv(anchor_only=True, dtype=torch.float32),
                           original)
@@ -84,8 +86,8 @@ def demo(
               f"{described['bits_per_element']['total']:.2f} bits/element "
               f"({described['bits_per_element']['anchor']:.2f} in the anchor)")
 
-    _show(["verify", str(anchor)])
-    findings = verify_file(anchor)
+    _show(["verify", str(anchor), "--allow-location", str(cold)])
+    findings = verify_file(anchor, allow_locations=allow)
     for f in findings:
         err.print(f"[red]FAIL[/] {escape(str(f))}")
     if findings:
@@ -101,11 +103,11 @@ def demo(
     rate = info.residual_bytes / (residual_steps * tpot)
     err.print(f"\nTPOT {tpot * 1e3:.0f} ms at {len(ids)} tokens: an emulated link of {format_rate(rate)} makes the "
               f"residual take about {residual_steps:g} decode steps")
-    _show(["run", str(anchor), "--bandwidth", f"{rate * 8:.0f}bps", "-n", str(max_new_tokens), "--ignore-eos",
-           "--compare"])
+    _show(["run", str(anchor), "--residual", str(residual), "--bandwidth", f"{rate * 8:.0f}bps", "-n",
+           str(max_new_tokens), "--ignore-eos", "--compare"])
     cfg = RunConfig(max_new_tokens=max_new_tokens)
     started = time.perf_counter()
-    load = open_progressive(str(anchor), bandwidth=rate)
+    load = open_progressive(str(anchor), bandwidth=rate, allow_locations=allow)
     try:
         result = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
         err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")

@@ -7,7 +7,10 @@ import time
 
 import typer
 
+from typing import Optional
+
 from lynxkv.cli.app import app
+from lynxkv.cli.codec import ALLOW_HELP
 from lynxkv.cli.console import err, out, print_json
 from lynxkv.errors import InputError
 
@@ -38,6 +41,8 @@ def stream(
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual fails, finish "
                                            "with the anchor only (lossy, flagged) instead of failing."),
     inflight: int = typer.Option(4, "--inflight", min=1, max=64, help="Range requests in flight per segment."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
+    force: bool = typer.Option(False, "--force", help="Replace existing files when saving with -o."),
     as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
 ) -> None:
     """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
@@ -46,10 +51,10 @@ def stream(
     from lynxkv.stream.report import transfer_report
     from lynxkv.stream.units import format_rate
 
-    saver = ReceivedCopy(output, residual_out) if output else None
+    saver = ReceivedCopy(output, residual_out, force=force) if output else None
     load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
                             allow_anchor_only=allow_anchor_only, inflight=inflight, decode=False,
-                            tee=saver.tee if saver else None)
+                            tee=saver.tee if saver else None, allow_locations=allow_location or ())
     try:
         with _progress() as bars:
             ta = bars.add_task("anchor", total=None)
@@ -157,6 +162,7 @@ def tier(
     dst: str = typer.Argument(None, help="New location of the anchor file (default: leave it where it is)."),
     residual_out: str = typer.Option(None, "--residual-out", help="New location of the residual (path or URL)."),
     keep: bool = typer.Option(False, "--keep", help="Copy instead of move (keep the source files)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print what was moved as JSON on stdout."),
 ) -> None:
     """Move a cache's anchor and/or residual between tiers (local, s3://, memory://, ...), atomically.
@@ -176,7 +182,8 @@ def tier(
                 tasks[segment] = bars.add_task(segment, total=total)
             bars.update(tasks[segment], completed=done, total=total)
 
-        result = move_cache(src, dst, residual_to=residual_out, keep=keep, progress=progress)
+        result = move_cache(src, dst, residual_to=residual_out, keep=keep, progress=progress,
+                            allow_locations=allow_location or ())
     if as_json:
         print_json(result)
     else:

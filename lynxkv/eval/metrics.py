@@ -155,11 +155,11 @@ def kv_error(full, anchor, original) -> dict:
     return {"metric": "global vNMSE per layer, mean over layers", "per_layer": rows, "mean": mean}
 
 
-def reconstruction_error(cache_path, original_path, *, residual=None) -> dict:
+def reconstruction_error(cache_path, original_path, *, residual=None, allow_locations=()) -> dict:
     """:func:`kv_error` of a stored cache (full and anchor-only reconstruction) against the original dump."""
     from lynxkv.cache import open_cache
     from lynxkv.dumps import load_kv_safetensors
 
     original, _ = load_kv_safetensors(original_path)
-    with open_cache(cache_path, residual=residual) as c:
+    with open_cache(cache_path, residual=residual, allow_locations=allow_locations) as c:
         return kv_error(c.load_kv(dtype=torch.float32), c.load_kv(anchor_only=True, dtype=torch.float32), original)
