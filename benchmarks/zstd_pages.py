@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
         for anchor_only in (True, False):
             t_read = median_time(lambda: cache.load_encoded(anchor_only=anchor_only))
             enc = cache.load_encoded(anchor_only=anchor_only)
-            t_deq = median_time(lambda: enc.decode(anchor_only=anchor_only))
+            t_deq = median_time(lambda: enc.dequantize(anchor_only=anchor_only))
             t_all = median_time(lambda: cache.load_kv(anchor_only=anchor_only))
             print(f"load_kv 30 x 3 x {decode_tokens} x 64 (K and V, {len(built.anchor) / 1e6:.1f} MB single file, "
                   f"{torch.get_num_threads()} threads), {'anchor-only' if anchor_only else 'full'}: {t_all:.2f} s = "

@@ -9,8 +9,9 @@
         page     = cache.read_anchor_page(layer, p)   # one page, one byte-range read, CRC checked
         findings = cache.verify()                     # [] when every header, index and page checks out
 
-``open_cache`` accepts a path (memory-mapped), raw bytes or a seekable file object; ``residual=`` overrides
-where the residual is read from (a path, URL, bytes or file object). Decoding equals
+``open_cache`` accepts a path (memory-mapped), a URL, raw bytes or a seekable file object (through
+:func:`lynxkv.storage.open_source`); ``residual=`` overrides where the residual is read from (a path, URL, bytes or
+file object). Pages are read through the one page reader, :class:`lynxkv.format.reader.PageReader`. Decoding equals
 ``lynxkv.quant.dequantize(quantize(x))`` bit for bit: the file stores exactly the codes and metadata.
 """
 
@@ -25,26 +26,15 @@ import torch
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader, anchor_record_layout, residual_record_layout
-from lynxkv.format.reader import (
-    SectionIndex,
-    as_source,
-    decode_anchor_page,
-    decode_residual_page,
-    read_anchor_header,
-    read_anchor_index,
-    read_page,
-    read_residual_section,
-    resolve_residual,
-)
-from lynxkv.format.records import AnchorPage, ResidualPage, check_and_decompress, stack_records, stackable
+from lynxkv.format.layout import AnchorHeader
+from lynxkv.format.reader import PageReader, SectionIndex
+from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
-from lynxkv.format.writer import build_files, default_residual_path, relative_location, write_atomic
+from lynxkv.format.writer import build_files
 from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES
-from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize
+from lynxkv.quant import EncodedTensor, dequantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
-
-
+from lynxkv.storage import open_source, record_location, resolve_location, same_object, write_atomic
 
 
 @dataclass
@@ -66,7 +56,7 @@ class EncodedCache:
     def pages_per_layer(self) -> int:
         return -(-self.tokens // self.scheme.page)
 
-    def decode(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
+    def dequantize(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
         out_dtype = dtype or TORCH_DTYPES[self.dtype]
         return [(dequantize(k, self.scheme, anchor_only=anchor_only, dtype=out_dtype),
                  dequantize(v, self.scheme, anchor_only=anchor_only, dtype=out_dtype)) for k, v in self.layers]
@@ -182,14 +172,14 @@ class LynxCache:
     """An open ``.lynx`` cache. Pages are read on demand (one byte-range read each, CRC checked)."""
 
     def __init__(self, source, *, residual=None, name: str | None = None):
-        self._src = as_source(source, name)
-        self.name = getattr(self._src, "name", name)
+        self._src = open_source(source, name)
+        self.name = self._src.name
         self._residual_arg = residual
-        self._rsrc = None
-        self._rindex: SectionIndex | None = None
+        self._rsrc = None  # an external residual's source, once opened
         try:
-            self.header = read_anchor_header(self._src)
-            self.anchor_index = read_anchor_index(self._src, self.header)
+            self._reader = PageReader(self._src)
+            self.header = self._reader.header
+            self.anchor_index = self._reader.index(c.SEGMENT_ANCHOR)
         except BaseException:
             self.close()
             raise
@@ -197,30 +187,28 @@ class LynxCache:
 
     # -- residual --------------------------------------------------------------------------------------------
     def _open_residual_source(self):
+        """The residual's byte source: the override, the anchor source itself (inline), or the recorded location
+        resolved by the storage layer."""
         seg = self.header.segment(c.SEGMENT_RESIDUAL)
         if seg is None:
             raise InputError(f"{self.name}: this cache has no residual segment")
         if self._residual_arg is not None:
-            return as_source(self._residual_arg)
+            return open_source(self._residual_arg)
         if seg.placement == c.PLACEMENT_INLINE:
-            return self._src
-        loc = resolve_residual(self.name, seg.location)
-        if "://" not in loc and not os.path.exists(loc):
-            raise InputError(f"residual file {loc} does not exist")
-        return as_source(loc)
+            return None
+        return open_source(resolve_location(self.name, seg.location))
 
-    def _residual(self):
-        if self._rindex is None:
+    def _residual(self) -> SectionIndex:
+        if c.SEGMENT_RESIDUAL not in self._reader._indexes:
             src = self._open_residual_source()
             try:
-                _, index = read_residual_section(src, self.header,
-                                                 base=0 if src is not self._src else None)
+                self._reader.attach_residual(src)
             except BaseException:
-                if src is not self._src:
+                if src is not None:
                     src.close()
                 raise
-            self._rsrc, self._rindex = src, index
-        return self._rsrc, self._rindex
+            self._rsrc = src
+        return self._reader.index(c.SEGMENT_RESIDUAL)
 
     def residual_reachable(self) -> bool:
         """True when the residual can be opened and its header and index belong to this cache."""
@@ -232,55 +220,22 @@ class LynxCache:
 
     # -- pages -----------------------------------------------------------------------------------------------
     def read_anchor_page(self, layer: int, page: int) -> AnchorPage:
-        stored = read_page(self._src, self.anchor_index, layer, page)
-        return decode_anchor_page(stored, self.anchor_index.entry(layer, page), self.header, layer, page)
+        return self._reader.page(c.SEGMENT_ANCHOR, layer, page)
 
     def read_residual_page(self, layer: int, page: int) -> ResidualPage:
-        src, index = self._residual()
-        stored = read_page(src, index, layer, page)
-        return decode_residual_page(stored, index.entry(layer, page), self.header, layer, page)
+        self._residual()
+        return self._reader.page(c.SEGMENT_RESIDUAL, layer, page)
 
     # -- whole cache -----------------------------------------------------------------------------------------
-    def _layer_codes(self, layer: int, *, anchor: bool):
-        """(metadata [4, H, ceil(T/C), D] or None, codes [2, H, T, D]) of one layer of one segment: the full
-        pages in one vectorised pass (each page's CRC checked first), the short last page on its own."""
-        h = self.header
-        s, H, D = h.scheme, h.kv_heads, h.head_dim
-        src, index = (self._src, self.anchor_index) if anchor else self._residual()
-        layout_of = anchor_record_layout if anchor else residual_record_layout
-        full = h.tokens // s.page if stackable(layout_of(s, H, D, s.page), s, H, D, anchor=anchor) else 0
-        metas, codes = [], []
-        if full:
-            raws = []
-            for p in range(full):
-                where = f"{index.name} layer {layer} page {p}"
-                raws.append(check_and_decompress(read_page(src, index, layer, p), index.entry(layer, p), where))
-            m, k = stack_records(raws, layout_of(s, H, D, s.page), s, H, D, anchor=anchor)
-            metas.append(m)
-            codes.append(k)
-        for p in range(full, h.pages_per_layer):
-            if anchor:
-                a = self.read_anchor_page(layer, p)
-                metas.append(torch.stack([a.key_offset, a.key_scale, a.value_offset, a.value_scale]))
-                codes.append(torch.stack([a.key_anchor, a.value_anchor]))
-            else:
-                r = self.read_residual_page(layer, p)
-                codes.append(torch.stack([r.key_residual, r.value_residual]))
-        meta_dtype = META_TORCH_DTYPE[s.meta_dtype]
-        meta = (torch.cat(metas, dim=2) if metas else torch.empty((4, H, 0, D), dtype=meta_dtype)) if anchor else None
-        code = torch.cat(codes, dim=2) if codes else torch.empty((2, H, 0, D), dtype=torch.uint8)
-        return meta, code
-
     def load_encoded(self, *, anchor_only: bool = False) -> EncodedCache:
         """Every page assembled into per-layer :class:`EncodedTensor` (residual zeros when ``anchor_only``)."""
         h = self.header
+        if not anchor_only:
+            self._residual()
         layers = []
         for layer in range(h.layers):
-            meta, codes = self._layer_codes(layer, anchor=True)
-            if anchor_only:
-                resid = torch.zeros_like(codes)
-            else:
-                _, resid = self._layer_codes(layer, anchor=False)
+            meta, codes = self._reader.layer(c.SEGMENT_ANCHOR, layer)
+            resid = torch.zeros_like(codes) if anchor_only else self._reader.layer(c.SEGMENT_RESIDUAL, layer)[1]
             layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1]),
                            EncodedTensor(codes[1], resid[1], meta[2], meta[3])))
         return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
@@ -288,7 +243,7 @@ class LynxCache:
 
     def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
         """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
-        return self.load_encoded(anchor_only=anchor_only).decode(anchor_only=anchor_only, dtype=dtype)
+        return self.load_encoded(anchor_only=anchor_only).dequantize(anchor_only=anchor_only, dtype=dtype)
 
     def verify(self) -> list[Finding]:
         """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""
@@ -296,7 +251,7 @@ class LynxCache:
 
         def open_residual():
             src = self._open_residual_source()
-            if src is not self._src:
+            if src is not None:
                 opened.append(src)
             return src
 
@@ -306,11 +261,21 @@ class LynxCache:
             for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
                 src.close()
 
+    def describe(self) -> dict:
+        """What ``lynxkv inspect --json`` prints (stable keys: tokens, layers, kv_heads, head_dim, scheme,
+        bits_per_element.total / .anchor, prompt_token_ids when stored)."""
+        d = self.info.to_dict()
+        d["scheme_description"] = self.info.scheme.describe()
+        d["residual_reachable"] = self.residual_reachable()
+        if not d.get("prompt_token_ids"):
+            d.pop("prompt_token_ids", None)
+        return d
+
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._rsrc is not None and self._rsrc is not self._src:
+        if self._rsrc is not None:
             self._rsrc.close()
-        self._rsrc, self._rindex = None, None
+        self._rsrc = None
         close = getattr(self._src, "close", None)
         if close:
             close()
@@ -323,35 +288,36 @@ class LynxCache:
 
 
 def open_cache(path, *, residual=None) -> LynxCache:
-    """Open a ``.lynx`` anchor file (path, bytes or file object); ``residual`` overrides the residual location."""
+    """Open a ``.lynx`` anchor file (path, URL, bytes or file object); ``residual`` overrides the residual
+    location."""
     return LynxCache(path, residual=residual)
 
 
 def verify_file(path, *, residual=None) -> list[Finding]:
     """Findings for a cache that may be too damaged to open: never raises for a bad file."""
-    src = as_source(path)
+    src = open_source(path)
+    opened = []
+
+    def open_residual():
+        if residual is not None:
+            rsrc = open_source(residual)
+        else:
+            h = PageReader(src, exact_size=False).header  # verify_cache only asks after this succeeded
+            rsrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_RESIDUAL).location))
+        opened.append(rsrc)
+        return rsrc
+
     try:
-        def open_residual():
-            if residual is not None:
-                return as_source(residual)
-            h = read_anchor_header(src, exact_size=False)  # verify_cache only asks after this succeeded
-            seg = h.segment(c.SEGMENT_RESIDUAL)
-            loc = resolve_residual(getattr(src, "name", None), seg.location)
-            if "://" not in loc and not os.path.exists(loc):
-                raise InputError(f"residual file {loc} does not exist")
-            return as_source(loc)
-
-        opened = []
-
-        def open_and_track():
-            rsrc = open_residual()
-            opened.append(rsrc)
-            return rsrc
-
-        return verify_cache(src, open_and_track)
+        return verify_cache(src, open_residual)
     finally:
         for s in opened + [src]:
             s.close()
+
+
+def default_residual_path(anchor_path: str | os.PathLike) -> str:
+    """``x.lynx`` -> ``x.lynxr``; any other name gets ``.lynxr`` appended."""
+    p = Path(anchor_path)
+    return str(p.with_suffix(c.RESIDUAL_SUFFIX) if p.suffix == ".lynx" else p.with_name(p.name + c.RESIDUAL_SUFFIX))
 
 
 def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT, *,
@@ -378,18 +344,30 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     else:
         enc = encode_kv(kv_or_encoded, scheme, quantize_fn=quantize_fn, prompt_token_ids=prompt_token_ids,
                         model_fingerprint=model_fingerprint, names=names)
-    path = Path(path)
+    path = os.fspath(path)
     if single_file:
+        if residual_path is not None:
+            raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
         built = build_files(enc, cache_id=cache_id, single_file=True, zstd=zstd)
         write_atomic(path, built.anchor)
     else:
-        rpath = Path(residual_path) if residual_path is not None else default_residual_path(path)
-        if os.path.abspath(rpath) == os.path.abspath(path):
+        rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
+        if same_object(rpath, path):
             raise InputError(f"{path}: the residual path must differ from the anchor path")
-        location = residual_location or relative_location(path, rpath)
+        location = residual_location or record_location(path, rpath)
         built = build_files(enc, cache_id=cache_id, zstd=zstd, residual_location=location)
-        write_atomic(rpath, built.residual)
+        write_atomic(rpath, built.residual)  # first: an anchor never points at a missing residual
         write_atomic(path, built.anchor)
-    with open_cache(path, residual=None if single_file or residual_location is None else
-                    (residual_path or default_residual_path(path))) as cache:
+    with open_cache(path, residual=None if single_file or residual_location is None else rpath) as cache:
         return cache.info
+
+
+def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:
+    """Encode a safetensors KV dump (:mod:`lynxkv.dumps`) into a cache, keeping its tensor names and shapes;
+    ``options`` as for :func:`save_cache`."""
+    from lynxkv.dumps import kv_names, load_kv_safetensors
+
+    kv, naming = load_kv_safetensors(dump_path)
+    if naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
+        kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv]
+    return save_cache(path, kv, scheme, names=kv_names(len(kv), naming), **options)

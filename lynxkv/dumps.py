@@ -132,7 +132,7 @@ def save_kv_safetensors(
     """Write per-layer ``(keys, values)`` under ``names`` (default: the ``layers`` style) atomically."""
     from safetensors.torch import save_file
 
-    from lynxkv.util import atomic_path
+    from lynxkv.storage import atomic_path
 
     names = list(names) if names else kv_names(len(kv))
     if len(names) != 2 * len(kv):

@@ -39,3 +39,7 @@ class InputError(LynxError):
 
 class ResidualUnavailable(LynxError):
     """The residual could not be loaded (it failed, or did not arrive in time): only the lossy anchor is there."""
+
+
+class TransientError(LynxError):
+    """A storage or network failure that may go away when retried (connection reset, timeout, 5xx)."""

@@ -12,7 +12,7 @@ import torch
 from lynxkv.cache import encode_kv, open_cache
 from lynxkv.errors import ChecksumError, FormatError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.reader import BytesSource
+from lynxkv.storage import BytesSource
 from lynxkv.format.verify import verify_cache
 from lynxkv.format.writer import build_files
 from lynxkv.quant.scheme import Scheme

@@ -9,7 +9,7 @@ import torch
 
 from lynxkv.cache import encode_kv, open_cache, save_cache
 from lynxkv.errors import InputError, LynxError
-from lynxkv.format.reader import BytesSource
+from lynxkv.storage import BytesSource
 from lynxkv.format.writer import build_files
 from lynxkv.quant import dequantize, quantize
 from lynxkv.quant.scheme import DEFAULT, PAPER, Scheme
@@ -154,8 +154,8 @@ def test_rewrite_is_atomic_and_leaves_no_temp_files(tmp_path):
 
 def test_byte_range_steps_without_a_source():
     """What a transport does: fetch byte ranges itself and call the three public steps on the bytes."""
-    from lynxkv.format import (PREFIX_SIZE, anchor_header_length, decode_anchor_page, decode_residual_page,
-                               index_span, parse_anchor_header, parse_residual_header, parse_section_index)
+    from lynxkv.format import (PREFIX_SIZE, anchor_header_length, decode_page, index_span, parse_anchor_header,
+                               parse_residual_header, parse_section_index)
     from lynxkv.format import constants as c
     from lynxkv.format.layout import check_residual_matches
 
@@ -178,9 +178,9 @@ def test_byte_range_steps_without_a_source():
     lead, size = index_span(h, c.SEGMENT_RESIDUAL)
     ridx = parse_section_index(fetch(r, lead, size), h, c.SEGMENT_RESIDUAL, base=0, residual_header=rh)
     off, n = aidx.span(1, 1)
-    page = decode_anchor_page(fetch(a, off, n), aidx.entry(1, 1), h, 1, 1)
+    page = decode_page(fetch(a, off, n), aidx.entry(1, 1), h, c.SEGMENT_ANCHOR, 1, 1)
     off, n = ridx.span(1, 1)
-    rpage = decode_residual_page(fetch(r, off, n), ridx.entry(1, 1), h, 1, 1)
+    rpage = decode_page(fetch(r, off, n), ridx.entry(1, 1), h, c.SEGMENT_RESIDUAL, 1, 1)
     want = enc.layers[1][1].tokens(256, 300, 32)
     assert torch.equal(page.value_anchor, want.anchor) and torch.equal(rpage.value_residual, want.residual)
     assert sum(n for _, n in fetched) < len(a) // 2 + len(r) // 2  # only what was asked for was read
@@ -197,7 +197,7 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", broken_fsync)
-    with pytest.raises(OSError):
+    with pytest.raises(LynxError, match="cannot write"):
         save_cache(path, make_kv(1, 1, 8, 4, seed=2), single_file=True)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["c.lynx"]

@@ -9,7 +9,8 @@ import pytest
 
 from lynxkv.errors import InputError
 from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
-from lynxkv.stream.sources import RangeSource, RetryPolicy
+from lynxkv.storage import RetryPolicy
+from lynxkv.stream.transport import RangeStream
 from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
 
@@ -102,7 +103,7 @@ def test_unlimited_link_keeps_priority_only():
 def test_latency_is_paid_once_per_stream_not_per_block():
     data = bytes(range(256)) * 4096  # 1 MiB
     link = EmulatedLink(100e6, 0.05)
-    src = RangeSource("mem", 0, len(data), stream=ANCHOR, segment="anchor", link=link,
+    src = RangeStream("mem", 0, len(data), stream=ANCHOR, segment="anchor", link=link,
                       fetch=lambda a, b: data[a:b], block_size=64 << 10, inflight=8)
     t0 = time.perf_counter()
     got = b"".join(d for _, d in src)
@@ -126,7 +127,7 @@ def test_range_source_retries_and_orders_blocks():
         return data[a:b]
 
     retries = []
-    src = RangeSource("mem", 0, len(data), stream=RESIDUAL, segment="residual", fetch=flaky, block_size=32 << 10,
+    src = RangeStream("mem", 0, len(data), stream=RESIDUAL, segment="residual", fetch=flaky, block_size=32 << 10,
                       inflight=3, retry=RetryPolicy(attempts=4, base=0.01, stall_timeout=0.2),
                       on_retry=retries.append)
     blocks = list(src)
@@ -141,7 +142,7 @@ def test_range_source_gives_up_with_a_lynx_error():
     def down(a, b):
         raise ConnectionRefusedError("connection refused")
 
-    src = RangeSource("mem", 0, 1000, stream=RESIDUAL, segment="residual", fetch=down,
+    src = RangeStream("mem", 0, 1000, stream=RESIDUAL, segment="residual", fetch=down,
                       retry=RetryPolicy(attempts=3, base=0.01))
     with pytest.raises(LynxError, match="residual segment.*failed after 3 attempts"):
         list(src)
@@ -151,7 +152,7 @@ def test_range_source_reports_truncation():
     from lynxkv.errors import FormatError
 
     data = b"x" * 1000
-    src = RangeSource("mem", 0, 2000, stream=RESIDUAL, segment="residual", fetch=lambda a, b: data[a:b],
+    src = RangeStream("mem", 0, 2000, stream=RESIDUAL, segment="residual", fetch=lambda a, b: data[a:b],
                       block_size=512, retry=RetryPolicy(attempts=2, base=0.01))
     with pytest.raises(FormatError, match="truncated"):
         list(src)

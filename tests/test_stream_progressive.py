@@ -13,7 +13,7 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, synthetic_cache_bytes,
 from lynxkv.cache import open_cache
 from lynxkv.errors import ChecksumError, FormatError, LynxError
 from lynxkv.stream import open_progressive
-from lynxkv.stream.sources import RetryPolicy
+from lynxkv.storage import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=3, base=0.01, stall_timeout=0.3)
 
@@ -68,11 +68,11 @@ def test_single_file_cache(tmp_path, cache_dir):
 
 
 def test_memory_tier_and_residual_override(cache_dir):
-    from lynxkv.stream import write_bytes_atomic
+    from lynxkv.storage import write_atomic
 
     _, _, anchor, residual, (_, ref_full) = cache_dir
-    write_bytes_atomic("memory://hot/x.lynx", anchor)
-    write_bytes_atomic("memory://cold/elsewhere.lynxr", residual)
+    write_atomic("memory://hot/x.lynx", anchor)
+    write_atomic("memory://cold/elsewhere.lynxr", residual)
     with open_progressive("memory://hot/x.lynx", residual="memory://cold/elsewhere.lynxr") as load:
         assert kv_equal(load.residual.result(30), ref_full)
         assert load.residual_url == "memory://cold/elsewhere.lynxr"
@@ -175,15 +175,14 @@ def _flip(data: bytes, at: int) -> bytes:
 
 
 def _page_span(anchor: bytes, residual: bytes | None, segment: str, layer: int, page: int):
-    from lynxkv.format.reader import BytesSource, read_anchor_header, read_anchor_index, read_residual_section
+    from lynxkv.format import PageReader
+    from lynxkv.format import constants as c
+    from lynxkv.storage import BytesSource
 
-    src = BytesSource(anchor)
-    h = read_anchor_header(src)
+    reader = PageReader(BytesSource(anchor))
     if segment == "anchor":
-        index = read_anchor_index(src, h)
-    else:
-        _, index = read_residual_section(BytesSource(residual), h, base=0)
-    return index.span(layer, page)
+        return reader.index(c.SEGMENT_ANCHOR).span(layer, page)
+    return reader.attach_residual(BytesSource(residual)).span(layer, page)
 
 
 @pytest.mark.parametrize("allow", [False, True], ids=["fail", "anchor-only"])

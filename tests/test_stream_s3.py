@@ -13,9 +13,9 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, s3_server, write_pair 
 from lynxkv.cache import open_cache
 from lynxkv.cli import main
 from lynxkv.errors import ChecksumError, FormatError, LynxError
-from lynxkv.stream import open_progressive, read_range, write_bytes_atomic
-from lynxkv.stream.sources import RetryPolicy
-from lynxkv.stream.tiers import segment_size
+from lynxkv.storage import read_range, size_of, write_atomic
+from lynxkv.stream import open_progressive
+from lynxkv.storage import RetryPolicy
 
 pytestmark = pytest.mark.network
 
@@ -31,18 +31,18 @@ def kv_ref():
 def test_atomic_put_range_reads_and_sizes(s3_server):
     url = s3_server.url("t/blob.bin")
     data = os.urandom(300_000)
-    write_bytes_atomic(url, data)
-    assert segment_size(url) == len(data)
+    write_atomic(url, data)
+    assert size_of(url) == len(data)
     assert read_range(url, 1000, 5000) == data[1000:5000]
     with pytest.raises(LynxError, match="no such file"):
-        segment_size(s3_server.url("t/missing.bin"))
+        size_of(s3_server.url("t/missing.bin"))
 
 
 def test_anchor_local_residual_on_s3(tmp_path, s3_server, kv_ref):
     kv, _, _, ref_anchor, ref_full = kv_ref
     rurl = s3_server.url("cold/a.lynxr")
     anchor, residual = cache_bytes(kv, residual_location=rurl)
-    write_bytes_atomic(rurl, residual)
+    write_atomic(rurl, residual)
     path = write_pair(tmp_path, anchor, None, name="a")
     with open_progressive(path, block_size=4096, inflight=4) as load:  # many ranged GETs, 4 in flight
         assert kv_equal(load.wait_anchor(60), ref_anchor)
@@ -52,8 +52,8 @@ def test_anchor_local_residual_on_s3(tmp_path, s3_server, kv_ref):
 
 def test_both_segments_on_s3_relative_location(s3_server, kv_ref):
     _, anchor, residual, ref_anchor, ref_full = kv_ref
-    write_bytes_atomic(s3_server.url("hot/x.lynxr"), residual)
-    write_bytes_atomic(s3_server.url("hot/x.lynx"), anchor)
+    write_atomic(s3_server.url("hot/x.lynxr"), residual)
+    write_atomic(s3_server.url("hot/x.lynx"), anchor)
     events = []
     with open_progressive(s3_server.url("hot/x.lynx"), on_event=events.append, block_size=8192) as load:
         assert kv_equal(load.residual.result(60), ref_full)
@@ -95,7 +95,7 @@ def test_tier_refuses_a_corrupt_source(tmp_path, s3_server, kv_ref):
     path = write_pair(tmp_path, anchor, bytes(bad))
     assert main(["tier", path, "--residual-to", s3_server.url("never/x.lynxr")]) == 1
     with pytest.raises(LynxError):
-        segment_size(s3_server.url("never/x.lynxr"))
+        size_of(s3_server.url("never/x.lynxr"))
     assert os.path.exists(tmp_path / "x.lynxr")  # nothing moved
 
 
@@ -103,7 +103,7 @@ def test_truncated_object_on_s3(tmp_path, s3_server, kv_ref):
     kv, _, _, ref_anchor, _ = kv_ref
     rurl = s3_server.url("trunc/x.lynxr")
     anchor, residual = cache_bytes(kv, residual_location=rurl)
-    write_bytes_atomic(rurl, residual[: len(residual) // 2])
+    write_atomic(rurl, residual[: len(residual) // 2])
     path = write_pair(tmp_path, anchor, None)
     with open_progressive(path, allow_anchor_only=True) as load:
         with pytest.raises(FormatError, match="truncated"):
@@ -118,7 +118,7 @@ def test_corrupted_page_on_s3(tmp_path, s3_server, kv_ref):
     anchor, residual = cache_bytes(kv, residual_location=rurl)
     bad = bytearray(residual)
     bad[-5] ^= 0x10  # inside the last page of the last layer
-    write_bytes_atomic(rurl, bytes(bad))
+    write_atomic(rurl, bytes(bad))
     path = write_pair(tmp_path, anchor, None)
     events = []
     with open_progressive(path, on_event=events.append, block_size=4096) as load:
@@ -130,7 +130,7 @@ def test_corrupted_page_on_s3(tmp_path, s3_server, kv_ref):
 def test_server_down_mid_stream_is_retried_then_reported(tmp_path, kv_ref):
     """An endpoint that refuses connections: transient errors are retried, then the load fails clearly."""
     kv, *_ = kv_ref
-    from lynxkv.stream.tiers import filesystem  # noqa: F401 (s3fs must be importable)
+    from lynxkv.storage import filesystem  # noqa: F401 (s3fs must be importable)
 
     pytest.importorskip("s3fs")
     opts = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "config_kwargs": {
@@ -159,7 +159,7 @@ def test_a_new_process_opens_the_cache_from_its_tiers_with_only_the_path(tmp_pat
     kv, *_ = kv_ref
     rurl = s3_server.url("restart/x.lynxr")
     anchor, residual = cache_bytes(kv, residual_location=rurl)
-    write_bytes_atomic(rurl, residual)
+    write_atomic(rurl, residual)
     path = write_pair(tmp_path, anchor, None)
     with open_cache(anchor, residual=residual) as c:
         expected = _kv_digest(c.load_kv())

@@ -163,7 +163,7 @@ class CuttingProxy:
 
 
 def test_stalled_residual_connection_is_abandoned_and_resumed(cache):
-    from lynxkv.stream import RetryPolicy
+    from lynxkv.storage import RetryPolicy
 
     _, anchor, residual, _, ref_full = cache
     with _server(anchor, residual, block=4096) as srv:

@@ -9,24 +9,15 @@ from __future__ import annotations
 import os
 import sys
 
-import typer
-
+from lynxkv.cli.app import app
 from lynxkv.errors import LynxError
 
-app = typer.Typer(
-    name="lynxkv",
-    help="Progressive, tiered KV-cache storage and transfer: anchor first, residual later, exact output.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
 # Each command module registers itself on `app` when imported.
-from lynxkv.cli import codec  # noqa: E402,F401  (encode, decode, inspect, verify)
-from lynxkv.cli import stream  # noqa: E402,F401  (stream, serve, tier)
-from lynxkv.cli import run  # noqa: E402,F401  (run)
-from lynxkv.cli import eval as _eval  # noqa: E402,F401  (eval)
-from lynxkv.cli import demo  # noqa: E402,F401  (demo)
+from lynxkv.cli import codec  # noqa: F401  (encode, decode, inspect, verify)
+from lynxkv.cli import stream  # noqa: F401  (stream, serve, tier)
+from lynxkv.cli import run  # noqa: F401  (run)
+from lynxkv.cli import eval as _eval  # noqa: F401  (eval)
+from lynxkv.cli import demo  # noqa: F401  (demo)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json
 from lynxkv.errors import InputError
-from lynxkv.util import human_bytes
+from lynxkv.stream.units import format_bytes
 
 _DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
@@ -42,7 +42,8 @@ def encode(
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
-    from lynxkv.api import encode_file, encode_model
+    from lynxkv.api import encode_model
+    from lynxkv.cache import default_residual_path, save_dump
     from lynxkv.quant.scheme import get_scheme
 
     sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
@@ -54,10 +55,10 @@ def encode(
     if residual is not None and single_file:
         raise InputError("--residual and --single-file exclude each other")
     if not single_file:
-        refuse_overwrite(residual or output.with_suffix(".lynxr"), force)
+        refuse_overwrite(residual or default_residual_path(output), force)
     with err.status("encoding ..."):
         if input is not None:
-            info = encode_file(input, output, sch, residual=residual, single_file=single_file, zstd=zstd)
+            info = save_dump(input, output, sch, residual_path=residual, single_file=single_file, zstd=zstd)
         else:
             prompt = prompt_file.read_text() if prompt_file is not None else None
             info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual,
@@ -67,7 +68,7 @@ def encode(
     else:
         err.print(
             f"wrote {output} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
-            f"anchor {human_bytes(info.anchor_bytes)}, residual {human_bytes(info.residual_bytes)}, "
+            f"anchor {format_bytes(info.anchor_bytes)}, residual {format_bytes(info.residual_bytes)}, "
             f"{info.bits_per_element['total']:.3f} bits/element ({info.bits_per_element['anchor']:.3f} in the anchor)"
         )
 
@@ -103,10 +104,10 @@ def inspect(
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a cache's scheme, shape, pages, sizes and bits per element, and where its residual lives."""
-    from lynxkv.api import describe
+    from lynxkv.cache import open_cache
 
-    with _open(cache, residual) as c:
-        d = describe(c)
+    with open_cache(cache, residual=residual) as c:
+        d = c.describe()
     if json:
         print_json(d)
         return
@@ -117,9 +118,9 @@ def inspect(
     t.add_row("shape", f"{d['layers']} layers × {d['kv_heads']} KV heads × {d['tokens']} tokens × "
                        f"{d['head_dim']} head dim ({d['dtype']})")
     t.add_row("pages", f"{d['pages_per_layer']} per layer of {d['scheme']['page']} tokens")
-    t.add_row("anchor", f"{human_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
+    t.add_row("anchor", f"{format_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
     res_where = "inline (single file)" if d["residual_inline"] else d["residual_location"]
-    t.add_row("residual", f"{human_bytes(d['residual_bytes'])} at {res_where}: "
+    t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: "
                           f"{'reachable' if d['residual_reachable'] else 'NOT reachable'}")
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
@@ -167,9 +168,3 @@ def _print_vnmse(v: dict) -> None:
     t.add_row("mean", *(f"{m[k]:.3e}" for k in ("key_full", "value_full", "key_anchor", "value_anchor")),
               style="bold")
     out.print(t)
-
-
-def _open(cache: str, residual: str | None):
-    from lynxkv.cache import open_cache
-
-    return open_cache(cache, residual=residual)

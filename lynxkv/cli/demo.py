@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out
 
 
@@ -41,7 +41,7 @@ def demo(
     from lynxkv.quant.scheme import DEFAULT
     from lynxkv.speculative.model_ops import measure_tpot
     from lynxkv.stream.units import format_rate
-    from lynxkv.util import human_bytes
+    from lynxkv.stream.units import format_bytes
 
     hot, cold = directory / "hot", directory / "cold"
     hot.mkdir(parents=True, exist_ok=True)
@@ -55,8 +55,8 @@ def demo(
     _show(["encode", "--model", "smollm2", "--tokens", str(tokens), "-o", str(anchor), "--residual", str(residual)])
     with err.status("loading SmolLM2 and prefilling the prompt ..."):
         info = encode_model(None, anchor, DEFAULT, tokens=tokens, residual=str(residual))
-    err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {human_bytes(info.anchor_bytes)} on the "
-              f"fast tier ({hot}), residual {human_bytes(info.residual_bytes)} on the slow tier ({cold})")
+    err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {format_bytes(info.anchor_bytes)} on the "
+              f"fast tier ({hot}), residual {format_bytes(info.residual_bytes)} on the slow tier ({cold})")
 
     _show(["inspect", str(anchor)])
     inspect(cache=str(anchor), residual=None, json=False)

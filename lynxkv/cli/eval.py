@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json
 from lynxkv.errors import InputError
 

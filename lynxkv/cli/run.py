@@ -6,7 +6,7 @@ import time
 
 import typer
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import typer
 
-from lynxkv.cli import app
+from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json
-from lynxkv.errors import InputError, LynxError
+from lynxkv.errors import InputError
 
 
 def _fmt_s(x: float | None) -> str:
@@ -23,55 +22,6 @@ def _progress():
 
     return Progress(TextColumn("{task.description:<9}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeElapsedColumn(), console=err, transient=False)
-
-
-class _Saver:
-    """Writes what a load receives to DEST (and its residual next to it) only once every page has been
-    verified: residual first, then the anchor, each atomically (an anchor never points at a missing residual)."""
-
-    def __init__(self, dest: str, residual_dest: str | None):
-        from lynxkv.stream.tiers import AtomicWriter
-
-        self.dest, self.residual_dest = dest, residual_dest
-        self._make = AtomicWriter
-        self.parts: dict[str, list[bytes]] = {"anchor": [], "residual": []}
-        self._lock = threading.Lock()
-
-    def tee(self, segment: str, offset: int, data: bytes) -> None:
-        with self._lock:
-            self.parts[segment].append(bytes(data))
-
-    def commit(self, load, anchor_only: bool) -> dict:
-        from lynxkv.format import constants as c
-        from lynxkv.stream.tiers import has_protocol, resolve_location
-
-        h = load.header
-        seg = h.segment(c.SEGMENT_RESIDUAL)
-        written = {}
-        anchor = b"".join(self.parts["anchor"])
-        residual = b"".join(self.parts["residual"])
-        if seg is not None and seg.placement == c.PLACEMENT_INLINE:
-            if not load.is_tcp:  # two range streams over one file: put it back together
-                anchor = anchor + residual
-            if anchor_only:
-                raise LynxError("the residual of this single-file cache failed; nothing was written")
-            with self._make(self.dest) as w:
-                w.write(anchor)
-            return {"anchor": self.dest}
-        if not anchor_only:
-            rdest = self.residual_dest
-            if rdest is None:
-                if has_protocol(seg.location) or seg.location.startswith("/"):
-                    raise InputError(f"the anchor records its residual at the absolute location {seg.location}; "
-                                     "say where to write the copy with --residual-out")
-                rdest = resolve_location(self.dest, seg.location)
-            with self._make(rdest) as w:
-                w.write(residual)
-            written["residual"] = rdest
-        with self._make(self.dest) as w:
-            w.write(anchor)
-        written["anchor"] = self.dest
-        return written
 
 
 @app.command()
@@ -92,10 +42,11 @@ def stream(
 ) -> None:
     """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
     from lynxkv.stream.progressive import open_progressive
+    from lynxkv.stream.received import ReceivedCopy
     from lynxkv.stream.report import transfer_report
     from lynxkv.stream.units import format_rate
 
-    saver = _Saver(output, residual_out) if output else None
+    saver = ReceivedCopy(output, residual_out) if output else None
     load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
                             allow_anchor_only=allow_anchor_only, inflight=inflight, decode=False,
                             tee=saver.tee if saver else None)
@@ -170,9 +121,9 @@ def serve(
 ) -> None:
     """Serve a cache over TCP: the anchor and the residual on separate connections, anchor first."""
     from lynxkv.format import constants as c
-    from lynxkv.stream.relocate import anchor_header_of
+    from lynxkv.storage import local_path, read_all, resolve_location
     from lynxkv.stream.tcp import CacheServer, SegmentFile, parse_dscp
-    from lynxkv.stream.tiers import local_path, read_all, resolve_location
+    from lynxkv.stream.tier import anchor_header_of
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
     anchor = read_all(cache)
@@ -213,7 +164,7 @@ def tier(
     Each segment is read, checked page by page (CRC-32) and published only if it is intact; after the copy the
     destination is read back and its CRC-32 compared. When the residual moves, the anchor header is rewritten to
     record its new location (relative when it sits next to the anchor)."""
-    from lynxkv.stream.tiermove import move_cache
+    from lynxkv.stream.tier import move_cache
 
     if dst is None and residual_to is None:
         raise InputError("nothing to do: give a destination for the anchor and/or --residual-to")

@@ -120,7 +120,7 @@ def _save(fig, directory: str, name: str) -> str:
     """Write through a temporary file and rename, so a crash never leaves a half PNG under the real name."""
     import matplotlib.pyplot as plt
 
-    from lynxkv.util import atomic_path
+    from lynxkv.storage import atomic_path
 
     path = os.path.join(directory, name)
     with atomic_path(path) as tmp:

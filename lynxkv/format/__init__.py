@@ -1,69 +1,59 @@
-"""The ``.lynx`` file format, version 1 (normative description: spec/FORMAT.md).
+"""The ``.lynx`` file format, version 1 (normative description: spec/FORMAT.md): bytes only, no I/O.
 
 Modules, in data-flow order:
 
 - :mod:`~lynxkv.format.constants` -- the spec's tables as constants (magic, struct layouts, codes, caps);
 - :mod:`~lynxkv.format.layout` -- headers, segment table and page index <-> bytes, with validation (no torch);
-- :mod:`~lynxkv.format.records` -- one page record <-> tensors, CRC check and zstd codec;
-- :mod:`~lynxkv.format.writer` -- :func:`build_files` (exact bytes) and :func:`write_atomic`;
-- :mod:`~lynxkv.format.reader` -- byte sources (bytes, mmap, file objects) and the three public reading steps
-  (header from bytes, where the pages are, decode one page from its bytes);
+- :mod:`~lynxkv.format.records` -- one page record <-> tensors (one decoder per record layout), CRC and zstd;
+- :mod:`~lynxkv.format.writer` -- :func:`build_files`: the exact bytes of a cache's files;
+- :mod:`~lynxkv.format.reader` -- :class:`PageReader`, the one page reader over byte sources (header, index,
+  pages), and the reading steps it is made of;
 - :mod:`~lynxkv.format.verify` -- every finding about a possibly damaged cache.
 
-Most users want the high-level API in :mod:`lynxkv.cache` (``save_cache``, ``open_cache``).
+Opening files and URLs is :mod:`lynxkv.storage`'s job; most users want :mod:`lynxkv.cache` (``save_cache``,
+``open_cache``).
 """
 
 from lynxkv.format.layout import (
     PREFIX_SIZE,
     AnchorHeader,
-    anchor_header_length,
-    check_residual_matches,
     PageEntry,
     ResidualHeader,
     SegmentEntry,
+    anchor_header_length,
+    check_residual_matches,
     parse_anchor_header,
     parse_residual_header,
 )
 from lynxkv.format.reader import (
+    PageReader,
     SectionIndex,
-    as_source,
-    decode_anchor_page,
-    decode_residual_page,
+    decode_page,
     index_span,
     parse_section_index,
-    read_anchor_header,
-    read_anchor_index,
-    read_page,
-    read_residual_section,
 )
 from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
-from lynxkv.format.writer import build_files, write_atomic
+from lynxkv.format.writer import build_files
 
 __all__ = [
     "PREFIX_SIZE",
-    "anchor_header_length",
-    "check_residual_matches",
     "AnchorHeader",
     "AnchorPage",
     "Finding",
     "PageEntry",
+    "PageReader",
     "ResidualHeader",
     "ResidualPage",
     "SectionIndex",
     "SegmentEntry",
-    "as_source",
+    "anchor_header_length",
     "build_files",
-    "decode_anchor_page",
-    "decode_residual_page",
+    "check_residual_matches",
+    "decode_page",
     "index_span",
-    "parse_section_index",
     "parse_anchor_header",
     "parse_residual_header",
-    "read_anchor_header",
-    "read_anchor_index",
-    "read_page",
-    "read_residual_section",
+    "parse_section_index",
     "verify_cache",
-    "write_atomic",
 ]

@@ -1,31 +1,29 @@
-"""Reading ``.lynx`` v1 from anything that serves byte ranges: raw bytes, a local file (mmap), a file object.
+"""Reading ``.lynx`` v1 from a byte source: the one page reader.
 
-The reading steps are public and separate so that a transport (fsspec, TCP, an emulated link) can drive them
-with its own byte-range reads:
+:class:`PageReader` walks a cache over byte sources (anything with ``size`` and ``read(offset, length)``, see
+:mod:`lynxkv.storage`): ``header``, ``index(segment)``, ``page(segment, layer, page)``, ``pages(segment)`` and
+``layer(segment, layer)``. The cache API, ``verify``, ``lynxkv tier`` and the progressive reader all read through
+it; a source that streams (the progressive reader's buffers) is told through ``release(offset, reader)`` when the
+bytes below an offset are no longer needed.
+
+The steps are also public on their own, so that a transport that only has some bytes in hand can drive them:
 
 1. the header from its bytes: :func:`layout.anchor_header_length` on the first ``PREFIX_SIZE`` bytes, then
    :func:`layout.parse_anchor_header` on ``header_length`` bytes (or :func:`read_anchor_header` on a source);
 2. where the pages are: :func:`index_span` says where a section's page index lies, :func:`parse_section_index`
-   checks it and returns a :class:`SectionIndex` with absolute byte spans per (layer, page) in streaming order
-   (or :func:`read_anchor_index` / :func:`read_residual_section` on a source; a residual section starts with
-   its header, :func:`layout.parse_residual_header` + :func:`layout.check_residual_matches`);
-3. :func:`decode_anchor_page` / :func:`decode_residual_page` -- one page record from its stored bytes,
-   checking its CRC-32 first.
+   checks it and returns a :class:`SectionIndex` with absolute byte spans per (layer, page) in streaming order;
+3. :func:`decode_page` -- one page record from its stored bytes, CRC-32 checked first.
 
-A source is any object with ``size`` (bytes) and ``read(offset, length) -> bytes``; :func:`as_source` wraps
-paths (mmap), bytes-like objects and seekable file objects. Reads never go past ``size`` and nothing is
-allocated from a header's claims before the claims have been checked against caps and the source size.
+Reads never go past ``size`` and nothing is allocated from a header's claims before the claims have been checked
+against caps and the source size.
 """
 
 from __future__ import annotations
 
-import io
-import mmap
-import os
-import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
+
+import torch
 
 from lynxkv.errors import ChecksumError, FormatError, InputError
 from lynxkv.format import constants as c
@@ -46,105 +44,16 @@ from lynxkv.format.layout import (
     raw_lengths,
     residual_record_layout,
 )
+from lynxkv.quant import META_TORCH_DTYPE
 from lynxkv.format.records import (
     AnchorPage,
     ResidualPage,
+    anchor_page,
     check_and_decompress,
-    decode_anchor_record,
-    decode_residual_record,
+    decode_anchor_records,
+    decode_residual_records,
+    residual_page,
 )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# byte sources
-# ---------------------------------------------------------------------------------------------------------
-class ByteSource(Protocol):
-    size: int
-
-    def read(self, offset: int, length: int) -> bytes: ...
-
-
-class BytesSource:
-    """Bytes already in memory."""
-
-    def __init__(self, data, name: str = "<bytes>"):
-        self._data = memoryview(data).cast("B")
-        self.size = len(self._data)
-        self.name = name
-
-    def read(self, offset: int, length: int) -> bytes:
-        return bytes(self._data[offset:offset + length])
-
-    def close(self) -> None:
-        pass
-
-
-class FileSource:
-    """A local file, memory-mapped: reading one page touches only that page's bytes."""
-
-    def __init__(self, path: str | os.PathLike):
-        self.name = str(path)
-        try:
-            self._f = open(path, "rb")
-        except OSError as exc:
-            raise InputError(f"{path}: cannot open ({exc.strerror or exc})") from None
-        self.size = os.fstat(self._f.fileno()).st_size
-        self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
-
-    def read(self, offset: int, length: int) -> bytes:
-        if self._mm is None:
-            return b""
-        return self._mm[offset:offset + length]
-
-    def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-        self._f.close()
-
-
-class FileObjSource:
-    """A seekable binary file object (e.g. an fsspec file doing HTTP/S3 range requests)."""
-
-    def __init__(self, f, name: str = "<file>", size: int | None = None, *, owns: bool = False):
-        self._f = f
-        self._owns = owns  # close the file object on close() only if this source opened it
-        self.name = name
-        self._lock = threading.Lock()
-        if size is None:
-            size = f.seek(0, io.SEEK_END)
-        self.size = int(size)
-
-    def read(self, offset: int, length: int) -> bytes:
-        with self._lock:
-            self._f.seek(offset)
-            return self._f.read(max(0, min(length, self.size - offset)))
-
-    def close(self) -> None:
-        if self._owns:
-            self._f.close()
-
-
-def as_source(obj, name: str | None = None):
-    """A byte source for a path, a bytes-like object, a seekable file object, or a source itself."""
-    if isinstance(obj, (str, os.PathLike)):
-        text = str(obj)
-        if "://" in text and not text.startswith("file://"):
-            import fsspec
-
-            try:
-                f = fsspec.open(text, "rb").open()
-            except Exception as exc:  # fsspec raises backend-specific errors
-                raise InputError(f"{text}: cannot open ({exc})") from None
-            return FileObjSource(f, text, owns=True)
-        return FileSource(text[len("file://"):] if text.startswith("file://") else text)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return BytesSource(obj, name or "<bytes>")
-    if hasattr(obj, "size") and hasattr(obj, "read") and not hasattr(obj, "seek"):
-        return obj
-    if hasattr(obj, "seek") and hasattr(obj, "read"):
-        return FileObjSource(obj, name or getattr(obj, "name", "<file>"))
-    raise InputError(f"cannot read a .lynx cache from a {type(obj).__name__}")
 
 
 def _read_exact(src, offset: int, length: int, field: str, what: str) -> bytes:
@@ -296,20 +205,20 @@ def _where(segment: str, layer: int, page: int) -> str:
     return f"{segment} layer {layer} page {page}"
 
 
-def decode_anchor_page(stored, entry: PageEntry, h: AnchorHeader, layer: int, page: int) -> AnchorPage:
-    """Decode the anchor record of (``layer``, ``page``) from its stored bytes (CRC checked first)."""
-    where = _where("anchor", layer, page)
-    raw = check_and_decompress(stored, entry, where)
-    lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, page_tokens(h.tokens, h.scheme.page, page))
-    return decode_anchor_record(raw, lay, h.scheme, h.kv_heads, h.head_dim, where)
+def _record_layout(h: AnchorHeader, kind: int, n: int):
+    layout_of = anchor_record_layout if kind == c.SEGMENT_ANCHOR else residual_record_layout
+    return layout_of(h.scheme, h.kv_heads, h.head_dim, n)
 
 
-def decode_residual_page(stored, entry: PageEntry, h: AnchorHeader, layer: int, page: int) -> ResidualPage:
-    """Decode the residual record of (``layer``, ``page``) from its stored bytes (CRC checked first)."""
-    where = _where("residual", layer, page)
+def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int,
+                page: int) -> AnchorPage | ResidualPage:
+    """Decode the record of (``layer``, ``page``) of segment ``kind`` from its stored bytes (CRC checked first)."""
+    where = _where(c.SEGMENT_KINDS[kind], layer, page)
     raw = check_and_decompress(stored, entry, where)
-    lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, page_tokens(h.tokens, h.scheme.page, page))
-    return decode_residual_record(raw, lay, h.scheme, h.kv_heads, h.head_dim, where)
+    lay = _record_layout(h, kind, page_tokens(h.tokens, h.scheme.page, page))
+    if kind == c.SEGMENT_ANCHOR:
+        return anchor_page(*decode_anchor_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
+    return residual_page(decode_residual_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
 
 
 def read_page(src, index: SectionIndex, layer: int, page: int) -> bytes:
@@ -318,8 +227,107 @@ def read_page(src, index: SectionIndex, layer: int, page: int) -> bytes:
     return _read_exact(src, offset, length, "page", _where(index.name, layer, page))
 
 
-def resolve_residual(anchor_name: str | None, location: str) -> str:
-    """The residual location made usable: URLs as they are, relative paths against the anchor's directory."""
-    if "://" in location or os.path.isabs(location) or anchor_name is None or anchor_name.startswith("<"):
-        return location
-    return str(Path(anchor_name).parent / location)
+class PageReader:
+    """The pages of one cache over byte sources: the anchor file's, and the residual's once attached.
+
+    ``PageReader(anchor_src)`` reads and checks the anchor header (``exact_size``: the file length must be exactly
+    header + inline sections). An inline residual is read from the anchor source; an external one from the
+    source given to :meth:`attach_residual`, whose header and index must belong to this cache.
+    """
+
+    def __init__(self, anchor, *, exact_size: bool = True):
+        self.anchor = anchor
+        self.header = read_anchor_header(anchor, exact_size=exact_size)
+        self.residual_header: ResidualHeader | None = None
+        self._sources = {c.SEGMENT_ANCHOR: anchor}
+        self._indexes: dict[int, SectionIndex] = {}
+
+    @property
+    def residual_inline(self) -> bool:
+        seg = self.header.segment(c.SEGMENT_RESIDUAL)
+        return seg is not None and seg.placement == c.PLACEMENT_INLINE
+
+    def attach_residual(self, src=None, *, base: int | None = None) -> SectionIndex:
+        """Read the residual header and index from ``src`` (default: the anchor source, for an inline residual);
+        ``base`` is where the residual section starts in ``src`` (default: 0 for a source of its own)."""
+        if src is None:
+            src = self.anchor
+        elif base is None:
+            base = 0
+        self.residual_header, index = read_residual_section(src, self.header, base=base)
+        self._sources[c.SEGMENT_RESIDUAL] = src
+        self._indexes[c.SEGMENT_RESIDUAL] = index
+        return index
+
+    def source(self, kind: int):
+        if kind not in self._sources:
+            if kind == c.SEGMENT_RESIDUAL and self.residual_inline:
+                self.attach_residual()
+            else:
+                raise FormatError(f"`segments`: the {c.SEGMENT_KINDS.get(kind, kind)} segment is not attached",
+                                  field="segments", where="anchor")
+        return self._sources[kind]
+
+    def index(self, kind: int) -> SectionIndex:
+        """The page index of segment ``kind`` (read and checked once)."""
+        if kind not in self._indexes:
+            if kind == c.SEGMENT_ANCHOR:
+                self._indexes[kind] = read_anchor_index(self.anchor, self.header)
+            else:
+                self.source(kind)
+        return self._indexes[kind]
+
+    def stored(self, kind: int, layer: int, page: int) -> bytes:
+        return read_page(self.source(kind), self.index(kind), layer, page)
+
+    def raw(self, kind: int, layer: int, page: int):
+        """The raw record of one page: CRC-32 checked, decompressed (bounded by its raw length)."""
+        index = self.index(kind)
+        return check_and_decompress(self.stored(kind, layer, page), index.entry(layer, page),
+                                    _where(index.name, layer, page))
+
+    def page(self, kind: int, layer: int, page: int) -> AnchorPage | ResidualPage:
+        index = self.index(kind)
+        return decode_page(self.stored(kind, layer, page), index.entry(layer, page), self.header, kind, layer, page)
+
+    def pages(self, kind: int, *, decode: bool = True) -> Iterator[tuple[int, int, PageEntry, object]]:
+        """Every page of segment ``kind`` in file order (layer-major): ``(layer, page, entry, record)``, the CRC
+        checked before it is yielded (``record`` is None with ``decode=False``: checked and decompressed only).
+        A streaming source is told after each page that the bytes before its end are no longer needed."""
+        src, index = self.source(kind), self.index(kind)
+        release = getattr(src, "release", None)
+        for i, entry in enumerate(index.entries):
+            layer, page = divmod(i, index.pages_per_layer)
+            stored = read_page(src, index, layer, page)
+            if decode:
+                rec = decode_page(stored, entry, self.header, kind, layer, page)
+            else:
+                check_and_decompress(stored, entry, _where(index.name, layer, page))
+                rec = None
+            if release is not None:
+                release(index.base + entry.offset + entry.stored_length, index.name)
+            yield layer, page, entry, rec
+
+    def layer(self, kind: int, layer: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(metadata ``[4, H, T/C, D]`` or None for the residual, codes ``[2, H, T, D]``) of one layer: the full
+        pages decoded in one vectorised pass (each page's CRC checked first), the short last page on its own."""
+        h = self.header
+        s, H, D = h.scheme, h.kv_heads, h.head_dim
+        full, ppl = h.tokens // s.page, h.pages_per_layer
+        decode = decode_anchor_records if kind == c.SEGMENT_ANCHOR else decode_residual_records
+        parts = []
+        if full:
+            raws = [self.raw(kind, layer, p) for p in range(full)]
+            parts.append(decode(raws, _record_layout(h, kind, s.page), s, H, D, _where(c.SEGMENT_KINDS[kind], layer, 0)))
+        if ppl > full:
+            n = page_tokens(h.tokens, s.page, full)
+            parts.append(decode([self.raw(kind, layer, full)], _record_layout(h, kind, n), s, H, D,
+                                _where(c.SEGMENT_KINDS[kind], layer, full)))
+        if kind == c.SEGMENT_ANCHOR:
+            if not parts:
+                return (torch.empty((4, H, 0, D), dtype=META_TORCH_DTYPE[s.meta_dtype]),
+                        torch.empty((2, H, 0, D), dtype=torch.uint8))
+            return torch.cat([m for m, _ in parts], dim=2), torch.cat([k for _, k in parts], dim=2)
+        if not parts:
+            return None, torch.empty((2, H, 0, D), dtype=torch.uint8)
+        return None, torch.cat(parts, dim=2)

@@ -6,8 +6,11 @@ Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endia
     K anchor codes, pack_bits over the flattened [H, n, D] | V anchor codes, likewise
 
 Residual record: K residual codes packed | V residual codes packed. Anchor-only decoding therefore needs only
-anchor records. ``decode_*`` check the CRC-32 of the stored bytes first, then decompress with the output size
-bounded by the raw length the shape implies, then split.
+anchor records. :func:`check_and_decompress` checks the CRC-32 of the stored bytes first, then decompresses with
+the output bounded by the raw length the shape implies; one decoder per record layout
+(:func:`decode_anchor_records`, :func:`decode_residual_records`) then splits one page, or all full pages of a
+layer at once. Encoding goes through :func:`encode_anchor_record` / :func:`encode_residual_record`; these and the
+decoders are the only places where the format calls the quantizer's packing.
 """
 
 from __future__ import annotations
@@ -104,76 +107,67 @@ def check_and_decompress(stored, entry: PageEntry, where: str) -> bytes | memory
     return raw
 
 
-def _meta(raw, start: int, shape: tuple, meta_dtype: str) -> torch.Tensor:
-    count = shape[0] * shape[1] * shape[2]
-    arr = np.frombuffer(raw, dtype=_META_NP[meta_dtype], count=count, offset=start).reshape(shape)
-    return torch.from_numpy(arr.astype(_META_NP[meta_dtype].newbyteorder("="), copy=True)).to(
-        META_TORCH_DTYPE[meta_dtype])
+def _codes(buf: np.ndarray, start: int, lay: RecordLayout, bits: int, count: int, where: str,
+           what: tuple[str, str]) -> torch.Tensor:
+    """The K and V code arrays of ``pages`` records (rows of ``buf``) as ``[2, pages, count]`` uint8.
+
+    Where ``count·bits`` is a multiple of 8 the 2·pages packed arrays join into one bit stream without padding
+    and unpack in one pass; otherwise each is unpacked on its own and its padding bits must be zero."""
+    pages, size = buf.shape[0], lay.codes_size
+    block = np.ascontiguousarray(buf[:, start:start + 2 * size])  # [pages, K codes | V codes]
+    if count * bits % 8 == 0:
+        return unpack_bits(torch.from_numpy(block.reshape(-1)), bits, pages * 2 * count).view(pages, 2, count)
+    out = torch.empty((pages, 2, count), dtype=torch.uint8)
+    pad = count * bits % 8
+    for p in range(pages):
+        for j in range(2):
+            packed = block[p, j * size:(j + 1) * size]
+            if int(packed[-1]) >> pad:
+                raise FormatError(f"`{what[j]}` {where}: padding bits after the last code must be zero",
+                                  field=what[j], where=where)
+            out[p, j] = unpack_bits(torch.from_numpy(packed.copy()), bits, count)
+    return out
 
 
-def _codes(raw, start: int, size: int, bits: int, shape: tuple, where: str, what: str) -> torch.Tensor:
-    packed = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, count=size, offset=start).copy())
-    count = shape[0] * shape[1] * shape[2]
-    values = unpack_bits(packed, bits, count)
-    if count * bits % 8 and int(packed[-1]) >> (count * bits % 8):
-        raise FormatError(f"`{what}` {where}: padding bits after the last code must be zero",
-                          field=what, where=where)
-    return values.view(shape)
+def _rows(raws: list, lay: RecordLayout, where: str) -> np.ndarray:
+    for raw in raws:
+        if len(raw) != lay.raw_length:
+            raise FormatError(f"`page.raw_length` {where}: expected {lay.raw_length}, got {len(raw)}",
+                              field="page.raw_length", where=where)
+    return np.frombuffer(bytearray(b"".join(raws)), dtype=np.uint8).reshape(len(raws), lay.raw_length)
 
 
-def decode_anchor_record(raw, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
-                         where: str = "anchor") -> AnchorPage:
-    """Split a raw (CRC-checked, decompressed) anchor record of ``lay.tokens`` tokens."""
-    if len(raw) != lay.raw_length:
-        raise FormatError(f"`page.raw_length` {where}: expected {lay.raw_length}, got {len(raw)}",
-                          field="page.raw_length", where=where)
-    n = lay.tokens
-    meta_shape = (kv_heads, -(-n // scheme.chunk), head_dim)
-    code_shape = (kv_heads, n, head_dim)
-    m = lay.meta_size
-    metas = [_meta(raw, i * m, meta_shape, scheme.meta_dtype) for i in range(4)]
-    k = _codes(raw, 4 * m, lay.codes_size, scheme.anchor_bits, code_shape, where, "key_anchor")
-    v = _codes(raw, 4 * m + lay.codes_size, lay.codes_size, scheme.anchor_bits, code_shape, where, "value_anchor")
-    return AnchorPage(metas[0], metas[1], metas[2], metas[3], k, v)
+def decode_anchor_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
+                          where: str = "anchor") -> tuple[torch.Tensor, torch.Tensor]:
+    """Split raw (CRC-checked, decompressed) anchor records of ``lay.tokens`` tokens each -- one page, or the
+    consecutive full pages of a layer in one vectorised pass.
+
+    Returns (metadata ``[4, H, pages·nc, D]`` -- K offsets, K scales, V offsets, V scales --, codes
+    ``[2, H, pages·n, D]`` -- K, V), the pages concatenated along the token axis."""
+    buf = _rows(raws, lay, where)
+    pages, n, H, D = buf.shape[0], lay.tokens, kv_heads, head_dim
+    nc = -(-n // scheme.chunk)
+    np_dtype = _META_NP[scheme.meta_dtype]
+    m = np.ascontiguousarray(buf[:, :4 * lay.meta_size]).view(np_dtype)
+    m = m.astype(np_dtype.newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
+    meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
+    codes = _codes(buf, 4 * lay.meta_size, lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
+    codes = codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
+    return meta.to(META_TORCH_DTYPE[scheme.meta_dtype]), codes
 
 
-def decode_residual_record(raw, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
-                           where: str = "residual") -> ResidualPage:
-    if len(raw) != lay.raw_length:
-        raise FormatError(f"`page.raw_length` {where}: expected {lay.raw_length}, got {len(raw)}",
-                          field="page.raw_length", where=where)
-    shape = (kv_heads, lay.tokens, head_dim)
-    k = _codes(raw, 0, lay.codes_size, scheme.residual_bits, shape, where, "key_residual")
-    v = _codes(raw, lay.codes_size, lay.codes_size, scheme.residual_bits, shape, where, "value_residual")
-    return ResidualPage(k, v)
+def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
+                            where: str = "residual") -> torch.Tensor:
+    """Split raw residual records (as :func:`decode_anchor_records`): codes ``[2, H, pages·n, D]`` (K, V)."""
+    buf = _rows(raws, lay, where)
+    pages, n, H, D = buf.shape[0], lay.tokens, kv_heads, head_dim
+    codes = _codes(buf, 0, lay, scheme.residual_bits, H * n * D, where, ("key_residual", "value_residual"))
+    return codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
 
 
-def stack_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int, *,
-                  anchor: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Decode consecutive raw records of equal length (the full pages of one layer) in one vectorised pass.
-
-    Returns (metadata ``[4, H, pages·nc, D]`` -- K offsets, K scales, V offsets, V scales -- or None for residual
-    records, codes ``[2, H, pages·n, D]`` -- K, V), i.e. the pages concatenated along the token axis. Needs
-    ``H·n·D·bits`` to be a multiple of 8, so that the code streams of consecutive records join into one stream
-    without padding bits in between; :func:`stackable` says whether that holds.
-    """
-    pages, n, H, D = len(raws), lay.tokens, kv_heads, head_dim
-    buf = np.frombuffer(bytearray(b"".join(raws)), dtype=np.uint8).reshape(pages, lay.raw_length)
-    meta = None
-    start = 0
-    if anchor:
-        nc = -(-n // scheme.chunk)
-        start = 4 * lay.meta_size
-        m = np.ascontiguousarray(buf[:, :start]).view(_META_NP[scheme.meta_dtype])
-        m = m.astype(_META_NP[scheme.meta_dtype].newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
-        meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
-        meta = meta.to(META_TORCH_DTYPE[scheme.meta_dtype])
-    bits = scheme.anchor_bits if anchor else scheme.residual_bits
-    stream = torch.from_numpy(np.ascontiguousarray(buf[:, start:start + 2 * lay.codes_size]).reshape(-1))
-    codes = unpack_bits(stream, bits, pages * 2 * H * n * D).view(pages, 2, H, n, D)
-    return meta, codes.permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
+def anchor_page(meta: torch.Tensor, codes: torch.Tensor) -> AnchorPage:
+    return AnchorPage(meta[0], meta[1], meta[2], meta[3], codes[0], codes[1])
 
 
-def stackable(lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int, *, anchor: bool) -> bool:
-    bits = scheme.anchor_bits if anchor else scheme.residual_bits
-    return kv_heads * lay.tokens * head_dim * bits % 8 == 0
+def residual_page(codes: torch.Tensor) -> ResidualPage:
+    return ResidualPage(codes[0], codes[1])

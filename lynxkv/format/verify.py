@@ -13,14 +13,7 @@ from typing import Callable
 from lynxkv.errors import FormatError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.layout import inline_end
-from lynxkv.format.reader import (
-    decode_anchor_page,
-    decode_residual_page,
-    read_anchor_header,
-    read_anchor_index,
-    read_page,
-    read_residual_section,
-)
+from lynxkv.format.reader import PageReader
 
 
 @dataclass(frozen=True)
@@ -44,12 +37,14 @@ def _finding(segment: str, exc: LynxError, layer: int | None = None, page: int |
     return Finding(segment, field, str(exc), layer, page)
 
 
-def _pages(src, index, h, decode, segment: str) -> list[Finding]:
+def _pages(reader: PageReader, kind: int) -> list[Finding]:
     found = []
+    segment = c.SEGMENT_KINDS[kind]
+    index = reader.index(kind)
     for i in range(len(index.entries)):
-        layer, page = divmod(i, h.pages_per_layer)
+        layer, page = divmod(i, index.pages_per_layer)
         try:
-            decode(read_page(src, index, layer, page), index.entries[i], h, layer, page)
+            reader.page(kind, layer, page)
         except LynxError as exc:
             found.append(_finding(segment, exc, layer, page))
     return found
@@ -61,33 +56,34 @@ def verify_cache(anchor_src, open_residual: Callable[[], object] | None) -> list
     residual; an inline residual is always checked)."""
     found: list[Finding] = []
     try:
-        h = read_anchor_header(anchor_src, exact_size=False)
+        reader = PageReader(anchor_src, exact_size=False)
     except LynxError as exc:
         return [_finding("anchor", exc)]
+    h = reader.header
     end = inline_end(h)
     if end != anchor_src.size:
         what = "truncated" if anchor_src.size < end else "trailing bytes"
         found.append(Finding("anchor", "file_length", f"`file_length` of anchor: expected {end} bytes, got "
                              f"{anchor_src.size} ({what})"))
     try:
-        index = read_anchor_index(anchor_src, h)
+        reader.index(c.SEGMENT_ANCHOR)
     except LynxError as exc:
         found.append(_finding("anchor", exc))
     else:
-        found += _pages(anchor_src, index, h, decode_anchor_page, "anchor")
+        found += _pages(reader, c.SEGMENT_ANCHOR)
 
     seg = h.segment(c.SEGMENT_RESIDUAL)
     if seg is None or (seg.placement == c.PLACEMENT_EXTERNAL and open_residual is None):
         return found
     try:
-        rsrc = anchor_src if seg.placement == c.PLACEMENT_INLINE else open_residual()
+        rsrc = None if seg.placement == c.PLACEMENT_INLINE else open_residual()
     except LynxError as exc:
         found.append(Finding("residual", "location", f"residual not reachable: {exc}"))
         return found
     try:
-        _, rindex = read_residual_section(rsrc, h)
+        reader.attach_residual(rsrc)
     except FormatError as exc:
         found.append(_finding("residual", exc))
         return found
-    found += _pages(rsrc, rindex, h, decode_residual_page, "residual")
+    found += _pages(reader, c.SEGMENT_RESIDUAL)
     return found

@@ -1,21 +1,19 @@
-"""Writing ``.lynx`` v1: page records -> sections -> files, atomically.
+"""Writing ``.lynx`` v1: page records -> sections -> the bytes of the files.
 
-:func:`build_files` turns an :class:`~lynxkv.cache.EncodedCache` into the exact bytes of the anchor file and
-(unless ``single_file``) the residual file; it is deterministic given ``cache_id`` (the golden examples of
-spec/FORMAT.md rely on that). :func:`write_atomic` puts bytes under a path through a temporary file in the
-same directory, fsync and rename, so a crash never leaves a half-written file under the real name.
+:func:`build_files` turns an encoded cache (:class:`EncodedKV`, e.g. :class:`lynxkv.cache.EncodedCache`) into the
+exact bytes of the anchor file and (unless ``single_file``) the residual file; it is deterministic given
+``cache_id`` (the golden examples of spec/FORMAT.md rely on that). Putting the bytes anywhere is the storage
+layer's job (:func:`lynxkv.storage.write_atomic`).
 """
 
 from __future__ import annotations
 
-import os
 import secrets
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from lynxkv.errors import InputError
-from lynxkv.util import atomic_path
 from lynxkv.format import constants as c
 from lynxkv.format.layout import (
     AnchorHeader,
@@ -28,9 +26,26 @@ from lynxkv.format.layout import (
     pack_residual_header,
 )
 from lynxkv.format.records import choose_codec, encode_anchor_record, encode_residual_record
+from lynxkv.quant import EncodedTensor
+from lynxkv.quant.scheme import Scheme
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lynxkv.cache import EncodedCache
+
+class EncodedKV(Protocol):
+    """What the writer needs of an encoded cache (:class:`lynxkv.cache.EncodedCache` has it)."""
+
+    scheme: Scheme
+    layers: Sequence[tuple[EncodedTensor, EncodedTensor]]  # per layer (keys, values)
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    dtype: str
+    prompt_token_ids: Sequence[int] | None
+    model_fingerprint: str | None
+    names: Sequence[str] | None
+    batch_dim: bool
+
+    @property
+    def pages_per_layer(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,7 @@ def _section(records: list[bytes], lead: int, zstd: bool) -> tuple[list[PageEntr
     return entries, stored
 
 
-def _page_records(enc: "EncodedCache") -> tuple[list[bytes], list[bytes]]:
+def _page_records(enc: EncodedKV) -> tuple[list[bytes], list[bytes]]:
     s = enc.scheme
     anchors, residuals = [], []
     for keys, values in enc.layers:  # layer-major streaming order
@@ -64,7 +79,7 @@ def _page_records(enc: "EncodedCache") -> tuple[list[bytes], list[bytes]]:
     return anchors, residuals
 
 
-def build_files(enc: "EncodedCache", *, cache_id: bytes | None = None, single_file: bool = False,
+def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: bool = False,
                 zstd: bool = False, residual_location: str = "") -> BuiltFiles:
     """The bytes of a ``.lynx`` cache. ``residual_location`` is the residual file's path relative to the anchor
     file's directory (or a URL); it is ignored for a single file."""
@@ -126,24 +141,4 @@ def build_files(enc: "EncodedCache", *, cache_id: bytes | None = None, single_fi
     head = pack_anchor_header(h)
     assert len(head) == length  # offsets are fixed-width, so the length cannot change
     anchor = b"".join([head, a_index, *a_stored] + ([residual] if single_file else []))
-    from dataclasses import replace
-
     return BuiltFiles(anchor, None if single_file else residual, replace(h, header_length=length))
-
-
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory, fsync, rename."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-
-
-def default_residual_path(anchor_path: str | os.PathLike) -> Path:
-    p = Path(anchor_path)
-    return p.with_suffix(c.RESIDUAL_SUFFIX) if p.suffix == ".lynx" else p.with_name(p.name + c.RESIDUAL_SUFFIX)
-
-
-def relative_location(anchor_path: str | os.PathLike, residual_path: str | os.PathLike) -> str:
-    """The residual's location as written into the anchor header: relative to the anchor's directory."""
-    a = Path(os.path.abspath(anchor_path)).parent
-    r = Path(os.path.abspath(residual_path))
-    return Path(os.path.relpath(r, a)).as_posix()

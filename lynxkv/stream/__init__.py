@@ -16,37 +16,32 @@ Load a cache progressively (the :class:`~lynxkv.loading.CacheLoad` the decode ru
     for event in load.events(): ...          # the same events as an iterator
     load.close()
 
-Put a segment anywhere (``write_bytes_atomic(url, data)``; ``AtomicWriter`` streams), move segments between
-tiers with their checksums checked (``lynxkv.stream.tiermove.move_cache``, ``lynxkv tier``), serve a cache over
-two TCP connections with strict anchor priority and DSCP marks (``lynxkv.stream.tcp.CacheServer``,
-``lynxkv serve``), and emulate a shared link (``EmulatedLink``).
+Move segments between tiers with their checksums checked (``lynxkv.stream.tier.move_cache``, ``lynxkv tier``),
+save a streamed copy (``lynxkv.stream.received.ReceivedCopy``, ``lynxkv stream -o``), serve a cache over two TCP
+connections with strict anchor priority and DSCP marks (``lynxkv.stream.tcp.CacheServer``, ``lynxkv serve``), and
+emulate a shared link (``EmulatedLink``). Bytes at rest (paths, URLs, ranged reads, atomic writes, locations) are
+the storage layer's, :mod:`lynxkv.storage`.
 
-Modules: ``units`` (1Gbps, 2ms), ``link`` (one token bucket, strict priority), ``tiers`` (fsspec URLs, ranged
-reads, atomic writes), ``sources`` (ordered blocks with retries and several reads in flight), ``buffer`` (a
-bounded byte source fed by a stream), ``progressive`` (the reader), ``tcp`` (the wire protocol, server, client),
-``relocate`` and ``tiermove`` (moving segments), ``report`` (what ``lynxkv stream`` prints).
+Modules: ``units`` (1Gbps, 2ms, sizes), ``link`` (one token bucket, strict priority), ``buffer`` (a bounded byte
+source fed by a stream), ``transport`` (how segment bytes arrive: ranged reads through the storage layer, TCP;
+the interface a new transport implements), ``progressive`` (the consumer: priority, events, ETA, pages,
+dequantization), ``tcp`` (the wire protocol, server, client), ``tier`` (moving segments), ``received`` (saving a
+streamed copy), ``report`` (what ``lynxkv stream`` prints).
 """
 
 from lynxkv.stream.link import EmulatedLink
-from lynxkv.stream.progressive import LoadEvent, ProgressiveLoad, ResidualUnavailable, open_progressive
-from lynxkv.stream.sources import RetryPolicy
-from lynxkv.stream.tiermove import move_cache
-from lynxkv.stream.tiers import AtomicWriter, read_range, resolve_location, write_bytes_atomic
-from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
+from lynxkv.stream.progressive import LoadEvent, ProgressiveLoad, open_progressive
+from lynxkv.stream.tier import move_cache
+from lynxkv.stream.units import format_bytes, format_rate, parse_bandwidth, parse_duration
 
 __all__ = [
-    "AtomicWriter",
     "EmulatedLink",
     "LoadEvent",
     "ProgressiveLoad",
-    "ResidualUnavailable",
-    "RetryPolicy",
+    "format_bytes",
     "format_rate",
     "move_cache",
     "open_progressive",
     "parse_bandwidth",
     "parse_duration",
-    "read_range",
-    "resolve_location",
-    "write_bytes_atomic",
 ]

@@ -1,24 +1,26 @@
 """The progressive reader: a cache loading anchor first, page by page, from any tier or a TCP server.
 
 ``open_progressive(source)`` returns a :class:`ProgressiveLoad` (the :class:`~lynxkv.loading.CacheLoad` the decode
-runner consumes). Threads and their roles:
+runner consumes). It is the consumer half; the bytes come from a transport (:mod:`lynxkv.stream.transport`, picked
+by URL scheme), which owns the pumps, the range reads and the link. Threads and their roles:
 
-- one *pump* per segment moves ordered blocks from its transport (ranged reads with several requests in flight
-  for storage URLs, or a TCP connection) through the shared emulated link into a bounded :class:`StreamBuffer`;
-- one *parser* per segment reads the segment's header and page index with the format's own functions, then cuts
-  each page out of the stream in file order (layer-major), checks its CRC-32 and decodes it
-  (``decode_anchor_page`` / ``decode_residual_page``); a page whose checksum fails is never handed on;
+- the transport's *pump* per segment moves ordered blocks (ranged reads with several requests in flight for
+  storage URLs, or a TCP connection) through the shared emulated link into a bounded :class:`StreamBuffer`;
+- one *parser* per segment walks the segment with the one page reader (:class:`~lynxkv.format.reader.PageReader`):
+  header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and decoded;
+  a page whose checksum fails is never handed on;
 - one *consumer* takes decoded pages from a priority queue, anchor pages first (the receiver drains anchor
   buffers before residual ones), holds residual pages back until the anchor is complete, emits the events
   ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or ``residual_failed``), and
-  builds the dequantized KV: anchor-only at ``anchor_ready``, full at ``residual_ready``.
+  builds the dequantized KV (:func:`lynxkv.quant.dequantize`, page by page as pages arrive): anchor-only at
+  ``anchor_ready``, full at ``residual_ready``.
 
 Memory. The transport is bounded: each segment's :class:`StreamBuffer` holds at most ``cap`` bytes (16 MiB) beyond
 what its parser has used, ranged reads keep ``inflight x block_size`` bytes in flight, and at most
 ``max_pending_pages`` decoded residual pages wait for the consumer. What the load produces is held as it must be:
 the anchor codes of each page until its residual page arrives (to rebuild the full code), and the two KV outputs.
 
-Residual failures. Transient transport errors are retried with backoff inside the pump (see ``sources`` and
+Residual failures. Transient transport errors are retried with backoff inside the pump (see ``transport`` and
 ``tcp``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
 object, a connection that keeps failing. Then ``residual`` fails with that LynxError and
 ``timeline.residual_failed`` says why. With ``allow_anchor_only=False`` (the default) the whole load is failed:
@@ -46,24 +48,17 @@ from typing import Callable, Iterator
 
 import torch
 
-from lynxkv.errors import FormatError, InputError, LynxError, ResidualUnavailable
+from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
-from lynxkv.format.layout import PREFIX_SIZE, anchor_header_length, page_tokens, parse_anchor_header
-from lynxkv.format.records import check_and_decompress
-from lynxkv.format.reader import (
-    decode_anchor_page,
-    decode_residual_page,
-    read_anchor_header,
-    read_anchor_index,
-    read_residual_section,
-)
+from lynxkv.format.layout import page_tokens
+from lynxkv.format.reader import PageReader
 from lynxkv.kv import KVPairs
 from lynxkv.loading import LoadTimeline
 from lynxkv.quant import EncodedTensor, dequantize
-from lynxkv.stream.buffer import StreamBuffer, StreamClosed
-from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
-from lynxkv.stream.sources import Fetch, RangeSource, RetryPolicy
-from lynxkv.stream.tiers import resolve_location, segment_size
+from lynxkv.storage import RetryPolicy
+from lynxkv.stream.buffer import StreamClosed
+from lynxkv.stream.link import EmulatedLink
+from lynxkv.stream.transport import Fetch, Transfer, open_transport
 from lynxkv.stream.units import parse_bandwidth, parse_duration
 
 _LIVE: "weakref.WeakSet[ProgressiveLoad]" = weakref.WeakSet()
@@ -108,35 +103,30 @@ class ProgressiveLoad:
                  decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None,
                  dequantize_fn: Callable[..., torch.Tensor] | None = None):
         self.source = source
-        self.residual_override = residual
         self.link = link
         self.on_event = on_event
         self.allow_anchor_only = allow_anchor_only
-        self.storage_options = storage_options
-        self.inflight, self.block_size = inflight, block_size
-        self.retry = retry or RetryPolicy()
         self.dtype = dtype
-        self.fetch_hook = fetch_hook
-        self.is_tcp = source.startswith("tcp://")
         self.decode = decode
-        self.tee = tee
         self.dequantize_fn = dequantize_fn or dequantize
 
         self.header = None
         self.prompt_token_ids: list[int] | None = None
         self.model_fingerprint: str | None = None
-        self.residual_url: str | None = None
 
         self._t0 = time.perf_counter()
         self._timeline = LoadTimeline()
         self._timeline.extra.update(anchor_first_s=None, anchor_arrived_s=None, residual_first_s=None,
                                     residual_arrived_s=None, retries=[])
+        self._transfer = Transfer(self._timeline, self._now, link=link, tee=tee)
+        self._transport = open_transport(source, self._transfer, residual=residual, storage_options=storage_options,
+                                         inflight=inflight, block_size=block_size, retry=retry or RetryPolicy(),
+                                         fetch_hook=fetch_hook)
         self._events: list[LoadEvent] = []
         self._events_cond = threading.Condition()
         self._finished = False  # no more events will come
         self._header_ready = threading.Event()
         self._anchor_done = threading.Event()
-        self._anchor_fetched = threading.Event()  # every anchor byte is in (set by the anchor's pump)
         self._anchor_kv: KVPairs | None = None
         self._anchor_error: BaseException | None = None
         self._fatal: BaseException | None = None
@@ -144,15 +134,11 @@ class ProgressiveLoad:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._residual_slots = threading.Semaphore(max_pending_pages)
         self._closed = threading.Event()
-        self._buffers: list[StreamBuffer] = []
-        self._closers: list[Callable[[], None]] = []
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._residual_bytes_total: int | None = None
-        self._residual_rate_t: tuple[float, int] | None = None
-        self._residual_buf: StreamBuffer | None = None
         self._kv_out: tuple = ([], [])
-        self._anchor_size = 0
+        self._reader: PageReader | None = None
         self._threads = [
             threading.Thread(target=self._guard, args=("anchor", self._anchor_worker), daemon=True,
                              name="lynxkv-anchor"),
@@ -181,7 +167,12 @@ class ProgressiveLoad:
     @property
     def sizes(self) -> tuple[int | None, int | None]:
         """(anchor bytes, residual bytes) to transfer, as far as known yet (None until known)."""
-        return (self._anchor_size or None), self._residual_bytes_total
+        return (self._transport.anchor_size or None), self._residual_bytes_total
+
+    @property
+    def residual_url(self) -> str | None:
+        """Where the residual is being read from (once known)."""
+        return self._transport.residual_url
 
     @property
     def anchor_error(self) -> BaseException | None:
@@ -201,12 +192,12 @@ class ProgressiveLoad:
         if self.link is not None and self.link.bandwidth:
             a = self.header
             remaining_anchor = 0 if self._anchor_done.is_set() or a is None else max(
-                0, self._anchor_size - self._timeline.anchor_bytes)
+                0, (self._transport.anchor_size or 0) - self._timeline.anchor_bytes)
             if total is not None:
                 return (remaining_anchor + total - got) / self.link.bandwidth + self.link.latency
-        if total is None or not got or self._residual_rate_t is None:
+        t_first = self._transfer.residual_started_at
+        if total is None or not got or t_first is None:
             return None
-        t_first, _ = self._residual_rate_t
         elapsed = time.perf_counter() - t_first
         return (total - got) / (got / elapsed) if elapsed > 0 else None
 
@@ -241,13 +232,7 @@ class ProgressiveLoad:
 
     def close(self) -> None:
         self._closed.set()
-        for b in self._buffers:
-            b.fail(StreamClosed("load closed"))
-        for fn in self._closers:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort on shutdown
-                pass
+        self._transport.close()
         self._queue.put((9, -1, ("stop",)))
         for t in self._threads:  # let the workers leave torch code before the caller goes on (or exits)
             if t is not threading.current_thread():
@@ -288,196 +273,40 @@ class ProgressiveLoad:
                 exc = LynxError(f"{segment} segment: {type(exc).__name__}: {exc}")
             self._put(0 if segment == "anchor" else 1, ("error", segment, exc))
 
-    def _on_retry(self, msg: str) -> None:
-        self._timeline.extra["retries"].append(msg)
-
-    def _pump(self, blocks, buf: StreamBuffer, stream: int, charge_link: bool, name: str) -> threading.Thread:
-        """Move ordered blocks into ``buf`` on a thread of its own."""
-
-        def run() -> None:
-            first = True
-            try:
-                for offset, data in blocks:
-                    if self._closed.is_set():
-                        return
-                    if charge_link and self.link is not None:
-                        self.link.send(stream, len(data))  # blocks for the serialisation of these bytes
-                        if first and self.link.latency:
-                            # A pipe: the first byte arrives `latency` after it left, and the rest follow at
-                            # the link rate, so a continuous stream pays the latency once, not per block.
-                            time.sleep(self.link.latency)
-                    first = False
-                    if self._timeline.extra.get(f"{name}_first_s") is None:
-                        self._timeline.extra[f"{name}_first_s"] = self._now()
-                    if self.tee is not None:
-                        self.tee(name, offset, data)
-                    buf.feed(offset, data)
-                    if stream == ANCHOR:
-                        self._timeline.anchor_bytes += len(data)
-                    else:
-                        if self._residual_rate_t is None:
-                            self._residual_rate_t = (time.perf_counter(), 0)
-                        self._timeline.residual_bytes += len(data)
-                buf.finish()
-            except BaseException as exc:  # noqa: BLE001
-                buf.fail(exc if isinstance(exc, LynxError) else LynxError(f"{buf.name}: {exc}"))
-            finally:
-                if stream == ANCHOR:
-                    self._anchor_fetched.set()
-
-        t = threading.Thread(target=run, daemon=True, name=f"lynxkv-pump-{buf.name}")
-        t.start()
-        return t
-
-    def _tcp_retry(self) -> dict:
-        """The retry policy in TcpSource's terms: a silent connection for ``stall_timeout`` is a stall."""
-        return {"attempts": self.retry.attempts, "backoff": self.retry.base, "timeout": self.retry.stall_timeout}
-
-    def _fetch_exact(self, a: int, b: int) -> bytes:
-        """One small ranged read of the anchor (the header), with the same retries as the block streams."""
-        src = self._range_stream(self.source, a, b, ANCHOR, "anchor", link=False)
-        return b"".join(data for _, data in src)
-
-    def _range_stream(self, url: str, start: int, end: int, stream: int, name: str, link: bool = True):
-        """Ranged reads of ``[start, end)``; the residual keeps a single request in flight until every anchor
-        byte has been fetched, so on a shared store it does not slow the anchor down (strict priority at the
-        storage too, not only on the link)."""
-        fetch = None
-        if self.fetch_hook is not None:
-            from lynxkv.stream.tiers import read_range
-
-            fetch = self.fetch_hook(name, lambda a, b: read_range(url, a, b, self.storage_options))
-        src = RangeSource(url, start, end, stream=stream, segment=name, link=self.link if link else None, fetch=fetch,
-                          block_size=self.block_size, inflight=self.inflight, retry=self.retry,
-                          storage_options=self.storage_options, on_retry=self._on_retry,
-                          yield_to=(lambda: not self._anchor_fetched.is_set()) if stream == RESIDUAL else None)
-        self._closers.append(src.close)
-        return src
-
-    # ------------------------------------------------------------------------------------------ anchor
+    # ------------------------------------------------------------------------------------------ parsers
     def _anchor_worker(self) -> None:
-        if self.is_tcp:
-            from lynxkv.stream.tcp import TcpSource
-
-            tsrc = TcpSource(self.source, "anchor", on_retry=self._on_retry, **self._tcp_retry())
-            self._closers.append(tsrc.close)
-            manifest = tsrc.fetch_manifest()
-            self._manifest = manifest
-            size = int(manifest["anchor"]["size"])
-            buf = StreamBuffer(size, "anchor")
-            self._pump(iter(tsrc), buf, ANCHOR, charge_link=True, name="anchor")
-        else:
-            # Read the header first (two small ranged reads) to learn where the anchor section ends: a
-            # single-file cache's anchor stream must stop there and leave the rest to the residual stream.
-            size = segment_size(self.source, self.storage_options)
-            head = self._fetch_exact(0, min(PREFIX_SIZE, size))
-            length = anchor_header_length(head, size)
-            if length > len(head):
-                head = self._fetch_exact(0, length)
-            h0 = parse_anchor_header(head, size)
-            end = h0.segments[0].offset + h0.segments[0].length
-            if end > size:
-                raise FormatError(f"`file_length` of anchor: expected at least {end} bytes, got {size} (truncated)",
-                                  field="file_length", where="anchor")
-            buf = StreamBuffer(size, "anchor")
-            if self.link is not None:
-                self.link.send(ANCHOR, len(head))
-            if self.tee is not None:
-                self.tee("anchor", 0, head)
-            buf.feed(0, head)
-            self._timeline.anchor_bytes += len(head)
-            rsrc = self._range_stream(self.source, len(head), end, ANCHOR, "anchor")
-            self._pump(iter(rsrc), buf, ANCHOR, charge_link=False, name="anchor")
-        buf.register("anchor", 0)  # before any residual parser can share this buffer (single file over TCP)
-        self._buffers.append(buf)
-        self._anchor_size = self._source_size = size
-        self._anchor_buf = buf
-
-        # An inline residual (single-file cache) lies after the anchor section: the anchor stream must not check
-        # the file's exact length against the anchor section alone, so read_anchor_header checks it.
-        h = read_anchor_header(buf)
-        if not self.is_tcp:
-            self._anchor_size = h.segments[0].offset + h.segments[0].length
-        self.header = h
+        buf = self._transport.open_anchor()
+        # An inline residual (single-file cache) lies after the anchor section: the page reader checks the file's
+        # exact length against header + both inline sections.
+        self._reader = reader = PageReader(buf)
+        h = self.header = reader.header
         self.prompt_token_ids = list(h.prompt_token_ids) or None
         self.model_fingerprint = h.fingerprint or None
-        index = read_anchor_index(buf, h)
+        reader.index(c.SEGMENT_ANCHOR)
         self._header_ready.set()
         self._put(0, ("header", h))
-        for layer, page, rec, stored_length in self._arriving_pages(buf, index, "anchor", decode_anchor_page):
-            self._put(0, ("anchor", layer, page, rec, stored_length))
+        for layer, page, entry, rec in reader.pages(c.SEGMENT_ANCHOR, decode=self.decode):
+            self._put(0, ("anchor", layer, page, rec, entry.stored_length))
         self._timeline.extra["anchor_arrived_s"] = self._now()
         buf.unregister("anchor")
         self._put(0, ("anchor_done",))
 
-    def _arriving_pages(self, buf, index, segment: str, decode_page):
-        """Each page of ``index`` as its bytes arrive in ``buf``: (layer, page, record, stored length), the CRC
-        checked before it is yielded (inside ``decode_page`` or ``check_and_decompress``: a page that fails it
-        raises here and never gets further) and its bytes released from the buffer."""
-        ppl = index.pages_per_layer
-        for i, entry in enumerate(index.entries):
-            layer, page = divmod(i, ppl)
-            where = f"{segment} layer {layer} page {page}"
-            at = index.base + entry.offset
-            stored = buf.read(at, entry.stored_length)
-            if len(stored) != entry.stored_length:
-                raise FormatError(f"{where}: the stream ended at byte {at + len(stored)}", field="page", where=where)
-            rec = (decode_page(stored, entry, self.header, layer, page) if self.decode
-                   else check_and_decompress(stored, entry, where) and None)
-            buf.release(at + entry.stored_length, segment)
-            yield layer, page, rec, entry.stored_length
-
-    # ------------------------------------------------------------------------------------------ residual
     def _residual_worker(self) -> None:
         while not self._header_ready.wait(0.2):
             if self._closed.is_set() or self._anchor_done.is_set():
                 return  # the anchor failed (the consumer reports it) or the load was closed
-        h = self.header
+        h, reader = self.header, self._reader
         seg = h.segment(c.SEGMENT_RESIDUAL)
         if seg is None:
             raise ResidualUnavailable("this cache has no residual segment")
         self._residual_bytes_total = seg.length
-        if seg.placement == c.PLACEMENT_INLINE:
-            base = seg.offset
-            if self.is_tcp:
-                buf = self._anchor_buf  # the single file arrives whole on the anchor connection
-                buf.register("residual", base)
-            else:
-                buf = StreamBuffer(self._source_size, "residual", base=base)
-                self._pump(iter(self._range_stream(self.source, base, base + seg.length, RESIDUAL, "residual")),
-                           buf, RESIDUAL, charge_link=False, name="residual")
-            self.residual_url = self.source
-        else:
-            base = 0
-            if self.is_tcp:
-                from lynxkv.stream.tcp import TcpSource
-
-                desc = self._manifest.get("residual")
-                if not desc:
-                    raise ResidualUnavailable(f"{self.source}: the server offers no residual segment")
-                tsrc = TcpSource(self.source, "residual", on_retry=self._on_retry, **self._tcp_retry())
-                self._closers.append(tsrc.close)
-                buf = StreamBuffer(int(desc["size"]), "residual")
-                self._pump(iter(tsrc), buf, RESIDUAL, charge_link=True, name="residual")
-                self.residual_url = self.source
-            else:
-                url = self.residual_override or resolve_location(self.source, seg.location)
-                self.residual_url = url
-                size = segment_size(url, self.storage_options)
-                buf = StreamBuffer(size, "residual")
-                if size == seg.length:
-                    self._pump(iter(self._range_stream(url, 0, size, RESIDUAL, "residual")), buf, RESIDUAL,
-                               charge_link=False, name="residual")
-                else:
-                    buf.finish()  # read_residual_section reports the length mismatch (truncated / trailing)
-            self._buffers.append(buf)
-        self._residual_buf = buf
-        _, index = read_residual_section(buf, h, base=base)
-        for layer, page, rec, stored_length in self._arriving_pages(buf, index, "residual", decode_residual_page):
+        buf = self._transport.open_residual(h)
+        reader.attach_residual(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)
+        for layer, page, entry, rec in reader.pages(c.SEGMENT_RESIDUAL, decode=self.decode):
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
                     return
-            self._put(1, ("residual", layer, page, rec, stored_length))
+            self._put(1, ("residual", layer, page, rec, entry.stored_length))
         self._timeline.extra["residual_arrived_s"] = self._now()
         self._put(1, ("residual_done",))
 
@@ -572,8 +401,7 @@ class ProgressiveLoad:
             self._fatal = exc
         self._future.set_exception(exc)
         self._emit(LoadEvent("residual_failed", self._now(), message=str(exc)))
-        if self._residual_buf is not None:  # stop the residual transport
-            self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
+        self._transport.abandon_residual(exc)  # stop the residual transport
 
     def _fail_all(self, exc: BaseException) -> None:
         self._fatal = exc

@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.stream.link import ANCHOR, RESIDUAL, STREAM_NAMES, EmulatedLink
-from lynxkv.stream.tiers import TransientError
+from lynxkv.errors import TransientError
 
 MAGIC = b"LK"
 VERSION = 1

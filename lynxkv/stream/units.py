@@ -1,4 +1,5 @@
-"""Parsing link rates and durations written the way people write them: ``1Gbps``, ``500Mbps``, ``100MB/s``, ``2ms``.
+"""Link rates, durations and sizes: parsed the way people write them (``1Gbps``, ``500Mbps``, ``100MB/s``,
+``2ms``) and formatted for people (``1.00 Gbit/s``, ``1.50 MiB``).
 
 Rates come back in **bytes per second** (the unit every byte counter in lynxkv uses). Decimal prefixes, as
 networking uses them: ``1Gbps`` = 1e9 bit/s = 125e6 B/s; ``MiB/s`` is binary (2**20 B/s). ``b``/``bit`` are bits,
@@ -65,3 +66,12 @@ def format_rate(bytes_per_s: float | None) -> str:
         if bits >= div:
             return f"{bits / div:.2f} {unit}"
     return f"{bits:.0f} bit/s"
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> ``"1.50 KiB"``: sizes at rest are shown in binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

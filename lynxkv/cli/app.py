@@ -1,0 +1,12 @@
+"""The typer application every command module registers itself on (kept apart from ``lynxkv.cli`` so that the
+command modules import it without importing each other)."""
+
+import typer
+
+app = typer.Typer(
+    name="lynxkv",
+    help="Progressive, tiered KV-cache storage and transfer: anchor first, residual later, exact output.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)

@@ -1,0 +1,389 @@
+"""Transports: how a cache's segment bytes reach the progressive reader.
+
+The progressive reader (:mod:`lynxkv.stream.progressive`) parses pages from byte sources that fill in the
+background; a transport makes those sources. The interface, for anyone adding one (an HTTP server, an LMCache
+server)::
+
+    class Transport(Protocol):
+        residual_url: str | None      # where the residual came from (for reports), once known
+        anchor_size: int | None       # bytes of the anchor to transfer, once known
+        def open_anchor(self) -> StreamBuffer             # the anchor file's bytes, from offset 0
+        def open_residual(self, header) -> StreamBuffer   # the residual section's bytes (see below)
+        def abandon_residual(self, exc) -> None           # stop moving residual bytes (the load gave up on them)
+        def close(self) -> None                           # stop everything, fail waiting readers
+
+``open_residual`` returns a buffer whose offsets are those of the object holding the residual: from 0 for an
+external residual file, from the section's offset inside the anchor file for an inline one (``buffer.base``).
+Both calls return at once; a pump thread feeds the buffer. A transport reports what it moved through
+:class:`Transfer` (bytes per stream, first-byte times, a ``tee`` of every block, retries) and charges the shared
+:class:`~lynxkv.stream.link.EmulatedLink` if there is one; the easiest way to do both is to turn the wire into
+ordered ``(offset, bytes)`` blocks and hand them to :meth:`Transfer.pump`.
+
+Transports by URL scheme: :data:`TRANSPORTS` maps a scheme to a factory ``(url, transfer, **options)``;
+:func:`open_transport` picks one, and falls back to :class:`StorageTransport` (every path and URL the storage
+layer opens: local files, ``s3://``, ``http(s)://``, ``memory://``).
+
+:class:`RangeStream` is the block stream over random-access storage: up to ``inflight`` ranged reads in flight
+(object stores answer several GETs in parallel), handed over in order, transient failures retried with
+exponential backoff (:class:`lynxkv.storage.RetryPolicy`); a read that does not answer within ``stall_timeout``
+is issued again. Memory is bounded by ``inflight * block_size``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import Callable, Iterable, Iterator, Protocol
+
+from lynxkv.errors import FormatError, LynxError, ResidualUnavailable, TransientError
+from lynxkv.format import constants as c
+from lynxkv.format.layout import PREFIX_SIZE, AnchorHeader, anchor_header_length, parse_anchor_header
+from lynxkv.loading import LoadTimeline
+from lynxkv.storage import RetryPolicy, is_transient, read_range, resolve_location, size_of
+from lynxkv.stream.buffer import StreamBuffer, StreamClosed
+from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
+
+Fetch = Callable[[int, int], bytes]
+
+
+class RangeStream:
+    """Ordered blocks ``(offset, data)`` of bytes ``[start, end)`` of one object, read with ranged requests."""
+
+    def __init__(self, url: str, start: int, end: int, *, stream: int, segment: str,
+                 link: EmulatedLink | None = None, fetch: Fetch | None = None, block_size: int = 1 << 20,
+                 inflight: int = 4, retry: RetryPolicy | None = None, storage_options: dict | None = None,
+                 on_retry: Callable[[str], None] | None = None, yield_to: Callable[[], bool] | None = None):
+        self.url, self.start, self.end = url, start, end
+        self.stream, self.segment = stream, segment
+        self.link = link
+        self.fetch = fetch or (lambda a, b: read_range(url, a, b, storage_options))
+        self.block_size = block_size
+        self.inflight = max(1, inflight)
+        self.retry = retry or RetryPolicy()
+        self.on_retry = on_retry
+        self.yield_to = yield_to  # while it returns True, keep one request in flight (a higher priority loads)
+        self.retries = 0
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _read_block(self, pool: cf.ThreadPoolExecutor, a: int, b: int) -> tuple[bytes, float]:
+        """One block, retried with backoff; a stalled read is abandoned after ``stall_timeout``."""
+        last: BaseException | None = None
+        for k in range(self.retry.attempts):
+            if self._closed.is_set():
+                raise LynxError(f"{self.segment} stream closed")
+            if k:
+                self.retries += 1
+                if self.on_retry:
+                    self.on_retry(f"{self.segment} bytes {a}-{b}: {last}; retry {k} of {self.retry.attempts - 1}")
+                time.sleep(self.retry.delay(k - 1))
+            fut = pool.submit(self.fetch, a, b)
+            try:
+                data = fut.result(timeout=self.retry.stall_timeout)
+            except cf.TimeoutError:
+                last = TransientError(f"no answer within {self.retry.stall_timeout:g} s")
+                continue
+            except BaseException as exc:  # noqa: BLE001
+                if not is_transient(exc):
+                    raise
+                last = exc
+                continue
+            if len(data) != b - a:
+                if len(data) < b - a:  # a truncated object: retrying once is cheap, then it is an error
+                    last = FormatError(
+                        f"{self.segment} segment truncated: bytes {a}-{b} requested, {len(data)} returned "
+                        f"(object ends at {a + len(data)}, the index says {self.end})",
+                        field="segment length", where=self.segment)
+                    continue
+                raise FormatError(f"{self.segment}: read of bytes {a}-{b} returned {len(data)} bytes",
+                                  where=self.segment)
+            # Charge the shared link here, in the block's own worker, so that the latency of several blocks in
+            # flight overlaps (a pipe) while the bucket still serialises their bytes one after another.
+            delivered = self.link.send(self.stream, len(data)) if self.link is not None else 0.0
+            return data, delivered
+        if isinstance(last, LynxError):
+            raise last
+        raise TransientError(f"{self.segment} segment at {self.url}: bytes {a}-{b} failed after "
+                             f"{self.retry.attempts} attempts: {last}")
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        # Readers for the blocks (each may itself wait on a stalled fetch), and the fetch workers underneath.
+        fetch_pool = cf.ThreadPoolExecutor(self.inflight * 2, thread_name_prefix=f"lynxkv-{self.segment}-get")
+        block_pool = cf.ThreadPoolExecutor(self.inflight, thread_name_prefix=f"lynxkv-{self.segment}-blk")
+        pending: list[tuple[int, cf.Future]] = []
+        try:
+            nxt = self.start
+            while nxt < self.end or pending:
+                limit = 1 if self.yield_to is not None and self.yield_to() else self.inflight
+                while nxt < self.end and len(pending) < limit:
+                    b = min(nxt + self.block_size, self.end)
+                    pending.append((nxt, block_pool.submit(self._read_block, fetch_pool, nxt, b)))
+                    nxt = b
+                a, fut = pending.pop(0)
+                data, delivered = fut.result()
+                lag = delivered - time.perf_counter()
+                if lag > 0:
+                    time.sleep(lag)  # the link's latency: bytes arrive `latency` after they were serialised
+                yield a, data
+        finally:
+            self._closed.set()
+            for _, f in pending:
+                f.cancel()
+            block_pool.shutdown(wait=False, cancel_futures=True)
+            fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Transfer:
+    """What a transport moved, and the plumbing every transport shares: pumps, the link, the tee, closing.
+
+    ``timeline`` gets the byte counts and the first-byte times (``extra["anchor_first_s"]`` ...) and the retry
+    messages (``extra["retries"]``); ``tee(segment, offset, data)`` sees every block in order."""
+
+    def __init__(self, timeline: LoadTimeline, now: Callable[[], float], *, link: EmulatedLink | None = None,
+                 tee: Callable[[str, int, bytes], None] | None = None):
+        self.timeline = timeline
+        self.now = now
+        self.link = link
+        self.tee = tee
+        self.anchor_fetched = threading.Event()  # every anchor byte is in (set by the anchor's pump)
+        self.residual_started_at: float | None = None  # perf_counter of the first residual byte
+        self.closed = threading.Event()
+        self._buffers: list[StreamBuffer] = []
+        self._closers: list[Callable[[], None]] = []
+
+    def on_retry(self, msg: str) -> None:
+        self.timeline.extra["retries"].append(msg)
+
+    def add_closer(self, fn: Callable[[], None]) -> None:
+        self._closers.append(fn)
+
+    def buffer(self, size: int, name: str, *, base: int = 0) -> StreamBuffer:
+        buf = StreamBuffer(size, name, base=base)
+        self._buffers.append(buf)
+        return buf
+
+    def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
+        """Account for one block (and show it to the tee)."""
+        if self.timeline.extra.get(f"{name}_first_s") is None:
+            self.timeline.extra[f"{name}_first_s"] = self.now()
+        if self.tee is not None:
+            self.tee(name, offset, data)
+        if stream == ANCHOR:
+            self.timeline.anchor_bytes += len(data)
+        else:
+            if self.residual_started_at is None:
+                self.residual_started_at = time.perf_counter()
+            self.timeline.residual_bytes += len(data)
+
+    def pump(self, blocks: Iterable[tuple[int, bytes]], buf: StreamBuffer, stream: int, name: str, *,
+             charge_link: bool) -> threading.Thread:
+        """Move ordered blocks into ``buf`` on a thread of its own (charging the link when the blocks have not
+        been charged already, as :class:`RangeStream` does)."""
+
+        def run() -> None:
+            first = True
+            try:
+                for offset, data in blocks:
+                    if self.closed.is_set():
+                        return
+                    if charge_link and self.link is not None:
+                        self.link.send(stream, len(data))  # blocks for the serialisation of these bytes
+                        if first and self.link.latency:
+                            # A pipe: the first byte arrives `latency` after it left, and the rest follow at
+                            # the link rate, so a continuous stream pays the latency once, not per block.
+                            time.sleep(self.link.latency)
+                    first = False
+                    self.received(stream, name, offset, data)
+                    buf.feed(offset, data)
+                buf.finish()
+            except BaseException as exc:  # noqa: BLE001
+                buf.fail(exc if isinstance(exc, LynxError) else LynxError(f"{buf.name}: {exc}"))
+            finally:
+                if stream == ANCHOR:
+                    self.anchor_fetched.set()
+
+        t = threading.Thread(target=run, daemon=True, name=f"lynxkv-pump-{buf.name}")
+        t.start()
+        return t
+
+    def close(self) -> None:
+        self.closed.set()
+        for b in self._buffers:
+            b.fail(StreamClosed("load closed"))
+        for fn in self._closers:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort on shutdown
+                pass
+
+
+class Transport(Protocol):
+    """See the module docstring."""
+
+    residual_url: str | None
+    anchor_size: int | None
+
+    def open_anchor(self) -> StreamBuffer: ...
+
+    def open_residual(self, header: AnchorHeader) -> StreamBuffer: ...
+
+    def abandon_residual(self, exc: BaseException) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StorageTransport:
+    """Both segments by ranged reads through the storage layer (any path or URL it opens).
+
+    The anchor: its header first (two small reads) to learn where the anchor section ends, then the section in
+    blocks. The residual: from the location the header records (resolved by :func:`lynxkv.storage.resolve_location`)
+    or ``residual``; it keeps one request in flight until every anchor byte is in, so on a shared store it does
+    not slow the anchor down (strict priority at the storage too, not only on the link)."""
+
+    def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None,
+                 storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
+                 retry: RetryPolicy | None = None, fetch_hook: Callable[[str, Fetch], Fetch] | None = None):
+        self.url = url
+        self.transfer = transfer
+        self.residual_override = residual
+        self.storage_options = storage_options
+        self.inflight, self.block_size = inflight, block_size
+        self.retry = retry or RetryPolicy()
+        self.fetch_hook = fetch_hook
+        self.residual_url: str | None = None
+        self.anchor_size: int | None = None
+        self._size = 0
+        self._residual_buf: StreamBuffer | None = None
+
+    def _blocks(self, url: str, start: int, end: int, stream: int, name: str, *, link: bool = True) -> RangeStream:
+        fetch = None
+        if self.fetch_hook is not None:
+            fetch = self.fetch_hook(name, lambda a, b: read_range(url, a, b, self.storage_options))
+        t = self.transfer
+        src = RangeStream(url, start, end, stream=stream, segment=name, link=t.link if link else None, fetch=fetch,
+                          block_size=self.block_size, inflight=self.inflight, retry=self.retry,
+                          storage_options=self.storage_options, on_retry=t.on_retry,
+                          yield_to=(lambda: not t.anchor_fetched.is_set()) if stream == RESIDUAL else None)
+        t.add_closer(src.close)
+        return src
+
+    def _fetch_exact(self, a: int, b: int) -> bytes:
+        """One small ranged read of the anchor (the header), with the same retries as the block streams."""
+        return b"".join(data for _, data in self._blocks(self.url, a, b, ANCHOR, "anchor", link=False))
+
+    def open_anchor(self) -> StreamBuffer:
+        t = self.transfer
+        size = self._size = size_of(self.url, self.storage_options)
+        self.anchor_size = size
+        head = self._fetch_exact(0, min(PREFIX_SIZE, size))
+        length = anchor_header_length(head, size)
+        if length > len(head):
+            head = self._fetch_exact(0, length)
+        h = parse_anchor_header(head, size)
+        end = h.segments[0].offset + h.segments[0].length
+        if end > size:
+            raise FormatError(f"`file_length` of anchor: expected at least {end} bytes, got {size} (truncated)",
+                              field="file_length", where="anchor")
+        self.anchor_size = end  # a single file's inline residual is the residual stream's
+        buf = t.buffer(size, "anchor")
+        if t.link is not None:
+            t.link.send(ANCHOR, len(head))
+        t.received(ANCHOR, "anchor", 0, head)
+        buf.feed(0, head)
+        t.pump(self._blocks(self.url, len(head), end, ANCHOR, "anchor"), buf, ANCHOR, "anchor", charge_link=False)
+        return buf
+
+    def open_residual(self, header: AnchorHeader) -> StreamBuffer:
+        seg = header.segment(c.SEGMENT_RESIDUAL)
+        t = self.transfer
+        if seg.placement == c.PLACEMENT_INLINE:
+            self.residual_url = self.url
+            buf = t.buffer(self._size, "residual", base=seg.offset)
+            t.pump(self._blocks(self.url, seg.offset, seg.offset + seg.length, RESIDUAL, "residual"), buf,
+                   RESIDUAL, "residual", charge_link=False)
+        else:
+            url = self.residual_override or resolve_location(self.url, seg.location)
+            self.residual_url = url
+            size = size_of(url, self.storage_options)
+            buf = t.buffer(size, "residual")
+            if size == seg.length:
+                t.pump(self._blocks(url, 0, size, RESIDUAL, "residual"), buf, RESIDUAL, "residual",
+                       charge_link=False)
+            else:
+                buf.finish()  # the page reader reports the length mismatch (truncated / trailing)
+        self._residual_buf = buf
+        return buf
+
+    def abandon_residual(self, exc: BaseException) -> None:
+        if self._residual_buf is not None:
+            self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+class TcpTransport:
+    """Both segments from ``lynxkv serve`` (``tcp://HOST:PORT``): one connection each, anchor first; a single
+    file arrives whole on the anchor connection and its residual is parsed from the same buffer."""
+
+    def __init__(self, url: str, transfer: Transfer, *, retry: RetryPolicy | None = None, **_options):
+        self.url = url
+        self.transfer = transfer
+        self.retry = retry or RetryPolicy()
+        self.residual_url: str | None = None
+        self.anchor_size: int | None = None
+        self._manifest: dict = {}
+        self._anchor_buf: StreamBuffer | None = None
+        self._residual_buf: StreamBuffer | None = None
+
+    def _source(self, stream: str):
+        from lynxkv.stream.tcp import TcpSource
+
+        r = self.retry  # a silent connection for ``stall_timeout`` is a stall
+        src = TcpSource(self.url, stream, on_retry=self.transfer.on_retry, attempts=r.attempts, backoff=r.base,
+                        timeout=r.stall_timeout)
+        self.transfer.add_closer(src.close)
+        return src
+
+    def open_anchor(self) -> StreamBuffer:
+        src = self._source("anchor")
+        self._manifest = src.fetch_manifest()
+        size = self.anchor_size = int(self._manifest["anchor"]["size"])
+        buf = self._anchor_buf = self.transfer.buffer(size, "anchor")
+        buf.register("anchor", 0)  # before any residual parser can share this buffer (single file)
+        self.transfer.pump(iter(src), buf, ANCHOR, "anchor", charge_link=True)
+        return buf
+
+    def open_residual(self, header: AnchorHeader) -> StreamBuffer:
+        seg = header.segment(c.SEGMENT_RESIDUAL)
+        self.residual_url = self.url
+        if seg.placement == c.PLACEMENT_INLINE:
+            buf = self._anchor_buf  # the single file arrives whole on the anchor connection
+            buf.register("residual", seg.offset)
+        else:
+            desc = self._manifest.get("residual")
+            if not desc:
+                raise ResidualUnavailable(f"{self.url}: the server offers no residual segment")
+            buf = self.transfer.buffer(int(desc["size"]), "residual")
+            self.transfer.pump(iter(self._source("residual")), buf, RESIDUAL, "residual", charge_link=True)
+        self._residual_buf = buf
+        return buf
+
+    def abandon_residual(self, exc: BaseException) -> None:
+        if self._residual_buf is not None and self._residual_buf is not self._anchor_buf:
+            self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
+
+    def close(self) -> None:
+        self.transfer.close()
+
+
+#: Transports by URL scheme; anything else goes through the storage layer (:class:`StorageTransport`).
+TRANSPORTS: dict[str, Callable[..., Transport]] = {"tcp": TcpTransport}
+
+
+def open_transport(url: str, transfer: Transfer, **options) -> Transport:
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    return TRANSPORTS.get(scheme, StorageTransport)(url, transfer, **options)

@@ -1,0 +1,120 @@
+"""The package's import graph: no cycles among lynxkv modules, the layers' arrows pointing down, and every module
+importable on its own in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "lynxkv"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for p in ROOT.rglob("*.py"):
+        parts = list(p.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> set[str]:
+    """lynxkv modules that ``name`` imports anywhere in its source (lazy imports inside functions included);
+    ``from pkg import submodule`` depends on the submodule, not on the package."""
+    out = set()
+    for n in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.startswith("lynxkv"):
+            subs = [f"{n.module}.{a.name}" for a in n.names if f"{n.module}.{a.name}" in MODULES]
+            out.update(subs)
+            if len(subs) < len(n.names):
+                out.add(n.module)
+        elif isinstance(n, ast.Import):
+            out.update(a.name for a in n.names if a.name.startswith("lynxkv"))
+    return {m for m in out if m in MODULES and m != name}
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _cycle_from(start: str) -> list[str] | None:
+    path, seen = [], set()
+
+    def walk(m: str) -> list[str] | None:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in seen:
+            return None
+        seen.add(m)
+        path.append(m)
+        for d in sorted(GRAPH[m]):
+            found = walk(d)
+            if found:
+                return found
+        path.pop()
+        return None
+
+    return walk(start)
+
+
+def test_no_import_cycle_among_lynxkv_modules():
+    for m in sorted(GRAPH):
+        cycle = _cycle_from(m)
+        assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    GRAPH["lynxkv.storage"].add("lynxkv.cache")  # cache imports storage: this closes a loop
+    try:
+        assert _cycle_from("lynxkv.cache") is not None
+    finally:
+        GRAPH["lynxkv.storage"].discard("lynxkv.cache")
+
+
+@pytest.mark.parametrize("low, high", [
+    ("lynxkv.format", "lynxkv.storage"),  # the format is bytes only: it opens nothing
+    ("lynxkv.format", "lynxkv.cache"),
+    ("lynxkv.format", "lynxkv.stream"),
+    ("lynxkv.storage", "lynxkv.hf"),  # storage knows nothing of models, formats or the CLI
+    ("lynxkv.storage", "lynxkv.format"),
+    ("lynxkv.storage", "lynxkv.cache"),
+    ("lynxkv.cache", "lynxkv.stream"),
+    ("lynxkv.stream", "lynxkv.hf"),
+    ("lynxkv", "lynxkv.cli"),  # nothing in the library imports the CLI
+])
+def test_imports_point_down(low, high):
+    def within(m: str, pkg: str) -> bool:
+        return m == pkg or m.startswith(pkg + ".")
+
+    for m, deps in GRAPH.items():
+        if within(m, low) and not within(m, high) and m != "lynxkv.__main__":
+            bad = sorted(d for d in deps if within(d, high))
+            assert not bad, f"{m} imports {bad}"
+
+
+def test_every_module_imports_on_its_own():
+    """Each module in a fresh interpreter, in an order where every lynxkv module it imports comes first."""
+    order, done = [], set()
+
+    def visit(m: str) -> None:
+        if m in done:
+            return
+        done.add(m)
+        for d in sorted(GRAPH[m]):
+            visit(d)
+        order.append(m)
+
+    for m in sorted(GRAPH):
+        visit(m)
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+    skip = {m for m in order if m.startswith("lynxkv.kernels") or m == "lynxkv.__main__"}  # Triton; runs the CLI
+    proc = subprocess.run([sys.executable, "-c", code, *[m for m in order if m not in skip]],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
