@@ -120,7 +120,7 @@ def _compare_table(rows: list[dict], verdict: dict, link_text: str):
 
 @app.command()
 def run(
-    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file, or tcp://HOST:PORT."),
+    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve)."),
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),

@@ -41,6 +41,7 @@ import lynxkv.integrations.lmcache.serde  # noqa: F401  (registers the "lynx" se
 from lynxkv.cache import verify_file
 from lynxkv.errors import InputError, LynxError
 from lynxkv.integrations.lmcache.chunk import anchor_length, split_chunk
+from lynxkv.storage import filesystem, read_all, size_of, write_atomic
 
 log = init_logger(__name__)  # LMCache's log, so that `lmcache server` shows what the lynx tier did
 
@@ -112,8 +113,6 @@ class LynxL2Adapter(L2AdapterInterface):
         return tid
 
     def _store(self, tid: int, keys: list[ObjectKey], objects: list) -> None:
-        from lynxkv.stream.tiers import write_bytes_atomic
-
         ok, nbytes, stored, sizes = True, 0, [], []
         for key, obj in zip(keys, objects):
             apath, rpath = self.paths(key)
@@ -123,8 +122,8 @@ class LynxL2Adapter(L2AdapterInterface):
                 data = bytes(memoryview(obj.byte_array).cast("B"))
                 single = data[:anchor_length(data)]
                 anchor, residual = split_chunk(single, self._residual_location(apath, rpath))
-                write_bytes_atomic(rpath, residual)
-                write_bytes_atomic(apath, anchor)
+                write_atomic(rpath, residual)
+                write_atomic(apath, anchor)
                 nbytes += len(anchor) + len(residual)
                 stored.append(key)
                 sizes.append(len(anchor) + len(residual))
@@ -174,8 +173,6 @@ class LynxL2Adapter(L2AdapterInterface):
 
     def read_chunk(self, key: ObjectKey) -> tuple[bytes, bytes]:
         """(anchor, residual) of one chunk, every CRC checked; a LynxError if either is missing or bad."""
-        from lynxkv.stream.tiers import read_all
-
         apath, rpath = self.paths(key)
         anchor, residual = read_all(apath), read_all(rpath)
         findings = verify_file(anchor, residual=residual)
@@ -212,8 +209,6 @@ class LynxL2Adapter(L2AdapterInterface):
 
     # -- the rest
     def delete(self, keys: list[ObjectKey]) -> None:
-        from lynxkv.stream.tiers import filesystem
-
         gone, sizes = [], []
         for key in keys:
             size = 0
@@ -242,10 +237,8 @@ class LynxL2Adapter(L2AdapterInterface):
 
 
 def _exists(url: str) -> bool:
-    from lynxkv.stream.tiers import segment_size
-
     try:
-        segment_size(url)
+        size_of(url)
         return True
     except (LynxError, OSError):
         return False

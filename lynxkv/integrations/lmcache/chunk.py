@@ -10,15 +10,13 @@ chunk tensor, exactly the full code's values (:func:`lynxkv.open_cache` ``.load_
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
-
 import torch
 
 from lynxkv.errors import FormatError, InputError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import pack_anchor_header
-from lynxkv.format.reader import BytesSource, read_anchor_header
+from lynxkv.format.reader import read_anchor_header
 from lynxkv.quant.scheme import DEFAULT, Scheme
+from lynxkv.storage import BytesSource
 
 
 def chunk_cache_id(*parts: object) -> bytes:
@@ -60,28 +58,14 @@ def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEF
 
 
 def split_chunk(single: bytes, residual_location: str) -> tuple[bytes, bytes]:
-    """A single-file cache -> (anchor file recording its residual at ``residual_location``, residual file).
+    """A single-file cache -> (anchor file recording its residual at ``residual_location``, residual file)."""
+    from lynxkv.stream.tier import relocate_residual
 
-    The residual section of a single file is byte for byte the residual file (spec/FORMAT.md §2), so only the
-    anchor header is rebuilt: the residual becomes external, the anchor section follows the new header."""
     h = read_anchor_header(BytesSource(single, "chunk"))
     seg = h.segment(c.SEGMENT_RESIDUAL)
     if seg is None or seg.placement != c.PLACEMENT_INLINE:
         raise InputError("split_chunk: expected a single-file cache")
-    a_seg = h.segments[0]
-    anchor_section = single[a_seg.offset:a_seg.offset + a_seg.length]
-    residual = single[seg.offset:seg.offset + seg.length]
-
-    def header(offset: int):
-        segs = tuple(replace(s, offset=offset) if s.kind == c.SEGMENT_ANCHOR else
-                     replace(s, placement=c.PLACEMENT_EXTERNAL, offset=0, location=residual_location)
-                     if s.kind == c.SEGMENT_RESIDUAL else s for s in h.segments)
-        return replace(h, segments=segs)
-
-    length = len(pack_anchor_header(header(0)))
-    anchor = pack_anchor_header(header(length)) + anchor_section
-    read_anchor_header(BytesSource(anchor, "anchor"))  # the rebuilt header parses and the length is exact
-    return anchor, residual
+    return relocate_residual(single, residual_location), single[seg.offset:seg.offset + seg.length]
 
 
 def anchor_length(data: bytes) -> int:
