@@ -54,6 +54,15 @@ def test_split_gives_an_anchor_and_a_residual_file_that_verify_and_decode_the_sa
     assert torch.equal(decode_chunk(anchor + residual, torch.empty_like(x)), decode_chunk(single, torch.empty_like(x)))
 
 
+def test_any_even_leading_layout_round_trips_in_place():
+    x = _chunk(layers=2).reshape(4, 256, 64)  # e.g. [2*layers, tokens, channels]
+    out = torch.empty_like(x)
+    decode_chunk(encode_chunk(x, kv_heads=2), out)
+    assert (out.float() - x.float()).abs().max() < 0.05
+    with pytest.raises(LynxError, match="even"):
+        encode_chunk(torch.zeros(3, 256, 64))
+
+
 def test_a_corrupted_chunk_raises_and_writes_nothing():
     x = _chunk()
     anchor, residual = split_chunk(encode_chunk(x), "obj.lynxr")

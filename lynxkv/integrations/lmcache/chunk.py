@@ -29,12 +29,26 @@ def model_tag(model_name: str) -> str:
     return hashlib.blake2b(model_name.encode(), digest_size=16).hexdigest()
 
 
+def as_pairs(shape) -> tuple[int, int, int, int]:
+    """The ``[2, L, T, C]`` view of a chunk: ``[2, L, T, C]`` itself, or any ``[..., T, C]`` whose leading
+    dimensions hold an even number of ``[T, C]`` slices (the first half taken as keys). Any such view decodes back
+    to the same positions; only the quantizer's grouping (per channel, along tokens) depends on it."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) < 3:
+        raise InputError(f"LMCache chunk: expected [..., tokens, channels], got {list(shape)}")
+    lead = 1
+    for d in shape[:-2]:
+        lead *= d
+    if lead % 2 or lead == 0:
+        raise InputError(f"LMCache chunk {list(shape)}: the leading dimensions hold {lead} [tokens, channels] "
+                         "slices; the lynx serde needs keys and values, an even number")
+    return 2, lead // 2, shape[-2], shape[-1]
+
+
 def chunk_to_kv(chunk: torch.Tensor, kv_heads: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[2, L, T, H*D]`` -> per layer (K, V), each ``[H, T, D]``."""
-    if chunk.dim() != 4 or chunk.shape[0] != 2:
-        raise InputError(f"LMCache chunk: expected a [2, layers, tokens, kv_heads*head_dim] tensor, got "
-                         f"{list(chunk.shape)}")
-    _, layers, tokens, channels = chunk.shape
+    """``[2, L, T, H*D]`` (see :func:`as_pairs`) -> per layer (K, V), each ``[H, T, D]``."""
+    _, layers, tokens, channels = as_pairs(chunk.shape)
+    chunk = chunk.reshape(2, layers, tokens, channels)
     if kv_heads < 1 or channels % kv_heads:
         raise InputError(f"LMCache chunk: {channels} channels do not split into {kv_heads} KV heads")
     d = channels // kv_heads
@@ -91,23 +105,24 @@ def open_chunk(data: bytes):
 
 
 def decode_chunk(data: bytes, out: torch.Tensor, *, anchor_only: bool = False) -> torch.Tensor:
-    """Fill ``out`` (``[2, L, T, H*D]``) with the chunk stored in ``data``; shapes must match."""
+    """Fill ``out`` (a chunk tensor, see :func:`as_pairs`) with the chunk stored in ``data``; shapes must match."""
     with open_chunk(data) as cache:
         h = cache.header
         want = (2, h.layers, h.tokens, h.kv_heads * h.head_dim)
-        if tuple(out.shape) != want:
+        if as_pairs(out.shape) != want:
             raise FormatError(f"chunk: the stored cache is {list(want)}, the buffer is {list(out.shape)}",
                               field="shape")
         kv = cache.load_kv(anchor_only=anchor_only, dtype=out.dtype)
+    pairs = out.view(want)
     for i, (k, v) in enumerate(kv):
-        out[0, i].copy_(k.permute(1, 0, 2).reshape(h.tokens, -1))
-        out[1, i].copy_(v.permute(1, 0, 2).reshape(h.tokens, -1))
+        pairs[0, i].copy_(k.permute(1, 0, 2).reshape(h.tokens, -1))
+        pairs[1, i].copy_(v.permute(1, 0, 2).reshape(h.tokens, -1))
     return out
 
 
 def max_chunk_bytes(shape: tuple[int, ...], scheme: Scheme = DEFAULT) -> int:
     """An upper bound on :func:`encode_chunk`'s output for a chunk of ``shape`` (what LMCache allocates)."""
-    _, layers, tokens, channels = shape
+    _, layers, tokens, channels = as_pairs(shape)
     elements = 2 * layers * tokens * channels
     chunks = -(-tokens // scheme.chunk)
     meta = 2 * layers * channels * chunks * 2 * 4  # offset + scale per channel and chunk, for K and V, <= 4 bytes
