@@ -467,6 +467,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     w._f = open(w.temp_path, "rb+")
     try:
         yield w.temp_path
+    except OSError as exc:  # the library's own write failed: disk full, permission ...
+        w.abort()
+        raise _storage_error(os.fspath(path), exc) from None
     except BaseException:
         w.abort()
         raise
