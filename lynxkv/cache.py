@@ -22,7 +22,7 @@ import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files
 from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
-from lynxkv.quant import EncodedTensor, dequantize
+from lynxkv.quant import EncodedTensor, dequantize, quantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import exists, open_source, record_location, remove, resolve_location, same_object, write_atomic
 
@@ -77,20 +77,12 @@ def _as_hdt(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
 
 
 def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = DEFAULT, *,
-              quantize_fn: Callable[[torch.Tensor, Scheme], EncodedTensor] | None = None,
               prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
               names: Sequence[str] | None = None) -> EncodedCache:
     """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16), given as
-    per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.kv.cache_to_kv`).
-
-    ``quantize_fn`` defaults to :func:`lynxkv.quant.fast.best_quantize` for the scheme: the Triton kernel on a
-    GPU, the fast CPU path otherwise, the reference where neither supports the scheme; all give the same bits.
-    """
+    per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.kv.cache_to_kv`), on their device
+    (:func:`lynxkv.quant.quantize`); the codes come back to the CPU for the writer."""
     kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
-    if quantize_fn is None:  # the fastest implementation that gives the reference's bits for this scheme
-        from lynxkv.quant.fast import best_quantize
-
-        quantize_fn = best_quantize(scheme)
     if not len(kv):
         raise InputError("kv: expected at least one layer")
     layers, shape, batch, dtype = [], None, None, None
@@ -109,7 +101,7 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
                                  f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
         k3, _ = _as_hdt(pair[0], "keys")
         v3, _ = _as_hdt(pair[1], "values")
-        layers.append((quantize_fn(k3.detach().cpu(), scheme), quantize_fn(v3.detach().cpu(), scheme)))
+        layers.append((quantize(k3.detach(), scheme).to("cpu"), quantize(v3.detach(), scheme).to("cpu")))
     h, t, d = shape
     return EncodedCache(scheme, layers, h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
@@ -377,8 +369,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
-               cache_id: bytes | None = None,
-               quantize_fn: Callable[[torch.Tensor, Scheme], EncodedTensor] | None = None) -> CacheInfo:
+               cache_id: bytes | None = None) -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
@@ -399,7 +390,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         if names is not None:
             enc.names = tuple(names)
     else:
-        enc = encode_kv(kv_or_encoded, scheme, quantize_fn=quantize_fn, prompt_token_ids=prompt_token_ids,
+        enc = encode_kv(kv_or_encoded, scheme, prompt_token_ids=prompt_token_ids,
                         model_fingerprint=model_fingerprint, names=names)
     path = os.fspath(path)
     if single_file:

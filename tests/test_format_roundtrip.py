@@ -122,15 +122,15 @@ def test_tensor_names_batch_dim_and_custom_residual_path(tmp_path):
         assert cache.verify() == [] and len(cache.load_kv()) == 2
 
 
-def test_quantize_fn_is_used():
-    calls = []
+def test_encode_kv_gives_the_reference_codes():
+    from lynxkv.quant import reference
 
-    def spy(x, scheme):
-        calls.append(tuple(x.shape))
-        return quantize(x, scheme)
-
-    encode_kv(make_kv(2, 1, 5, 4), quantize_fn=spy)
-    assert calls == [(1, 5, 4)] * 4
+    kv = make_kv(2, 1, 37, 4)
+    enc = encode_kv(kv)
+    for (k, v), (ek, ev) in zip(kv, enc.layers):
+        for x, e in ((k, ek), (v, ev)):
+            ref = reference.quantize(x, enc.scheme)
+            assert all(torch.equal(getattr(ref, f), getattr(e, f)) for f in ("anchor", "residual", "offset", "scale"))
 
 
 @pytest.mark.parametrize("kv,match", [

@@ -93,8 +93,8 @@ def test_tier_copy_keeps_the_source(cache, tmp_path, capsys):
     assert verify_file(dest, allow_locations=[os.path.dirname(path)]) == []
 
 
-def test_single_file_cache_copies_from_disk_and_over_tcp(tmp_path, capsys):
-    from lynxkv.stream.tcp import CacheServer, SegmentFile
+def test_single_file_cache_copies_from_disk_and_over_http(tmp_path, capsys):
+    from lynxkv.stream.http_server import CacheServer, load_served_cache
 
     anchor, _ = cache_bytes(random_kv(layers=2, heads=2, tokens=300, dim=16), single_file=True)
     src = write_pair(tmp_path, anchor, None, name="one")
@@ -102,9 +102,9 @@ def test_single_file_cache_copies_from_disk_and_over_tcp(tmp_path, capsys):
     assert main(["stream", src, "-o", str(disk)]) == 0
     assert disk.read_bytes() == anchor
     capsys.readouterr()
-    with CacheServer(SegmentFile("one.lynx", anchor), None).start() as srv:
+    with CacheServer(load_served_cache(src)) as srv:
         wire = tmp_path / "wire" / "one.lynx"
-        assert main(["stream", f"tcp://127.0.0.1:{srv.port}", "-o", str(wire), "--json"]) == 0
+        assert main(["stream", srv.url, "-o", str(wire), "--json"]) == 0
     assert wire.read_bytes() == anchor
     out = json.loads(capsys.readouterr().out)
     assert out["anchor_bytes"] + out["residual_bytes"] == len(anchor) and out["residual_ready_s"] is not None

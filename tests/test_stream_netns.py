@@ -1,23 +1,22 @@
 """A real shaped link: a network namespace joined to the host by a veth pair, its egress shaped by the kernel
-(tc HTB at 20 Mbit/s, one class per DSCP class: EF borrows first, everything else after). ``lynxkv serve`` runs
-inside the namespace with application priority OFF, so both connections send at once and only the DSCP marks
+(tc HTB at 20 Mbit/s, one class per DSCP class: EF borrows first, everything else after). ``lynxkv serve`` (HTTP)
+runs inside the namespace without a rate of its own, so both responses are sent at once and only the DSCP marks
 decide: marked, the anchor finishes in about anchor_bytes / rate; unmarked, it shares the link with the residual
 and finishes much later. Needs root and iproute2 (``ip netns``, ``tc``); skips with the reason otherwise."""
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 from fixtures_s3 import synthetic_cache_bytes, write_pair
-
-from lynxkv.stream.tcp import TcpSource
 
 pytestmark = pytest.mark.network
 
@@ -35,6 +34,7 @@ def shaped_namespace():
     if not shutil.which("ip") or not shutil.which("tc"):
         pytest.skip("iproute2 (ip, tc) is not installed")
     ns, host_if, ns_if = f"lynx{os.getpid()}", f"lxh{os.getpid() % 100000}", f"lxn{os.getpid() % 100000}"
+    net = f"10.77.{os.getpid() % 250}"  # a subnet of its own: another run at the same time must not clash
     try:
         _sh("ip", "netns", "add", ns)
     except (subprocess.CalledProcessError, OSError) as exc:
@@ -42,9 +42,9 @@ def shaped_namespace():
     try:
         _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         _sh("ip", "link", "set", ns_if, "netns", ns)
-        _sh("ip", "addr", "add", "10.77.0.2/24", "dev", host_if)
+        _sh("ip", "addr", "add", f"{net}.2/24", "dev", host_if)
         _sh("ip", "link", "set", host_if, "up")
-        _sh("ip", "-n", ns, "addr", "add", "10.77.0.1/24", "dev", ns_if)
+        _sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", ns_if)
         _sh("ip", "-n", ns, "link", "set", ns_if, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         tc = ("tc", "-n", ns)
@@ -61,32 +61,36 @@ def shaped_namespace():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         pytest.skip(f"cannot build the shaped veth link: {getattr(exc, 'stderr', exc)}")
     try:
-        yield ns
+        yield ns, f"{net}.1"
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # removes the veth pair too
         subprocess.run(["ip", "link", "del", host_if], capture_output=True)
 
 
-def _transfer(ns: str, path: str, marks: bool) -> dict:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "lynxkv", "serve", path, "--host", "10.77.0.1",
-           "--port", "0", "--once", "--no-app-priority"]
+def _transfer(ns: tuple[str, str], path: str, marks: bool) -> dict:
+    ns, addr = ns
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "lynxkv", "serve", path, "--host", addr,
+           "--port", "0", "--once", "--json"]
     if marks:
         cmd += ["--dscp-anchor", "EF", "--dscp-residual", "CS1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        lines = []
-        while not lines or not re.search(r"10\.77\.0\.1:(\d+)", lines[-1]):
-            lines.append(proc.stderr.readline())
-            assert lines[-1] or proc.poll() is None, "".join(lines)
-        port = int(re.search(r"10\.77\.0\.1:(\d+)", lines[-1]).group(1))
+        lines: list[str] = []
+        while not lines or lines[-1] != "}\n":
+            lines.append(proc.stdout.readline())
+            assert lines[-1], proc.stderr.read()
+        info = json.loads("".join(lines))
+        base = info["url"].rsplit("/", 1)[0]
         done: dict = {}
         t0 = time.perf_counter()
 
-        def pull(stream: str) -> None:
-            n = sum(len(d) for _, d in TcpSource(f"tcp://10.77.0.1:{port}", stream))
+        def pull(stream: str, url: str) -> None:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                n = len(r.read())
             done[stream] = (time.perf_counter() - t0, n)
 
-        threads = [threading.Thread(target=pull, args=(s,)) for s in ("anchor", "residual")]
+        threads = [threading.Thread(target=pull, args=("anchor", info["url"])),
+                   threading.Thread(target=pull, args=("residual", f"{base}/{info['residual']['path']}"))]
         for t in threads:
             t.start()
         for t in threads:
@@ -96,6 +100,7 @@ def _transfer(ns: str, path: str, marks: bool) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.stdout.close()
         proc.stderr.close()
 
 

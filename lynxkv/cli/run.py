@@ -122,7 +122,7 @@ def compare_table(rows: list[dict], link_text: str):
 
 @app.command()
 def run(
-    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file, or tcp://HOST:PORT."),
+    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve)."),
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
     dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
                               "cache is converted to it, whatever dtype it stores)."),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import typer
@@ -29,7 +28,7 @@ def _progress():
 
 @app.command()
 def stream(
-    source: str = typer.Argument(..., help="Cache to load: path or URL of the anchor file, or tcp://HOST:PORT."),
+    source: str = typer.Argument(..., help="Cache to load: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve)."),
     output: str = typer.Option(None, "-o", "--output", help="Save the received cache here (path or URL)."),
     residual: str = typer.Option(None, "--residual", help="Read the residual from here instead of the "
                                  "location the anchor header records."),
@@ -112,44 +111,36 @@ def stream(
 @app.command()
 def serve(
     cache: str = typer.Argument(..., help="The cache to serve: path or URL of its anchor file."),
-    port: int = typer.Option(7070, "--port", help="TCP port (0 picks a free one; the port is printed)."),
+    port: int = typer.Option(7070, "--port", min=0, max=65535, help="TCP port (0 picks a free one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    residual: str = typer.Option(None, "--residual", help="Residual location override."),
-    bandwidth: str = typer.Option(None, "--bandwidth", help="Rate limit shared by both connections, e.g. 1Gbps."),
-    latency: str = typer.Option(None, "--latency", help="Emulated latency added to the rate limit, e.g. 2ms."),
-    dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of the anchor connection (EF, AF41, 46)."),
-    dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of the residual connection (CS1)."),
-    once: bool = typer.Option(False, "--once", help="Exit after the cache has been sent completely once."),
-    app_priority: bool = typer.Option(True, "--app-priority/--no-app-priority", help="Hold the residual until "
-                                      "the anchor is sent (default), or send both at once and leave the order to "
-                                      "the network's DSCP classes."),
+    residual: str = typer.Option(None, "--residual", help="The residual to serve, when the anchor records it "
+                                 "outside its own directory (absolute path or URL)."),
+    bandwidth: str = typer.Option(None, "--bandwidth", help="Pace all responses to this rate, e.g. 1Gbps: the "
+                                  "anchor strictly first, clients served in turn."),
+    dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of anchor responses (EF, AF41, 46)."),
+    dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of residual responses (CS1)."),
+    max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open connections at most."),
+    idle_timeout: float = typer.Option(30.0, "--idle-timeout", min=0.1, help="Seconds before an idle "
+                                       "connection, or a client that stops reading, is dropped."),
+    once: bool = typer.Option(False, "--once", help="Exit after every byte of the cache has been sent once."),
+    as_json: bool = typer.Option(False, "--json", help="Print the address and resources as one JSON line."),
 ) -> None:
-    """Serve a cache over TCP: the anchor and the residual on separate connections, anchor first."""
-    from lynxkv.format import constants as c
-    from lynxkv.storage import local_path, read_all, resolve_location
-    from lynxkv.stream.tcp import CacheServer, SegmentFile, parse_dscp
-    from lynxkv.stream.tier import anchor_header_of
-    from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
+    """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests."""
+    from lynxkv.stream.http_server import CacheServer, load_served_cache, parse_dscp
+    from lynxkv.stream.units import format_rate, parse_bandwidth
 
-    anchor = read_all(cache)
-    h = anchor_header_of(anchor)
-    seg = h.segment(c.SEGMENT_RESIDUAL)
-    res_file = None
-    if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
-        rurl = residual or resolve_location(cache, seg.location)
-        res_file = SegmentFile(seg.location, read_all(rurl))
-    name = os.path.basename(local_path(cache).rstrip("/"))
+    served = load_served_cache(cache, residual)
     bw = parse_bandwidth(bandwidth)
-    server = CacheServer(SegmentFile(name, anchor), res_file, host=host, port=port, bandwidth=bw,
-                         latency=parse_duration(latency), dscp_anchor=parse_dscp(dscp_anchor),
-                         dscp_residual=parse_dscp(dscp_residual), app_priority=app_priority,
-                         log=lambda msg: err.print(msg, highlight=False))
-    err.print(f"serving {cache} on tcp://{server.host}:{server.port} (rate {format_rate(bw)})", highlight=False,
-              soft_wrap=True)
+    server = CacheServer(served, host=host, port=port, bandwidth=bw, dscp_anchor=parse_dscp(dscp_anchor),
+                         dscp_residual=parse_dscp(dscp_residual), max_connections=max_connections,
+                         idle_timeout=idle_timeout, log=lambda msg: err.print(msg, highlight=False))
+    if as_json:
+        print_json(server.describe())
+    if served.relocated:
+        err.print(f"the anchor is served recording its residual as {served.residual.path}", highlight=False)
+    err.print(f"serving {cache} at {server.url} (rate {format_rate(bw)})", highlight=False, soft_wrap=True)
     try:
-        done = (lambda: server.stats.completed["anchor"] >= 1 and
-                (res_file is None or server.stats.completed["residual"] >= 1)) if once else None
-        server.serve_forever(until=done)
+        server.serve_forever(until=server.sent_once if once else None)
     except KeyboardInterrupt:
         pass
     finally:

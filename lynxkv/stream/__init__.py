@@ -8,7 +8,7 @@ Load a cache progressively (the :class:`~lynxkv.loading.CacheLoad` the decode ru
     from lynxkv.stream import open_progressive
 
     load = open_progressive("s3://bucket/x.lynx",            # or a path, file://, http(s)://, memory://,
-                            bandwidth="1Gbps", latency="2ms",  # or tcp://HOST:PORT of `lynxkv serve`
+                            bandwidth="1Gbps", latency="2ms",  # or http://HOST:PORT/x.lynx of `lynxkv serve`
                             on_event=print)                   # anchor_page ... anchor_ready, residual_page ...
     draft_kv = load.wait_anchor()            # per layer (K, V) [H, T, D], anchor only (lossy)
     full_kv = load.residual.result()         # anchor + residual, exactly what open_cache(...).load_kv() gives
@@ -17,15 +17,15 @@ Load a cache progressively (the :class:`~lynxkv.loading.CacheLoad` the decode ru
     load.close()
 
 Move segments between tiers with their checksums checked (``lynxkv.stream.tier.move_cache``, ``lynxkv tier``),
-save a streamed copy (``lynxkv.stream.received.ReceivedCopy``, ``lynxkv stream -o``), serve a cache over two TCP
-connections with strict anchor priority and DSCP marks (``lynxkv.stream.tcp.CacheServer``, ``lynxkv serve``), and
-emulate a shared link (``EmulatedLink``). Bytes at rest (paths, URLs, ranged reads, atomic writes, locations) are
+save a streamed copy (``lynxkv.stream.received.ReceivedCopy``, ``lynxkv stream -o``), serve a cache over HTTP
+with strict anchor priority, fairness between clients and DSCP marks (``lynxkv.stream.http_server.CacheServer``,
+``lynxkv serve``), and emulate a shared link (``EmulatedLink``). Bytes at rest (paths, URLs, ranged reads, atomic writes, locations) are
 the storage layer's, :mod:`lynxkv.storage`.
 
 Modules: ``units`` (1Gbps, 2ms, sizes), ``link`` (one token bucket, strict priority), ``buffer`` (a bounded byte
-source fed by a stream), ``transport`` (how segment bytes arrive: ranged reads through the storage layer, TCP;
+source fed by a stream), ``transport`` (how segment bytes arrive: ranged reads through the storage layer, and
 the interface a new transport implements), ``progressive`` (the consumer: priority, events, ETA, pages,
-dequantization), ``tcp`` (the wire protocol, server, client), ``tier`` (moving segments), ``received`` (saving a
+dequantization), ``http_server`` (``lynxkv serve``), ``tier`` (moving segments), ``received`` (saving a
 streamed copy), ``report`` (what ``lynxkv stream`` prints).
 """
 

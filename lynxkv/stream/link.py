@@ -41,6 +41,26 @@ class StreamStats:
         return self.bytes / (self.last_s - self.first_s)
 
 
+class TokenBucket:
+    """The bucket of the module docstring (debt model, capped at ``burst``, starting empty after an idle spell).
+    Not thread-safe: its owner serialises calls (a lock, or one event loop)."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self._tokens = 0.0
+        self._refilled_at: float | None = None  # the bucket starts empty at the first debit
+
+    def debit(self, n: int, now: float, *, restart: bool = False) -> float:
+        """Take ``n`` bytes' worth of tokens at time ``now``; return the seconds to wait until the debt is paid.
+        ``restart``: the link was idle, so the bucket starts empty (no credit for idle time)."""
+        if self._refilled_at is None or restart:
+            self._refilled_at, self._tokens = now, 0.0
+        self._tokens = min(self.burst, self._tokens + (now - self._refilled_at) * self.rate)
+        self._refilled_at = now
+        self._tokens -= n
+        return max(0.0, -self._tokens / self.rate)
+
+
 class EmulatedLink:
     """A shared, rate-limited, strictly prioritised link (``bandwidth=None``: priority only, no rate limit)."""
 
@@ -55,8 +75,7 @@ class EmulatedLink:
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._waiting = [0, 0]  # blocks waiting for a grant, per stream
-        self._tokens = 0.0
-        self._refilled_at: float | None = None  # the bucket starts empty at the first send
+        self._bucket = TokenBucket(bandwidth, self.burst) if bandwidth else None
         self._idle = True
         self.stats = (StreamStats(), StreamStats())
 
@@ -117,13 +136,8 @@ class EmulatedLink:
         if self.bandwidth is None:
             return
         with self._cond:
-            now = time.perf_counter()
-            if self._refilled_at is None or self._idle:  # after an idle spell the bucket starts empty:
-                self._refilled_at, self._tokens, self._idle = now, 0.0, False  # no credit for idle time
-            self._tokens = min(self.burst, self._tokens + (now - self._refilled_at) * self.bandwidth)
-            self._refilled_at = now
-            self._tokens -= n
-            wait = -self._tokens / self.bandwidth
+            wait = self._bucket.debit(n, time.perf_counter(), restart=self._idle)
+            self._idle = False
         if wait > 0:
             time.sleep(wait)
 

@@ -20,8 +20,7 @@ what its parser has used, ranged reads keep ``inflight x block_size`` bytes in f
 ``max_pending_pages`` decoded residual pages wait for the consumer. What the load produces is held as it must be:
 the anchor codes of each page until its residual page arrives (to rebuild the full code), and the two KV outputs.
 
-Residual failures. Transient transport errors are retried with backoff inside the pump (see ``transport`` and
-``tcp``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
+Residual failures. Transient transport errors are retried with backoff inside the pump (see ``transport``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
 object, a connection that keeps failing. Then ``residual`` fails with that LynxError and
 ``timeline.residual_failed`` says why. With ``allow_anchor_only=False`` (the default) the whole load is failed:
 ``wait_anchor`` and the event iterator raise too. With ``allow_anchor_only=True`` the anchor stays usable, the
@@ -455,7 +454,7 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
-    ``tcp://HOST:PORT`` of ``lynxkv serve``. ``residual`` overrides where the residual lives (default: the location
+    ``http://HOST:PORT/NAME`` of ``lynxkv serve``. ``residual`` overrides where the residual lives (default: the location
     the anchor header records, followed under the trust rule of :func:`lynxkv.storage.resolve_location`: inside
     the anchor's directory, or under a prefix of ``allow_locations`` / ``$LYNXKV_ALLOW_LOCATIONS``). ``bandwidth`` (``"1Gbps"``, bytes/s as a number) and
     ``latency`` (``"2ms"``) put both streams through one emulated link with strict anchor priority.

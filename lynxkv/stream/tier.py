@@ -63,11 +63,14 @@ def check_cache_bytes(anchor: bytes, residual: bytes | None = None) -> int:
 
 
 def relocate_residual(anchor: bytes, location: str) -> bytes:
-    """The anchor file ``anchor`` with its external residual recorded at ``location`` (relative path or URL)."""
+    """The anchor file ``anchor`` with its external residual recorded at ``location`` (relative path or URL).
+
+    A single file's inline residual becomes external: the result is the anchor file of a two-file cache whose
+    residual file is the old residual section, byte for byte (spec/FORMAT.md §2)."""
     h = anchor_header_of(anchor)
     seg = h.segment(c.SEGMENT_RESIDUAL)
-    if seg is None or seg.placement != c.PLACEMENT_EXTERNAL:
-        raise InputError("this cache keeps its residual inside the anchor file; there is no location to change")
+    if seg is None:
+        raise InputError("this cache has no residual segment; there is no location to change")
     if len(location.encode("utf-8")) > c.MAX_LOCATION:
         raise InputError(f"residual location: at most {c.MAX_LOCATION} bytes")
     a_seg = h.segments[0]
@@ -75,7 +78,8 @@ def relocate_residual(anchor: bytes, location: str) -> bytes:
 
     def header(offset: int) -> AnchorHeader:
         segs = tuple(replace(s, offset=offset) if s.kind == c.SEGMENT_ANCHOR else
-                     replace(s, location=location) if s.kind == c.SEGMENT_RESIDUAL else s for s in h.segments)
+                     replace(s, placement=c.PLACEMENT_EXTERNAL, offset=0, location=location)
+                     if s.kind == c.SEGMENT_RESIDUAL else s for s in h.segments)
         return replace(h, segments=segs)
 
     length = len(pack_anchor_header(header(0)))

@@ -327,63 +327,8 @@ class StorageTransport:
         self.transfer.close()
 
 
-class TcpTransport:
-    """Both segments from ``lynxkv serve`` (``tcp://HOST:PORT``): one connection each, anchor first; a single
-    file arrives whole on the anchor connection and its residual is parsed from the same buffer."""
-
-    def __init__(self, url: str, transfer: Transfer, *, retry: RetryPolicy | None = None, **_options):
-        self.url = url
-        self.transfer = transfer
-        self.retry = retry or RetryPolicy()
-        self.residual_url: str | None = None
-        self.anchor_size: int | None = None
-        self._manifest: dict = {}
-        self._anchor_buf: StreamBuffer | None = None
-        self._residual_buf: StreamBuffer | None = None
-
-    def _source(self, stream: str):
-        from lynxkv.stream.tcp import TcpSource
-
-        r = self.retry  # a silent connection for ``stall_timeout`` is a stall
-        src = TcpSource(self.url, stream, on_retry=self.transfer.on_retry, attempts=r.attempts, backoff=r.base,
-                        timeout=r.stall_timeout)
-        self.transfer.add_closer(src.close)
-        return src
-
-    def open_anchor(self) -> StreamBuffer:
-        src = self._source("anchor")
-        self._manifest = src.fetch_manifest()
-        size = self.anchor_size = int(self._manifest["anchor"]["size"])
-        buf = self._anchor_buf = self.transfer.buffer(size, "anchor")
-        buf.register("anchor", 0)  # before any residual parser can share this buffer (single file)
-        self.transfer.pump(iter(src), buf, ANCHOR, "anchor", charge_link=True)
-        return buf
-
-    def open_residual(self, header: AnchorHeader) -> StreamBuffer:
-        seg = header.segment(c.SEGMENT_RESIDUAL)
-        self.residual_url = self.url
-        if seg.placement == c.PLACEMENT_INLINE:
-            buf = self._anchor_buf  # the single file arrives whole on the anchor connection
-            buf.register("residual", seg.offset)
-        else:
-            desc = self._manifest.get("residual")
-            if not desc:
-                raise ResidualUnavailable(f"{self.url}: the server offers no residual segment")
-            buf = self.transfer.buffer(int(desc["size"]), "residual")
-            self.transfer.pump(iter(self._source("residual")), buf, RESIDUAL, "residual", charge_link=True)
-        self._residual_buf = buf
-        return buf
-
-    def abandon_residual(self, exc: BaseException) -> None:
-        if self._residual_buf is not None and self._residual_buf is not self._anchor_buf:
-            self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
-
-    def close(self) -> None:
-        self.transfer.close()
-
-
 #: Transports by URL scheme; anything else goes through the storage layer (:class:`StorageTransport`).
-TRANSPORTS: dict[str, Callable[..., Transport]] = {"tcp": TcpTransport}
+TRANSPORTS: dict[str, Callable[..., Transport]] = {}
 
 
 def open_transport(url: str, transfer: Transfer, **options) -> Transport:

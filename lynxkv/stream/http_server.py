@@ -1,0 +1,516 @@
+"""``lynxkv serve``: one cache over HTTP (aiohttp), the anchor and the residual as separate resources.
+
+Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
+``<location>`` is the relative location its anchor header records, so the URL of the anchor is all a client
+needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
+or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-b``, ``a-``, ``-n`` -> 206 with
+``Content-Range``), so any HTTP client resumes a transfer with a range request. ``GET /`` is a JSON manifest
+(resource paths, sizes, CRC-32s). Anything else is a clean 4xx with a one-line text body: 404 for another path,
+405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
+itself gets aiohttp's 400.
+
+What is served. Only the cache the user named: the anchor file, and the residual its header records (or the
+``--residual`` override). Both are read once at start-up and checked before the port opens: every header, index
+and page CRC, and the residual's magic and ``cache_id`` against its anchor, so a header that names
+``/etc/passwd`` or another cache's residual is refused, not served. A recorded location that is absolute, a URL,
+or leaves the anchor's directory is followed only when given explicitly with ``--residual``; the anchor is then
+served with its header rewritten to record a relative name (the pages are unchanged), since a client cannot
+follow the server's own paths. The bytes are served from memory, so what goes out is what was checked.
+
+Priority and fairness. With a rate (``bandwidth``) every response goes through one :class:`Egress`: a chunk of
+``quantum`` bytes at a time, anchor chunks strictly before residual chunks, first come first served within a
+class. A response asks for its next chunk only after the previous one was taken by the client's socket, so a
+client that stops reading stops asking: it holds no place in the queue and delays no one (the starvation of a
+"hold the link for the whole segment" design). Within a class the queue is round robin between connections.
+Without a rate nothing is paced; the order is then the network's: each resource's packets carry its DSCP class
+(``IP_TOS`` set on the connection's socket before each response, so one keep-alive connection can carry both),
+which a shaped link (tests/test_stream_netns.py) or a router honours.
+
+Bounds. At most ``max_connections`` connections (at the cap, the longest-idle one is closed to make room; if
+none is idle, the new one is); a connection with no request in progress for ``idle_timeout`` seconds is closed
+(that covers connections that never send a complete request); a response whose client takes no chunk for
+``idle_timeout`` seconds is abandoned. Per connection the server buffers at most about one chunk plus the
+transport's write-buffer limit; one thread runs the event loop whatever the number of clients, and a
+connection's state is dropped when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import posixpath
+import re
+import socket
+import threading
+import time
+import urllib.parse
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+
+from lynxkv.errors import InputError, LynxError
+from lynxkv.stream.link import ANCHOR, RESIDUAL, TokenBucket
+
+QUANTUM = 64 << 10  # bytes per grant: 2.6 ms at 200 Mbit/s, so a residual chunk delays an anchor by little
+WRITE_BUFFER = 256 << 10  # transport write-buffer high-water mark per connection, and its kernel send buffer
+# (a fixed SO_SNDBUF turns off the kernel's autotuning, which would let a client that stops reading swallow MBs)
+
+# DSCP code points (RFC 4594 / 2474); IP_TOS carries DSCP << 2.
+DSCP = {"BE": 0, "CS0": 0, "CS1": 8, "AF11": 10, "AF12": 12, "AF13": 14, "CS2": 16, "AF21": 18, "AF22": 20,
+        "AF23": 22, "CS3": 24, "AF31": 26, "AF32": 28, "AF33": 30, "CS4": 32, "AF41": 34, "AF42": 36,
+        "AF43": 38, "CS5": 40, "EF": 46, "CS6": 48, "CS7": 56}
+
+
+def parse_dscp(value: str | int | None) -> int | None:
+    """``"EF"`` -> 46, ``"cs1"`` -> 8, ``"10"`` -> 10; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) or str(value).isdigit():
+        v = int(value)
+    else:
+        key = str(value).upper()
+        if key not in DSCP:
+            raise InputError(f"DSCP class {value!r}: expected a number 0-63 or one of {', '.join(DSCP)}")
+        v = DSCP[key]
+    if not 0 <= v <= 63:
+        raise InputError(f"DSCP {value!r}: expected 0-63")
+    return v
+
+
+def set_dscp(sock, dscp: int) -> int:
+    """Mark ``sock``'s packets with ``dscp``; return the TOS byte the kernel reports back."""
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, dscp << 2)
+        return sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+    return sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+
+
+# ---------------------------------------------------------------------------------------------------- the cache
+
+
+@dataclass(frozen=True)
+class Resource:
+    name: str  # "anchor" or "residual"
+    path: str  # URL path, without the leading "/"
+    data: bytes
+    crc32: int
+
+
+@dataclass(frozen=True)
+class ServedCache:
+    anchor: Resource
+    residual: Resource | None  # None for a single-file cache (its residual is inside the anchor file)
+    relocated: bool  # the anchor header was rewritten to record the residual's served path
+
+
+def _safe_relative(location: str) -> bool:
+    """A relative location that stays below the anchor's directory (``x.lynxr``, ``cold/x.lynxr``)."""
+    if not location or "://" in location or location.startswith(("/", "\\")) or "\\" in location:
+        return False
+    norm = posixpath.normpath(location)
+    return not (norm == "." or norm.startswith("../") or norm == "..") and norm == location
+
+
+def load_served_cache(cache: str, residual: str | None = None) -> ServedCache:
+    """Read and check the cache the user named (see the module docstring); raise a LynxError if it is not
+    whole, or if its residual is not its own."""
+    from lynxkv.format import constants as c
+    from lynxkv.storage import local_path, read_all, resolve_location
+    from lynxkv.stream.tier import anchor_header_of, check_cache_bytes, relocate_residual
+
+    anchor = read_all(cache)
+    h = anchor_header_of(anchor)
+    seg = h.segment(c.SEGMENT_RESIDUAL)
+    name = posixpath.basename(local_path(cache).rstrip("/")) or "cache.lynx"
+    res_bytes = None
+    relocated = False
+    res_path = None
+    if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
+        if residual is None and not _safe_relative(seg.location):
+            raise InputError(f"{cache}: the anchor records its residual at {seg.location!r}, outside the anchor's "
+                             "directory; name the residual to serve with --residual")
+        res_bytes = read_all(residual or resolve_location(cache, seg.location))
+        if _safe_relative(seg.location):
+            res_path = seg.location
+        else:
+            res_path = (name + "r") if name.endswith(".lynx") else name + ".lynxr"
+            anchor = relocate_residual(anchor, res_path)
+            relocated = True
+    try:
+        check_cache_bytes(anchor, res_bytes)  # every CRC, and the residual's cache_id against the anchor's
+    except LynxError as exc:
+        raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
+    if res_path == name:
+        raise InputError(f"{cache}: the residual's location equals the anchor's name")
+    res = Resource("residual", res_path, res_bytes, zlib.crc32(res_bytes)) if res_bytes is not None else None
+    return ServedCache(Resource("anchor", name, anchor, zlib.crc32(anchor)), res, relocated)
+
+
+# ---------------------------------------------------------------------------------------------------- egress
+
+
+class Egress:
+    """The server's outgoing link: grants of ``quantum`` bytes, anchor strictly before residual, FIFO within a
+    class (round robin between the responses that are ready), paced by a token bucket when ``rate`` is set.
+
+    Only a response that is ready to write waits here; a blocked or idle client is not in any queue."""
+
+    def __init__(self, rate: float | None):
+        self.rate = rate
+        self._bucket = TokenBucket(rate, max(QUANTUM, int(rate * 0.005))) if rate else None
+        self._queues: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._idle = True
+
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues)
+
+    async def grant(self, cls: int, nbytes: int) -> None:
+        if self._bucket is None:
+            await asyncio.sleep(0)  # no pacing; still let the other responses run between chunks
+            return
+        loop = asyncio.get_running_loop()
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run())
+        fut = loop.create_future()
+        self._queues[cls].append((fut, nbytes))
+        self._wake.set()
+        await fut  # on cancellation the future is cancelled and the dispatcher skips it
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = None
+            for q in self._queues:  # ANCHOR first
+                while q and item is None:
+                    fut, n = q.popleft()
+                    if not fut.done():
+                        item = (fut, n)
+                if item:
+                    break
+            if item is None:
+                self._idle = True
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            fut, n = item
+            wait = self._bucket.debit(n, loop.time(), restart=self._idle)
+            self._idle = False
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not fut.done():
+                fut.set_result(None)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+
+class HTTPRefusal(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single-range ``Range`` header (None: the whole resource)."""
+    if header is None:
+        return None
+    header = header.strip()
+    if "," in header:
+        raise HTTPRefusal(416, "multiple ranges are not supported; ask for one range at a time",
+                          {"Content-Range": f"bytes */{size}"})
+    m = _RANGE.fullmatch(header)
+    if not m or not (m.group(1) or m.group(2)) or len(header) > 64:
+        raise HTTPRefusal(400, "malformed Range header: expected bytes=START-END, bytes=START- or bytes=-N")
+    a, b = m.group(1), m.group(2)
+    if not a:  # the last N bytes
+        n = int(b)
+        if n == 0:
+            raise HTTPRefusal(416, "empty suffix range", {"Content-Range": f"bytes */{size}"})
+        return max(0, size - n), size
+    start = int(a)
+    end = min(int(b) + 1, size) if b else size
+    if b and int(b) < start:
+        raise HTTPRefusal(400, f"malformed Range header: end {b} before start {a}")
+    if start >= size:
+        raise HTTPRefusal(416, f"range starts at {start}, the resource has {size} bytes",
+                          {"Content-Range": f"bytes */{size}"})
+    return start, end
+
+
+@dataclass
+class ServerStats:
+    requests: list = field(default_factory=list)  # dicts: resource, start, end, sent, tos, status, seconds
+    refused: int = 0  # connections closed at the cap
+    evicted: int = 0  # idle connections closed to make room, or after idle_timeout
+    peak_connections: int = 0
+    _covered: dict = field(default_factory=lambda: {"anchor": [], "residual": []})
+
+    def cover(self, resource: str, start: int, end: int) -> None:
+        spans = sorted(self._covered[resource] + [(start, end)])
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self._covered[resource] = merged
+
+    def covered(self, resource: str, size: int) -> bool:
+        """Every byte of the resource has been sent at least once."""
+        return self._covered[resource] == [(0, size)] or size == 0
+
+
+@dataclass
+class _Conn:
+    since: float  # when it last became idle (or connected)
+    active: int = 0  # requests in progress
+
+
+class CacheServer:
+    """Serves one :class:`ServedCache` over HTTP on ``host:port`` (0: a free port); see the module docstring.
+
+    ``start()`` runs it on a thread of its own (``with CacheServer(...) as srv:``); ``serve_forever(until)`` runs
+    it on the calling thread until ``until()`` is true or ``close()`` is called."""
+
+    def __init__(self, cache: ServedCache, *, host: str = "127.0.0.1", port: int = 0,
+                 bandwidth: float | None = None, dscp_anchor: int | None = None, dscp_residual: int | None = None,
+                 max_connections: int = 1024, idle_timeout: float = 30.0, quantum: int = QUANTUM,
+                 log: Callable[[str], None] | None = None):
+        self.cache = cache
+        self.resources = {"/" + urllib.parse.quote(cache.anchor.path): cache.anchor}
+        if cache.residual is not None:
+            self.resources["/" + urllib.parse.quote(cache.residual.path)] = cache.residual
+        self.bandwidth = bandwidth
+        self.dscp = {"anchor": dscp_anchor, "residual": dscp_residual}
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.quantum = quantum
+        self.log = log or (lambda msg: None)
+        self.stats = ServerStats()
+        self._sock = socket.create_server((host, port), backlog=256)
+        self._sock.setblocking(False)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._conns: dict = {}  # aiohttp RequestHandler -> _Conn
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    # -- addresses
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The anchor's URL: what a client opens."""
+        return self.base_url + "/" + urllib.parse.quote(self.cache.anchor.path)
+
+    def describe(self) -> dict:
+        res = self.cache.residual
+        return {"url": self.url, "host": self.host, "port": self.port,
+                "anchor": {"path": self.cache.anchor.path, "size": len(self.cache.anchor.data),
+                           "crc32": self.cache.anchor.crc32},
+                "residual": None if res is None else {"path": res.path, "size": len(res.data), "crc32": res.crc32},
+                "relocated": self.cache.relocated}
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def sent_once(self) -> bool:
+        """Every byte of the anchor and of the residual has gone out at least once."""
+        c = self.cache
+        return self.stats.covered("anchor", len(c.anchor.data)) and (
+            c.residual is None or self.stats.covered("residual", len(c.residual.data)))
+
+    # -- lifecycle
+    def start(self) -> "CacheServer":
+        self._thread = threading.Thread(target=self.serve_forever, name="lynxkv-serve", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise LynxError("the HTTP server did not start")
+        return self
+
+    def serve_forever(self, until: Callable[[], bool] | None = None) -> None:
+        asyncio.run(self._main(until))
+
+    def close(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "CacheServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def _main(self, until: Callable[[], bool] | None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._egress = Egress(self.bandwidth)
+        server = _Server(self, self._handle, keepalive_timeout=self.idle_timeout, max_line_size=8190,
+                         max_field_size=8190)
+        aserver = await self._loop.create_server(server, sock=self._sock, backlog=256)
+        watchdog = self._loop.create_task(self._watchdog(until))
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            watchdog.cancel()
+            aserver.close()
+            await server.shutdown(1.0)
+            self._egress.close()
+            for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                t.cancel()
+            self._conns.clear()
+
+    async def _watchdog(self, until: Callable[[], bool] | None) -> None:
+        """Close connections idle for longer than ``idle_timeout``; stop once ``until()`` holds."""
+        while True:
+            await asyncio.sleep(min(0.2, self.idle_timeout / 4))
+            now = time.monotonic()
+            for handler, st in list(self._conns.items()):
+                if st.active == 0 and now - st.since > self.idle_timeout:
+                    self.stats.evicted += 1
+                    handler.force_close()
+                    if handler.transport is not None:
+                        handler.transport.abort()
+            if until is not None and until():
+                await asyncio.sleep(0.05)  # let the last response finish
+                self._stop.set()
+                return
+
+    # -- connections (called by _Server)
+    def _connected(self, handler, transport) -> bool:
+        """Admit a new connection, or make room for it, or refuse it. Returns False when it was refused."""
+        if len(self._conns) >= self.max_connections:
+            idle = [(st.since, h) for h, st in self._conns.items() if st.active == 0]
+            if not idle:
+                self.stats.refused += 1
+                transport.abort()
+                return False
+            _, oldest = min(idle, key=lambda x: x[0])
+            self.stats.evicted += 1
+            self._conns.pop(oldest, None)
+            oldest.force_close()
+            if oldest.transport is not None:
+                oldest.transport.abort()
+        transport.set_write_buffer_limits(high=WRITE_BUFFER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, WRITE_BUFFER)
+        self._conns[handler] = _Conn(time.monotonic())
+        self.stats.peak_connections = max(self.stats.peak_connections, len(self._conns))
+        return True
+
+    def _disconnected(self, handler) -> None:
+        self._conns.pop(handler, None)
+
+    # -- requests
+    async def _handle(self, request):
+        st = self._conns.get(request.protocol)
+        if st is not None:
+            st.active += 1
+        try:
+            return await self._respond(request)
+        except HTTPRefusal as exc:
+            return web.Response(status=exc.status, text=f"lynxkv: {exc}\n", headers=exc.headers)
+        finally:
+            if st is not None:
+                st.active -= 1
+                st.since = time.monotonic()
+
+    async def _respond(self, request):
+        if request.method not in ("GET", "HEAD"):
+            raise HTTPRefusal(405, f"method {request.method} not allowed: GET or HEAD", {"Allow": "GET, HEAD"})
+        if request.path in ("/", "/manifest.json"):
+            return web.Response(text=json.dumps(self.describe()) + "\n", content_type="application/json")
+        res = self.resources.get(request.raw_path.split("?", 1)[0])
+        if res is None:
+            raise HTTPRefusal(404, f"no such resource: {request.path[:200]}; this server has "
+                              + ", ".join(self.resources))
+        size = len(res.data)
+        rng = parse_range(request.headers.get("Range"), size)
+        start, end = rng if rng is not None else (0, size)
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
+                   "ETag": f'"{res.crc32:08x}"', "Content-Length": str(end - start)}
+        if rng is not None:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        status = 206 if rng is not None else 200
+        tos = None
+        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+        dscp = self.dscp[res.name]
+        if sock is not None and dscp is not None:
+            tos = set_dscp(sock, dscp)
+        record = {"resource": res.name, "start": start, "end": end, "sent": 0, "tos": tos, "status": status,
+                  "seconds": None}
+        self.stats.requests.append(record)
+        if len(self.stats.requests) > 10000:  # a bounded log
+            del self.stats.requests[:5000]
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.content_length = end - start
+        if request.method == "HEAD":
+            await resp.prepare(request)
+            return resp
+        t0 = time.perf_counter()
+        await resp.prepare(request)
+        cls = ANCHOR if res.name == "anchor" else RESIDUAL
+        view = memoryview(res.data)
+        try:
+            for a in range(start, end, self.quantum):
+                b = min(a + self.quantum, end)
+                await self._egress.grant(cls, b - a)
+                await asyncio.wait_for(resp.write(view[a:b]), self.idle_timeout)
+                record["sent"] += b - a
+            await asyncio.wait_for(resp.write_eof(), self.idle_timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            self.log(f"{res.name} response to {request.remote} abandoned after {record['sent']} bytes: "
+                     f"{type(exc).__name__}")
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
+        record["seconds"] = time.perf_counter() - t0
+        self.stats.cover(res.name, start, end)
+        return resp
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server with the connection accounting of :class:`CacheServer`."""
+
+    def __init__(self, owner: CacheServer, handler, **kwargs):
+        super().__init__(handler, **kwargs)
+        self._owner = owner
+
+    def connection_made(self, handler, transport) -> None:
+        if self._owner._connected(handler, transport):
+            super().connection_made(handler, transport)
+
+    def connection_lost(self, handler, exc=None) -> None:
+        self._owner._disconnected(handler)
+        super().connection_lost(handler, exc)

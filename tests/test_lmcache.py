@@ -1,0 +1,217 @@
+"""The lynx serde and storage tier inside LMCache 0.5.6 (``make test-lmcache``: its own venv, marker ``lmcache``).
+
+Everything goes through LMCache's own machinery: the serde is built by ``create_serde_processor`` from the config
+dict a tier carries, the tier by LMCache's plugin loader from ``{"type": "plugin", "module_path": ...}``, the
+buffers are LMCache ``TensorMemoryObj``s; ``lmcache server`` is started with the README's command line. CPU,
+loopback, no model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.lmcache
+lmcache = pytest.importorskip("lmcache", reason="LMCache is not installed here: run `make test-lmcache`")
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
+
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry  # noqa: E402
+from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig  # noqa: E402
+from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor  # noqa: E402
+from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
+
+from lynxkv.cache import open_cache, verify_file  # noqa: E402
+from lynxkv.cli import main  # noqa: E402
+
+MODEL = "org/tiny-llama"
+SHAPE = (2, 3, 256, 2 * 32)  # [K/V, layers, tokens, kv_heads * head_dim]
+
+
+def tier_spec(hot, cold) -> dict:
+    return {"type": "plugin", "module_path": "lynxkv.integrations.lmcache.adapter", "class_name": "LynxL2Adapter",
+            "adapter_params": {"anchor_path": str(hot), "residual_path": str(cold)},
+            "serde": {"type": "lynx", "kv_heads": 2}}
+
+
+def memobj(tensor: torch.Tensor) -> TensorMemoryObj:
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+    return TensorMemoryObj(raw, MemoryObjMetadata(tensor.shape, tensor.dtype, 0, raw.numel(), 1), None)
+
+
+def wait(poll, timeout=30.0):
+    t0 = time.monotonic()
+    while (r := poll()) is None or r == {}:
+        assert time.monotonic() - t0 < timeout, "LMCache task did not complete"
+        time.sleep(0.01)
+    return r
+
+
+class Tier:
+    """The lynx tier and its serde as LMCache builds them from a tier spec."""
+
+    def __init__(self, hot, cold):
+        spec = tier_spec(hot, cold)
+        self.adapter = create_l2_adapter_from_registry(PluginL2AdapterConfig.from_dict(spec))
+        self.serde = create_serde_processor(SerdeConfig("lynx", {"kv_heads": 2}))
+        self.size = self.serde.estimate_serialized_size(MemoryLayoutDesc([torch.Size(SHAPE)], [torch.float16]))
+
+    def store(self, keys, chunks) -> None:
+        temps = [memobj(torch.zeros(self.size, dtype=torch.uint8)) for _ in keys]
+        tid = self.serde.submit_serialize([memobj(c) for c in chunks], temps, keys)
+        assert wait(lambda: self.serde.query_serialize_result(tid)) is True
+        tid = self.adapter.submit_store_task(keys, temps)
+        assert wait(self.adapter.pop_completed_store_tasks)[tid].is_successful()
+
+    def lookup(self, keys) -> list[int]:
+        tid = self.adapter.submit_lookup_and_lock_task(keys, {})
+        return wait(lambda: self.adapter.query_lookup_and_lock_result(tid)).get_indices_list()
+
+    def retrieve(self, keys) -> list[torch.Tensor | None]:
+        temps = [memobj(torch.zeros(self.size, dtype=torch.uint8)) for _ in keys]
+        tid = self.adapter.submit_load_task(keys, temps)
+        hits = wait(lambda: self.adapter.query_load_result(tid)).get_indices_list()
+        outs: list = [None] * len(keys)
+        if hits:
+            dsts = [memobj(torch.zeros(SHAPE, dtype=torch.float16)) for _ in hits]
+            sid = self.serde.submit_deserialize([temps[i] for i in hits], dsts, [keys[i] for i in hits])
+            assert wait(lambda: self.serde.query_deserialize_result(sid)) is True
+            for i, d in zip(hits, dsts):
+                outs[i] = d.tensor.clone()
+        return outs
+
+    def close(self) -> None:
+        self.adapter.close()
+        self.serde.close()
+
+
+def chunks(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(SHAPE, generator=g).to(torch.float16) for _ in range(n)]
+
+
+def keys(n: int) -> list[ObjectKey]:
+    return [ObjectKey(bytes([i + 1]) * 8, MODEL, 0) for i in range(n)]
+
+
+def full_code(hot, cold, key) -> torch.Tensor:
+    """What lynxkv itself decodes from the two stored objects, laid out as the chunk."""
+    from lynxkv.integrations.lmcache.adapter import object_name
+
+    name = object_name(key)
+    with open_cache(os.path.join(hot, name + ".lynx"), residual=os.path.join(cold, name + ".lynxr")) as c:
+        kv = c.load_kv(dtype=torch.float16)
+    return torch.stack([torch.stack([x.permute(1, 0, 2).reshape(SHAPE[2], -1) for x in pair]) for pair in kv], 1)
+
+
+STORE_THEN_EXIT = """
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+from test_lmcache import Tier, chunks, keys
+t = Tier(sys.argv[1], sys.argv[2]); t.store(keys(3), chunks(3)); t.close()
+"""
+
+
+def test_store_in_one_process_retrieve_in_another_bit_exact(tmp_path):
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    here = os.path.dirname(__file__)
+    subprocess.run([sys.executable, "-c", STORE_THEN_EXIT, str(hot), str(cold), here], check=True, timeout=120,
+                   env={**os.environ, "LMCACHE_TRACK_USAGE": "false"})
+    tier = Tier(hot, cold)  # a fresh process's view: nothing in memory, only the two directories
+    try:
+        ks = keys(3) + [ObjectKey(b"\xee" * 8, MODEL, 0), ObjectKey(bytes([1]) * 8, "other/model", 0)]
+        assert tier.lookup(ks) == [0, 1, 2]  # the model name is part of the key
+        got = tier.retrieve(ks)
+    finally:
+        tier.close()
+    assert got[3] is None and got[4] is None
+    for key, x, y in zip(keys(3), chunks(3), got):
+        assert torch.equal(y, full_code(str(hot), str(cold), key))  # bit-exact to the full code
+        assert (y.float() - x.float()).abs().max() < 0.05
+    anchors, residuals = sorted(os.listdir(hot)), sorted(os.listdir(cold))
+    assert len(anchors) == len(residuals) == 3 and all(a.startswith("org%2Ftiny-llama@") for a in anchors)
+    on_disk = sum(os.path.getsize(hot / a) for a in anchors) + sum(os.path.getsize(cold / r) for r in residuals)
+    fp16 = 3 * torch.Size(SHAPE).numel() * 2
+    assert on_disk <= 0.6 * fp16, (on_disk, fp16)
+
+
+def test_stored_objects_are_lynx_segments_verify_and_inspect_read(tmp_path, capsys):
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    tier = Tier(hot, cold)
+    try:
+        tier.store(keys(1), chunks(1))
+    finally:
+        tier.close()
+    anchor = str(hot / os.listdir(hot)[0])
+    residual = str(cold / os.listdir(cold)[0])
+    assert verify_file(anchor) == []  # the anchor finds its residual through the location it records
+    assert main(["verify", anchor, "--json"]) == 0
+    capsys.readouterr()
+    os.rename(residual, residual + ".away")  # the anchor alone: inspect and an anchor-only decode
+    assert main(["inspect", anchor, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kv_heads"] == 2 and info["tokens"] == 256
+    with open_cache(anchor) as c:
+        approx = c.load_kv(anchor_only=True)
+    assert len(approx) == SHAPE[1]
+
+
+def test_a_corrupted_object_is_a_miss_for_that_chunk_only(tmp_path):
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    tier = Tier(hot, cold)
+    try:
+        ks = keys(3)
+        tier.store(ks, chunks(3))
+        from lynxkv.integrations.lmcache.adapter import object_name
+
+        a = hot / (object_name(ks[0]) + ".lynx")
+        data = bytearray(a.read_bytes())
+        data[-3] ^= 0x01  # an anchor page
+        a.write_bytes(bytes(data))
+        r = cold / (object_name(ks[2]) + ".lynxr")
+        data = bytearray(r.read_bytes())
+        data[200] ^= 0x80  # a residual page
+        r.write_bytes(bytes(data))
+        got = tier.retrieve(ks)
+    finally:
+        tier.close()
+    assert got[0] is None and got[2] is None  # misses, never data
+    assert torch.equal(got[1], full_code(str(hot), str(cold), ks[1]))
+
+
+def test_lmcache_server_runs_with_the_lynx_tier(tmp_path):
+    """The README's command line: the server starts, loads the plugin tier and its serde, and serves."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cmd = ["lmcache", "server", "--host", "127.0.0.1", "--port", str(ports[0]), "--http-port", str(ports[1]),
+           "--l1-size-gb", "0.1", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+           "--l2-adapter", json.dumps(tier_spec(tmp_path / "hot", tmp_path / "cold"))]
+    exe = os.path.join(os.path.dirname(sys.executable), "lmcache")
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([exe] + cmd[1:], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"})
+    try:
+        t0 = time.monotonic()
+        text = ""
+        while "cache server is running" not in text:
+            assert proc.poll() is None, text[-3000:]
+            assert time.monotonic() - t0 < 120, text[-3000:]
+            time.sleep(0.5)
+            log.seek(0)
+            text = log.read()
+        assert "lynx tier: anchors in" in text
+        assert (tmp_path / "hot").is_dir() and (tmp_path / "cold").is_dir()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()

@@ -1,0 +1,76 @@
+"""One LMCache chunk as lynx bytes (lynxkv.integrations.lmcache.chunk): no LMCache needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynxkv.cache import open_cache, verify_file
+from lynxkv.errors import LynxError
+from lynxkv.integrations.lmcache.chunk import (
+    chunk_cache_id,
+    decode_chunk,
+    encode_chunk,
+    max_chunk_bytes,
+    model_tag,
+    split_chunk,
+)
+
+
+def _chunk(layers=3, tokens=256, heads=2, dim=32, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, layers, tokens, heads * dim, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_chunk_round_trip_equals_the_full_code(dtype):
+    x = _chunk(dtype=dtype)
+    single = encode_chunk(x, kv_heads=2, model_name="org/tiny-llama", cache_id=chunk_cache_id("k"))
+    assert len(single) <= max_chunk_bytes(tuple(x.shape))
+    assert len(single) <= 0.6 * x.numel() * x.element_size()
+    assert verify_file(single) == []
+    with open_cache(single) as c:
+        assert (c.header.kv_heads, c.header.head_dim, c.header.tokens) == (2, 32, 256)
+        assert c.header.fingerprint == model_tag("org/tiny-llama")
+        full = c.load_kv(dtype=dtype)
+    out = decode_chunk(single, torch.empty_like(x))
+    for i, (k, v) in enumerate(full):  # [H, T, D] -> the chunk's [T, H*D]
+        assert torch.equal(out[0, i], k.permute(1, 0, 2).reshape(256, -1))
+        assert torch.equal(out[1, i], v.permute(1, 0, 2).reshape(256, -1))
+    assert (out.float() - x.float()).abs().max() < 0.05
+
+
+def test_split_gives_an_anchor_and_a_residual_file_that_verify_and_decode_the_same():
+    x = _chunk(tokens=300)  # a short second page too
+    single = encode_chunk(x, kv_heads=1)
+    anchor, residual = split_chunk(single, "obj.lynxr")
+    assert verify_file(anchor, residual=residual) == []
+    with open_cache(anchor) as c:
+        assert c.info.residual_location == "obj.lynxr"
+        anchor_only = c.load_kv(anchor_only=True)  # the anchor alone, no residual needed
+    with open_cache(single) as c:
+        ref_anchor = c.load_kv(anchor_only=True)
+    assert all(torch.equal(a, b) for pa, pb in zip(anchor_only, ref_anchor) for a, b in zip(pa, pb))
+    assert torch.equal(decode_chunk(anchor + residual, torch.empty_like(x)), decode_chunk(single, torch.empty_like(x)))
+
+
+def test_any_even_leading_layout_round_trips_in_place():
+    x = _chunk(layers=2).reshape(4, 256, 64)  # e.g. [2*layers, tokens, channels]
+    out = torch.empty_like(x)
+    decode_chunk(encode_chunk(x, kv_heads=2), out)
+    assert (out.float() - x.float()).abs().max() < 0.05
+    with pytest.raises(LynxError, match="even"):
+        encode_chunk(torch.zeros(3, 256, 64))
+
+
+def test_a_corrupted_chunk_raises_and_writes_nothing():
+    x = _chunk()
+    anchor, residual = split_chunk(encode_chunk(x), "obj.lynxr")
+    bad = bytearray(residual)
+    bad[-5] ^= 0x40  # inside the last residual page
+    out = torch.zeros_like(x)
+    with pytest.raises(LynxError, match="crc32"):
+        decode_chunk(anchor + bytes(bad), out)
+    assert not out.any()
+    with pytest.raises(LynxError, match="shape|buffer"):
+        decode_chunk(anchor + residual, torch.empty(2, 3, 128, 64, dtype=torch.float16))
