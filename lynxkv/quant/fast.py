@@ -381,6 +381,19 @@ if numba is not None:
             out[i] = np.uint8((v[2 * i] & 0x0F) | ((v[2 * i + 1] & 0x0F) << 4))
 
     @_jit
+    def _pack4_rows_kernel(v, v0, sh, st, n, D, out, r0, r1):
+        """Rows ``[r0, r1)`` (row = h·n + t) of a strided ``[H, n, D]`` view, packed into ``out`` in C order."""
+        half = D >> 1
+        for row in range(r0, r1):
+            h = row // n
+            base = np.uint64(v0 + h * sh + (row - h * n) * st)
+            o = np.uint64(row * half)
+            for j in range(half):
+                lo = v[base + np.uint64(2 * j)]
+                hi = v[base + np.uint64(2 * j + 1)]
+                out[o + np.uint64(j)] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
+
+    @_jit
     def _unpack4_kernel(p, out, i0, i1):
         for i in range(i0, i1):
             b = p[i]
@@ -400,11 +413,12 @@ def workers() -> int:
     return max(1, min(8, torch.get_num_threads()))
 
 
-def _parallel(kernel, units: int, args_before: tuple, args_after: tuple, min_units: int = 1) -> list:
+def _parallel(kernel, units: int, args_before: tuple, args_after: tuple, min_units: int = 1,
+              threads: int | None = None) -> list:
     """``kernel(*args_before, u0, u1, *args_after)`` over ``[0, units)`` split into contiguous spans, one per
-    worker (the kernels release the GIL); the kernels' results."""
+    worker (``threads``, default :func:`workers`; the kernels release the GIL); the kernels' results."""
     global _POOL
-    n = max(1, min(workers(), units // max(1, min_units)))
+    n = max(1, min(threads or workers(), units // max(1, min_units)))
     if n == 1:
         return [kernel(*args_before, 0, units, *args_after)]
     if _POOL is None or _POOL._max_workers < n:  # noqa: SLF001 - grow when the setting changes
@@ -560,7 +574,7 @@ def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dty
     return out
 
 
-def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out):
+def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads):
     h, t, d = shape
     out = _out(out, shape, dtype)
     if out.numel() == 0:
@@ -577,7 +591,7 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
     r_np = a_np if anchor_only else r.contiguous().view(-1).numpy()
     _parallel(
         _decode_kernel, h * nc, (a_np, r_np, packed, anchor_only, scheme.residual_bits, t, d, c, nc),
-        (_meta_np(offset), _meta_np(scale), level_table(scheme, anchor_only), buf, y0, sh, st),
+        (_meta_np(offset), _meta_np(scale), level_table(scheme, anchor_only), buf, y0, sh, st), threads=threads,
     )
     if y is not out:
         out.copy_(y)
@@ -585,7 +599,7 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """:func:`lynxkv.quant.reference.dequantize`, bit for bit, optionally into a preallocated ``out`` (any CPU
     float tensor of the shape with a contiguous last axis is written in place; other layouts are copied)."""
     shape = tuple(enc.anchor.shape)
@@ -593,12 +607,12 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
     if enc.residual.numel() != n and not anchor_only:
         raise InputError(f"residual: expected {n} codes, got {enc.residual.numel()}")
     return _decode(enc.anchor, None if anchor_only else enc.residual, False, enc.offset, enc.scale, shape, scheme,
-                   dtype, out)
+                   dtype, out, threads)
 
 
 def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                       shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``."""
     h, t, d = shape
     if not packable(scheme, d):
@@ -608,11 +622,19 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     for name, buf in (("anchor", anchor), ("residual", residual)):
         if buf is not None and buf.numel() != need:
             raise InputError(f"{name} payload: expected {need} bytes for shape {tuple(shape)}, got {buf.numel()}")
-    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out)
+    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads)
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:
-    """4-bit packing of an even number of uint8 values (two per byte, the first in the low nibble)."""
+    """4-bit packing of an even number of uint8 values (two per byte, the first in the low nibble) in C order;
+    a ``[H, n, D]`` view with even ``D`` and a contiguous last axis (a page of a larger tensor) is read in
+    place."""
+    if values.dim() == 3 and values.shape[2] % 2 == 0 and values.stride(2) == 1 and values.numel():
+        h, n, d = values.shape
+        buf, x0, sh, st = _flat(values)
+        out = torch.empty(h * n * d // 2, dtype=torch.uint8)
+        _parallel(_pack4_rows_kernel, h * n, (buf, x0, sh, st, n, d, out.numpy()), (), min_units=1 << 12)
+        return out
     flat = values.contiguous().view(-1)
     out = torch.empty(flat.numel() // 2, dtype=torch.uint8)
     _parallel(_pack4_kernel, out.numel(), (flat.numpy(), out.numpy()), (), min_units=1 << 18)
