@@ -62,7 +62,8 @@ def llama_shaped() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def smollm2_kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     try:
-        from lynxkv.hf.models import encode_prompt, load_model, prefill
+        from lynxkv.hf.models import encode_prompt, load_model
+        from lynxkv.hf.prefill import prefill
         from lynxkv.hf.prompts import builtin_prompt
 
         lm = load_model()
