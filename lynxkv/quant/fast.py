@@ -230,6 +230,23 @@ if numba is not None:
         frac = g - np.float32(code)
         return np.int32(code | np.int32(np.int32((frac < margin) | (frac > hi)) << 8))
 
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _pick(xv, mxd, mnd, cmaxd, cmind, code):
+        """``cmaxd`` where ``xv`` is the channel's max, ``cmind`` where it is the min, else ``code``: masks, not
+        branches, so the loop stays vectorised."""
+        is_max = -np.int32(xv == mxd)
+        is_min = -np.int32(xv == mnd) & ~is_max
+        return np.int32((cmaxd & is_max) | (cmind & is_min) | (code & ~(is_max | is_min)))
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _exact_code(xv, o, s, thr, codes, off, shift):
+        """The reference's code of ``xv``: the exact ``u = fl((x - o)/s)``, its key, the threshold table."""
+        k = _f32_bits((xv - o) / s)
+        k = k ^ ((k >> 31) & 0x7FFFFFFF)
+        b = (k >> shift) + off
+        e = np.int32(codes[b])
+        return (e >> 8) if k >= thr[b] else (e & 0xFF)
+
     @_jit
     def _encode_kernel(x, x0, sh, st, T, D, C, nc, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb, margin,
                        thr, codes, off, shift, rb, packed, a_out, r_out):
@@ -242,6 +259,8 @@ if numba is not None:
         mx = np.empty(D, np.float32)
         mn = np.empty(D, np.float32)
         bad = np.empty(D, np.float32)
+        cmax = np.empty(D, np.int32)  # exact codes of each channel's max and min: every chunk has them, and
+        cmin = np.empty(D, np.int32)  # they sit on code boundaries (u = ±1), so the fp32 pass would flag them
         o = np.empty(D, np.float32)
         s = np.empty(D, np.float32)
         inv = np.empty(D, np.float32)
@@ -290,6 +309,14 @@ if numba is not None:
                 tiny |= s[d] < np.float32(2.0**-100)  # 1/s may overflow: the exact pass for this unit
             unit_margin = np.float32(2.0) if tiny else margin
             hi_margin = np.float32(1.0) - unit_margin
+            if meta_given:  # no max/min known: no element matches a NaN
+                for d in range(D):
+                    mx[d] = np.nan
+                    mn[d] = np.nan
+            else:
+                for d in range(D):
+                    cmax[d] = _exact_code(mx[d], o[d], s[d], thr, codes, off, shift)
+                    cmin[d] = _exact_code(mn[d], o[d], s[d], thr, codes, off, shift)
             for t in range(t0, t1):
                 row = np.uint64(x0 + h * sh + t * st)  # unsigned indices: no negative-index wraparound checks
                 # First pass, every element, vectorised and without the table: u ≈ (x - o)·(1/s),
@@ -297,26 +324,26 @@ if numba is not None:
                 flagged = np.int32(0x100) if unit_margin >= 1 else np.int32(0)
                 if alpha > 0:  # two loops rather than a branch inside one: each vectorises
                     for d in range(D):
-                        u = (_load(x, row + np.uint64(d)) - o[d]) * inv[d]
+                        xv = _load(x, row + np.uint64(d))
+                        u = (xv - o[d]) * inv[d]
                         mag = _log_f32(np.float32(1.0) + np.abs(u) * alpha) * inv_c
                         z = _bits_f32(_f32_bits(mag) | (_f32_bits(u) & np.int32(-2147483648)))  # the sign of u
                         code = _approx_code(z, gk, gb, unit_margin, hi_margin)
+                        code = _pick(xv, mx[d], mn[d], cmax[d], cmin[d], code)
                         row_codes[d] = code
                         flagged = np.int32(flagged | code)  # an int32 reduction: an int64 one stops vectorisation
                 else:
                     for d in range(D):
-                        code = _approx_code((_load(x, row + np.uint64(d)) - o[d]) * inv[d], gk, gb, unit_margin,
-                                            hi_margin)
+                        xv = _load(x, row + np.uint64(d))
+                        code = _approx_code((xv - o[d]) * inv[d], gk, gb, unit_margin, hi_margin)
+                        code = _pick(xv, mx[d], mn[d], cmax[d], cmin[d], code)
                         row_codes[d] = code
                         flagged = np.int32(flagged | code)
                 if flagged & 0x100:  # second pass, flagged elements: the exact u = fl((x - o)/s) and the table
                     for d in range(D):
                         if row_codes[d] & 0x100 or unit_margin >= 1:
-                            k = _f32_bits((_load(x, row + np.uint64(d)) - o[d]) / s[d])
-                            k = k ^ ((k >> 31) & 0x7FFFFFFF)
-                            b = (k >> shift) + off
-                            e = np.int32(codes[b])
-                            row_codes[d] = (e >> 8) if k >= thr[b] else (e & 0xFF)
+                            row_codes[d] = _exact_code(_load(x, row + np.uint64(d)), o[d], s[d], thr, codes, off,
+                                                       shift)
                 el = np.uint64((h * T + t) * D)
                 if packed:
                     p = el >> np.uint64(1)
