@@ -52,6 +52,7 @@ from typing import Callable
 from aiohttp import web
 
 from lynxkv.errors import InputError, LynxError
+from lynxkv.format import constants as c
 from lynxkv.stream.link import ANCHOR, RESIDUAL, TokenBucket
 
 QUANTUM = 64 << 10  # bytes per grant: 2.6 ms at 200 Mbit/s, so a residual chunk delays an anchor by little
@@ -115,12 +116,26 @@ def _safe_relative(location: str) -> bool:
     return not (norm == "." or norm.startswith("../") or norm == "..") and norm == location
 
 
+def check_crcs(anchor: bytes, residual: bytes | None) -> None:
+    """Every header, index and page CRC of the cache, and the residual's magic and ``cache_id`` against the
+    anchor's (the page reader's checks, without decoding the records: a server only moves bytes)."""
+    from lynxkv.format.reader import PageReader
+    from lynxkv.storage import BytesSource
+
+    reader = PageReader(BytesSource(anchor, "anchor"))
+    if residual is not None:
+        reader.attach_residual(BytesSource(residual, "residual"))
+    kinds = [c.SEGMENT_ANCHOR] + ([c.SEGMENT_RESIDUAL] if residual is not None or reader.residual_inline else [])
+    for kind in kinds:
+        for _ in reader.pages(kind, decode=False):
+            pass
+
+
 def load_served_cache(cache: str, residual: str | None = None) -> ServedCache:
     """Read and check the cache the user named (see the module docstring); raise a LynxError if it is not
     whole, or if its residual is not its own."""
-    from lynxkv.format import constants as c
     from lynxkv.storage import local_path, read_all, resolve_location
-    from lynxkv.stream.tier import anchor_header_of, check_cache_bytes, relocate_residual
+    from lynxkv.stream.tier import anchor_header_of, relocate_residual
 
     anchor = read_all(cache)
     h = anchor_header_of(anchor)
@@ -141,7 +156,7 @@ def load_served_cache(cache: str, residual: str | None = None) -> ServedCache:
             anchor = relocate_residual(anchor, res_path)
             relocated = True
     try:
-        check_cache_bytes(anchor, res_bytes)  # every CRC, and the residual's cache_id against the anchor's
+        check_crcs(anchor, res_bytes)
     except LynxError as exc:
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
     if res_path == name:
@@ -477,6 +492,7 @@ class CacheServer:
         resp.content_length = end - start
         if request.method == "HEAD":
             await resp.prepare(request)
+            record["seconds"] = 0.0
             return resp
         t0 = time.perf_counter()
         await resp.prepare(request)
