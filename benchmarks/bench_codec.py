@@ -9,7 +9,8 @@ with KV-like statistics) at 1K and 8K tokens, in one run:
 - ``zstd-1`` / ``zstd-3``: lossless compression of the raw BF16 bytes (multi-threaded compress);
 - ``int8/token``: a naive per-token absmax INT8 torch quantizer (round, clamp, int8 + fp16 scale);
 - ``lynxkv-ref``: the torch reference (``quantize`` + ``pack_bits``; decode = ``unpack_bits`` + ``dequantize``);
-- ``lynxkv-fast``: :mod:`lynxkv.quant.fast` (fused quantize+pack; decode into a preallocated BF16 cache),
+- ``lynxkv-fast``: the entry's fused ``quantize_packed`` / ``dequantize_packed`` (the fast CPU path, decode
+  into a preallocated BF16 cache),
   and ``lynxkv-anchor``: the anchor-only decode.
 
 Throughputs are GB/s of BF16 KV (bytes of the BF16 cache / wall seconds), medians of ``--repeats`` runs after
@@ -36,8 +37,9 @@ from pathlib import Path
 
 import torch
 
-from lynxkv.quant import dequantize, pack_bits, quantize, unpack_bits
-from lynxkv.quant import fast
+from lynxkv.quant import dequantize_packed, quantize_packed
+from lynxkv.quant.pack import pack_bits, unpack_bits
+from lynxkv.quant.reference import EncodedTensor, dequantize, quantize
 from lynxkv.quant.scheme import get_scheme
 
 CACHE_DIR = Path(os.environ.get("LYNXKV_BENCH_CACHE", Path.home() / ".cache" / "lynxkv" / "bench"))
@@ -95,7 +97,8 @@ def real_smollm2_kv(tokens: int) -> list[torch.Tensor] | None:
     path = CACHE_DIR / "smollm2_kv_8192.safetensors"
     if not path.exists():
         try:
-            from lynxkv.hf.models import encode_prompt, load_model, prefill
+            from lynxkv.hf import prefill
+            from lynxkv.hf.models import encode_prompt, load_model
             from lynxkv.hf.prompts import builtin_prompt
 
             loaded = load_model()
@@ -211,8 +214,6 @@ def bench_reference(cache: Cache, row: Row, repeats: int, scheme) -> None:
         return out
 
     def decode(encs):
-        from lynxkv.quant import EncodedTensor
-
         for a, r, o, s, shape in encs:
             n = shape[0] * shape[1] * shape[2]
             e = EncodedTensor(unpack_bits(a, 4, n).view(shape), unpack_bits(r, 4, n).view(shape), o, s)
@@ -230,13 +231,13 @@ def bench_reference(cache: Cache, row: Row, repeats: int, scheme) -> None:
 def bench_fast(cache: Cache, row: Row, anchor_row: Row, repeats: int, scheme) -> bool:
     outs = [torch.empty_like(t) for t in cache.layers]  # the preallocated BF16 cache decode writes into
     for _ in range(repeats):
-        dt, encs = timed(lambda: [fast.encode_packed_fast(t, scheme) for t in cache.layers])
+        dt, encs = timed(lambda: [quantize_packed(t, scheme) for t in cache.layers])
         row.encode_s.append(dt)
         anchor_row.encode_s.append(dt)
-        dt, _ = timed(lambda: [fast.decode_packed_fast(a, r, o, s, tuple(t.shape), scheme, out=out)
+        dt, _ = timed(lambda: [dequantize_packed(a, r, o, s, tuple(t.shape), scheme, out=out)
                                for (a, r, o, s), t, out in zip(encs, cache.layers, outs)])
         row.decode_s.append(dt)
-        dt, _ = timed(lambda: [fast.decode_packed_fast(a, None, o, s, tuple(t.shape), scheme, out=out)
+        dt, _ = timed(lambda: [dequantize_packed(a, None, o, s, tuple(t.shape), scheme, out=out)
                                for (a, r, o, s), t, out in zip(encs, cache.layers, outs)])
         anchor_row.decode_s.append(dt)
     meta = sum(2 * o.numel() * o.element_size() for _, _, o, _ in encs)

@@ -1,11 +1,13 @@
-"""Exhaustive check of the fast path's code identity over every fp32 ``v`` in ``[0, A]``.
+"""Exhaustive check of the fast CPU path's codes against the reference over every fp32 ``u`` in ``[-1, 1]``.
 
-The reference rounds in two steps (``a = floor(v + 0.5)``, ``r = floor((v - a + 0.5)·R)``); the fast CPU path
-computes the same 8-bit code from ``w = R·v`` with :func:`lynxkv.quant.fast.code_from_w`. This walks all
-~1e9 fp32 bit patterns of ``[0, A]`` in slices (about 30 s per split on 2 cores) and prints the mismatches.
+The code of an element depends only on its normalised value ``u = fl(fl(x - o) / s)``. The reference computes
+it with :func:`lynxkv.quant.reference.codes_of_u` (the α-law step in float64); the fast path
+(:mod:`lynxkv.quant.fast`) approximates the compander in fp32 and sends every element near a code boundary
+through a threshold table built from the reference. This walks all 2,130,706,434 fp32 values of ``[-1, 1]``
+through both in slices of 2^24 and prints the mismatches (a few minutes per scheme on 2 cores).
 
-    python benchmarks/check_code_identity.py            # the 4+4 split
-    python benchmarks/check_code_identity.py 3 5 6      # other anchor widths
+    python benchmarks/check_code_identity.py                    # the default scheme
+    python benchmarks/check_code_identity.py default linear paper "default:anchor_bits=5"
 """
 
 from __future__ import annotations
@@ -15,34 +17,44 @@ import time
 
 import torch
 
-from lynxkv.quant.fast import code_from_w
+from lynxkv.quant import fast, reference
+from lynxkv.quant.scheme import get_scheme
+
+KEY_MIN, KEY_MAX = fast.KEY_MIN, fast.KEY_MAX
 
 
-def check(anchor_bits: int, step: int = 1 << 24) -> int:
-    residual_bits = 8 - anchor_bits
-    a_steps, levels = float(2**anchor_bits - 1), float(2**residual_bits)
-    top = int(torch.tensor([a_steps], dtype=torch.float32).view(torch.int32))
+def parse(spec: str):
+    name, _, rest = spec.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        overrides[key] = float(value) if key == "alpha" else (int(value) if value.isdigit() else value)
+    return get_scheme(name, **overrides)
+
+
+def check(scheme, step: int = 1 << 24) -> int:
     bad = 0
-    for start in range(0, top + 1, step):
-        v = torch.arange(start, min(start + step, top + 1), dtype=torch.int32).view(torch.float32)
-        a = torch.clamp(torch.floor(v + 0.5), 0.0, a_steps)
-        r = torch.clamp(torch.floor((v - a + 0.5) * levels), 0.0, levels - 1.0)
-        ref = a * levels + r
-        fast = code_from_w(v * levels, int(levels), torch.empty_like(v))
-        miss = ref != fast
+    for start in range(KEY_MIN, KEY_MAX + 1, step):
+        keys = torch.arange(start, min(start + step, KEY_MAX + 1), dtype=torch.int64)
+        u = fast._u_of_key(keys)
+        ref = reference.join_code(*reference.codes_of_u(u, scheme), scheme)
+        got = reference.join_code(*fast.codes_of_u(u, scheme), scheme)
+        miss = ref != got
         if bool(miss.any()):
             bad += int(miss.sum())
-            print(f"  mismatch at v={v[miss][:4].tolist()}: reference {ref[miss][:4].tolist()}, fast {fast[miss][:4].tolist()}")
+            print(f"  mismatch at u={u[miss][:4].tolist()}: reference {ref[miss][:4].tolist()}, fast {got[miss][:4].tolist()}")
     return bad
 
 
 def main() -> int:
-    splits = [int(a) for a in sys.argv[1:]] or [4]
+    specs = sys.argv[1:] or ["default"]
     failed = 0
-    for bits in splits:
+    for spec in specs:
+        scheme = parse(spec)
         t0 = time.perf_counter()
-        bad = check(bits)
-        print(f"{bits}+{8 - bits}: {bad} mismatches over all fp32 v in [0, {2**bits - 1}] ({time.perf_counter() - t0:.0f} s)")
+        bad = check(scheme)
+        print(f"{spec} ({scheme.describe()}): {bad} mismatches over every fp32 u in [-1, 1] "
+              f"({time.perf_counter() - t0:.0f} s)")
         failed += bad
     return 1 if failed else 0
 

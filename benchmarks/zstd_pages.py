@@ -34,7 +34,8 @@ def load_kv(path: str | None):
         t = load_file(path)
         n = len([k for k in t if k.endswith(".key")])
         return [(t[f"layers.{i}.key"], t[f"layers.{i}.value"]) for i in range(n)]
-    from lynxkv.hf.models import encode_prompt, load_model, prefill
+    from lynxkv.hf import prefill
+    from lynxkv.hf.models import encode_prompt, load_model
     from lynxkv.hf.prompts import builtin_prompt
 
     lm = load_model()

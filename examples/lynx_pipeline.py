@@ -3,7 +3,7 @@ under an emulated link, drafting on the anchor while the residual streams -> com
 
     python examples/lynx_pipeline.py                       # SmolLM2, a ~1000-token prompt, 64 new tokens
     python examples/lynx_pipeline.py --tokens 4000 --residual-steps 40 --anchor-bits 5   # a 5+3 split
-    python examples/lynx_pipeline.py --model PATH --tokens 200 --new-tokens 16   # any HF causal LM directory
+    python examples/lynx_pipeline.py --model PATH --tokens 200 -n 16   # any HF causal LM directory
 
 The link rate is chosen so that the residual takes about ``--residual-steps`` decode steps to arrive (measured
 TPOT on this machine at this context length), which is the regime Lynx is built for.
@@ -18,7 +18,8 @@ import time
 
 
 from lynxkv.cache import save_cache
-from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, run
@@ -31,7 +32,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model name/path (default: offline SmolLM2)")
     ap.add_argument("--tokens", type=int, default=1000, help="prompt length in tokens")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--residual-steps", type=float, default=40.0, help="residual transfer time in decode steps")
     ap.add_argument("--anchor-bits", type=int, default=None, help="anchor bits of the 8-bit code (default scheme: 4)")
     ap.add_argument("--dir", default=None, help="where to write the tiers (default: a temporary directory)")
@@ -61,9 +62,9 @@ def main(argv=None) -> dict:
     print(f"TPOT {tpot * 1e3:.1f} ms -> link {bandwidth * 8 / 1e6:.1f} Mbit/s "
           f"(residual ~{args.residual_steps:g} steps)")
 
-    cfg = RunConfig(max_new_tokens=args.new_tokens)
+    cfg = RunConfig(max_new_tokens=args.max_new_tokens)
     started = time.perf_counter()
-    load = open_progressive(anchor_path, bandwidth=bandwidth)
+    load = open_progressive(anchor_path, bandwidth=bandwidth, allow_locations=[slow])  # the slow tier, allowed
     try:
         lynx = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
         anchor_kv, full_kv = load.wait_anchor(), load.residual.result()
@@ -74,8 +75,8 @@ def main(argv=None) -> dict:
     baselines = run_baselines(loaded.model, ids.tolist(), loaded.fingerprint, anchor_kv, full_kv,
                               anchor_bytes=tl.anchor_bytes, residual_bytes=tl.residual_bytes,
                               bandwidth=bandwidth, latency=0.0, config=cfg)
-    rows = tt_rows(lynx, baselines, ns=(1, 32, args.new_tokens))
-    n = args.new_tokens
+    rows = tt_rows(lynx, baselines, ns=(1, 32, args.max_new_tokens))
+    n = args.max_new_tokens
     print(f"\n{'method':<16} {'ready':>8} {'TT1':>8} {'TT32':>8} {'TT' + str(n):>8}  same tokens")
     for r in rows:
         cells = [r["ready_s"], r["tt1_s"], r["tt32_s"], r[f"tt{n}_s"]]

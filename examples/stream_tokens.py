@@ -1,7 +1,7 @@
 """The streaming API: provisional (drafted) tokens, commits and retractions as a UI or serving engine sees them.
 
     python examples/stream_tokens.py                 # SmolLM2, a ~300-token prompt, 24 new tokens
-    python examples/stream_tokens.py --model PATH --tokens 100 --new-tokens 12
+    python examples/stream_tokens.py --model PATH --tokens 100 -n 12
 
 The cache is quantized in memory and released over an emulated link (no files): the anchor first, the residual
 after ``--residual-ms``. Every event is printed as one line; the script returns the committed token ids.
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, stream
@@ -23,7 +24,7 @@ def main(argv=None) -> list[int]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=300)
-    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=24)
     ap.add_argument("--residual-ms", type=float, default=500.0, help="when the residual lands")
     args = ap.parse_args(argv)
 
@@ -40,7 +41,7 @@ def main(argv=None) -> list[int]:
     committed: list[int] = []
     word = lambda toks: repr(loaded.tokenizer.decode(toks))  # noqa: E731
     try:
-        for ev in stream(loaded.model, load, RunConfig(max_new_tokens=args.new_tokens), provisional=True,
+        for ev in stream(loaded.model, load, RunConfig(max_new_tokens=args.max_new_tokens), provisional=True,
                          fingerprint=loaded.fingerprint):
             if ev.kind == "draft":
                 print(f"{ev.time_s:7.3f}s  draft    {word(ev.tokens)}")

@@ -17,24 +17,26 @@ file object). Pages are read through the one page reader, :class:`lynxkv.format.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader
+from lynxkv.format.layout import AnchorHeader, decoded_bytes
 from lynxkv.format.reader import PageReader, SectionIndex
 from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import build_files
-from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES
-from lynxkv.quant import EncodedTensor, dequantize
+from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
+from lynxkv.quant import EncodedTensor, dequantize, quantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
-from lynxkv.storage import open_source, record_location, resolve_location, same_object, write_atomic
+from lynxkv.storage import exists, open_source, record_location, remove, resolve_location, same_object, write_atomic
 
 
 @dataclass
@@ -75,18 +77,12 @@ def _as_hdt(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
 
 
 def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = DEFAULT, *,
-              quantize_fn: Callable[[torch.Tensor, Scheme], EncodedTensor] | None = None,
               prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
               names: Sequence[str] | None = None) -> EncodedCache:
-    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16).
-
-    ``quantize_fn`` defaults to :func:`lynxkv.quant.fast.best_quantize` for the scheme: the Triton kernel on a
-    GPU, the fast CPU path otherwise, the reference where neither supports the scheme; all give the same bits.
-    """
-    if quantize_fn is None:  # the fastest implementation that gives the reference's bits for this scheme
-        from lynxkv.quant.fast import best_quantize
-
-        quantize_fn = best_quantize(scheme)
+    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16), given as
+    per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.kv.cache_to_kv`), on their device
+    (:func:`lynxkv.quant.quantize`); the codes come back to the CPU for the writer."""
+    kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
     if not len(kv):
         raise InputError("kv: expected at least one layer")
     layers, shape, batch, dtype = [], None, None, None
@@ -105,7 +101,7 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
                                  f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
         k3, _ = _as_hdt(pair[0], "keys")
         v3, _ = _as_hdt(pair[1], "values")
-        layers.append((quantize_fn(k3.detach().cpu(), scheme), quantize_fn(v3.detach().cpu(), scheme)))
+        layers.append((quantize(k3.detach(), scheme).to("cpu"), quantize(v3.detach(), scheme).to("cpu")))
     h, t, d = shape
     return EncodedCache(scheme, layers, h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
@@ -168,13 +164,47 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
                      index.stored_bytes, res_payload, bits)
 
 
+MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
+
+
+def max_decoded_bytes() -> int:
+    """The most decoded bytes one cache may need (``$LYNXKV_MAX_DECODED_BYTES``; default: half the memory)."""
+    text = os.environ.get(MAX_DECODED_ENV)
+    if text:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise InputError(f"${MAX_DECODED_ENV}: expected a number of bytes, got {text!r}") from None
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def check_decoded_size(h: AnchorHeader, dtype: torch.dtype, *, anchor_only: bool = False) -> int:
+    """Refuse, before anything is allocated, a cache whose declared shape needs more memory to load than
+    :func:`max_decoded_bytes`: the output in ``dtype`` plus the codes (1 byte per element per segment) and the
+    metadata. Returns the bytes it needs."""
+    out = decoded_bytes(h, torch.empty((), dtype=dtype).element_size())
+    codes = decoded_bytes(h, 1) * (1 if anchor_only else 2)
+    meta = decoded_bytes(h, h.scheme.meta_bytes) * 2 // max(h.scheme.chunk, 1)
+    need = out + codes + meta
+    limit = max_decoded_bytes()
+    if need > limit:
+        raise InputError(f"this cache declares {h.layers} layers x {h.kv_heads} heads x {h.tokens} tokens x "
+                         f"{h.head_dim} dims: {need:,} bytes to load, more than the limit of {limit:,} bytes "
+                         f"(${MAX_DECODED_ENV} raises it)")
+    return need
+
+
 class LynxCache:
     """An open ``.lynx`` cache. Pages are read on demand (one byte-range read each, CRC checked)."""
 
-    def __init__(self, source, *, residual=None, name: str | None = None):
+    def __init__(self, source, *, residual=None, name: str | None = None, allow_locations=()):
         self._src = open_source(source, name)
         self.name = self._src.name
         self._residual_arg = residual
+        self._allow = tuple(allow_locations)
         self._rsrc = None  # an external residual's source, once opened
         try:
             self._reader = PageReader(self._src)
@@ -196,7 +226,7 @@ class LynxCache:
             return open_source(self._residual_arg)
         if seg.placement == c.PLACEMENT_INLINE:
             return None
-        return open_source(resolve_location(self.name, seg.location))
+        return open_source(resolve_location(self.name, seg.location, allow=self._allow))
 
     def _residual(self) -> SectionIndex:
         if c.SEGMENT_RESIDUAL not in self._reader._indexes:
@@ -230,6 +260,7 @@ class LynxCache:
     def load_encoded(self, *, anchor_only: bool = False) -> EncodedCache:
         """Every page assembled into per-layer :class:`EncodedTensor` (residual zeros when ``anchor_only``)."""
         h = self.header
+        check_decoded_size(h, torch.uint8, anchor_only=anchor_only)
         if not anchor_only:
             self._residual()
         layers = []
@@ -243,6 +274,7 @@ class LynxCache:
 
     def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
         """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
+        check_decoded_size(self.header, dtype or TORCH_DTYPES[self.header.dtype], anchor_only=anchor_only)
         return self.load_encoded(anchor_only=anchor_only).dequantize(anchor_only=anchor_only, dtype=dtype)
 
     def verify(self) -> list[Finding]:
@@ -261,12 +293,20 @@ class LynxCache:
             for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
                 src.close()
 
-    def describe(self) -> dict:
+    def describe(self, *, check_residual: bool | None = None) -> dict:
         """What ``lynxkv inspect --json`` prints (stable keys: tokens, layers, kv_heads, head_dim, scheme,
-        bits_per_element.total / .anchor, prompt_token_ids when stored)."""
+        bits_per_element.total / .anchor, prompt_token_ids when stored).
+
+        ``residual_reachable`` is checked (the residual opened, its header and index read) with
+        ``check_residual``; by default only where that reads nothing but a local file the trust rule lets the
+        cache follow without asking (inline, or relative inside the anchor's directory), else it is ``None``."""
         d = self.info.to_dict()
         d["scheme_description"] = self.info.scheme.describe()
-        d["residual_reachable"] = self.residual_reachable()
+        if check_residual is None:
+            loc = self.info.residual_location
+            check_residual = (self._residual_arg is None and (loc is None or "://" not in loc and not loc.startswith("/")
+                                                              and not self.name.startswith("<") and "://" not in self.name))
+        d["residual_reachable"] = self.residual_reachable() if check_residual else None
         if not d.get("prompt_token_ids"):
             d.pop("prompt_token_ids", None)
         return d
@@ -287,14 +327,18 @@ class LynxCache:
         self.close()
 
 
-def open_cache(path, *, residual=None) -> LynxCache:
-    """Open a ``.lynx`` anchor file (path, URL, bytes or file object); ``residual`` overrides the residual
-    location."""
-    return LynxCache(path, residual=residual)
+def open_cache(path, *, residual=None, allow_locations=()) -> LynxCache:
+    """Open a ``.lynx`` anchor file (path, URL, bytes or file object).
+
+    The residual is read from ``residual`` when given (the caller named it), else from the location the anchor
+    header records, under the trust rule of :func:`lynxkv.storage.resolve_location`: a relative location inside
+    the anchor's directory, or a place under a prefix of ``allow_locations`` (or ``$LYNXKV_ALLOW_LOCATIONS``)."""
+    return LynxCache(path, residual=residual, allow_locations=allow_locations)
 
 
-def verify_file(path, *, residual=None) -> list[Finding]:
-    """Findings for a cache that may be too damaged to open: never raises for a bad file."""
+def verify_file(path, *, residual=None, allow_locations=()) -> list[Finding]:
+    """Findings for a cache that may be too damaged to open: never raises for a bad file (the residual is found
+    as :func:`open_cache` finds it)."""
     src = open_source(path)
     opened = []
 
@@ -303,7 +347,8 @@ def verify_file(path, *, residual=None) -> list[Finding]:
             rsrc = open_source(residual)
         else:
             h = PageReader(src, exact_size=False).header  # verify_cache only asks after this succeeded
-            rsrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_RESIDUAL).location))
+            rsrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_RESIDUAL).location,
+                                                allow=allow_locations))
         opened.append(rsrc)
         return rsrc
 
@@ -324,14 +369,17 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
-               cache_id: bytes | None = None,
-               quantize_fn: Callable[[torch.Tensor, Scheme], EncodedTensor] | None = None) -> CacheInfo:
+               cache_id: bytes | None = None) -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
     the residual written first so that an anchor file never points at a missing residual. The anchor header
     records the residual as ``residual_location`` (default: its path relative to the anchor's directory; pass a
     URL when the residual will be served from elsewhere).
+
+    Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
+    fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
+    residual removed; a crash at any point leaves the old cache or the new one, each complete.
     """
     if isinstance(kv_or_encoded, EncodedCache):
         enc = kv_or_encoded
@@ -342,24 +390,78 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         if names is not None:
             enc.names = tuple(names)
     else:
-        enc = encode_kv(kv_or_encoded, scheme, quantize_fn=quantize_fn, prompt_token_ids=prompt_token_ids,
+        enc = encode_kv(kv_or_encoded, scheme, prompt_token_ids=prompt_token_ids,
                         model_fingerprint=model_fingerprint, names=names)
     path = os.fspath(path)
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
         built = build_files(enc, cache_id=cache_id, single_file=True, zstd=zstd)
+        old = residual_file_of(path)
         write_atomic(path, built.anchor)
+        if old is not None:
+            with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
+                remove(old)
     else:
         rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
         if same_object(rpath, path):
             raise InputError(f"{path}: the residual path must differ from the anchor path")
+        cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+        old = residual_file_of(path)
+        if residual_location is None and exists(rpath):
+            # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
+            # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
+            rpath = _fresh_residual_name(rpath, cache_id)
         location = residual_location or record_location(path, rpath)
         built = build_files(enc, cache_id=cache_id, zstd=zstd, residual_location=location)
         write_atomic(rpath, built.residual)  # first: an anchor never points at a missing residual
         write_atomic(path, built.anchor)
-    with open_cache(path, residual=None if single_file or residual_location is None else rpath) as cache:
+        orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
+        for stale in ([old] if old is not None else []) + orphans:
+            if not same_object(stale, rpath):
+                with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
+                    remove(stale)
+    with open_cache(path, residual=None if single_file else rpath) as cache:
         return cache.info
+
+
+def residual_file_of(path: str) -> str | None:
+    """The residual file of the two-file cache now at ``path``, if there is one a writer replacing the cache may
+    delete afterwards: its recorded location is inside the anchor's directory (the trust rule), a local file."""
+    if "://" in path or not os.path.isfile(path):
+        return None
+    try:
+        with open_cache(path) as old:
+            loc = old.info.residual_location
+            return None if loc is None else resolve_location(old.name, loc)
+    except LynxError:
+        return None
+
+
+def _orphan_residuals(rpath: str) -> list[str]:
+    """Residuals under fresh names (``x.<8 hex>.lynxr``) beside ``rpath`` that a replacement killed before its
+    anchor was renamed left behind; local files only."""
+    import re
+
+    if "://" in rpath or not rpath.endswith(c.RESIDUAL_SUFFIX):
+        return []
+    d, base = os.path.split(os.path.abspath(rpath))
+    stem = base[:-len(c.RESIDUAL_SUFFIX)]
+    m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
+    stem = m.group(1) if m else stem
+    pattern = re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(c.RESIDUAL_SUFFIX) + "$")
+    try:
+        return [os.path.join(d, n) for n in os.listdir(d) if pattern.match(n)]
+    except OSError:
+        return []
+
+
+def _fresh_residual_name(rpath: str, cache_id: bytes) -> str:
+    """``x.lynxr`` -> ``x.<8 hex digits of the cache id>.lynxr`` (any other name gets the digits appended)."""
+    tag = cache_id.hex()[:8]
+    if rpath.endswith(c.RESIDUAL_SUFFIX):
+        return f"{rpath[:-len(c.RESIDUAL_SUFFIX)]}.{tag}{c.RESIDUAL_SUFFIX}"
+    return f"{rpath}.{tag}"
 
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:

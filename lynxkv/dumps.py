@@ -12,6 +12,11 @@ style              names
 
 Layers are numbered from 0 without gaps; all tensors share one dtype and one shape. ``lynxkv decode`` writes the
 same names and shapes that went in.
+
+A dump holds one sequence: a batch larger than 1 is refused (split it and encode one cache per sequence). A
+3-d tensor with more entries on its first axis than on its second looks token-major (``[tokens, kv_heads,
+head_dim]``) and is refused as ambiguous, unless the file's metadata says ``"lynxkv.layout":
+"kv_heads,tokens,head_dim"`` (a cache really shorter than its number of KV heads).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from lynxkv.kv import KVPairs
 NAME_STYLES = ("layers", "past_key_values")
 _NAME = re.compile(r"^(layers|past_key_values)\.(\d+)\.(key|value)$")
 MAX_LAYERS = 4096
+LAYOUT_KEY, HEADS_MAJOR = "lynxkv.layout", "kv_heads,tokens,head_dim"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
     try:
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
+            heads_major = (f.metadata() or {}).get(LAYOUT_KEY) == HEADS_MAJOR
             found: dict[tuple[int, str], str] = {}
             styles = set()
             for name in names:
@@ -90,7 +97,11 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
                 pair = []
                 for kind in ("key", "value"):
                     t = f.get_tensor(found[(i, kind)])
-                    if t.dim() == 4 and t.shape[0] == 1:
+                    if t.dim() == 4 and t.shape[0] != 1:
+                        raise InputError(
+                            f"{path}: {found[(i, kind)]} has shape {tuple(t.shape)}, a batch of {t.shape[0]} "
+                            "sequences; a cache holds one sequence: split the batch and encode each on its own")
+                    if t.dim() == 4:
                         this_batched, t = True, t[0]
                     elif t.dim() == 3:
                         this_batched = False
@@ -99,6 +110,12 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
                             f"{path}: {found[(i, kind)]} has shape {tuple(t.shape)}; expected "
                             "[kv_heads, tokens, head_dim] or [1, kv_heads, tokens, head_dim]"
                         )
+                    if t.shape[0] > t.shape[1] and not heads_major:
+                        raise InputError(
+                            f"{path}: {found[(i, kind)]} has shape {tuple(t.shape)}: {t.shape[0]} KV heads but "
+                            f"only {t.shape[1]} tokens, which looks token-major [tokens, kv_heads, head_dim]; "
+                            "lynxkv expects [kv_heads, tokens, head_dim] (transpose the first two axes), or set "
+                            f"the file's metadata {LAYOUT_KEY}={HEADS_MAJOR} if the shape is right")
                     if batched is not None and batched != this_batched:
                         raise InputError(f"{path}: some tensors have a batch dimension and some do not")
                     batched = this_batched

@@ -106,6 +106,23 @@ def read_range(url: str, start: int, end: int, storage_options: dict | None = No
         raise _wrap(url, exc) from None
 
 
+def exists(url: str, storage_options: dict | None = None) -> bool:
+    try:
+        if is_local(url):
+            return os.path.lexists(local_path(url))
+        fs, path = filesystem(url, storage_options)
+        return bool(fs.exists(path))
+    except LynxError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise _wrap(url, exc) from None
+
+
+def can_remove(url: str) -> bool:
+    """Whether the storage layer can delete what is at ``url`` (an HTTP server, for one, cannot be asked to)."""
+    return is_local(url) or protocol_of(url) not in ("http", "https")
+
+
 def read_all(url: str, storage_options: dict | None = None) -> bytes:
     return read_range(url, 0, size_of(url, storage_options), storage_options)
 
@@ -184,15 +201,23 @@ class FileSource:
     """A local file, memory-mapped: reading one page touches only that page's bytes."""
 
     def __init__(self, path: str | os.PathLike):
+        import stat
+
         self.name = os.fspath(path)
-        try:
-            self._f = open(path, "rb")
+        try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+            fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
             raise _wrap(self.name, exc) from None
+        self._f = os.fdopen(fd, "rb")
         try:
             st = os.fstat(self._f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise InputError(f"{self.name} is not a regular file; refusing to read it")
             self.size = st.st_size
             self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        except InputError:
+            self._f.close()
+            raise
         except (OSError, ValueError) as exc:
             self._f.close()
             raise InputError(f"{self.name}: cannot map the file ({exc})") from None
@@ -451,21 +476,112 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------------
 # locations
 # ---------------------------------------------------------------------------------------------------------
-def resolve_location(anchor: str | None, location: str) -> str:
-    """Where a segment recorded as ``location`` lives, for a cache whose anchor is at ``anchor`` (a path or URL;
-    ``None`` or a ``<...>`` name when the anchor came from memory).
+ALLOW_ENV = "LYNXKV_ALLOW_LOCATIONS"
 
-    An absolute location (a URL with a protocol, or an absolute path) is used as is; a relative one is taken
-    relative to the directory holding the anchor (``x.lynxr`` next to ``s3://b/dir/x.lynx`` is
-    ``s3://b/dir/x.lynxr``)."""
+
+def _normal(url: str) -> str:
+    """A location in one spelling, for prefix checks: local paths absolute with symlinks resolved, URLs with a
+    lower-case scheme and ``.``/``..``/``//`` folded."""
+    if is_local(url):
+        return os.path.realpath(local_path(url))
+    proto, rest = url.split("://", 1)
+    norm = posixpath.normpath(rest) if rest else ""
+    if rest.endswith("/") and not norm.endswith("/"):
+        norm += "/"
+    return f"{proto.lower()}://{norm}"
+
+
+def allowed_locations(allow=()) -> tuple[str, ...]:
+    """The allow-list: ``allow`` plus the comma-separated prefixes in ``$LYNXKV_ALLOW_LOCATIONS``."""
+    env = [p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()]
+    return tuple(str(a) for a in allow) + tuple(env)
+
+
+def _under(target: str, prefix: str) -> bool:
+    """``target`` is ``prefix`` or lies below it (``s3://b/x`` is not below ``s3://b/x-other``)."""
+    if target == prefix:
+        return True
+    return target.startswith(prefix if prefix.endswith("/") else prefix + "/")
+
+
+def _is_allowed(target: str, allow) -> bool:
+    t = _normal(target)
+    return any(_under(t, _normal(p)) for p in allowed_locations(allow))
+
+
+def _regular_file(path: str, what: str) -> None:
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(f"{what} {path}: no such file or object (it does not exist)") from None
+    except OSError as exc:
+        raise InputError(f"{what} {path}: cannot stat ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{what} {path} is not a regular file; refusing to read it")
+
+
+def resolve_location(anchor: str | None, location: str, *, allow=(), what: str = "residual") -> str:
+    """Where a segment recorded as ``location`` in the anchor at ``anchor`` (a path or URL; ``None`` or a
+    ``<...>`` name when the anchor came from memory) lives -- and whether the reader may go there.
+
+    The trust rule (spec/FORMAT.md, "Locations"): a file names only places the user named or allowed.
+
+    - A relative location is taken relative to the anchor's directory (``x.lynxr`` next to
+      ``s3://b/dir/x.lynx`` is ``s3://b/dir/x.lynxr``) and must stay inside it after normalisation; a local one
+      must also stay inside after resolving symbolic links, and be a regular file (no FIFO, no device).
+    - An absolute path or a URL, or a relative location that leaves the anchor's directory, is followed only
+      when it lies under a prefix of the allow-list (``allow``, e.g. ``--allow-location s3://bucket/``, plus
+      ``$LYNXKV_ALLOW_LOCATIONS``), compared after normalisation.
+
+    Anything else is an InputError that names the location and how to allow it (``--residual`` names the
+    segment explicitly and bypasses this function)."""
+    hint = (f"pass --residual to name the {what} explicitly, or allow its place with --allow-location PREFIX "
+            f"(or ${ALLOW_ENV})")
     if has_protocol(location) or location.startswith("/"):
-        return location
+        if _is_allowed(location, allow):
+            return location
+        raise InputError(f"the anchor records its {what} at {location!r}, outside the anchor's directory; {hint}")
     if anchor is None or anchor.startswith("<"):
-        return location
+        raise InputError(f"the anchor records its {what} at the relative location {location!r}, but the anchor "
+                         f"was not read from a file; pass the {what} explicitly")
     if has_protocol(anchor) and not is_local(anchor):
         proto, rest = anchor.split("://", 1)
-        return f"{proto}://{posixpath.normpath(posixpath.join(posixpath.dirname(rest), location))}"
-    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(local_path(anchor))), location))
+        base = posixpath.dirname(rest)
+        target = f"{proto}://{posixpath.normpath(posixpath.join(base, location))}"
+        inside = _under(_normal(target), _normal(f"{proto}://{base}/"))
+    else:
+        base = os.path.dirname(os.path.abspath(local_path(anchor)))
+        target = os.path.normpath(os.path.join(base, location))
+        inside = _under(target, base) and _under(os.path.realpath(target), os.path.realpath(base))
+    if not inside and not _is_allowed(target, allow):
+        raise InputError(f"the anchor records its {what} at {location!r}, which leads outside the anchor's "
+                         f"directory; {hint}")
+    if is_local(target):
+        _regular_file(target, what)
+    return target
+
+
+def write_target(dest_anchor: str, location: str, *, what: str = "residual") -> str:
+    """Where to write a copy of a segment recorded as ``location`` next to the anchor copy ``dest_anchor``: a
+    relative location that stays inside the destination's directory (and is not a symbolic link)."""
+    if has_protocol(location) or location.startswith("/"):
+        raise InputError(f"the anchor records its {what} at the absolute location {location}; say where to write "
+                         f"the copy with --residual-out")
+    if has_protocol(dest_anchor) and not is_local(dest_anchor):
+        proto, rest = dest_anchor.split("://", 1)
+        base = posixpath.dirname(rest)
+        target = f"{proto}://{posixpath.normpath(posixpath.join(base, location))}"
+        inside = _under(_normal(target), _normal(f"{proto}://{base}/"))
+    else:
+        base = os.path.dirname(os.path.abspath(local_path(dest_anchor)))
+        target = os.path.normpath(os.path.join(base, location))
+        inside = _under(target, base) and not os.path.islink(target)
+    if not inside:
+        raise InputError(f"the anchor records its {what} at {location!r}, which leads outside the directory of "
+                         f"{dest_anchor}; say where to write the copy with --residual-out")
+    return target
 
 
 def _canonical(url: str) -> str:

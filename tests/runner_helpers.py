@@ -7,7 +7,8 @@ import concurrent.futures
 import torch
 
 from lynxkv.loading import LoadTimeline
-from lynxkv.hf.models import model_fingerprint, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative.simulated import split_kv
 
@@ -88,18 +89,37 @@ def single_thread():
         torch.set_num_threads(before)
 
 
+def word(i: int) -> str:
+    """The word of token ``i`` (< 676) in :func:`save_tiny_model_dir` 's tokenizer: ``w`` and two letters (no
+    digits, no word a prefix of another: some transformers tokenizer classes split such words)."""
+    return "w" + chr(ord("a") + i // 26) + chr(ord("a") + i % 26)
+
+
+def text_of(ids) -> str:
+    return " ".join(word(i) for i in ids)
+
+
 def save_tiny_model_dir(model, path) -> str:
-    """Save ``model`` with a word-level tokenizer (token i is the word ``w{i}``) so ``load_model(path)`` and the
-    CLI's ``--model PATH`` can load it like any Hugging Face model directory."""
+    """Save ``model`` with a word-level tokenizer (token i is the word :func:`word` (i)) so ``load_model(path)``
+    and the CLI's ``--model PATH`` can load it like any Hugging Face model directory."""
+    import json
+    import os
+
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    vocab = {word(i): i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token=word(0)))
     tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=word(0), eos_token=word(1))
     model.save_pretrained(path)
     fast.save_pretrained(path)
+    # transformers 5 picks a model type's own tokenizer class (Qwen2's byte-level BPE) unless told otherwise
+    config = os.path.join(path, "tokenizer_config.json")
+    with open(config) as f:
+        settings = json.load(f)
+    with open(config, "w") as f:
+        json.dump({**settings, "tokenizer_class": "TokenizersBackend"}, f)
     return str(path)

@@ -93,14 +93,14 @@ def test_existing_output_is_never_overwritten(tmp_path, capsys):
     "argv, code, message",
     [
         (["encode", "missing.safetensors", "-o", "x.lynx"], 1, "no such file"),
-        (["encode", "-o", "x.lynx"], 1, "either a KV dump file or --model"),
+        (["encode", "{src}", "--model", "smollm2", "-o", "x.lynx"], 1, "either a KV dump file or --model, not both"),
         (["encode", "{src}", "-o", "x.lynx", "--chunk", "24"], 1, "chunk"),
         (["encode", "{src}", "-o", "x.lynx", "--scheme", "nope"], 1, "unknown preset"),
         (["decode", "{src}", "-o", "y.safetensors"], 1, "magic"),
         (["decode", "x.lynx", "-o", "y.safetensors", "--dtype", "int3"], 1, "--dtype"),
         (["encode", "--bogus"], 2, "No such option"),
     ],
-    ids=["missing-input", "no-input", "bad-chunk", "bad-scheme", "not-a-lynx-file", "bad-dtype", "bad-flag"],
+    ids=["missing-input", "dump-and-model", "bad-chunk", "bad-scheme", "not-a-lynx-file", "bad-dtype", "bad-flag"],
 )
 def test_bad_input_is_one_clear_error(tmp_path, capsys, monkeypatch, argv, code, message):
     monkeypatch.chdir(tmp_path)
@@ -118,10 +118,18 @@ def test_residual_on_another_tier_is_recorded_and_read_back(tmp_path, capsys):
     src = tmp_path / "kv.safetensors"
     _dump(src)
     url = "memory://cold-tier/c.lynxr"
-    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx", "--residual", url)[0] == 0
+    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx", "--residual-out", url)[0] == 0
     assert not (tmp_path / "c.lynxr").exists()
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json")
     d = json.loads(out)
-    assert d["residual_location"] == url and d["residual_reachable"] is True
-    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src)
+    assert d["residual_location"] == url and d["residual_reachable"] is None  # not fetched unless asked
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual")
+    assert json.loads(out)["residual_reachable"] is False  # asked, but the URL is not allowed
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual",
+                       "--allow-location", "memory://cold-tier/")
+    assert json.loads(out)["residual_reachable"] is True
+    code, out, err = run(capsys, "verify", tmp_path / "c.lynx", "--json")
+    assert code == 1 and "--allow-location" in out
+    code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src,
+                       "--allow-location", "memory://cold-tier/")
     assert code == 0 and json.loads(out)["vnmse"]["mean"]["key_full"] < 1e-4

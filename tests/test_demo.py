@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_runs_the_whole_pipeline(tmp_path, capsys):
-    code = main(["demo", "--dir", str(tmp_path), "--tokens", "120", "--new-tokens", "8", "--residual-steps", "6"])
+    code = main(["demo", "--dir", str(tmp_path), "--tokens", "120", "-n", "8", "--residual-steps", "6"])
     out = capsys.readouterr().out
     assert code == 0
     assert (tmp_path / "hot" / "demo.lynx").exists() and (tmp_path / "cold" / "demo.lynxr").exists()

@@ -50,7 +50,7 @@ def test_queries_captured_by_the_hook_reproduce_the_models_attention(tiny_model)
     seen = {}
     hook = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("o_in", a[0].detach().clone()))
     try:
-        cache = draft.kv_to_cache(kv, tiny_model.config)
+        cache = draft.kv_to_cache(kv)
         with draft.captured_queries(tiny_model) as store:
             tiny_model(input_ids=ids[12:].reshape(1, -1), cache=cache, use_cache=True)
     finally:

@@ -8,12 +8,13 @@ import os
 import pytest
 
 from conftest import make_tiny_llama
-from lynxkv.hf.models import encode_prompt, load_model, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.speculative import decode_plain
 from lynxkv.speculative.simulated import split_kv
 from lynxkv.quant.scheme import get_scheme
-from runner_helpers import save_tiny_model_dir, single_thread
+from runner_helpers import save_tiny_model_dir, single_thread, text_of
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
@@ -32,7 +33,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_stream_tokens_example(model_dir, capsys):
-    tokens = _load("stream_tokens").main(["--model", model_dir, "--tokens", "80", "--new-tokens", "12",
+    tokens = _load("stream_tokens").main(["--model", model_dir, "--tokens", "80", "-n", "12",
                                           "--residual-ms", "30"])
     out = capsys.readouterr().out
     loaded = load_model(model_dir)
@@ -45,10 +46,26 @@ def test_stream_tokens_example(model_dir, capsys):
 
 
 def test_pipeline_example(model_dir, tmp_path, capsys):
-    res = _load("lynx_pipeline").main(["--model", model_dir, "--tokens", "120", "--new-tokens", "16", "--anchor-bits", "5",
+    res = _load("lynx_pipeline").main(["--model", model_dir, "--tokens", "120", "-n", "16", "--anchor-bits", "5",
                                        "--residual-steps", "10", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["monolithic-full"]["same_tokens_as_lynx"]
     assert os.path.exists(tmp_path / "fast" / "cache.lynx") and os.path.exists(tmp_path / "slow" / "cache.lynxr")
     assert res["stats"]["committed"] == 16 and "monolithic-bf16" in out
+
+
+def test_document_questions_example(model_dir, tmp_path, capsys):
+    from lynxkv import open_cache
+
+    answers = _load("document_questions").main(["--model", model_dir, "--tokens", "60", "-n", "8", "--dir",
+                                                str(tmp_path), "--question", " " + text_of([5, 6]),
+                                                "--question", " " + text_of([7, 8, 9])])
+    loaded = load_model(model_dir)
+    with open_cache(tmp_path / "doc.lynx") as cache:
+        ids, full_kv = cache.info.prompt_token_ids, cache.load_kv()
+    assert [a["new_token_ids"] for a in answers] == [[5, 6], [7, 8, 9]]
+    for a in answers:
+        assert a["token_ids"] == decode_plain(loaded.model, full_kv, ids, 8, new_token_ids=a["new_token_ids"],
+                                              first_forward=a["draft_token_ids"])
+        assert 0 < len(a["generate_token_ids"]) <= 8  # generate stops at the tokenizer's end-of-sequence

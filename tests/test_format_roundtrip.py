@@ -119,15 +119,15 @@ def test_tensor_names_batch_dim_and_custom_residual_path(tmp_path):
         assert cache.verify() == [] and len(cache.load_kv()) == 2
 
 
-def test_quantize_fn_is_used():
-    calls = []
+def test_encode_kv_gives_the_reference_codes():
+    from lynxkv.quant import reference
 
-    def spy(x, scheme):
-        calls.append(tuple(x.shape))
-        return quantize(x, scheme)
-
-    encode_kv(make_kv(2, 1, 5, 4), quantize_fn=spy)
-    assert calls == [(1, 5, 4)] * 4
+    kv = make_kv(2, 1, 37, 4)
+    enc = encode_kv(kv)
+    for (k, v), (ek, ev) in zip(kv, enc.layers):
+        for x, e in ((k, ek), (v, ev)):
+            ref = reference.quantize(x, enc.scheme)
+            assert all(torch.equal(getattr(ref, f), getattr(e, f)) for f in ("anchor", "residual", "offset", "scale"))
 
 
 @pytest.mark.parametrize("kv,match", [
@@ -144,12 +144,21 @@ def test_bad_input_is_one_clear_error(tmp_path, kv, match):
 
 
 def test_rewrite_is_atomic_and_leaves_no_temp_files(tmp_path):
+    """Replacing a two-file cache: the new residual goes under a fresh name, the anchor last, the old residual
+    is removed after; each rewrite leaves exactly one anchor and the residual it records."""
     path = tmp_path / "c.lynx"
     save_cache(path, make_kv(1, 1, 8, 4, seed=1))
-    save_cache(path, make_kv(1, 1, 8, 4, seed=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.lynx", "c.lynxr"]
+    for seed in (2, 3):
+        save_cache(path, make_kv(1, 1, 8, 4, seed=seed))
+        with open_cache(path) as cache:
+            names = sorted(p.name for p in tmp_path.iterdir())
+            assert names == sorted(["c.lynx", cache.info.residual_location]), names
+            assert cache.verify() == []
+    save_cache(path, make_kv(1, 1, 8, 4, seed=4), single_file=True)  # the old residual goes with it
+    assert [p.name for p in tmp_path.iterdir()] == ["c.lynx"]
     with open_cache(path) as cache:
-        assert_kv_equal(cache.load_kv(), expected(make_kv(1, 1, 8, 4, seed=2), DEFAULT, False))
+        assert_kv_equal(cache.load_kv(), expected(make_kv(1, 1, 8, 4, seed=4), DEFAULT, False))
 
 
 def test_byte_range_steps_without_a_source():

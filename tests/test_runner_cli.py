@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -11,11 +10,12 @@ import torch
 from conftest import make_tiny_llama
 from lynxkv.cache import save_cache
 from lynxkv.cli import main
-from lynxkv.hf.models import model_fingerprint, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import decode_plain
 from lynxkv.speculative.simulated import split_kv
 from lynxkv.quant.scheme import get_scheme
-from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread
+from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread, text_of
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -45,7 +45,7 @@ def test_json_output_equals_full_cache_decoding(tiny_cache, capsys):
     assert code == 0, err
     doc = json.loads(out)
     assert doc["token_ids"] == want
-    assert doc["text"] == " ".join(f"w{t}" for t in want)
+    assert doc["text"] == text_of(want)
     assert doc["verified"] is True
     s = doc["stats"]
     assert s["committed"] == 24 and s["anchor_ready_s"] < s["residual_ready_s"] <= s["tt1_s"]
@@ -56,7 +56,7 @@ def test_plain_output_and_stats_table(tiny_cache, capsys):
     model_dir, path, want, _ = tiny_cache
     code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s")
     assert code == 0, err
-    assert out.startswith(" ".join(f"w{t}" for t in want))
+    assert out.startswith(text_of(want))
     for label in ("anchor ready", "residual ready", "first draft token", "TT1 / TT32 / TT64", "drafted / accepted",
                   "acceptance rate", "Δ theoretical"):
         assert label in out
@@ -122,7 +122,7 @@ def test_terminal_view_shows_drafts_dim_and_retracts_them(tiny_cache, monkeypatc
         p.event(ev)
         views.append((p.view.plain, [s.style for s in p.view.spans]))
     p.close()
-    assert views[2][0] == "w5 w6 w7" and views[2][1] == ["dim"]  # all provisional, dim
-    assert views[3][0] == "w5 w6 w7"  # w5 now final, w6 w7 still dim
-    assert views[4] == ("w5", [])  # retracted
-    assert views[5][0] == "w5 w9" and p.committed == [5, 9]
+    assert views[2][0] == text_of([5, 6, 7]) and views[2][1] == ["dim"]  # all provisional, dim
+    assert views[3][0] == text_of([5, 6, 7])  # w5 now final, w6 w7 still dim
+    assert views[4] == (text_of([5]), [])  # retracted
+    assert views[5][0] == text_of([5, 9]) and p.committed == [5, 9]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lynxkv.hf.models import encode_prompt, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, decode_plain, run
@@ -31,7 +32,7 @@ def _gap(model, full_kv, ids, got, want) -> str:
     j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if j is None:
         return "same"
-    logits = forward_tokens(model, start_cache(full_kv, model.config, len(ids)), [ids[-1]] + want[:j])[-1]
+    logits = forward_tokens(model, start_cache(model, full_kv, len(ids)), [ids[-1]] + want[:j])[-1]
     top = logits.topk(2).values
     return f"first difference at {j}: top-2 logit gap {float(top[0] - top[1]):.3e}"
 
@@ -52,3 +53,61 @@ def test_greedy_identical(prompt_case, regime):
         assert s.accepted == window
     if regime == "coarse-anchor":
         assert s.accepted < window
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_run_and_question_equal_plain_decoding(smollm2, tmp_path, dtype):
+    """SmolLM2 in bf16/fp16, cache stored in that dtype: greedy output with and without a new question equals
+    plain greedy decoding on the decoded full code with the run's forward shapes (decode_plain's definition)."""
+    import torch
+
+    from lynxkv import open_cache, save_cache
+    from lynxkv.hf import continuation_ids
+    from lynxkv.hf.models import load_model
+    from lynxkv.kv import TORCH_DTYPES
+
+    lm = load_model(None, dtype=TORCH_DTYPES[dtype])
+    ids = encode_prompt(lm, builtin_prompt(lm.tokenizer, 200))
+    kv, _ = prefill(lm.model, ids)
+    assert kv[0][0].dtype == TORCH_DTYPES[dtype]
+    save_cache(tmp_path / "x.lynx", kv, prompt_token_ids=ids.tolist(), model_fingerprint=lm.fingerprint)
+    with open_cache(tmp_path / "x.lynx") as cache:
+        assert cache.info.dtype == dtype
+        anchor_kv, full_kv = cache.load_kv(anchor_only=True), cache.load_kv()
+    ids = ids.tolist()
+    for new in (None, continuation_ids(lm.tokenizer, ids, "\n\nQuestion: Which topic comes first?\nAnswer:")):
+        res = run(lm.model, StepLoad(lm.model, ids, anchor_kv, full_kv, fingerprint=lm.fingerprint),
+                  RunConfig(max_new_tokens=NEW, max_window=8), new_token_ids=new, fingerprint=lm.fingerprint)
+        want = decode_plain(lm.model, full_kv, ids, NEW, new_token_ids=new, first_forward=res.stats.draft_token_ids)
+        assert res.token_ids == want and res.stats.drafted == 8
+    with torch.no_grad():  # no NaN/inf from the low-precision path
+        assert torch.isfinite(lm.model(input_ids=torch.tensor([ids[:8]])).logits).all()
+
+
+def test_dynamic_cache_round_trip_through_a_file_keeps_generate_output(smollm2, tmp_path):
+    """A SmolLM2 DynamicCache saved and opened again: generate continues a question with the same tokens as on
+    the original cache (the full code is close enough to fp32 on a real model for these 16 tokens)."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    from lynxkv import open_cache, save_cache
+    from lynxkv.hf import to_dynamic_cache
+
+    lm = smollm2
+    ids = encode_prompt(lm, builtin_prompt(lm.tokenizer, 300)).tolist()
+    question = lm.tokenizer("\n\nQuestion: What is the first topic?\nAnswer:", add_special_tokens=False).input_ids
+    original = DynamicCache()
+    with torch.no_grad():
+        lm.model(input_ids=torch.tensor([ids]), cache=original, use_cache=True)
+    save_cache(tmp_path / "x.lynx", original, prompt_token_ids=ids)
+
+    def generate(cache):
+        with torch.no_grad():
+            out = lm.model.generate(torch.tensor([ids + question]), cache=cache, max_new_tokens=NEW,
+                                    do_sample=False)
+        return out[0, len(ids) + len(question):].tolist()
+
+    with open_cache(tmp_path / "x.lynx") as cache:
+        assert generate(to_dynamic_cache(cache, lm.model)) == generate(copy.deepcopy(original))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lynxkv.api import kv_error
+from lynxkv.eval.metrics import kv_error
 from lynxkv.cache import open_cache, save_cache
-from lynxkv.hf.models import encode_prompt, prefill
+from lynxkv.hf import prefill
+from lynxkv.hf.models import encode_prompt
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import DEFAULT, PAPER
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from unittest.mock import ANY
 from fixtures_s3 import cache_bytes, random_kv, write_pair
 
 from lynxkv.cli import main
@@ -86,8 +87,10 @@ def test_tier_copy_keeps_the_source(cache, tmp_path, capsys):
     assert out["residual_location"] == os.path.relpath(os.path.join(os.path.dirname(path), "x.lynxr"),
                                                        os.path.dirname(dest))
     from lynxkv.cache import verify_file
+    from lynxkv.format import Finding
 
-    assert verify_file(dest) == []
+    assert verify_file(dest) == [Finding("residual", "location", ANY)]  # ../x.lynxr: outside, not followed
+    assert verify_file(dest, allow_locations=[os.path.dirname(path)]) == []
 
 
 def test_single_file_cache_copies_from_disk_and_over_http(tmp_path, capsys):

@@ -13,11 +13,33 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, s3_server, write_pair 
 from lynxkv.cache import open_cache
 from lynxkv.cli import main
 from lynxkv.errors import ChecksumError, FormatError, LynxError
-from lynxkv.storage import read_range, size_of, write_atomic
+from lynxkv.storage import ALLOW_ENV, RetryPolicy, read_range, size_of, write_atomic
 from lynxkv.stream import open_progressive
-from lynxkv.storage import RetryPolicy
 
 pytestmark = pytest.mark.network
+
+
+@pytest.fixture(autouse=True)
+def allow_the_bucket(s3_server, monkeypatch):
+    """Caches here record residuals elsewhere in the bucket; the user allows the bucket (the trust rule)."""
+    monkeypatch.setenv(ALLOW_ENV, f"s3://{s3_server.bucket}/")
+
+
+def test_a_residual_url_is_not_followed_unless_allowed(tmp_path, s3_server, kv_ref, monkeypatch):
+    kv, *_ = kv_ref
+    rurl = s3_server.url("cold/refused.lynxr")
+    anchor, residual = cache_bytes(kv, residual_location=rurl)
+    write_atomic(rurl, residual)
+    path = write_pair(tmp_path, anchor, None, name="refused")
+    monkeypatch.delenv(ALLOW_ENV)
+    with open_cache(path) as c:
+        assert not c.residual_reachable()
+        with pytest.raises(LynxError, match="--allow-location"):
+            c.load_kv()
+    with open_cache(path, allow_locations=[f"s3://{s3_server.bucket}/cold/"]) as c:
+        assert c.residual_reachable()
+    with open_cache(path, allow_locations=[f"s3://{s3_server.bucket}/co"]) as c:  # a prefix is a whole directory
+        assert not c.residual_reachable()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +88,7 @@ def test_tier_moves_residual_to_s3_and_back(tmp_path, s3_server, kv_ref, capsys)
     _, anchor, residual, _, ref_full = kv_ref
     path = write_pair(tmp_path, anchor, residual)
     rurl = s3_server.url("tiered/x.lynxr")
-    assert main(["tier", path, "--residual-to", rurl, "--json"]) == 0
+    assert main(["tier", path, "--residual-out", rurl, "--json"]) == 0
     assert not os.path.exists(tmp_path / "x.lynxr")  # moved, not copied
     assert read_range(rurl, 0, len(residual)) == residual  # the residual itself is unchanged
     with open_cache(path) as c:
@@ -81,7 +103,7 @@ def test_tier_moves_residual_to_s3_and_back(tmp_path, s3_server, kv_ref, capsys)
         assert kv_equal(load.residual.result(60), ref_full)
     # Back to local disk, both segments.
     back = str(tmp_path / "back" / "y.lynx")
-    assert main(["tier", aurl, back, "--residual-to", str(tmp_path / "back" / "y.lynxr")]) == 0
+    assert main(["tier", aurl, back, "--residual-out", str(tmp_path / "back" / "y.lynxr")]) == 0
     with open_cache(back) as c:
         assert c.info.residual_location == "y.lynxr"
         assert kv_equal(c.load_kv(), ref_full)
@@ -93,7 +115,7 @@ def test_tier_refuses_a_corrupt_source(tmp_path, s3_server, kv_ref):
     bad = bytearray(residual)
     bad[-10] ^= 1
     path = write_pair(tmp_path, anchor, bytes(bad))
-    assert main(["tier", path, "--residual-to", s3_server.url("never/x.lynxr")]) == 1
+    assert main(["tier", path, "--residual-out", s3_server.url("never/x.lynxr")]) == 1
     with pytest.raises(LynxError):
         size_of(s3_server.url("never/x.lynxr"))
     assert os.path.exists(tmp_path / "x.lynxr")  # nothing moved
@@ -171,8 +193,8 @@ def test_a_new_process_opens_the_cache_from_its_tiers_with_only_the_path(tmp_pat
             "[h.update(t.numpy().tobytes()) for pair in kv for t in pair]\n"
             "print(h.hexdigest(), load.residual_url)\n"
             "load.close()\n")
-    proc = subprocess.run([sys.executable, "-c", code, path], env=s3_server.env, capture_output=True, text=True,
-                          timeout=180)
+    env = {**s3_server.env, ALLOW_ENV: f"s3://{s3_server.bucket}/"}
+    proc = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     digest, where = proc.stdout.split()
     assert digest == expected and where == rurl

@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except LynxError as exc:
         if os.environ.get("LYNXKV_DEBUG"):
             raise
-        from lynxkv.cli.console import err
+        from lynxkv.cli.console import err, escape
 
-        err.print(f"[bold red]lynxkv: error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]lynxkv: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

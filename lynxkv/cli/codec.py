@@ -10,11 +10,14 @@ import typer
 from rich.table import Table
 
 from lynxkv.cli.app import app
-from lynxkv.cli.console import err, out, print_json
+from lynxkv.cli.console import err, escape, out, print_json, progress_step, read_text
 from lynxkv.errors import InputError
 from lynxkv.stream.units import format_bytes
 
 _DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+ALLOW_HELP = ("Let the cache's recorded residual location lie under this prefix (a path or URL such as "
+              "s3://bucket/; repeatable; also $LYNXKV_ALLOW_LOCATIONS, comma-separated). By default only a file "
+              "inside the anchor's directory is followed.")
 
 
 def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
@@ -27,9 +30,13 @@ def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
 def encode(
     input: Optional[Path] = typer.Argument(None, help="A KV dump (.safetensors). Omit it to prefill --model."),
     output: Path = typer.Option(..., "-o", "--output", help="The anchor file to write (.lynx)."),
-    residual: Optional[str] = typer.Option(None, help="Where the residual goes (default: OUTPUT with .lynxr)."),
-    model: Optional[str] = typer.Option(None, help="Prefill this HF model ('smollm2' = the offline default)."),
-    prompt_file: Optional[Path] = typer.Option(None, help="Prompt text for --model (default: built-in)."),
+    residual_out: Optional[str] = typer.Option(None, "--residual-out", help="Where the residual goes, a path or "
+                                               "URL (default: OUTPUT with .lynxr)."),
+    model: Optional[str] = typer.Option(None, help="Prefill this HF model (default without INPUT: the offline "
+                                        "SmolLM2, 'smollm2')."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Prompt text to prefill (default: built-in)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="The model's dtype for the prefill, fp32, bf16 or fp16 (the "
+                              "cache stores the KV in it)."),
     tokens: int = typer.Option(1000, min=1, help="Length of the built-in prompt, in tokens."),
     scheme: str = typer.Option("default", help="Scheme preset: default, paper, paper-a1."),
     page: Optional[int] = typer.Option(None, help="Tokens per page (P)."),
@@ -42,32 +49,38 @@ def encode(
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
-    from lynxkv.api import encode_model
     from lynxkv.cache import default_residual_path, save_dump
+    from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
+    from lynxkv.kv import TORCH_DTYPES
+
     sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
-    if (input is None) == (model is None):
-        raise InputError("give either a KV dump file or --model (not both)")
-    if prompt_file is not None and model is None:
-        raise InputError("--prompt-file needs --model")
+    if input is not None and model is not None:
+        raise InputError("give either a KV dump file or --model, not both")
+    if input is not None and prompt_file is not None:
+        raise InputError("--prompt-file is the text to prefill with --model; a KV dump already holds its KV")
+    if dtype not in TORCH_DTYPES:
+        raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
     refuse_overwrite(output, force)
-    if residual is not None and single_file:
-        raise InputError("--residual and --single-file exclude each other")
+    if residual_out is not None and single_file:
+        raise InputError("--residual-out and --single-file exclude each other")
     if not single_file:
-        refuse_overwrite(residual or default_residual_path(output), force)
-    with err.status("encoding ..."):
-        if input is not None:
-            info = save_dump(input, output, sch, residual_path=residual, single_file=single_file, zstd=zstd)
-        else:
-            prompt = prompt_file.read_text() if prompt_file is not None else None
-            info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual,
-                                single_file=single_file, zstd=zstd)
+        refuse_overwrite(residual_out or default_residual_path(output), force)
+    if input is not None:
+        with progress_step(f"encoding {input}"):
+            info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd)
+    else:
+        prompt = read_text(prompt_file) if prompt_file is not None else None
+        name = model or "SmolLM2-135M-Instruct (offline default)"
+        with progress_step(f"loading {name} ({dtype}), prefilling and encoding"):
+            info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual_out,
+                                single_file=single_file, zstd=zstd, dtype=TORCH_DTYPES[dtype])
     if json:
         print_json(info.to_dict())
     else:
         err.print(
-            f"wrote {output} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
+            f"wrote {escape(str(output))} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
             f"anchor {format_bytes(info.anchor_bytes)}, residual {format_bytes(info.residual_bytes)}, "
             f"{info.bits_per_element['total']:.3f} bits/element ({info.bits_per_element['anchor']:.3f} in the anchor)"
         )
@@ -80,34 +93,48 @@ def decode(
     anchor_only: bool = typer.Option(False, "--anchor-only", help="Reconstruct from the anchor alone."),
     dtype: Optional[str] = typer.Option(None, help="Output dtype: bf16, fp16 or fp32 (default: the original)."),
     residual: Optional[str] = typer.Option(None, help="Read the residual from here instead."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
+    json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
     """Turn a .lynx cache back into tensors, with the names and shapes that went in."""
     from lynxkv.cache import open_cache
-    from lynxkv.kv import TORCH_DTYPES
     from lynxkv.dumps import save_kv_safetensors
+    from lynxkv.kv import DTYPE_NAMES, TORCH_DTYPES
 
     if dtype is not None and dtype not in _DTYPE_CHOICES:
         raise InputError(f"--dtype: expected one of {', '.join(_DTYPE_CHOICES)}, got {dtype!r}")
     refuse_overwrite(output, force)
-    with open_cache(cache, residual=residual) as c, err.status("decoding ..."):
+    with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c, \
+            progress_step(f"decoding {cache}"):
         kv = c.load_kv(anchor_only=anchor_only, dtype=TORCH_DTYPES[dtype] if dtype else None)
         meta = {"lynxkv.cache_id": c.info.cache_id, "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
         save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)
-    err.print(f"wrote {output} ({len(kv)} layers, {'anchor-only' if anchor_only else 'full'} reconstruction)")
+    if json:
+        k0 = kv[0][0]
+        print_json({"output": str(output), "layers": len(kv), "kv_heads": k0.shape[0], "tokens": k0.shape[1],
+                    "head_dim": k0.shape[2], "dtype": DTYPE_NAMES[k0.dtype], "names": list(c.info.names or []),
+                    "reconstruction": meta["lynxkv.reconstruction"], "cache_id": c.info.cache_id})
+        return
+    err.print(f"wrote {escape(str(output))} ({len(kv)} layers, {'anchor-only' if anchor_only else 'full'} "
+              "reconstruction)")
 
 
 @app.command()
 def inspect(
     cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
     residual: Optional[str] = typer.Option(None, help="Look for the residual here instead."),
+    check_residual: Optional[bool] = typer.Option(None, "--check-residual/--no-check-residual", help="Open the "
+                                                  "residual to see whether it is reachable (default: only when it "
+                                                  "is inline or a file in the anchor's directory)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a cache's scheme, shape, pages, sizes and bits per element, and where its residual lives."""
     from lynxkv.cache import open_cache
 
-    with open_cache(cache, residual=residual) as c:
-        d = c.describe()
+    with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c:
+        d = c.describe(check_residual=True if residual is not None and check_residual is None else check_residual)
     if json:
         print_json(d)
         return
@@ -120,8 +147,8 @@ def inspect(
     t.add_row("pages", f"{d['pages_per_layer']} per layer of {d['scheme']['page']} tokens")
     t.add_row("anchor", f"{format_bytes(d['anchor_bytes'])} ({d['bits_per_element']['anchor']:.3f} bits/element)")
     res_where = "inline (single file)" if d["residual_inline"] else d["residual_location"]
-    t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: "
-                          f"{'reachable' if d['residual_reachable'] else 'NOT reachable'}")
+    reach = {True: "reachable", False: "NOT reachable", None: "not checked (--check-residual)"}
+    t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: {reach[d['residual_reachable']]}")
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
     t.add_row("prompt", f"{len(d['prompt_token_ids'])} token ids" if d.get("prompt_token_ids") else "not stored")
@@ -135,21 +162,23 @@ def verify(
     cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
     residual: Optional[str] = typer.Option(None, help="Check the residual at this location instead."),
     against: Optional[Path] = typer.Option(None, help="The original KV dump: report vNMSE per layer."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Check both segments' structure and every checksum (exit 1 on any finding); optionally measure error."""
-    from lynxkv.api import reconstruction_error
+    from lynxkv.eval.metrics import reconstruction_error
     from lynxkv.cache import verify_file
 
-    findings = verify_file(cache, residual=residual)
+    allow = tuple(allow_location or ())
+    findings = verify_file(cache, residual=residual, allow_locations=allow)
     result: dict = {"ok": not findings, "findings": [f.to_dict() for f in findings]}
     if against is not None and not findings:
-        result["vnmse"] = reconstruction_error(cache, against, residual=residual)
+        result["vnmse"] = reconstruction_error(cache, against, residual=residual, allow_locations=allow)
     if json:
         print_json(result)
     else:
         for f in findings:
-            err.print(f"[red]FAIL[/] {f}")
+            err.print(f"[red]FAIL[/] {escape(str(f))}")
         if "vnmse" in result:
             _print_vnmse(result["vnmse"])
         err.print("[green]OK[/]: structure and checksums of both segments verified" if not findings

@@ -1,13 +1,44 @@
-"""Shared rich consoles: ``out`` for data (stdout), ``err`` for messages and progress (stderr)."""
+"""Shared rich consoles and the CLI's conventions for output.
+
+- ``out`` for data (stdout), ``err`` for messages and progress (stderr); ``--json`` output goes through
+  :func:`print_json`.
+- On a terminal tables fit its width; anywhere else (a file, a pipe) they are rendered at their full natural
+  width, so no number is ever cut to ``1.4…``.
+- Text that comes from outside (an error message, a path, a tensor name) is printed with :func:`escape`, so
+  ``[kv_heads, tokens, head_dim]`` is not taken for rich markup.
+- Long steps show a progress line with the elapsed time (:func:`progress_step`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
-out = Console(highlight=False, soft_wrap=True)
+from lynxkv.errors import InputError
+
+__all__ = ["err", "escape", "out", "print_json", "progress_step", "read_text"]
+
+_UNLIMITED = 1 << 16  # columns for output that is not a terminal: as wide as the content needs
+
+
+class _Console(Console):
+    @property
+    def width(self) -> int:
+        if self._width is None and not self.is_terminal:
+            return _UNLIMITED
+        return super().width
+
+    @width.setter
+    def width(self, value: int) -> None:
+        self._width = value
+
+
+out = _Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False)
 
 
@@ -15,3 +46,33 @@ def print_json(data) -> None:
     """Machine-readable output: plain JSON on stdout, one document, no colour."""
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def progress_step(description: str):
+    """A progress line on stderr for one long step (a spinner, the step and its elapsed time), removed when the
+    step ends; nothing when stderr is not a terminal (a log keeps only results and errors)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    if not err.is_terminal:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        bar.add_task(escape(description), total=None)
+        yield
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A text file's contents, or one clear error (missing, a directory, not UTF-8)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a text file") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None

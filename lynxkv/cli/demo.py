@@ -1,9 +1,10 @@
 """``lynxkv demo``: the whole pipeline on the embedded default (offline SmolLM2, a built-in prompt).
 
-It runs the same commands a user would type, printing each one first: prefill + ``encode`` with the anchor and
-the residual on two tiers (two directories standing for fast and slow storage), ``inspect``, ``verify
---against`` (reconstruction error, full and anchor-only), then ``run --compare`` under an emulated link whose
-rate makes the residual take about ``--residual-steps`` decode steps, and ends with a short summary.
+Each step is the library call behind a command a user would type, and the command is printed first: prefill +
+``encode`` with the anchor and the residual on two tiers (two directories standing for fast and slow storage),
+``inspect``, ``verify`` and the reconstruction error (full and anchor-only, against the prefill's own KV), then
+``run --compare`` under an emulated link whose rate makes the residual take about ``--residual-steps`` decode
+steps, and a short summary.
 """
 
 from __future__ import annotations
@@ -16,30 +17,37 @@ from pathlib import Path
 import typer
 
 from lynxkv.cli.app import app
-from lynxkv.cli.console import err, out
+from lynxkv.cli.console import err, escape, out, print_json, progress_step
 
 
 def _show(argv: list[str]) -> None:
-    err.print(f"\n[bold cyan]$ lynxkv {' '.join(shlex.quote(a) for a in argv)}[/]")
+    err.print(f"\n[bold cyan]$ lynxkv {escape(' '.join(shlex.quote(a) for a in argv))}[/]")
 
 
 @app.command()
 def demo(
     directory: Path = typer.Option(Path("lynxkv-demo"), "--dir", help="Where the demo writes its tiers and files."),
-    tokens: int = typer.Option(1000, min=16, help="Length of the built-in prompt, in tokens."),
-    new_tokens: int = typer.Option(64, "--new-tokens", min=1, help="Tokens to generate."),
-    residual_steps: float = typer.Option(40.0, min=1.0, help="Emulated link: residual transfer time in decode steps."),
-) -> None:
+    tokens: int = typer.Option(1000, "--tokens", min=16, help="Length of the built-in prompt, in tokens."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
+    residual_steps: float = typer.Option(40.0, "--residual-steps", min=1.0,
+                                         help="Emulated link: residual transfer time in decode steps."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole report as JSON on stdout."),
+) -> dict:
     """Run the whole Lynx pipeline on the offline SmolLM2 and a built-in prompt."""
     import torch
 
-    from lynxkv.api import encode_model, kv_error
-    from lynxkv.cache import open_cache
-    from lynxkv.cli.codec import inspect, verify
-    from lynxkv.cli.run import run
-    from lynxkv.hf.models import load_model, prefill
+    from lynxkv.cache import save_cache
+    from lynxkv.cache import open_cache, verify_file
+    from lynxkv.cli.run import compare_table, print_judge, stats_table
+    from lynxkv.eval.metrics import kv_error
+    from lynxkv.hf import prefill
+    from lynxkv.hf.models import encode_prompt, load_model
+    from lynxkv.hf.prompts import builtin_prompt
     from lynxkv.quant.scheme import DEFAULT
+    from lynxkv.speculative import RunConfig, run
+    from lynxkv.speculative.compare import compare_run
     from lynxkv.speculative.model_ops import measure_tpot
+    from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate
     from lynxkv.stream.units import format_bytes
 
@@ -52,53 +60,82 @@ def demo(
             os.unlink(stale)
 
     t0 = time.perf_counter()
-    _show(["encode", "--model", "smollm2", "--tokens", str(tokens), "-o", str(anchor), "--residual", str(residual)])
-    with err.status("loading SmolLM2 and prefilling the prompt ..."):
-        info = encode_model(None, anchor, DEFAULT, tokens=tokens, residual=str(residual))
-    err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {format_bytes(info.anchor_bytes)} on the "
-              f"fast tier ({hot}), residual {format_bytes(info.residual_bytes)} on the slow tier ({cold})")
-
-    _show(["inspect", str(anchor)])
-    inspect(cache=str(anchor), residual=None, json=False)
-
-    # verify --against needs the original tensors: prefill again (cheap next to decoding) and compare in memory.
-    _show(["verify", str(anchor)])
-    try:
-        verify(cache=str(anchor), residual=None, against=None, json=False)
-    except typer.Exit as exc:
-        raise SystemExit(exc.exit_code) from None
-    loaded = load_model(None)
-    with open_cache(anchor) as cache:
-        ids = torch.tensor(cache.info.prompt_token_ids)
+    _show(["encode", "--model", "smollm2", "--tokens", str(tokens), "-o", str(anchor), "--residual-out",
+           str(residual)])
+    with progress_step("loading SmolLM2"):
+        loaded = load_model(None)
+    ids = encode_prompt(loaded, builtin_prompt(loaded.tokenizer, tokens))
+    with progress_step(f"prefilling {len(ids)} tokens"):
         original, _ = prefill(loaded.model, ids)
+    with progress_step("encoding"):
+        info = save_cache(anchor, original, DEFAULT, residual_path=str(residual), prompt_token_ids=ids.tolist(),
+                             model_fingerprint=loaded.fingerprint)
+    err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {format_bytes(info.anchor_bytes)} on the "
+              f"fast tier ({escape(str(hot))}), residual {format_bytes(info.residual_bytes)} on the slow tier "
+              f"({escape(str(cold))})")
+
+    # The residual lies outside the anchor's directory: the trust rule wants its place allowed.
+    allow = [str(cold)]
+    _show(["inspect", str(anchor), "--allow-location", str(cold)])
+    with open_cache(anchor, allow_locations=allow) as cache:
+        described = cache.describe()
         errors = kv_error(cache.load_kv(dtype=torch.float32), cache.load_kv(anchor_only=True, dtype=torch.float32),
-                          original)["mean"]
+                          original)
+    out.print(f"{described['layers']} layers × {described['kv_heads']} KV heads × {described['tokens']} tokens × "
+              f"{described['head_dim']} ({described['dtype']}), {escape(described['scheme_description'])}: "
+              f"{described['bits_per_element']['total']:.2f} bits/element "
+              f"({described['bits_per_element']['anchor']:.2f} in the anchor)")
+
+    _show(["verify", str(anchor), "--allow-location", str(cold)])
+    findings = verify_file(anchor, allow_locations=allow)
+    for f in findings:
+        err.print(f"[red]FAIL[/] {escape(str(f))}")
+    if findings:
+        raise typer.Exit(1)
+    err.print("[green]OK[/]: structure and checksums of both segments verified")
+    m = errors["mean"]
     out.print(
         "reconstruction error (vNMSE = Σ‖x̂−x‖²/Σ‖x‖², mean over layers): "
-        f"full K {errors['key_full']:.2e} V {errors['value_full']:.2e}; "
-        f"anchor only K {errors['key_anchor']:.2e} V {errors['value_anchor']:.2e}"
+        f"full K {m['key_full']:.2e} V {m['value_full']:.2e}; anchor only K {m['key_anchor']:.2e} V {m['value_anchor']:.2e}"
     )
 
     tpot = measure_tpot(loaded.model, original, len(ids))
     rate = info.residual_bytes / (residual_steps * tpot)
     err.print(f"\nTPOT {tpot * 1e3:.0f} ms at {len(ids)} tokens: an emulated link of {format_rate(rate)} makes the "
               f"residual take about {residual_steps:g} decode steps")
-    bandwidth = f"{rate * 8:.0f}bps"
-    _show(["run", str(anchor), "--bandwidth", bandwidth, "--max-new-tokens", str(new_tokens), "--ignore-eos",
-           "--compare"])
-    report = run(cache=str(anchor), model=None, max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, seed=None,
-                 bandwidth=bandwidth, latency=None, residual=None, max_window=64, verify_chunk=0,
-                 residual_timeout=None, allow_anchor_only=False, ignore_eos=True, compare=True, as_json=False)
+    _show(["run", str(anchor), "--residual", str(residual), "--bandwidth", f"{rate * 8:.0f}bps", "-n",
+           str(max_new_tokens), "--ignore-eos", "--compare"])
+    cfg = RunConfig(max_new_tokens=max_new_tokens)
+    started = time.perf_counter()
+    load = open_progressive(str(anchor), bandwidth=rate, allow_locations=allow)
+    try:
+        result = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
+        err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
+        compared = compare_run(loaded.model, load, result, cfg, loaded.fingerprint, bandwidth=rate, latency=None)
+    finally:
+        load.close()
 
-    s = report["stats"]
-    rows = {r["method"]: r for r in report["compare"]["rows"]}
-    n = max(k for k in (1, 32, 64) if k <= new_tokens)
-    tt = {m: rows[m][f"tt{n}_s"] for m in ("lynx", "monolithic-full", "anchor-only")}
+    s = result.stats
+    rows = {r["method"]: r for r in compared["rows"]}
+    n = max(k for k in (1, 32, 64) if k <= max_new_tokens)
+    tt = {name: rows[name][f"tt{n}_s"] for name in ("lynx", "monolithic-full", "anchor-only")}
     same = rows["monolithic-full"]["same_tokens_as_lynx"]
+    report = {"inspect": described, "verify": {"ok": True, "findings": []}, "vnmse": errors,
+              "tpot_s": tpot, "bandwidth_bytes_per_s": rate, "token_ids": result.token_ids,
+              "text": loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+              "stats": s.to_dict(), "compare": compared, "identical_to_full_code": same}
+    if as_json:
+        print_json(report)
+        return report
+    out.print(escape(report["text"]))
+    out.print(stats_table(s, "gain, measured (TT64 monolithic full − lynx)", compared["judge"]["gain_measured_s"]))
+    out.print(compare_table(compared["rows"], f"link {format_rate(rate)}"))
+    print_judge(compared["judge"])
     out.print(
         f"\n[bold]Summary[/]: the anchor ({info.bits_per_element['anchor']:.2f} bits/element) was ready at "
-        f"{s['anchor_ready_s']:.2f} s and the residual at {s['residual_ready_s']:.2f} s; Lynx drafted {s['drafted']} "
-        f"tokens on the anchor and kept {s['accepted']}. Time to {n} tokens: {tt['lynx']:.2f} s with Lynx, "
+        f"{s.anchor_ready_s:.2f} s and the residual at {s.residual_ready_s:.2f} s; Lynx drafted {s.drafted} "
+        f"tokens on the anchor and kept {s.accepted}. Time to {n} tokens: {tt['lynx']:.2f} s with Lynx, "
         f"{tt['monolithic-full']:.2f} s loading the full code first, {tt['anchor-only']:.2f} s on the lossy "
         f"anchor alone; the output is {'identical to' if same else 'DIFFERENT from'} decoding on the full code."
     )
+    return report

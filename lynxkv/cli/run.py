@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import typer
 
 from lynxkv.cli.app import app
-from lynxkv.cli.console import err, out, print_json
+from lynxkv.cli.console import err, out, print_json, read_text
+from lynxkv.errors import InputError
 
 
 def _s(x: float | None, unit: str = "s") -> str:
@@ -73,7 +75,7 @@ class _Printer:
         out.print()
 
 
-def _stats_table(stats, gain_label: str, gain: float | None):
+def stats_table(stats, gain_label: str, gain: float | None):
     from rich.table import Table
 
     t = Table(title="lynx run", show_header=False, title_justify="left")
@@ -104,7 +106,7 @@ def _stats_table(stats, gain_label: str, gain: float | None):
     return t
 
 
-def _compare_table(rows: list[dict], verdict: dict, link_text: str):
+def compare_table(rows: list[dict], link_text: str):
     from rich.table import Table
 
     t = Table(title=f"TT-N side by side ({link_text}; monolithic transfers computed as latency + bytes/bandwidth, "
@@ -122,6 +124,11 @@ def _compare_table(rows: list[dict], verdict: dict, link_text: str):
 def run(
     cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve)."),
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
+                              "cache is converted to it, whatever dtype it stores)."),
+    prompt: str = typer.Option(None, "--prompt", help="New text after the cached prompt (or a whole prompt that "
+                               "starts with it): a question about a cached document."),
+    prompt_file: Path = typer.Option(None, "--prompt-file", help="Read --prompt from this file."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
@@ -143,18 +150,28 @@ def run(
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
 
+    from lynxkv.cli.console import progress_step
+    from lynxkv.hf import continuation_ids
     from lynxkv.hf.models import load_model
+    from lynxkv.kv import TORCH_DTYPES
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
+    from lynxkv.speculative.compare import compare_run
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
+    if dtype not in TORCH_DTYPES:
+        raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    if prompt is not None and prompt_file is not None:
+        raise InputError("--prompt and --prompt-file exclude each other")
+    if prompt_file is not None:
+        prompt = read_text(prompt_file)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
-    err.print(f"loading model {model or 'SmolLM2-135M-Instruct (offline default)'} ...")
-    loaded = load_model(model)
-    with torch.no_grad():  # first-call initialisation is not charged to the first draft
-        loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long))
+    with progress_step(f"loading model {model or 'SmolLM2-135M-Instruct (offline default)'} ({dtype})"):
+        loaded = load_model(model, dtype=TORCH_DTYPES[dtype])
+        with torch.no_grad():  # first-call initialisation is not charged to the first draft
+            loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
@@ -167,10 +184,15 @@ def run(
                             allow_anchor_only=allow_anchor_only)
     printer = None
     try:
+        new = None
+        if prompt is not None:  # the cached prompt's ids arrive with the anchor header
+            load.wait_anchor()
+            new = continuation_ids(loaded.tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt)
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None
-        for ev in sd.stream(loaded.model, load, cfg, provisional=printer is not None and printer.live is not None,
+        for ev in sd.stream(loaded.model, load, cfg, new_token_ids=new,
+                            provisional=printer is not None and printer.live is not None,
                             fingerprint=loaded.fingerprint, started_at=started):
             if printer is not None:
                 printer.event(ev)
@@ -183,6 +205,7 @@ def run(
             printer = None
         result = sd.RunResult(tokens, stats)
         report: dict = {
+            "prompt_token_ids": [int(t) for t in load.prompt_token_ids or []] + (new or []),
             "token_ids": tokens,
             "text": loaded.tokenizer.decode(tokens, skip_special_tokens=True),
             "verified": stats.verified,
@@ -190,7 +213,9 @@ def run(
         }
         gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)
         if compare:
-            cmp = _compare(loaded, load, result, cfg, rate, delay)
+            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
+            cmp = compare_run(loaded.model, load, result, cfg, loaded.fingerprint, bandwidth=rate, latency=delay,
+                              new_token_ids=new)
             report["compare"] = cmp
             gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
     finally:
@@ -201,44 +226,21 @@ def run(
     if as_json:
         print_json(report)
         return report
-    out.print(_stats_table(stats, gain_label, gain))
+    out.print(stats_table(stats, gain_label, gain))
     if compare:
         link = report["compare"]["link"]
         link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
-        out.print(_compare_table(report["compare"]["rows"], report["compare"]["judge"], link_text))
-        j = report["compare"]["judge"]
-        if j["beats_full_by_0.6_delta"] is not None:
-            out.print(
-                f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
-                f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
-                f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
-                f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
-            )
+        out.print(compare_table(report["compare"]["rows"], link_text))
+        print_judge(report["compare"]["judge"])
     return report
 
 
-def _compare(loaded, load, result, cfg, rate: float | None, delay: float) -> dict:
-    from lynxkv.errors import LynxError
-    from lynxkv.speculative.compare import judge, run_baselines, tt_rows
-
-    if not result.verified:
-        raise LynxError("--compare needs the residual (the run fell back to anchor-only output)")
-    tl = load.timeline
-    anchor_kv, full_kv = load.wait_anchor(), load.residual.result()
-    if rate is None:  # no emulated link: use the rate this load actually achieved
-        total = tl.anchor_bytes + tl.residual_bytes
-        rate = total / tl.residual_ready_s if tl.residual_ready_s else None
-    err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
-    baselines = run_baselines(
-        loaded.model, list(load.prompt_token_ids), loaded.fingerprint, anchor_kv, full_kv,
-        anchor_bytes=tl.anchor_bytes, residual_bytes=tl.residual_bytes, bandwidth=rate, latency=delay, config=cfg,
-    )
-    return {
-        "link": {"bandwidth_bytes_per_s": rate, "latency_s": delay},
-        "transfer": "monolithic: computed as latency + bytes / bandwidth, then actually waited before decoding",
-        "bytes": {"anchor": tl.anchor_bytes, "residual": tl.residual_bytes,
-                  "monolithic-bf16": 2 * sum(k.numel() + v.numel() for k, v in full_kv)},
-        "rows": tt_rows(result, baselines),
-        "judge": judge(result, baselines),
-        "baseline_stats": {name: res.stats.to_dict() for name, (_, res) in baselines.items()},
-    }
+def print_judge(j: dict) -> None:
+    """The two latency targets of ``--compare``, met or not, in one line."""
+    if j["beats_full_by_0.6_delta"] is not None:
+        out.print(
+            f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
+            f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
+            f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
+            f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
+        )

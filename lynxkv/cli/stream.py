@@ -6,7 +6,10 @@ import time
 
 import typer
 
+from typing import Optional
+
 from lynxkv.cli.app import app
+from lynxkv.cli.codec import ALLOW_HELP
 from lynxkv.cli.console import err, out, print_json
 from lynxkv.errors import InputError
 
@@ -37,6 +40,8 @@ def stream(
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual fails, finish "
                                            "with the anchor only (lossy, flagged) instead of failing."),
     inflight: int = typer.Option(4, "--inflight", min=1, max=64, help="Range requests in flight per segment."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
+    force: bool = typer.Option(False, "--force", help="Replace existing files when saving with -o."),
     as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
 ) -> None:
     """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
@@ -45,10 +50,10 @@ def stream(
     from lynxkv.stream.report import transfer_report
     from lynxkv.stream.units import format_rate
 
-    saver = ReceivedCopy(output, residual_out) if output else None
+    saver = ReceivedCopy(output, residual_out, force=force) if output else None
     load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
                             allow_anchor_only=allow_anchor_only, inflight=inflight, decode=False,
-                            tee=saver.tee if saver else None)
+                            tee=saver.tee if saver else None, allow_locations=allow_location or ())
     try:
         with _progress() as bars:
             ta = bars.add_task("anchor", total=None)
@@ -110,6 +115,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     residual: str = typer.Option(None, "--residual", help="The residual to serve, when the anchor records it "
                                  "outside its own directory (absolute path or URL)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     bandwidth: str = typer.Option(None, "--bandwidth", help="Pace all responses to this rate, e.g. 1Gbps: the "
                                   "anchor strictly first, clients served in turn."),
     dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of anchor responses (EF, AF41, 46)."),
@@ -124,7 +130,7 @@ def serve(
     from lynxkv.stream.http_server import CacheServer, load_served_cache, parse_dscp
     from lynxkv.stream.units import format_rate, parse_bandwidth
 
-    served = load_served_cache(cache, residual)
+    served = load_served_cache(cache, residual, allow=allow_location or ())
     bw = parse_bandwidth(bandwidth)
     server = CacheServer(served, host=host, port=port, bandwidth=bw, dscp_anchor=parse_dscp(dscp_anchor),
                          dscp_residual=parse_dscp(dscp_residual), max_connections=max_connections,
@@ -146,8 +152,9 @@ def serve(
 def tier(
     src: str = typer.Argument(..., help="The cache's anchor file (path or URL)."),
     dst: str = typer.Argument(None, help="New location of the anchor file (default: leave it where it is)."),
-    residual_to: str = typer.Option(None, "--residual-to", help="New location of the residual (path or URL)."),
+    residual_out: str = typer.Option(None, "--residual-out", help="New location of the residual (path or URL)."),
     keep: bool = typer.Option(False, "--keep", help="Copy instead of move (keep the source files)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print what was moved as JSON on stdout."),
 ) -> None:
     """Move a cache's anchor and/or residual between tiers (local, s3://, memory://, ...), atomically.
@@ -157,8 +164,8 @@ def tier(
     record its new location (relative when it sits next to the anchor)."""
     from lynxkv.stream.tier import move_cache
 
-    if dst is None and residual_to is None:
-        raise InputError("nothing to do: give a destination for the anchor and/or --residual-to")
+    if dst is None and residual_out is None:
+        raise InputError("nothing to do: give a destination for the anchor and/or --residual-out")
     with _progress() as bars:
         tasks: dict[str, int] = {}
 
@@ -167,7 +174,8 @@ def tier(
                 tasks[segment] = bars.add_task(segment, total=total)
             bars.update(tasks[segment], completed=done, total=total)
 
-        result = move_cache(src, dst, residual_to=residual_to, keep=keep, progress=progress)
+        result = move_cache(src, dst, residual_to=residual_out, keep=keep, progress=progress,
+                            allow_locations=allow_location or ())
     if as_json:
         print_json(result)
     else:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.hf.models import kv_to_cache, prefill
+from lynxkv.hf import kv_to_cache, prefill
 from lynxkv.kv import KVPairs
 
 
@@ -87,7 +87,7 @@ def captured_queries(model: torch.nn.Module):
 @torch.no_grad()
 def forward_logits(model: torch.nn.Module, kv: KVPairs, inputs: torch.Tensor) -> torch.Tensor:
     """One forward of ``inputs`` ``[W]`` on a fresh cache built from ``kv``: logits ``[W, V]`` in fp32."""
-    cache = kv_to_cache(kv, model.config)
+    cache = kv_to_cache(kv, dtype=model.dtype)
     out = model(input_ids=inputs.reshape(1, -1), cache=cache, use_cache=True)
     return out.logits[0].float()
 
@@ -95,7 +95,7 @@ def forward_logits(model: torch.nn.Module, kv: KVPairs, inputs: torch.Tensor) ->
 @torch.no_grad()
 def greedy(model: torch.nn.Module, kv: KVPairs, first: int, steps: int) -> torch.Tensor:
     """Greedy decoding of ``steps`` tokens after feeding ``first`` on ``kv``, one token per forward: ``[steps]``."""
-    cache = kv_to_cache(kv, model.config)
+    cache = kv_to_cache(kv, dtype=model.dtype)
     token = torch.tensor([[first]])
     out_tokens = []
     for _ in range(steps):

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from lynxkv.errors import InputError
+
 
 def vnmse_per_vector(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """Mean over vectors of ``‖x̂−x‖²/‖x‖²`` (rows along the last axis; zero rows are skipped)."""
@@ -135,3 +137,29 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return m, 0.0
     return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def kv_error(full, anchor, original) -> dict:
+    """Global vNMSE per layer of keys and values, full and anchor-only KV against the original, and the means
+    over layers (per-layer ``(keys, values)`` ``[H, T, D]`` each)."""
+    if len(original) != len(full) or original[0][0].shape != full[0][0].shape:
+        raise InputError(
+            f"the original has {len(original)} layers of {tuple(original[0][0].shape)}, the cache "
+            f"{len(full)} of {tuple(full[0][0].shape)}"
+        )
+    rows = []
+    for (kf, vf), (ka, va), (k, v) in zip(full, anchor, original):
+        rows.append({"key_full": vnmse_global(k, kf), "value_full": vnmse_global(v, vf),
+                     "key_anchor": vnmse_global(k, ka), "value_anchor": vnmse_global(v, va)})
+    mean = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
+    return {"metric": "global vNMSE per layer, mean over layers", "per_layer": rows, "mean": mean}
+
+
+def reconstruction_error(cache_path, original_path, *, residual=None, allow_locations=()) -> dict:
+    """:func:`kv_error` of a stored cache (full and anchor-only reconstruction) against the original dump."""
+    from lynxkv.cache import open_cache
+    from lynxkv.dumps import load_kv_safetensors
+
+    original, _ = load_kv_safetensors(original_path)
+    with open_cache(cache_path, residual=residual, allow_locations=allow_locations) as c:
+        return kv_error(c.load_kv(dtype=torch.float32), c.load_kv(anchor_only=True, dtype=torch.float32), original)

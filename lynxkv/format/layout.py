@@ -149,6 +149,23 @@ def residual_record_layout(scheme: Scheme, kv_heads: int, head_dim: int, n: int)
 # ---------------------------------------------------------------------------------------------------------
 # anchor header
 # ---------------------------------------------------------------------------------------------------------
+def names_problem(names, layers: int) -> str | None:
+    """Why ``names`` cannot be a cache's tensor names (writer and reader apply the same rule), or None: 0 or
+    2·layers names, each non-empty, without a newline, not ``__metadata__`` (safetensors' reserved key), all
+    different."""
+    if not names:
+        return None
+    if len(names) != 2 * layers:
+        return f"0 or {2 * layers} names (2 per layer), got {len(names)}"
+    for n in names:
+        if not n or "\n" in n or n == "__metadata__":
+            return f"non-empty names without newlines, other than __metadata__, got {n!r}"
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        return f"different names, got {dup!r} twice"
+    return None
+
+
 def _pad_to(n: int, align: int) -> int:
     return -(-n // align) * align
 
@@ -186,8 +203,8 @@ def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_head
     if len(buf) < PREFIX_SIZE:
         raise _err("magic", f"{what} byte 0", f"a header of at least {PREFIX_SIZE} bytes", f"{len(buf)} bytes")
     got_magic = bytes(buf[0:8])
-    if got_magic != magic:
-        raise _err("magic", f"{what} byte 0", magic.hex(), got_magic.hex())
+    if got_magic != magic:  # the bytes of a foreign file are not shown
+        raise _err("magic", f"{what} byte 0", magic.hex(), f"other bytes (not a .lynx {what} file)")
     major, minor, flags, length = struct.unpack_from("<HHII", buf, 8)
     if major != c.VERSION_MAJOR:
         raise _err("version_major", f"{what} byte 8", c.VERSION_MAJOR, major)
@@ -308,8 +325,9 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     except UnicodeDecodeError:
         raise _err("names", f"{what} byte {pos}", "UTF-8 text", "invalid UTF-8") from None
     names = tuple(names_text.split("\n")) if n_names else ()
-    if names and len(names) != 2 * layers:
-        raise _err("names", f"{what} byte {pos}", f"0 or {2 * layers} names (2 per layer)", len(names))
+    problem = names_problem(names, layers)
+    if problem is not None:
+        raise FormatError(f"`names` at {what} byte {pos}: expected {problem}", field="names", where=f"{what} byte {pos}")
     pos += n_names
     padding = bytes(buf[pos:end_of_content])
     if any(padding):
@@ -446,6 +464,12 @@ def parse_index(buf, count: int, *, first_offset: int, section_length: int, raw_
         raise FormatError(f"`{segment}.length`: pages end at {pos} but the section is {section_length} bytes "
                           "(no holes, no trailing bytes)", field=f"{segment}.length", where=segment)
     return entries
+
+
+def decoded_bytes(h: AnchorHeader, element_bytes: int) -> int:
+    """Bytes of the dequantized KV the header declares: 2 (K, V) x layers x kv_heads x tokens x head_dim x
+    ``element_bytes``."""
+    return 2 * h.layers * h.kv_heads * h.tokens * h.head_dim * element_bytes
 
 
 def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:

@@ -96,11 +96,20 @@ def check_and_decompress(stored, entry: PageEntry, where: str) -> bytes | memory
         return stored
     import zstandard
 
+    import io
+
+    # Streamed, and never more than raw_length + 1 bytes out, whatever the frame header claims: a frame that
+    # would inflate further is refused before it can allocate.
     try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=entry.raw_length)
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=False) as r:
+            raw = r.read(entry.raw_length + 1)
+            rest = r.read(1) if len(raw) == entry.raw_length else b""
     except zstandard.ZstdError as exc:
         raise FormatError(f"`page` {where}: zstd payload does not decode ({exc})", field="page",
                           where=where) from None
+    if len(raw) > entry.raw_length or rest:
+        raise FormatError(f"`page.raw_length` {where}: the zstd payload inflates past the {entry.raw_length} "
+                          "bytes the index declares", field="page.raw_length", where=where)
     if len(raw) != entry.raw_length:
         raise FormatError(f"`page.raw_length` {where}: expected {entry.raw_length} decoded bytes, got {len(raw)}",
                           field="page.raw_length", where=where)
@@ -137,6 +146,21 @@ def _rows(raws: list, lay: RecordLayout, where: str) -> np.ndarray:
     return np.frombuffer(bytearray(b"".join(raws)), dtype=np.uint8).reshape(len(raws), lay.raw_length)
 
 
+_META_NAMES = ("key_offset", "key_scale", "value_offset", "value_scale")
+
+
+def _check_metadata(m: np.ndarray, where: str) -> None:
+    """Offsets and scales are finite, scales >= 0 (what the quantizer writes; spec §9.2)."""
+    finite = np.isfinite(m)
+    for j, name in enumerate(_META_NAMES):
+        if not finite[:, j].all():
+            raise FormatError(f"`{name}` {where}: expected finite values, got NaN or infinity", field=name,
+                              where=where)
+        if j % 2 and (m[:, j] < 0).any():
+            raise FormatError(f"`{name}` {where}: expected scales >= 0, got {float(m[:, j].min())}", field=name,
+                              where=where)
+
+
 def decode_anchor_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
                           where: str = "anchor") -> tuple[torch.Tensor, torch.Tensor]:
     """Split raw (CRC-checked, decompressed) anchor records of ``lay.tokens`` tokens each -- one page, or the
@@ -150,6 +174,7 @@ def decode_anchor_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_head
     np_dtype = _META_NP[scheme.meta_dtype]
     m = np.ascontiguousarray(buf[:, :4 * lay.meta_size]).view(np_dtype)
     m = m.astype(np_dtype.newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
+    _check_metadata(m, where)
     meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
     codes = _codes(buf, 4 * lay.meta_size, lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
     codes = codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)

@@ -21,6 +21,7 @@ from lynxkv.format.layout import (
     ResidualHeader,
     SegmentEntry,
     crc32,
+    names_problem,
     pack_anchor_header,
     pack_index,
     pack_residual_header,
@@ -91,8 +92,9 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
     if len(residual_location.encode("utf-8")) > c.MAX_LOCATION:
         raise InputError(f"residual_location: at most {c.MAX_LOCATION} bytes")
     names = tuple(enc.names or ())
-    if names and (len(names) != 2 * len(enc.layers) or any("\n" in n or not n for n in names)):
-        raise InputError(f"names: expected {2 * len(enc.layers)} non-empty names without newlines")
+    problem = names_problem(names, len(enc.layers))
+    if problem is not None:
+        raise InputError(f"names: expected {problem}")
     fingerprint = enc.model_fingerprint or ""
     if fingerprint and (len(fingerprint) != c.FINGERPRINT_HEX_LENGTH
                         or any(ch not in "0123456789abcdef" for ch in fingerprint)):

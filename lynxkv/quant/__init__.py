@@ -1,24 +1,20 @@
-"""The quantizer: the normative torch reference (:mod:`lynxkv.quant.reference`) and bit packing."""
+"""The quantizer. Callers use this entry (:mod:`lynxkv.quant.dispatch`: the torch reference, the fast CPU path
+or Triton, chosen by device and scheme, all bit-identical); :mod:`lynxkv.quant.reference` is the normative
+arithmetic and the tests' oracle."""
 
-from lynxkv.quant.pack import pack_bits, unpack_bits
-from lynxkv.quant.reference import (
-    META_TORCH_DTYPE,
-    EncodedTensor,
-    dequantize,
-    error_bound,
-    join_code,
-    quantize,
-    split_code,
-)
+from lynxkv.quant.dispatch import dequantize, dequantize_packed, pack_bits, quantize, quantize_packed, unpack_bits
+from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor, error_bound, join_code, split_code
 
 __all__ = [
     "META_TORCH_DTYPE",
     "EncodedTensor",
     "dequantize",
+    "dequantize_packed",
     "error_bound",
     "join_code",
     "pack_bits",
     "quantize",
+    "quantize_packed",
     "split_code",
     "unpack_bits",
 ]

@@ -1,555 +1,627 @@
-"""The fast CPU path: bit-identical to :mod:`lynxkv.quant.reference`, several times faster.
+"""The fast CPU path: compiled (numba) loops, bit-identical to :mod:`lynxkv.quant.reference` in codes, metadata
+and decoded values, for every scheme.
 
-Why it is fast (and still exact):
+Why it is exact:
 
-- **Statistics without a per-element pass.** Rounding is monotone and symmetric, so
-  ``max_i |fl(x_i - o)| = max(fl(max(x) - o), fl(o - min(x)))``: the scale comes from the chunk's max and min
-  (``amax``/``amin`` of the block's fp32 copy) instead of a full ``|x - o|`` pass.
-- **Fewer per-element steps, proven equal.** For the companded ``z`` (``u`` itself for the linear compander)
-  ``v = fl(fl(z + 1) * A/2)`` lies in ``[0, A]``, and with ``w = R·v`` (exact, R is a power of two, and
-  ``fl(y·A/2)·R = fl(y·A·R/2)``) the pinned two-step rounding ``a = floor(v + 0.5)``,
-  ``r = floor((v - a + 0.5)·R)`` collapses to
+- **Codes from a threshold table.** The code of an element depends only on its normalised value
+  ``u = fl(fl(x - o) / s)`` in ``[-1, 1]``, through a monotone step function (compander, then rounding). Read as
+  an integer, ``key = bits(u) ^ ((bits(u) >> 31) & 0x7FFFFFFF)`` orders the fp32 values of ``[-1, 1]``, so the
+  function is fixed by the (at most 255) keys where the code steps up. :func:`code_table` finds each of them by
+  bisection over the keys, evaluating the reference's own :func:`~lynxkv.quant.reference.codes_of_u`, and
+  stores per bucket of ``2^S`` consecutive keys the code at the bucket's start, the one threshold inside it and
+  the code from there on: ``code = key >= thr[b] ? hi[b] : base[b]`` with ``b = key >> S``. The thresholds of
+  any scheme are more than ``2^16`` keys apart (the code steps at most once per ``1/127.5`` of ``z``, and the
+  compander's slope is bounded), so ``S = 16`` always fits and the table has 32K entries (192 KiB, in L2).
+  No compander is evaluated per element: the α-law default costs what the linear scheme costs.
+  ``benchmarks/check_code_identity.py`` compares the table with the reference over every fp32 ``u`` in
+  ``[-1, 1]``; the tests check the neighbourhood of every threshold.
+- **Metadata from the chunk's range.** Rounding is monotone and symmetric, so
+  ``max_i |fl(x_i - o)| = max(fl(max - o), fl(o - min))``: one pass finds each chunk's max and min, the
+  reference's rounding of offset and scale runs on those small tensors. (``mean`` centring takes the
+  reference's pinned tree sum.)
+- **Decoding through a level table.** The reference decodes ``x̂ = o + s·û(code)``; ``û`` of all 256 codes (or
+  of every anchor) is computed once by the reference itself, so ``fl(o + fl(s·levels[code]))`` is the
+  reference's value bit for bit, rounded to bf16 (nearest even) or kept in fp32 in the same loop.
 
-      code = a·R + r = floor(min(fl(w + R/2), R)) + floor(max(w, R/2)) - R/2
-
-  For ``v >= 0.5`` the subtraction ``v - a`` is exact (Sterbenz) and so is the ``+ 0.5``, so the code is the
-  real ``floor(w) + R/2``; below ``v = 0.5`` the anchor is 0 (or 1 when ``v + 0.5`` rounds up to 1) and the
-  code is ``floor(fl(w + R/2))``, the one rounding the reference performs there. The identity was checked
-  exhaustively over every fp32 ``v`` in ``[0, A]`` for the 4+4 split (``benchmarks/check_code_identity.py``)
-  and is re-checked on the boundary neighbourhoods by the tests.
-- **Blocks that stay in cache.** Chunks are processed a few at a time into preallocated fp32 buffers with
-  in-place ops, so each step reads and writes L2/L3, not DRAM, and no ``[H, nc, C, D]`` padded copy is made.
-- **Packing on 16-bit words.** Two codes along D are one little-endian ``int16`` word ``lo | hi << 8``; the
-  anchor byte is ``(lo >> 4) | (hi & 0xF0)`` and the residual byte ``(lo & 0x0F) | (hi << 4)``.
-- **Both cores.** Blocks are independent; they run on a small thread pool (``LYNXKV_CPU_THREADS``, default the
-  torch thread count), each worker with one intra-op thread (torch releases the GIL inside ops).
-
-Every nested-grid scheme takes the fast path (any anchor/residual split). The α-law compander calls the
-reference's own :func:`~lynxkv.quant.reference.compand` (float64 ``log1p``, rounded once to fp32) on each block,
-so its ``z`` is the reference's; it costs most of the encode time of a companded scheme. The uniform grid uses
-the reference. Decoding is a per-(chunk, channel) affine map of the code, ``x̂ = B + K·code`` (linear), or
-``x̂ = o + s·levels[code]`` through a 256-entry table of expanded levels (α-law), within the tolerances stated in
-the tests (it is not bit-identical to the reference dequantizer, which nobody needs).
+The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``, default the torch intra-op
+thread count, at most 8), each worker on a contiguous span of (head, chunk) rows. Inputs and outputs may be
+strided views whose last axis is contiguous (a slice of a larger cache is written in place). numba is a
+dependency of lynxkv; where it does not import, :func:`available` is false and the entry
+(:mod:`lynxkv.quant.dispatch`) uses the reference.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
+import numpy as np
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.quant.pack import pack_bits, packed_size, unpack_bits
-from lynxkv.quant.reference import (
-    EncodedTensor,
-    META_TORCH_DTYPE,
-    compand,
-    dequantize,
-    expand,
-    quantize,
-    tree_sum,
-)
+from lynxkv.quant import reference
+from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
-#: Elements per block of the per-element pass (fp32 buffers of 4 bytes each stay in L2/L3).
-BLOCK_ELEMENTS = 1 << 20
+try:  # numba is a declared dependency; a broken or missing install leaves the reference in charge
+    import numba
+    from llvmlite import ir
+    from numba.core import types as nbtypes
+    from numba.extending import intrinsic, overload
+except ImportError:  # pragma: no cover - exercised only without numba
+    numba = None
 
-QuantizeFn = Callable[[torch.Tensor, Scheme], EncodedTensor]
-
-
-def supports(scheme: Scheme) -> bool:
-    """Whether the fast path applies (the nested grid, either compander); the uniform grid falls back to the
-    reference."""
-    return scheme.grid == "nested"
-
-
-# ----------------------------------------------------------------------------------------------- encode
-class _Workspace:
-    """Preallocated buffers for one block, reused across blocks: a fresh multi-megabyte tensor per op costs
-    page faults that are slower than the op itself."""
-
-    def __init__(self, cap: int) -> None:
-        self.xf = torch.empty(cap, dtype=torch.float32)  # the block in fp32, then w
-        self.p = torch.empty(cap, dtype=torch.float32)  # second fp32 operand, then the code as a float
-        self.i = torch.empty(cap, dtype=torch.int32)  # the code as int32 (fp32 -> uint8 has no fast cast)
-        self.codes = torch.empty(cap, dtype=torch.uint8)  # the 8-bit codes
-        half = (cap + 1) // 2
-        self.w1 = torch.empty(half, dtype=torch.int16)  # packing scratch: one int16 word per pair along D
-        self.w2 = torch.empty(half, dtype=torch.int16)
-        self.w3 = torch.empty(half, dtype=torch.int16)
+#: Keys of u = -1.0 and u = +1.0 (see the module docstring).
+KEY_MIN = -1065353217
+KEY_MAX = 1065353216
+#: log2 of the keys per table bucket.
+TABLE_SHIFT = 16
+NO_THRESHOLD = np.iinfo(np.int32).max
+#: ``log(1 + f) ≈ f - f²/2 + f³·P(f)`` on ``f`` in [√½ - 1, √2 - 1] (a degree-5 Chebyshev fit): within 8e-7 of
+#: the log, plus fp32 rounding; the kernels' margin assumes 2^-19·max(1, log y).
+LOG_POLY = (0.33333557528147356, -0.24994054257805176, 0.19955300260002215, -0.1694757798896947,
+            0.15702601920540465, -0.10606678495069904)
+LOG_ERROR = 2.0**-19
 
 
-def _meta_from_stats(
-    mx: torch.Tensor, mn: torch.Tensor, centre: torch.Tensor | None, scheme: Scheme
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``offset`` and ``scale`` (metadata dtype) from fp32 chunk max/min (and the mean, for ``mean``).
-
-    Rounding is monotone and symmetric, so ``max_i |fl(x_i - o)| = max(fl(max - o), fl(o - min))``: no
-    per-element ``|x - o|`` pass is needed to get the reference's ``dev``.
-    """
-    meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
-    if centre is None:
-        centre = (mx + mn) * 0.5
-    offset = centre.to(meta_dtype)
-    o = offset.float()
-    # a NaN or inf input makes max/min, hence the centre, non-finite: one check covers both, then diagnose
-    if not _all_finite(o):
-        if not (_all_finite(mx) and _all_finite(mn)):
-            raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
-        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
-    dev = torch.maximum(mx - o, o - mn)
-    if meta_dtype == torch.float32:
-        scale = dev
-    else:  # meta_round_up without its data-dependent branch: bump the fp16 bits by one where it rounded down
-        h = dev.to(meta_dtype)
-        bump = (h.float() < dev).to(torch.int16)
-        scale = (h.view(torch.int16) + bump).view(meta_dtype)
-    if not _all_finite(scale.float()):
-        raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
-    return offset, scale
+def available() -> bool:
+    return numba is not None
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """``isfinite(t).all()``, via one sum on the common path (a finite sum means every term is finite)."""
-    total = float(t.sum(dtype=torch.float64))
-    return math.isfinite(total) or bool(torch.isfinite(t).all())
+# ----------------------------------------------------------------------------------------------- tables
+def _u_of_key(keys: torch.Tensor) -> torch.Tensor:
+    """fp32 values of int64 keys in ``[KEY_MIN, KEY_MAX]``."""
+    bits = torch.where(keys >= 0, keys, keys ^ 0x7FFFFFFF).to(torch.int32)
+    return bits.view(torch.float32)
 
 
-def code_from_w(w: torch.Tensor, levels: int, out: torch.Tensor) -> torch.Tensor:
-    """The 8-bit code as an exact fp32 integer from ``w = R·v`` (``levels`` = R); ``w`` is clobbered.
-
-    ``code = floor(min(fl(w + R/2), R)) - R/2 + floor(max(w, R/2))``, equal to the reference's
-    ``a·R + r`` for every fp32 ``v`` in ``[0, A]`` (module docstring).
-    """
-    half_r = float(levels // 2)
-    torch.add(w, half_r, out=out).clamp_(max=float(levels)).floor_().sub_(half_r)
-    return out.add_(w.clamp_(min=half_r).floor_())
+def _code_of_key(keys: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    a, r = reference.codes_of_u(_u_of_key(keys.clamp(KEY_MIN, KEY_MAX)), scheme)
+    return reference.join_code(a, r, scheme).to(torch.int64)
 
 
-def _encode_block(
-    xb: torch.Tensor,  # [H, n, C', D] input block (a view of the caller's tensor), any float dtype
-    valid: int,  # valid tokens per chunk (C' == C for whole chunks; < C only for the tail chunk)
-    scheme: Scheme,
-    ws: _Workspace,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunk metadata and 8-bit codes of one block: ``(offset [H,n,D], scale [H,n,D], codes [H,n,C',D] u8)``.
-
-    Per element (fp32): ``w = fl(fl((x - o) / s + 1) · A·R/2)``, then
-    ``code = floor(min(fl(w + R/2), R)) - R/2 + floor(max(w, R/2))`` (see the module docstring).
-    """
-    h, n, cb, d = xb.shape
-    k = xb.numel()
-    c = scheme.chunk
-    xf = ws.xf[:k].view(h, n, cb, d)
-    xf.copy_(xb)
-    mx = xf.amax(dim=2)  # [H, n, D]
-    mn = xf.amin(dim=2)
-    centre = None
-    if scheme.centring == "mean":
-        if cb == c:
-            centre = tree_sum(xf, dim=2) / torch.tensor(float(c))
-        else:  # the reference pads with the last token times 0 (keeping the sign of an all -0 chunk)
-            padded = torch.cat([xf, (xf[:, :, -1:] * 0.0).expand(h, n, c - cb, d)], dim=2)
-            centre = tree_sum(padded, dim=2) / torch.tensor(float(valid))
-    offset, scale = _meta_from_stats(mx, mn, centre, scheme)
-    o = offset.float().unsqueeze(2)  # [H, n, 1, D]
-    s = scale.to(torch.float32, copy=True)  # a copy even for fp32 metadata: it is modified in place
-    s = s.add_(s == 0).unsqueeze(2)  # s = 0 only when x - o = 0: dividing by 1 gives u = 0 as specified
-    p = ws.p[:k].view(h, n, cb, d)
-    xf.sub_(o).div_(s)  # u = (x - o) / s, correctly rounded
-    if scheme.compander != "linear":
-        xf.copy_(compand(xf, scheme))  # z: the reference's own function, so the same bits
-    xf.add_(1.0).mul_(scheme.anchor_steps * scheme.residual_levels / 2.0)  # w = R·fl((u + 1)·A/2), exact scaling
-    code_from_w(xf, scheme.residual_levels, p)
-    codes = ws.codes[:k].view(h, n, cb, d)
-    codes.copy_(ws.i[:k].view(h, n, cb, d).copy_(p))  # fp32 -> int32 -> uint8 (the vectorised casts)
-    return offset, scale, codes
+@functools.lru_cache(maxsize=32)
+def code_table(scheme: Scheme) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(thr int32 [n], codes uint16 [n], offset)``: bucket ``b = (key >> TABLE_SHIFT) + offset`` maps a key to
+    ``codes[b] >> 8`` when ``key >= thr[b]``, else ``codes[b] & 0xFF`` (the reference's 8-bit code)."""
+    targets = torch.arange(1, 256, dtype=torch.int64)
+    lo = torch.full_like(targets, KEY_MIN - 1)  # code(lo) < target (conceptually; lo is below the range)
+    hi = torch.full_like(targets, KEY_MAX + 1)  # code(hi) >= target
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        up = _code_of_key(mid, scheme) >= targets
+        hi = torch.where(up, mid, hi)
+        lo = torch.where(up, lo, mid)
+    thresholds = torch.unique(hi[(hi > KEY_MIN) & (hi <= KEY_MAX)])
+    buckets = thresholds >> TABLE_SHIFT
+    if buckets.numel() != torch.unique(buckets).numel():  # impossible for the schemes Scheme accepts
+        raise InputError(f"scheme {scheme.describe()}: two code steps closer than 2^{TABLE_SHIFT} fp32 values")
+    b_min, b_max = KEY_MIN >> TABLE_SHIFT, KEY_MAX >> TABLE_SHIFT
+    starts = (torch.arange(b_min, b_max + 1, dtype=torch.int64) << TABLE_SHIFT).clamp(min=KEY_MIN)
+    thr = torch.full(starts.shape, NO_THRESHOLD, dtype=torch.int64)
+    inside = thresholds > starts[buckets - b_min]  # a step exactly at a bucket's start is its base code
+    thr[buckets[inside] - b_min] = thresholds[inside]
+    base = _code_of_key(starts, scheme)
+    top = torch.where(thr == NO_THRESHOLD, base, _code_of_key(thr.clamp(max=KEY_MAX), scheme))
+    codes = (base | (top << 8)).to(torch.int32).numpy().astype(np.uint16)
+    return thr.to(torch.int32).numpy(), codes, -b_min
 
 
-def _encode_pass(x: torch.Tensor, scheme: Scheme, sink) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode ``x`` ``[H, T, D]`` block by block; ``sink(t0, t1, codes [H, t1-t0, D], ws)`` consumes codes.
-
-    Blocks are independent (disjoint outputs), so they run on the worker threads. Returns the metadata
-    ``(offset, scale)`` ``[H, ceil(T/C), D]``.
-    """
-    h, t, d = x.shape
-    c = scheme.chunk
-    nc = -(-t // c)
-    meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
-    offset = torch.empty((h, nc, d), dtype=meta_dtype)
-    scale = torch.empty((h, nc, d), dtype=meta_dtype)
-    nfull = t // c
-    step = _step(nc, h * c * d)
-
-    def job(c0: int, c1: int, cb: int) -> None:
-        ws = _workspace(step * h * c * d)
-        t0 = c0 * c
-        xb = x[:, t0 : t0 + (c1 - c0) * cb].unflatten(1, (c1 - c0, cb))  # [H, n, C', D] view, no copy
-        off, sc, codes = _encode_block(xb, cb if cb == c else t - t0, scheme, ws)
-        offset[:, c0:c1] = off
-        scale[:, c0:c1] = sc
-        sink(t0, t0 + (c1 - c0) * cb, codes.view(h, (c1 - c0) * cb, d), ws)
-
-    spans = [(c0, min(nfull, c0 + step), c) for c0 in range(0, nfull, step)]
-    if nfull < nc:
-        spans.append((nfull, nc, t - nfull * c))
-    _run(job, spans)
-    return offset, scale
+@functools.lru_cache(maxsize=64)
+def level_table(scheme: Scheme, anchor_only: bool) -> np.ndarray:
+    """fp32 ``û`` of every code (``[256]``) or of every anchor value (``[2^anchor_bits]``), by the reference."""
+    if anchor_only:
+        return reference.expanded_levels(torch.arange(1 << scheme.anchor_bits, dtype=torch.uint8), None, scheme).numpy()
+    a, r = reference.split_code(torch.arange(256, dtype=torch.int32).to(torch.uint8), scheme)
+    return reference.expanded_levels(a, r, scheme).numpy()
 
 
-_LOCAL = threading.local()
+# ----------------------------------------------------------------------------------------------- kernels
+if numba is not None:
+
+    @intrinsic
+    def _f32_bits(typingctx, v):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return nbtypes.int32(nbtypes.float32), codegen
+
+    @intrinsic
+    def _bits_f32(typingctx, v):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return nbtypes.float32(nbtypes.int32), codegen
+
+    @intrinsic
+    def _f16_round(typingctx, v):
+        """fp32 -> fp16 bits, round to nearest even (LLVM ``fptrunc``; overflow gives inf), as torch does."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+        return nbtypes.uint16(nbtypes.float32), codegen
+
+    @intrinsic
+    def _f16_widen(typingctx, v):
+        """fp16 bits -> fp32, exact."""
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return nbtypes.float32(nbtypes.uint16), codegen
+
+    def _meta_get(buf, i):
+        raise NotImplementedError
+
+    @overload(_meta_get, inline="always")
+    def _meta_get_impl(buf, i):
+        """fp32 value of metadata element ``i`` (fp32, or fp16 stored as uint16 bits)."""
+        if buf.dtype == nbtypes.float32:
+            return lambda buf, i: buf[i]
+        return lambda buf, i: _f16_widen(buf[i])
+
+    def _meta_put(buf, i, v, up):
+        raise NotImplementedError
+
+    @overload(_meta_put, inline="always")
+    def _meta_put_impl(buf, i, v, up):
+        """Store fp32 ``v`` in the metadata dtype and return the stored value as fp32: rounded to nearest even,
+        or (``up``) to the smallest metadata value >= ``v`` (``v >= 0``)."""
+        if buf.dtype == nbtypes.float32:
+            def put_f32(buf, i, v, up):
+                buf[i] = v
+                return v
+            return put_f32
+
+        def put_f16(buf, i, v, up):
+            nearest = _f16_round(v)
+            stored = np.uint16(nearest + (np.uint16(up) & np.uint16(_f16_widen(nearest) < v)))  # no branch
+            buf[i] = stored
+            return _f16_widen(stored)
+        return put_f16
+
+    def _load(buf, i):  # stand-in for typing; the overload below is what compiles
+        raise NotImplementedError
+
+    @overload(_load, inline="always")
+    def _load_impl(buf, i):
+        """fp32 of element ``i``: fp32 as is, bf16 (stored as uint16 bits) widened exactly."""
+        if buf.dtype == nbtypes.float32:
+            return lambda buf, i: buf[i]
+        return lambda buf, i: _bits_f32(np.int32(buf[i]) << 16)
+
+    def _store(buf, i, v):
+        raise NotImplementedError
+
+    @overload(_store, inline="always")
+    def _store_impl(buf, i, v):
+        """Write fp32 ``v``: as is, or rounded to bf16 (nearest even) as uint16 bits."""
+        if buf.dtype == nbtypes.float32:
+            def store_f32(buf, i, v):
+                buf[i] = v
+            return store_f32
+
+        def store_bf16(buf, i, v):
+            b = np.uint32(_f32_bits(v))
+            buf[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return store_bf16
+
+    _jit = functools.partial(numba.njit, nogil=True, cache=True, boundscheck=False, error_model="numpy")
+
+    _P = tuple(np.float32(v) for v in LOG_POLY)
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _log_f32(y):
+        """Natural log of ``y >= 1`` in fp32, within ``2^-19·max(1, log y)`` (see :data:`LOG_POLY`): straight-line
+        code with a short dependency chain (Estrin), so it vectorises and pipelines."""
+        bits = _f32_bits(y)
+        k = np.int32(np.int32(bits - np.int32(0x3F3504F3)) >> 23)  # y = 2^k·m, m in [√½, √2)
+        f = _bits_f32(np.int32(bits - np.int32(k << 23))) - np.float32(1.0)
+        f2 = f * f
+        p = (_P[0] + _P[1] * f) + f2 * (_P[2] + _P[3] * f) + (f2 * f2) * (_P[4] + _P[5] * f)
+        return (f - np.float32(0.5) * f2 + f2 * f * p) + np.float32(k) * np.float32(0.6931471805599453)
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _approx_code(z, gk, gb, margin, hi):
+        """``floor(g)`` for ``g = (z + 1)·gk + gb >= 0``, with bit 8 set where ``g`` is within ``margin`` of an
+        integer."""
+        g = (z + np.float32(1.0)) * gk + gb
+        code = np.int32(g)  # truncation is floor for g >= 0
+        frac = g - np.float32(code)
+        return np.int32(code | np.int32(np.int32((frac < margin) | (frac > hi)) << 8))
+
+    @_jit
+    def _encode_kernel(x, x0, sh, st, T, D, C, nc, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb, margin,
+                       thr, codes, off, shift, rb, packed, a_out, r_out):
+        """Metadata and codes of units ``[u0, u1)`` (a unit is one (head, chunk)); returns problem flags:
+        1 = the input is not finite, 2 = a centre overflows the metadata dtype, 4 = a scale does.
+
+        ``offset``/``scale`` ``[H·nc·D]`` (fp32, or fp16 as uint16 bits) are written from the chunk's max and
+        min (midrange centring), or read (``meta_given``: the reference computed them). Codes go out packed
+        4+4 (``packed``; ``[H·T·D/2]`` bytes each) or as anchor and residual bytes (``[H·T·D]`` each)."""
+        mx = np.empty(D, np.float32)
+        mn = np.empty(D, np.float32)
+        bad = np.empty(D, np.float32)
+        o = np.empty(D, np.float32)
+        s = np.empty(D, np.float32)
+        inv = np.empty(D, np.float32)
+        row_codes = np.empty(D, np.int32)
+        mask = (1 << rb) - 1
+        flags = 0
+        for unit in range(u0, u1):
+            h = unit // nc
+            c = unit - h * nc
+            m = unit * D
+            t0 = c * C
+            t1 = min(T, t0 + C)
+            if meta_given:
+                for d in range(D):
+                    o[d] = _meta_get(offset, m + d)
+                    s[d] = _meta_get(scale, m + d)
+            else:
+                row = np.uint64(x0 + h * sh + t0 * st)
+                for d in range(D):
+                    v = _load(x, row + np.uint64(d))
+                    mx[d] = v
+                    mn[d] = v
+                    bad[d] = v - v  # NaN for inf or NaN, else 0
+                for t in range(t0 + 1, t1):
+                    row = np.uint64(x0 + h * sh + t * st)
+                    for d in range(D):
+                        v = _load(x, row + np.uint64(d))
+                        mx[d] = v if v > mx[d] else mx[d]
+                        mn[d] = v if v < mn[d] else mn[d]
+                        bad[d] += v - v
+                for d in range(D):
+                    if bad[d] != 0:
+                        flags |= 1
+                    od = _meta_put(offset, m + d, (mx[d] + mn[d]) * np.float32(0.5), False)
+                    if not np.isfinite(od):
+                        flags |= 2
+                    sd = _meta_put(scale, m + d, max(mx[d] - od, od - mn[d]), True)
+                    if not np.isfinite(sd):
+                        flags |= 4
+                    o[d] = od
+                    s[d] = sd
+            tiny = False
+            for d in range(D):
+                s[d] = s[d] if s[d] > 0 else np.float32(1.0)  # s = 0 only where x - o = 0: u = 0 as specified
+                inv[d] = np.float32(1.0) / s[d]
+                tiny |= s[d] < np.float32(2.0**-100)  # 1/s may overflow: the exact pass for this unit
+            unit_margin = np.float32(2.0) if tiny else margin
+            hi_margin = np.float32(1.0) - unit_margin
+            for t in range(t0, t1):
+                row = np.uint64(x0 + h * sh + t * st)  # unsigned indices: no negative-index wraparound checks
+                # First pass, every element, vectorised and without the table: u ≈ (x - o)·(1/s),
+                # z ≈ log(1 + α|u|)/c (α = 0: z = u), code = floor((z + 1)·gk + gb), bit 8 set near a boundary.
+                flagged = np.int32(0x100) if unit_margin >= 1 else np.int32(0)
+                if alpha > 0:  # two loops rather than a branch inside one: each vectorises
+                    for d in range(D):
+                        u = (_load(x, row + np.uint64(d)) - o[d]) * inv[d]
+                        mag = _log_f32(np.float32(1.0) + np.abs(u) * alpha) * inv_c
+                        z = _bits_f32(_f32_bits(mag) | (_f32_bits(u) & np.int32(-2147483648)))  # the sign of u
+                        code = _approx_code(z, gk, gb, unit_margin, hi_margin)
+                        row_codes[d] = code
+                        flagged = np.int32(flagged | code)  # an int32 reduction: an int64 one stops vectorisation
+                else:
+                    for d in range(D):
+                        code = _approx_code((_load(x, row + np.uint64(d)) - o[d]) * inv[d], gk, gb, unit_margin,
+                                            hi_margin)
+                        row_codes[d] = code
+                        flagged = np.int32(flagged | code)
+                if flagged & 0x100:  # second pass, flagged elements: the exact u = fl((x - o)/s) and the table
+                    for d in range(D):
+                        if row_codes[d] & 0x100 or unit_margin >= 1:
+                            k = _f32_bits((_load(x, row + np.uint64(d)) - o[d]) / s[d])
+                            k = k ^ ((k >> 31) & 0x7FFFFFFF)
+                            b = (k >> shift) + off
+                            e = np.int32(codes[b])
+                            row_codes[d] = (e >> 8) if k >= thr[b] else (e & 0xFF)
+                el = np.uint64((h * T + t) * D)
+                if packed:
+                    p = el >> np.uint64(1)
+                    for j in range(D >> 1):
+                        lo = row_codes[2 * j]
+                        hi = row_codes[2 * j + 1]
+                        a_out[p + np.uint64(j)] = np.uint8((lo >> 4) | (hi & 0xF0))
+                        r_out[p + np.uint64(j)] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
+                else:
+                    for d in range(D):
+                        a_out[el + np.uint64(d)] = np.uint8(row_codes[d] >> rb)
+                        r_out[el + np.uint64(d)] = np.uint8(row_codes[d] & mask)
+        return flags
+
+    @_jit
+    def _decode_kernel(a_in, r_in, packed, anchor_only, rb, T, D, C, nc, u0, u1, offset, scale, levels, y, y0, sh, st):
+        """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16), from
+        packed 4+4 bytes or unpacked anchor/residual bytes; ``anchor_only`` indexes ``levels`` by the anchor."""
+        o = np.empty(D, np.float32)
+        s = np.empty(D, np.float32)
+        q = np.empty(D, np.int32)
+        for unit in range(u0, u1):
+            h = unit // nc
+            c = unit - h * nc
+            m = unit * D
+            for d in range(D):
+                o[d] = _meta_get(offset, m + d)
+                s[d] = _meta_get(scale, m + d)
+            for t in range(c * C, min(T, c * C + C)):
+                el = (h * T + t) * D
+                if packed:
+                    ar = a_in[el >> 1:(el >> 1) + (D >> 1)]
+                    rr = r_in[el >> 1:(el >> 1) + (D >> 1)]
+                    if anchor_only:
+                        for j in range(D >> 1):
+                            b = np.int32(ar[j])
+                            q[2 * j] = b & 0xF
+                            q[2 * j + 1] = b >> 4
+                    else:
+                        for j in range(D >> 1):
+                            b = np.int32(ar[j])
+                            e = np.int32(rr[j])
+                            q[2 * j] = ((b & 0xF) << 4) | (e & 0xF)
+                            q[2 * j + 1] = (b & 0xF0) | (e >> 4)
+                else:
+                    ar = a_in[el:el + D]
+                    rr = r_in[el:el + D]
+                    if anchor_only:
+                        for d in range(D):
+                            q[d] = np.int32(ar[d])
+                    else:
+                        for d in range(D):
+                            q[d] = (np.int32(ar[d]) << rb) | np.int32(rr[d])
+                row = y0 + h * sh + t * st
+                yr = y[row:row + D]
+                for d in range(D):
+                    _store(yr, d, o[d] + s[d] * levels[q[d]])
+
+    @_jit
+    def _pack4_kernel(v, out, i0, i1):
+        for i in range(i0, i1):
+            out[i] = np.uint8((v[2 * i] & 0x0F) | ((v[2 * i + 1] & 0x0F) << 4))
+
+    @_jit
+    def _unpack4_kernel(p, out, i0, i1):
+        for i in range(i0, i1):
+            b = p[i]
+            out[2 * i] = b & 0x0F
+            out[2 * i + 1] = b >> 4
+
+
+# ----------------------------------------------------------------------------------------------- threads
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _workers() -> int:
-    """Worker threads for the block loop: ``LYNXKV_CPU_THREADS``, else the caller's intra-op thread count
-    (as it was before :func:`_single_thread` lowered it to 1), at most 8."""
-    env = os.environ.get("LYNXKV_CPU_THREADS")
-    if env and env.isdigit():
-        return max(1, int(env))
-    return max(1, min(8, getattr(_LOCAL, "outer_threads", None) or torch.get_num_threads()))
+def workers() -> int:
+    """Worker threads: ``LYNXKV_CPU_THREADS``, else the torch intra-op thread count, at most 8."""
+    env = os.environ.get("LYNXKV_CPU_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(8, torch.get_num_threads()))
 
 
-def _step(nc: int, per_chunk: int) -> int:
-    """Chunks per block: about ``BLOCK_ELEMENTS``, but at least one block per worker when there is work."""
-    step = max(1, BLOCK_ELEMENTS // per_chunk)
-    return max(1, min(step, -(-nc // _workers())))
-
-
-def _workspace(cap: int) -> "_Workspace":
-    ws = getattr(_LOCAL, "ws", None)
-    if ws is None or ws.xf.numel() < cap:
-        ws = _LOCAL.ws = _Workspace(cap)
-    return ws
-
-
-def _run(job, spans) -> None:
-    """Run ``job(*span)`` for every span: inline for one span or one worker, else on the thread pool (each
-    worker runs torch with one intra-op thread; torch releases the GIL inside ops)."""
+def _parallel(kernel, units: int, args_before: tuple, args_after: tuple, min_units: int = 1) -> list:
+    """``kernel(*args_before, u0, u1, *args_after)`` over ``[0, units)`` split into contiguous spans, one per
+    worker (the kernels release the GIL); the kernels' results."""
     global _POOL
-    n = _workers()
-    if n == 1 or len(spans) <= 1:
-        for span in spans:
-            job(*span)
-        return
-    if _POOL is None or _POOL._max_workers != n:  # noqa: SLF001 - resize when the setting changes
-        _POOL = ThreadPoolExecutor(max_workers=n, initializer=torch.set_num_threads, initargs=(1,))
-    for fut in [_POOL.submit(job, *span) for span in spans]:
-        fut.result()
+    n = max(1, min(workers(), units // max(1, min_units)))
+    if n == 1:
+        return [kernel(*args_before, 0, units, *args_after)]
+    if _POOL is None or _POOL._max_workers < n:  # noqa: SLF001 - grow when the setting changes
+        _POOL = ThreadPoolExecutor(max_workers=n, thread_name_prefix="lynxkv-quant")
+    bounds = [units * i // n for i in range(n + 1)]
+    futures = [_POOL.submit(kernel, *args_before, bounds[i], bounds[i + 1], *args_after) for i in range(n)]
+    return [f.result() for f in futures]
 
 
-def _single_thread(fn):
-    """Run ``fn`` with one intra-op thread: its blocks are small and in cache, and an OpenMP fork/join per op
-    costs more than it gains (and stalls badly when the machine is busy)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        n = torch.get_num_threads()
-        if n == 1:
-            return fn(*args, **kwargs)
-        torch.set_num_threads(1)
-        _LOCAL.outer_threads = n  # what _workers() sizes the pool by
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _LOCAL.outer_threads = None
-            torch.set_num_threads(n)
-
-    return wrapper
+# ----------------------------------------------------------------------------------------------- tensors
+def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int, int]:
+    """A 1-d numpy view over the storage span of ``t`` ``[H, T, D]`` (last axis contiguous) and the element
+    strides: ``(buffer, start, stride_h, stride_t)``; bf16 is viewed as uint16 bits."""
+    h, n, d = t.shape
+    span = 1 + (h - 1) * t.stride(0) + (n - 1) * t.stride(1) + (d - 1)
+    flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
+    arr = flat.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else flat.numpy()
+    return arr, 0, t.stride(0), t.stride(1)
 
 
-@_single_thread
-def chunk_meta(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(head, chunk, channel) ``offset`` and ``scale`` of ``x`` ``[H, T, D]``, bit-identical to the reference."""
-    _check_shape(x)
-    return _encode_pass(x, scheme, lambda *a: None)
-
-
-@_single_thread
-def quantize_fast(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
-    """Same result as :func:`lynxkv.quant.quantize` (bit for bit), faster on CPU for nested-grid schemes."""
-    if not supports(scheme):
-        return quantize(x, scheme)
-    _check_shape(x)
-    h, t, d = x.shape
-    if t == 0 or x.numel() == 0 or x.device.type != "cpu":
-        return quantize(x, scheme)
-    x = x.contiguous() if x.stride(-1) != 1 else x
-    anchor = torch.empty((h, t, d), dtype=torch.uint8)
-    residual = torch.empty((h, t, d), dtype=torch.uint8)
-    rb, mask = scheme.residual_bits, scheme.residual_levels - 1
-
-    def sink(t0: int, t1: int, codes: torch.Tensor, ws: _Workspace) -> None:
-        torch.bitwise_right_shift(codes, rb, out=anchor[:, t0:t1])
-        torch.bitwise_and(codes, mask, out=residual[:, t0:t1])
-
-    offset, scale = _encode_pass(x, scheme, sink)
-    return EncodedTensor(anchor, residual, offset, scale)
-
-
-@_single_thread
-def encode_packed_fast(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize and pack in one pass: ``(anchor_packed, residual_packed, offset, scale)``.
-
-    The packed tensors equal ``pack_bits(quantize(x).anchor, anchor_bits)`` and the residual likewise. The
-    fused path needs 4+4 and an even head_dim (pairs along D); anything else quantizes then packs.
-    """
-    if not (supports(scheme) and scheme.anchor_bits == 4 and x.dim() == 3 and x.shape[-1] % 2 == 0):
-        enc = quantize_fast(x, scheme)
-        return (
-            pack_bits(enc.anchor, scheme.anchor_bits),
-            pack_bits(enc.residual, scheme.residual_bits),
-            enc.offset,
-            enc.scale,
-        )
-    _check_shape(x)
-    h, t, d = x.shape
-    if t == 0 or x.device.type != "cpu":
-        enc = quantize(x, scheme)
-        return pack_bits(enc.anchor, 4), pack_bits(enc.residual, 4), enc.offset, enc.scale
-    x = x.contiguous() if x.stride(-1) != 1 else x
-    anchor = torch.empty((h, t, d // 2), dtype=torch.uint8)
-    residual = torch.empty((h, t, d // 2), dtype=torch.uint8)
-
-    def sink(t0: int, t1: int, codes: torch.Tensor, ws: _Workspace) -> None:
-        m = codes.numel() // 2
-        word = codes.view(torch.int16)  # [H, n, D/2]: lo | hi << 8 (little-endian pairs along D)
-        _pack_words(word, anchor[:, t0:t1], residual[:, t0:t1], *(b[:m].view(word.shape) for b in (ws.w1, ws.w2)))
-
-    offset, scale = _encode_pass(x, scheme, sink)
-    return anchor.view(-1), residual.view(-1), offset, scale
-
-
-def _pack_words(word, anchor_out, residual_out, t1, t2) -> None:
-    """Split int16 words ``lo | hi << 8`` of two 8-bit codes into packed 4+4 anchor and residual bytes:
-    anchor ``(lo >> 4) | (hi & 0xF0)``, residual ``(lo & 0x0F) | ((hi & 0x0F) << 4)``.
-
-    With ``y = word & 0xF0F0`` the anchor is the low byte of ``(y >> 4) | (y >> 8)``; with ``z = word & 0x0F0F``
-    the residual is the low byte of ``z | (z >> 4)`` (the int16 -> uint8 cast keeps the low byte)."""
-    torch.bitwise_and(word, _I16_F0F0, out=t1)
-    torch.bitwise_right_shift(t1, 8, out=t2)
-    anchor_out.copy_(t2.bitwise_or_(t1.bitwise_right_shift_(4)))
-    torch.bitwise_and(word, 0x0F0F, out=t1)
-    torch.bitwise_right_shift(t1, 4, out=t2)
-    residual_out.copy_(t2.bitwise_or_(t1))
-
-
-_I16_F0F0 = 0xF0F0 - 0x10000  # the bit pattern 0xF0F0 as a signed int16
-
-
-@_single_thread
-def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`lynxkv.quant.pack_bits`, with a word-wise fast path for 4 bits."""
-    flat = values.reshape(-1)
-    if bits != 4 or flat.numel() % 2 or flat.dtype != torch.uint8:
-        return pack_bits(values, bits)
-    word = flat.contiguous().view(torch.int16)
-    return ((word & 0x0F) | ((word >> 4) & 0xF0)).to(torch.uint8)
-
-
-@_single_thread
-def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """:func:`lynxkv.quant.unpack_bits`, with an int16-word fast path for 4 bits."""
-    if bits != 4 or count % 2 or not isinstance(packed, torch.Tensor) or packed.numel() != packed_size(count, 4):
-        return unpack_bits(packed, bits, count)
-    p = packed.reshape(-1).to(torch.int16)
-    word = (p & 0x0F) | ((p & 0xF0) << 4)  # lo nibble -> byte 0, hi nibble -> byte 1
-    return word.view(torch.uint8)
-
-
-# ----------------------------------------------------------------------------------------------- decode
-def _affine(offset: torch.Tensor, scale: torch.Tensor, scheme: Scheme, anchor_only: bool):
-    """``x̂ = B + K·q`` with ``q`` the full code (or the anchor): returns ``(B, K)`` fp32 ``[H, nc, 1, D]``.
-
-    Full code: ``v̂ = (code + 0.5)/R - 0.5``, ``x̂ = o + s·(2v̂/A - 1)`` so ``K = 2s/(A·R)`` and
-    ``B = o - s·(1 + (R - 1)/(A·R))``. Anchor only: ``K = 2s/A``, ``B = o - s``.
-    """
-    a_steps = float(scheme.anchor_steps)
-    r = float(scheme.residual_levels)
-    o = offset.float().unsqueeze(2)
-    s = scale.float().unsqueeze(2)
-    if anchor_only:
-        return o - s, s * (2.0 / a_steps)
-    return o - s * (1.0 + (r - 1.0) / (a_steps * r)), s * (2.0 / (a_steps * r))
-
-
-def _expanded_levels(scheme: Scheme, anchor_only: bool) -> torch.Tensor:
-    """``û`` of every code (or anchor) value, fp32 ``[256]``: a companded scheme decodes through this table."""
-    q = torch.arange(256, dtype=torch.float32)
-    v = q if anchor_only else (q + 0.5) / float(scheme.residual_levels) - 0.5
-    return expand(v * (2.0 / float(scheme.anchor_steps)) - 1.0, scheme)
-
-
-def _decode_pass(code_of, offset, scale, shape, scheme: Scheme, anchor_only: bool, out: torch.Tensor) -> torch.Tensor:
-    """Write ``B + K·code`` (linear) or ``o + s·levels[code]`` (companded) block by block into ``out``;
-    ``code_of(t0, t1, ws)`` gives ``[H, t1-t0, D]`` uint8."""
-    h, t, d = shape
-    c = scheme.chunk
-    levels = None
-    if scheme.compander == "linear":
-        base, k = _affine(offset, scale, scheme, anchor_only)  # [H, nc, 1, D]
-    else:
-        levels = _expanded_levels(scheme, anchor_only)
-        base, k = offset.float().unsqueeze(2), scale.float().unsqueeze(2)
-    nc = -(-t // c)
-    nfull = t // c
-    step = _step(nc, h * c * d)
-
-    def job(c0: int, c1: int, cb: int) -> None:
-        ws = _workspace(step * h * c * d)
-        n = c1 - c0
-        t0, t1 = c0 * c, c0 * c + n * cb
-        q = code_of(t0, t1, ws).view(h, n, cb, d)
-        f = ws.xf[: q.numel()].view(h, n, cb, d)
-        if levels is None:
-            f.copy_(q)
-        else:
-            torch.index_select(levels, 0, q.reshape(-1).long(), out=f.view(-1))
-        f.mul_(k[:, c0:c1]).add_(base[:, c0:c1])
-        out[:, t0:t1].copy_(f.view(h, n * cb, d))
-
-    spans = [(c0, min(nfull, c0 + step), c) for c0 in range(0, nfull, step)]
-    if nfull < nc:
-        spans.append((nfull, nc, t - nfull * c))
-    _run(job, spans)
-    return out
-
-
-def _check_out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype)
-    if tuple(out.shape) != tuple(shape):
-        raise InputError(f"out: expected shape {tuple(shape)}, got {tuple(out.shape)}")
-    return out
-
-
-@_single_thread
-def dequantize_fast(
-    enc: EncodedTensor,
-    scheme: Scheme,
-    *,
-    anchor_only: bool = False,
-    dtype: torch.dtype = torch.float32,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`lynxkv.quant.dequantize` (within the tested tolerance), optionally into a preallocated ``out``."""
-    shape = enc.shape
-    if not supports(scheme) or shape[1] == 0:
-        res = dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
-        if out is None:
-            return res
-        return _check_out(out, shape, dtype).copy_(res)
-    out = _check_out(out, shape, dtype)
-    rb = scheme.residual_bits
-
-    def code_of(t0: int, t1: int, ws: _Workspace) -> torch.Tensor:
-        a = enc.anchor[:, t0:t1]
-        if anchor_only:
-            return a
-        codes = ws.codes[: a.numel()].view(a.shape)
-        torch.bitwise_left_shift(a, rb, out=codes)
-        return codes.bitwise_or_(enc.residual[:, t0:t1])
-
-    return _decode_pass(code_of, enc.offset, enc.scale, shape, scheme, anchor_only, out)
-
-
-@_single_thread
-def decode_packed_fast(
-    anchor_packed: torch.Tensor,
-    residual_packed: torch.Tensor | None,
-    offset: torch.Tensor,
-    scale: torch.Tensor,
-    shape: tuple[int, int, int],
-    scheme: Scheme,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Unpack and dequantize ``[H, T, D]`` from packed anchor (+ residual, or ``None`` for anchor only)."""
-    h, t, d = shape
-    anchor_only = residual_packed is None
-    if not (supports(scheme) and scheme.anchor_bits == 4 and d % 2 == 0) or t == 0:
-        n = h * t * d
-        a = unpack_bits(anchor_packed, scheme.anchor_bits, n).view(shape)
-        r = torch.zeros_like(a) if anchor_only else unpack_bits(residual_packed, scheme.residual_bits, n).view(shape)
-        enc = EncodedTensor(a, r, offset, scale)
-        return dequantize_fast(enc, scheme, anchor_only=anchor_only, dtype=dtype, out=out)
-    out = _check_out(out, shape, dtype)
-    need = packed_size(h * t * d, 4)
-    for name, buf in (("anchor", anchor_packed), ("residual", residual_packed)):
-        if buf is not None and buf.numel() != need:
-            raise InputError(f"{name} payload: expected {need} bytes for shape {tuple(shape)}, got {buf.numel()}")
-    ap = anchor_packed.reshape(h, t, d // 2)
-    rp = None if anchor_only else residual_packed.reshape(h, t, d // 2)
-
-    def code_of(t0: int, t1: int, ws: _Workspace) -> torch.Tensor:
-        m = h * (t1 - t0) * (d // 2)
-        shp = (h, t1 - t0, d // 2)
-        a, word, tmp = (b[:m].view(shp) for b in (ws.w1, ws.w2, ws.w3))
-        a.copy_(ap[:, t0:t1])
-        if anchor_only:  # the two anchor nibbles become bytes 0 and 1 of the word
-            torch.bitwise_and(a, 0x0F, out=word)
-            word.bitwise_or_(a.bitwise_and_(0xF0).bitwise_left_shift_(4))
-            return word.view(torch.uint8)
-        # byte 0 = (a_lo << 4) | r_lo, byte 1 = (a_hi << 4) | r_hi, as one little-endian int16 word
-        tmp.copy_(rp[:, t0:t1])
-        torch.bitwise_and(tmp, 0x0F, out=word)
-        word.bitwise_or_(tmp.bitwise_and_(0xF0).bitwise_left_shift_(4))
-        torch.bitwise_and(a, 0x0F, out=tmp)
-        word.bitwise_or_(tmp.bitwise_left_shift_(4))
-        word.bitwise_or_(a.bitwise_and_(0xF0).bitwise_left_shift_(8))
-        return word.view(torch.uint8)
-
-    return _decode_pass(code_of, offset, scale, shape, scheme, anchor_only, out)
-
-
-def _check_shape(x: torch.Tensor) -> None:
+def _input(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 3:
         raise InputError(f"expected a [kv_heads, tokens, head_dim] tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise InputError(f"expected a floating-point tensor, got {x.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
 
 
-# ----------------------------------------------------------------------------------------------- dispatch
-def best_quantize(scheme: Scheme, device: str | torch.device | None = None) -> QuantizeFn:
-    """The fastest bit-exact ``quantize(x, scheme) -> EncodedTensor`` for ``scheme`` on ``device``.
+def _meta_np(t: torch.Tensor) -> np.ndarray:
+    """A metadata tensor as the kernels take it: fp32, or fp16 as uint16 bits, flat."""
+    flat = t.contiguous().view(-1)
+    return flat.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else flat.numpy()
 
-    ``device`` defaults to CUDA when available, else CPU. On CUDA, when Triton imports and the kernel supports
-    the scheme: the fused Triton encode for CUDA tensors (CPU tensors still take the fast CPU path); on CPU:
-    :func:`quantize_fast` for nested-grid schemes; anything else: the reference. Every choice returns the
-    same bits as :func:`lynxkv.quant.quantize`.
+
+def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """``(anchor, residual, offset, scale)`` with flat code buffers; ``meta`` given: those offsets and scales."""
+    x = _input(x)
+    h, t, d = x.shape
+    c = scheme.chunk
+    nc = -(-t // c)
+    meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
+    meta_given = meta is not None or scheme.centring == "mean"
+    if meta is not None:
+        offset, scale = meta
+    elif meta_given:  # the pinned tree sum of the mean: the reference's
+        if not bool(torch.isfinite(x).all()):
+            raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
+        offset, scale = reference.chunk_meta(x, scheme)
+    else:
+        offset = torch.empty((h, nc, d), dtype=meta_dtype)
+        scale = torch.empty((h, nc, d), dtype=meta_dtype)
+    thr, codes, off = code_table(scheme)
+    alpha, inv_c, gk, gb, margin = _approximation(scheme)
+    n = h * t * d
+    size = n // 2 if packed else n
+    a_out = torch.empty(size, dtype=torch.uint8)
+    r_out = torch.empty(size, dtype=torch.uint8)
+    buf, x0, sh, st = _flat(x)
+    flags = 0
+    for f in _parallel(
+        _encode_kernel, h * nc, (buf, x0, sh, st, t, d, c, nc),
+        (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
+         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy()),
+    ):
+        flags |= f
+    if flags & 1:
+        raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
+    if flags & 2:
+        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
+    if flags & 4:
+        raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
+    return a_out, r_out, offset, scale
+
+
+@functools.lru_cache(maxsize=32)
+def _approximation(scheme: Scheme) -> tuple[np.float32, np.float32, np.float32, np.float32, np.float32]:
+    """``(α, 1/c, gk, gb, margin)`` of the kernels' first pass, fp32: ``g = (z + 1)·gk + gb`` puts the code
+    boundaries at the integers (nested grid: ``gk = A·R/2``, ``gb = R/2``; uniform: ``Q/2``, ``1/2``).
+
+    ``margin`` bounds how far that approximate ``g`` can be from the one the reference's ``z`` gives, times
+    two: ``u`` by a reciprocal (2^-22 relative), ``α``, ``α|u|`` and ``1 + α|u|`` (2^-24 each), the log
+    (:data:`LOG_ERROR`·max(1, c) absolute), the product by 1/c (2^-23), the reference's own rounding of z (2^-24), and
+    2^-13 for the few fp32 roundings on the way to ``g`` in both (together about 2^-14). A margin past 1/4 (α so small
+    that log(1 + α|u|) is mostly rounding) leaves every element to the exact pass.
     """
-    if not supports(scheme):
-        return quantize
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda":
-        return quantize_fast
-    try:
-        from lynxkv.kernels import encode as kencode
-    except ImportError:  # Triton is optional
-        return quantize_fast
-    if not kencode.supports(scheme):
-        return quantize_fast
+    if scheme.grid == "uniform":
+        gk, gb = scheme.code_steps / 2.0, 0.5
+    else:
+        gk, gb = scheme.anchor_steps * scheme.residual_levels / 2.0, scheme.residual_levels / 2.0
+    if scheme.compander == "linear":
+        alpha, inv_c, eps_z = 0.0, 0.0, 2.0**-22 + 2.0**-24
+    else:
+        alpha = scheme.alpha
+        c = float(np.float32(np.log1p(alpha)))
+        inv_c = 1.0 / c
+        eps_z = (1.75 * 2.0**-22 + LOG_ERROR * max(1.0, c)) / c + 2.0**-23 + 2.0**-24
+    margin = 2.0 * (gk * eps_z + 2.0**-13)
+    if margin > 0.25:
+        margin = 2.0  # every |g - rint(g)| <= 1/2 is below it: the exact pass takes all
+    f = np.float32
+    return f(alpha), f(inv_c), f(gk), f(gb), f(margin)
 
-    def quantize_best(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
-        return kencode.quantize_triton(x, scheme) if x.is_cuda else quantize_fast(x, scheme)
 
-    return quantize_best
+def codes_of_u(u: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lynxkv.quant.reference.codes_of_u` through the encode kernel (offset 0, scale 1, so the kernel's
+    ``u`` is the input itself): for the exhaustive identity check and the tests. ``u``: fp32 ``[n]`` in
+    ``[-1, 1]``."""
+    n = u.numel()
+    x = torch.cat([u.reshape(-1), u.new_zeros(-n % 64)]).view(1, -1, 64)
+    nc = -(-x.shape[1] // scheme.chunk)
+    meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
+    meta = (torch.zeros((1, nc, 64), dtype=meta_dtype), torch.ones((1, nc, 64), dtype=meta_dtype))
+    a, r, _, _ = _codes(x, scheme, packed=False, meta=meta)
+    return a[:n], r[:n]
 
 
-__all__ = [
-    "best_quantize",
-    "chunk_meta",
-    "decode_packed_fast",
-    "dequantize_fast",
-    "encode_packed_fast",
-    "pack",
-    "quantize_fast",
-    "supports",
-    "unpack",
-]
+def packable(scheme: Scheme, head_dim: int) -> bool:
+    """Whether the fused packed layout applies: the 4+4 split and an even head_dim (byte pairs along D)."""
+    return scheme.anchor_bits == 4 and head_dim % 2 == 0
+
+
+def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
+    """:func:`lynxkv.quant.reference.quantize`, bit for bit (CPU tensors)."""
+    h, t, d = _input(x).shape
+    if t == 0 or d == 0 or h == 0:
+        return reference.quantize(x, scheme)
+    a, r, offset, scale = _codes(x, scheme, packed=False)
+    return EncodedTensor(a.view(h, t, d), r.view(h, t, d), offset, scale)
+
+
+def quantize_packed(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(anchor_bytes, residual_bytes, offset, scale)``: the packed codes equal ``pack_bits`` of the reference's
+    anchor and residual over the ``[H, T, D]`` flattening (needs :func:`packable`)."""
+    h, t, d = _input(x).shape
+    if not packable(scheme, d):
+        raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
+                         f"{scheme.anchor_bits}+{scheme.residual_bits} and head_dim {d}")
+    if t == 0 or h == 0:
+        enc = reference.quantize(x, scheme)
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), enc.offset, enc.scale
+    return _codes(x, scheme, packed=True)
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if tuple(out.shape) != tuple(shape) or out.device.type != "cpu":
+        raise InputError(f"out: expected a CPU tensor of shape {tuple(shape)}, got {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out):
+    h, t, d = shape
+    out = _out(out, shape, dtype)
+    if out.numel() == 0:
+        return out
+    anchor_only = r is None
+    direct = out.dtype in (torch.float32, torch.bfloat16) and out.stride(-1) == 1
+    y = out if direct else torch.empty(shape, dtype=torch.float32)
+    c = scheme.chunk
+    nc = -(-t // c)
+    if tuple(offset.shape) != (h, nc, d) or tuple(scale.shape) != (h, nc, d):
+        raise InputError(f"offset/scale: expected shape {(h, nc, d)}, got {tuple(offset.shape)}/{tuple(scale.shape)}")
+    buf, y0, sh, st = _flat(y)
+    a_np = a.contiguous().view(-1).numpy()
+    r_np = a_np if anchor_only else r.contiguous().view(-1).numpy()
+    _parallel(
+        _decode_kernel, h * nc, (a_np, r_np, packed, anchor_only, scheme.residual_bits, t, d, c, nc),
+        (_meta_np(offset), _meta_np(scale), level_table(scheme, anchor_only), buf, y0, sh, st),
+    )
+    if y is not out:
+        out.copy_(y)
+    return out
+
+
+def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`lynxkv.quant.reference.dequantize`, bit for bit, optionally into a preallocated ``out`` (any CPU
+    float tensor of the shape with a contiguous last axis is written in place; other layouts are copied)."""
+    shape = tuple(enc.anchor.shape)
+    n = enc.anchor.numel()
+    if enc.residual.numel() != n and not anchor_only:
+        raise InputError(f"residual: expected {n} codes, got {enc.residual.numel()}")
+    return _decode(enc.anchor, None if anchor_only else enc.residual, False, enc.offset, enc.scale, shape, scheme,
+                   dtype, out)
+
+
+def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
+                      shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``."""
+    h, t, d = shape
+    if not packable(scheme, d):
+        raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
+                         f"{scheme.anchor_bits}+{scheme.residual_bits} and head_dim {d}")
+    need = h * t * d // 2
+    for name, buf in (("anchor", anchor), ("residual", residual)):
+        if buf is not None and buf.numel() != need:
+            raise InputError(f"{name} payload: expected {need} bytes for shape {tuple(shape)}, got {buf.numel()}")
+    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out)
+
+
+def pack4(values: torch.Tensor) -> torch.Tensor:
+    """4-bit packing of an even number of uint8 values (two per byte, the first in the low nibble)."""
+    flat = values.contiguous().view(-1)
+    out = torch.empty(flat.numel() // 2, dtype=torch.uint8)
+    _parallel(_pack4_kernel, out.numel(), (flat.numpy(), out.numpy()), (), min_units=1 << 18)
+    return out
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack4`."""
+    flat = packed.contiguous().view(-1)
+    out = torch.empty(flat.numel() * 2, dtype=torch.uint8)
+    _parallel(_unpack4_kernel, flat.numel(), (flat.numpy(), out.numpy()), (), min_units=1 << 18)
+    return out

@@ -65,6 +65,9 @@ class EncodedTensor:
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.anchor.shape)  # type: ignore[return-value]
 
+    def to(self, device: str | torch.device) -> "EncodedTensor":
+        return EncodedTensor(*(t.to(device) for t in (self.anchor, self.residual, self.offset, self.scale)))
+
     def tokens(self, start: int, stop: int, chunk: int) -> "EncodedTensor":
         """The tokens ``[start, stop)`` (``start`` a multiple of ``chunk``), with their metadata rows."""
         if start % chunk:
@@ -119,10 +122,31 @@ def _chunked(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     pad = nc * chunk - t
     if pad:
         x = torch.cat([x, x[:, -1:, :].expand(h, pad, d)], dim=1)
-    counts = torch.full((nc,), chunk, dtype=torch.int64)
+    counts = torch.full((nc,), chunk, dtype=torch.int64, device=x.device)
     if pad:
         counts[-1] = chunk - pad
     return x.view(h, nc, chunk, d), counts
+
+
+def chunk_meta(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(head, chunk, channel) ``offset`` and ``scale`` (metadata dtype, ``[H, ceil(T/C), D]``) of ``x``
+    ``[H, T, D]``, ``T > 0``."""
+    meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
+    xc, counts = _chunked(x.float(), scheme.chunk)  # [H, nc, C, D]
+    if scheme.centring == "midrange":
+        centre = (xc.amax(dim=2) + xc.amin(dim=2)) * 0.5  # [H, nc, D]
+    else:
+        valid = (torch.arange(scheme.chunk, device=x.device)[None, :] < counts[:, None]).to(torch.float32)
+        masked = xc * valid[None, :, :, None]  # [nc, C] mask: the padding counts as zeros
+        centre = tree_sum(masked, dim=2) / counts.to(torch.float32)[None, :, None]
+    offset = centre.to(meta_dtype)
+    if not bool(torch.isfinite(offset).all()):
+        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
+    dev = (xc - offset.float().unsqueeze(2)).abs().amax(dim=2)
+    scale = meta_round_up(dev, meta_dtype)
+    if not bool(torch.isfinite(scale).all()):
+        raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
+    return offset, scale
 
 
 def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
@@ -131,45 +155,32 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
     h, t, d = x.shape
     meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
     if t == 0:
-        empty_meta = torch.empty((h, 0, d), dtype=meta_dtype)
-        empty_codes = torch.empty((h, 0, d), dtype=torch.uint8)
+        empty_meta = torch.empty((h, 0, d), dtype=meta_dtype, device=x.device)
+        empty_codes = torch.empty((h, 0, d), dtype=torch.uint8, device=x.device)
         return EncodedTensor(empty_codes, empty_codes.clone(), empty_meta, empty_meta.clone())
-    x32 = x.float()
-    xc, counts = _chunked(x32, scheme.chunk)  # [H, nc, C, D]
-
-    if scheme.centring == "midrange":
-        centre = (xc.amax(dim=2) + xc.amin(dim=2)) * 0.5  # [H, nc, D]
-    else:
-        valid = (torch.arange(scheme.chunk)[None, :] < counts[:, None]).to(torch.float32)  # [nc, C]
-        masked = xc * valid[None, :, :, None]
-        centre = tree_sum(masked, dim=2) / counts.to(torch.float32)[None, :, None]
-    offset = centre.to(meta_dtype)
-    if not bool(torch.isfinite(offset).all()):
-        raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
-    o = offset.float().unsqueeze(2)  # [H, nc, 1, D]
-    diff = xc - o
-    dev = diff.abs().amax(dim=2)
-    scale = meta_round_up(dev, meta_dtype)
-    if not bool(torch.isfinite(scale).all()):
-        raise InputError(f"chunk range overflows the {scheme.meta_dtype} metadata; values are too large")
-    s = scale.float().unsqueeze(2)
+    offset, scale = chunk_meta(x, scheme)
+    c = scheme.chunk
+    o = offset.float().repeat_interleave(c, dim=1)[:, :t]  # [H, T, D]
+    s = scale.float().repeat_interleave(c, dim=1)[:, :t]
+    diff = x.float() - o
     u = torch.where(s > 0, diff / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(diff))
-    z = compand(u, scheme)
+    a, r = codes_of_u(u, scheme)
+    return EncodedTensor(a.contiguous(), r.contiguous(), offset.contiguous(), scale.contiguous())
 
+
+def codes_of_u(u: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchor and residual (uint8) of normalised values ``u`` in ``[-1, 1]`` (fp32): compand, then round."""
+    z = compand(u, scheme)
     A = float(scheme.anchor_steps)
     R = float(scheme.residual_levels)
     if scheme.grid == "uniform":
         Q = float(scheme.code_steps)
         code = torch.clamp(torch.floor((z + 1.0) * (Q / 2.0) + 0.5), 0.0, Q).to(torch.uint8)
-        a, r = split_code(code, scheme)
-    else:
-        v = (z + 1.0) * (A / 2.0)
-        a = torch.clamp(torch.floor(v + 0.5), 0.0, A)
-        r = torch.clamp(torch.floor((v - a + 0.5) * R), 0.0, R - 1.0)
-
-    a = a.view(h, -1, d)[:, :t].to(torch.uint8).contiguous()
-    r = r.view(h, -1, d)[:, :t].to(torch.uint8).contiguous()
-    return EncodedTensor(a, r, offset.contiguous(), scale.contiguous())
+        return split_code(code, scheme)
+    v = (z + 1.0) * (A / 2.0)
+    a = torch.clamp(torch.floor(v + 0.5), 0.0, A)
+    r = torch.clamp(torch.floor((v - a + 0.5) * R), 0.0, R - 1.0)
+    return a.to(torch.uint8), r.to(torch.uint8)
 
 
 def compand(u: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -198,26 +209,32 @@ def dequantize(
     """Reconstruct ``[H, T, D]`` from anchor + residual (full) or from the anchor alone."""
     h, t, d = enc.anchor.shape
     if t == 0:
-        return torch.empty((h, 0, d), dtype=dtype)
-    A = float(scheme.anchor_steps)
-    R = float(scheme.residual_levels)
-    if scheme.grid == "uniform":
-        Q = float(scheme.code_steps)
-        if anchor_only:
-            q = enc.anchor.float() * R + (R - 1.0) / 2.0
-        else:
-            q = join_code(enc.anchor, enc.residual, scheme).float()
-        zhat = q * (2.0 / Q) - 1.0
-    else:
-        v = enc.anchor.float()
-        if not anchor_only:
-            v = v + ((enc.residual.float() + 0.5) / R - 0.5)
-        zhat = v * (2.0 / A) - 1.0
-    uhat = expand(zhat, scheme)
+        return torch.empty((h, 0, d), dtype=dtype, device=enc.anchor.device)
+    uhat = expanded_levels(enc.anchor, None if anchor_only else enc.residual, scheme)
     chunk = scheme.chunk
     o = enc.offset.float().repeat_interleave(chunk, dim=1)[:, :t]
     s = enc.scale.float().repeat_interleave(chunk, dim=1)[:, :t]
     return (o + s * uhat).to(dtype)
+
+
+def expanded_levels(anchor: torch.Tensor, residual: torch.Tensor | None, scheme: Scheme) -> torch.Tensor:
+    """``û`` (fp32, in ``[-1, 1]`` up to half a step) of anchor codes with their residuals, or of anchor codes
+    alone (``residual`` None); applied to every code value it is the decoder's 256-entry level table."""
+    A = float(scheme.anchor_steps)
+    R = float(scheme.residual_levels)
+    if scheme.grid == "uniform":
+        Q = float(scheme.code_steps)
+        if residual is None:
+            q = anchor.float() * R + (R - 1.0) / 2.0
+        else:
+            q = join_code(anchor, residual, scheme).float()
+        zhat = q * (2.0 / Q) - 1.0
+    else:
+        v = anchor.float()
+        if residual is not None:
+            v = v + ((residual.float() + 0.5) / R - 0.5)
+        zhat = v * (2.0 / A) - 1.0
+    return expand(zhat, scheme)
 
 
 def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False) -> torch.Tensor:

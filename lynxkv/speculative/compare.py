@@ -39,6 +39,7 @@ def run_baselines(
     bandwidth: float | None,
     latency: float | None,
     config: RunConfig,
+    new_token_ids: list[int] | None = None,
 ) -> dict[str, tuple[float, RunResult]]:
     """``{name: (transfer seconds, result)}`` for every baseline, run one after the other."""
     plain = replace(config, speculate=False, allow_anchor_only=False, residual_timeout=None)
@@ -64,7 +65,8 @@ def run_baselines(
         )
         try:
             cfg = replace(plain, allow_anchor_only=lossy)
-            out[name] = (delay, run(model, load, cfg, fingerprint=fingerprint, started_at=started))
+            out[name] = (delay, run(model, load, cfg, new_token_ids=new_token_ids, fingerprint=fingerprint,
+                                    started_at=started))
         finally:
             load.close()
     return out
@@ -116,4 +118,31 @@ def judge(lynx: RunResult, baselines: dict[str, tuple[float, RunResult]], n: int
         "gain_measured_s": (full_tt - tt) if ok else None,
         "beats_full_by_0.6_delta": (tt <= full_tt - 0.6 * delta) if ok else None,
         "within_1.15_of_anchor_only": (tt <= 1.15 * anchor_tt) if ok else None,
+    }
+
+
+def compare_run(model, load, lynx: RunResult, config: RunConfig, fingerprint: str, *,
+                bandwidth: float | None, latency: float | None, new_token_ids: list[int] | None = None) -> dict:
+    """What ``lynxkv run --compare`` reports: the finished Lynx run ``lynx`` over ``load`` beside the monolithic
+    baselines, each run on the KV that ``load`` delivered, under the same link (``bandwidth`` None: the rate the
+    load actually achieved)."""
+    if not lynx.verified:
+        raise LynxError("--compare needs the residual (the run fell back to anchor-only output)")
+    tl = load.timeline
+    anchor_kv, full_kv = load.wait_anchor(), load.residual.result()
+    if bandwidth is None:  # no emulated link: use the rate this load actually achieved
+        total = tl.anchor_bytes + tl.residual_bytes
+        bandwidth = total / tl.residual_ready_s if tl.residual_ready_s else None
+    baselines = run_baselines(
+        model, list(load.prompt_token_ids), fingerprint, anchor_kv, full_kv, anchor_bytes=tl.anchor_bytes,
+        residual_bytes=tl.residual_bytes, bandwidth=bandwidth, latency=latency, config=config,
+        new_token_ids=new_token_ids,
+    )
+    return {
+        "link": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
+        "transfer": "monolithic: computed as latency + bytes / bandwidth, then actually waited before decoding",
+        "bytes": {"anchor": tl.anchor_bytes, "residual": tl.residual_bytes, "monolithic-bf16": bf16_bytes(full_kv)},
+        "rows": tt_rows(lynx, baselines),
+        "judge": judge(lynx, baselines),
+        "baseline_stats": {name: res.stats.to_dict() for name, (_, res) in baselines.items()},
     }

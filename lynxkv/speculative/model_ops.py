@@ -2,10 +2,14 @@
 
 Where the first new token comes from: a stored cache holds KV for all T prompt tokens but not the logits of the
 last one. :func:`start_cache` keeps the first T-1 tokens of the stored KV and the runner re-feeds the last
-prompt token, so the first prediction is a normal forward on exactly the cache being evaluated (anchor-only for
-drafting, full for verifying). The reference decoder (:func:`lynxkv.speculative.decode_plain`) does the same,
-so "identical to decoding on the full cache" compares like with like. The recomputed KV of the last prompt
-token is the model's own fp32 value, not the quantized one: one token out of T.
+prompt token (followed by any new prompt tokens), so the first prediction is a normal forward on exactly the
+cache being evaluated (anchor-only for drafting, full for verifying). The reference decoder
+(:func:`lynxkv.speculative.decode_plain`) does the same, so "identical to decoding on the full cache" compares
+like with like. The recomputed KV of the last prompt token is the model's own value, not the quantized one: one
+token out of T.
+
+Dtypes: the stored dtype (what the file records) and the compute dtype (the model's) are independent. The
+cache is converted to the model's dtype and device here, once, when a run starts.
 """
 
 from __future__ import annotations
@@ -13,34 +17,38 @@ from __future__ import annotations
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.hf.models import kv_shape, kv_to_cache
+from lynxkv.hf.convert import kv_to_cache
+from lynxkv.hf.models import kv_shape
 from lynxkv.kv import KVPairs
 
 
 def check_kv(kv: KVPairs, config, prompt_len: int, what: str) -> None:
-    """The KV matches the model's (layers, kv_heads, head_dim) and holds every prompt token."""
+    """The KV matches the model's (layers, kv_heads, head_dim) and holds every prompt token in every layer."""
     layers, heads, head_dim = kv_shape(config)
     if len(kv) != layers:
         raise InputError(f"{what} KV has {len(kv)} layers, the model has {layers}")
-    k0 = kv[0][0]
-    if k0.dim() != 3 or k0.shape[0] != heads or k0.shape[2] != head_dim:
-        raise InputError(f"{what} KV layer shape {tuple(k0.shape)} does not match the model's [{heads}, T, {head_dim}]")
-    if k0.shape[1] != prompt_len:
-        raise InputError(f"{what} KV holds {k0.shape[1]} tokens but the prompt has {prompt_len} token ids")
+    for i, (k, _) in enumerate(kv):
+        if k.dim() != 3 or k.shape[0] != heads or k.shape[2] != head_dim:
+            raise InputError(f"{what} KV layer {i} shape {tuple(k.shape)} does not match the model's "
+                             f"[{heads}, T, {head_dim}]")
+        if k.shape[1] != prompt_len:
+            raise InputError(f"{what} KV layer {i} holds {k.shape[1]} tokens but the prompt has {prompt_len} "
+                             f"token ids")
 
 
-def start_cache(kv: KVPairs, config, prompt_len: int, dtype: torch.dtype = torch.float32):
-    """A fresh ``transformers`` cache with the first ``prompt_len - 1`` tokens of ``kv`` (each ``[H, T, D]``).
+def start_cache(model, kv: KVPairs, prompt_len: int):
+    """A fresh ``transformers`` cache, in ``model`` 's dtype and on its device, with the first ``prompt_len - 1``
+    tokens of ``kv`` (each ``[H, T, D]``).
 
-    Built over all T tokens and then cropped by one: for contiguous fp32 input both steps are views, so opening
-    a 4K-token cache costs nothing (slicing ``[:, :T-1]`` first would copy every layer). The tensors are shared
-    with ``kv`` but never written: a forward appends with ``torch.cat`` into new storage.
+    Built over all T tokens and then cropped by one: when the stored dtype is the model's, both steps are views,
+    so opening a 4K-token cache costs nothing (slicing ``[:, :T-1]`` first would copy every layer). The tensors
+    may be shared with ``kv`` but are never written: a forward appends with ``torch.cat`` into new storage.
     """
     from transformers import DynamicCache
 
     if prompt_len <= 1:
-        return DynamicCache(config=config)
-    cache = kv_to_cache(kv, config, dtype=dtype)
+        return DynamicCache()
+    cache = kv_to_cache(kv, dtype=model.dtype, device=model.device)
     drop_last(cache, 1)
     return cache
 
@@ -51,7 +59,7 @@ def forward_tokens(model, cache, tokens: list[int]) -> torch.Tensor:
 
     Row j predicts the token that follows ``tokens[j]``.
     """
-    ids = torch.tensor([tokens], dtype=torch.long)  # [1, n]
+    ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, n]
     out = model(input_ids=ids, cache=cache, use_cache=True)
     return out.logits[0].float()  # [n, V]
 
@@ -68,15 +76,11 @@ def drop_last(cache, count: int) -> None:
         cache.crop(-count)
 
 
-def cache_len(cache) -> int:
-    return int(cache.get_seq_length())
-
-
 def measure_tpot(model, kv: KVPairs, prompt_len: int, steps: int = 4) -> float:
     """Median seconds of one plain decode step after a cache of ``prompt_len`` tokens (one warm-up step)."""
     import time
 
-    cache = start_cache(kv, model.config, prompt_len)
+    cache = start_cache(model, kv, prompt_len)
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()

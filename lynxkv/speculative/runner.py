@@ -1,17 +1,19 @@
 """The Lynx decode loop: draft on the anchor while the residual streams, verify once, continue on the full cache.
 
-    open  ->  wait_anchor()  ->  start_cache(anchor KV, T-1) ; re-feed the last prompt token
+    open  ->  wait_anchor()  ->  start_cache(anchor KV, T-1) ; feed [last prompt token, n0 .. n(m-1)]
+              (n: new prompt tokens after the cached prompt, if any: they are prefilled on the anchor cache)
     draft ->  d0, d1, ... (each from the anchor cache, greedy or sampled, keeping its distribution)
               until the residual is complete, the window cap is hit, or the residual is due within a fraction
               of a draft step (its ETA from the transport)
-    verify -> start_cache(full KV, T-1) ; ONE forward over [last prompt token, d0 .. d(k-1)] -> logits [k+1, V]
-              accept the longest valid prefix (greedy: argmax match; sampling: min(1, p/q)), then the
-              correction / bonus token from the target; drop the rejected tokens from the cache
+    verify -> start_cache(full KV, T-1) ; ONE forward over [last, n0 .. n(m-1), d0 .. d(k-1)] -> the last k+1
+              rows of logits; accept the longest valid prefix (greedy: argmax match; sampling: min(1, p/q)), then
+              the correction / bonus token from the target; drop the rejected tokens from the cache
     decode -> plain decoding on the full cache until max_new_tokens or a stop token
 
-The committed tokens are exactly those of plain decoding on the full cache (greedy: token for token; sampling: in
-distribution). A residual that fails or times out raises :class:`ResidualUnavailable` unless the caller asked for
-``allow_anchor_only``, in which case the output continues on the anchor cache and is flagged unverified.
+The committed tokens are those of plain decoding on the full cache (greedy: token for token; sampling: in
+distribution), with "plain decoding" defined by :func:`decode_plain`. A residual that fails or times out raises
+:class:`ResidualUnavailable` unless the caller asked for ``allow_anchor_only``, in which case the output
+continues on the anchor cache and is flagged unverified.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def stream(
     load: CacheLoad,
     config: RunConfig = RunConfig(),
     *,
+    new_token_ids: list[int] | None = None,
     provisional: bool = False,
     tracker: AcceptanceTracker | None = None,
     fingerprint: str | None = None,
@@ -149,14 +152,18 @@ def stream(
 ) -> Iterator[Event]:
     """Run Lynx decoding over ``load`` and yield :class:`Event` s as tokens are drafted, committed, retracted.
 
-    ``fingerprint`` is the model's (computed when not given). ``started_at`` is the ``time.perf_counter()`` at
-    which the load was opened (default: now), the zero of every time in the stats. The last event is ``done``.
-    The cache's identity is checked once its header has arrived with the anchor, before any token is drafted.
+    ``new_token_ids`` continue the cached prompt with new text (a question after a cached document; see
+    :func:`lynxkv.hf.continuation_ids`): they are prefilled on the anchor cache while the residual streams, and
+    verified together with the drafts. ``fingerprint`` is the model's (computed when not given). ``started_at``
+    is the ``time.perf_counter()`` at which the load was opened (default: now), the zero of every time in the
+    stats. The last event is ``done``. The cache's identity is checked once its header has arrived with the
+    anchor, before any token is drafted.
     """
     t0 = time.perf_counter() if started_at is None else started_at
     now = lambda: time.perf_counter() - t0  # noqa: E731
     fingerprint = fingerprint or model_fingerprint(model)
     config_obj = model.config
+    new = [int(t) for t in (new_token_ids or ())]
     stats = RunStats()
     params = config.sampling
     generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
@@ -198,8 +205,10 @@ def stream(
         raise LynxError(f"the anchor did not arrive within {config.anchor_timeout:g} s") from None
     stats.anchor_ready_s = now()
     prompt = check_load(load, fingerprint)
-    stats.prompt_tokens = len(prompt)
+    stats.cached_prompt_tokens = len(prompt)
+    stats.prompt_tokens = len(prompt) + len(new)
     check_kv(anchor_kv, config_obj, len(prompt), "anchor")
+    feed = [prompt[-1]] + new  # what the first forward after the cache (T-1 tokens) consumes
 
     # ---- draft while the residual streams -------------------------------------------------------------------
     cap = min(config.max_window, config.max_new_tokens) if config.speculate else 0
@@ -211,7 +220,7 @@ def stream(
     drafts: list[int] = []
     draft_probs: list[torch.Tensor] = []
     draft_cache = None
-    pending = prompt[-1]  # the token the next forward consumes
+    pending = feed  # the tokens the next forward on the draft cache consumes
     step_times: list[float] = []
     while len(drafts) < cap and not residual.done():
         if step_times and config.eta_guard > 0:
@@ -222,25 +231,28 @@ def stream(
                 if residual.done():
                     break
         if draft_cache is None:
-            draft_cache = start_cache(anchor_kv, config_obj, len(prompt))
+            draft_cache = start_cache(model, anchor_kv, len(prompt))
         ts = time.perf_counter()
-        logits = forward_tokens(model, draft_cache, [pending])[-1]  # [V]
+        logits = forward_tokens(model, draft_cache, pending)[-1]  # [V]
         token, probs = choose(logits, params, generator)
-        step_times.append(time.perf_counter() - ts)
+        if len(pending) == 1:  # a draft step; the first forward over new prompt tokens is a prefill
+            step_times.append(time.perf_counter() - ts)
         drafts.append(token)
         if probs is not None:
             draft_probs.append(probs)
-        pending = token
+        pending = [token]
         if stats.first_draft_s is None:
             stats.first_draft_s = now()
+        if stats.window_planned is None and step_times:
             eta = load.residual_eta()
             if eta is not None:
-                stats.window_planned = min(cap, 1 + math.ceil(eta / max(step_times[0], 1e-9)))
+                stats.window_planned = min(cap, len(drafts) + math.ceil(eta / max(step_times[0], 1e-9)))
         if provisional:
             yield Event("draft", now(), tokens=[token])
         if token in stops:
             break
     stats.drafted = len(drafts)
+    stats.draft_token_ids = list(drafts)
     if step_times:
         stats.draft_step_s = sum(step_times) / len(step_times)
 
@@ -260,7 +272,7 @@ def stream(
             raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
         stats.verified, stats.residual_error = False, error
         if draft_cache is None:
-            draft_cache = start_cache(anchor_kv, config_obj, len(prompt))
+            draft_cache = start_cache(model, anchor_kv, len(prompt))
         ev = commit(drafts, confirmed=len(drafts), verified=False)
         if ev:
             yield ev
@@ -272,18 +284,18 @@ def stream(
     stats.residual_seen_s = now()
     check_kv(full_kv, config_obj, len(prompt), "full")
 
-    # ---- verify: one forward over [last prompt token, d0 .. d(k-1)] ---------------------------------------
-    cache = start_cache(full_kv, config_obj, len(prompt))
+    # ---- verify: one forward over [last prompt token, new prompt tokens, d0 .. d(k-1)] -------------------------
+    cache = start_cache(model, full_kv, len(prompt))
     stats.verify_start_s = now()
     tv = time.perf_counter()
-    accepted, next_token, fed, passes = _verify(model, cache, prompt[-1], drafts, draft_probs, params, generator,
+    accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params, generator,
                                                 config.verify_chunk)
     stats.verify_s = time.perf_counter() - tv
     stats.verify_passes = passes
     stats.accepted = accepted
     if tracker is not None:
         tracker.record(len(drafts), accepted)
-    drop_last(cache, fed - accepted)  # cache: prompt + d0 .. d(accepted-1)
+    drop_last(cache, fed - accepted)  # cache: prompt + new tokens + d0 .. d(accepted-1)
 
     ev = commit(drafts[:accepted], confirmed=accepted)
     if ev is not None:
@@ -296,29 +308,32 @@ def stream(
             yield ev
 
     # ---- continue on the full cache ---------------------------------------------------------------------------
-    yield from _decode(model, cache, next_token, params, generator, commit, finished, stats, verified=True)
+    yield from _decode(model, cache, [next_token], params, generator, commit, finished, stats, verified=True)
     stats.load = asdict(load.timeline)
     yield Event("done", now(), stats=stats)
 
 
-def _verify(model, cache, last: int, drafts: list[int], draft_probs: list[torch.Tensor], params: SamplingParams,
-            generator, chunk: int) -> tuple[int, int, int, int]:
+def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[torch.Tensor],
+            params: SamplingParams, generator, chunk: int) -> tuple[int, int, int, int]:
     """Verify ``drafts`` on the full cache (holding the prompt minus its last token): (accepted, next token,
     drafts fed into the cache, forward passes).
 
-    ``chunk <= 0``: ONE forward over ``[last, d0 .. d(k-1)]`` (logits ``[k+1, V]``; row j judges draft j, row k
-    gives the bonus). ``chunk > 0``: the same rows computed in passes of ``chunk``, ``2·chunk``, ... drafts that stop
-    at the first rejection. A multi-token forward is nearly free on a GPU but costs about ``k/8`` decode steps on a
-    CPU at long context, so on a CPU with a poor anchor most of a long window is verified for nothing; the rows,
-    and so the accepted tokens, are the same either way (fp32). With sampling, a bonus drawn at the end of a fully
-    accepted pass that is not the last one is discarded: an independent draw, so the law is unchanged.
+    ``chunk <= 0``: ONE forward over ``feed + drafts`` (``feed`` = the last prompt token and any new prompt
+    tokens); its last k+1 rows judge the drafts (row j judges draft j, row k gives the bonus). ``chunk > 0``: the
+    same rows computed in passes of ``chunk``, ``2·chunk``, ... drafts that stop at the first rejection. A
+    multi-token forward is nearly free on a GPU but costs about ``k/8`` decode steps on a CPU at long context, so
+    on a CPU with a poor anchor most of a long window is verified for nothing; in fp32 the rows, and so the
+    accepted tokens, are the same either way. With sampling, a bonus drawn at the end of a fully accepted pass
+    that is not the last one is discarded: an independent draw, so the law is unchanged.
     """
     k = len(drafts)
     pos, carry, passes = 0, None, 0
     while True:
         m = k - pos if chunk <= 0 else min(chunk, k - pos)
-        inputs = ([last] if pos == 0 else []) + drafts[pos : pos + m]
+        inputs = (feed if pos == 0 else []) + drafts[pos : pos + m]
         new_rows = forward_tokens(model, cache, inputs)  # [len(inputs), V]
+        if pos == 0:
+            new_rows = new_rows[len(feed) - 1 :]  # [m+1, V]: the row of the last fed token, then the drafts'
         passes += 1
         rows = new_rows if carry is None else torch.cat([carry, new_rows])  # [m+1, V]
         window = drafts[pos : pos + m]
@@ -334,19 +349,21 @@ def _verify(model, cache, last: int, drafts: list[int], draft_probs: list[torch.
         chunk *= 2
 
 
-def _decode(model, cache, pending, params, generator, commit, finished, stats: RunStats, *, verified: bool):
+def _decode(model, cache, pending: list[int], params, generator, commit, finished, stats: RunStats, *,
+            verified: bool):
     """Plain decoding: feed ``pending``, choose the next token, commit it, until ``finished()``."""
     times: list[float] = []
     while not finished():
         ts = time.perf_counter()
-        logits = forward_tokens(model, cache, [pending])[-1]  # [V]
+        logits = forward_tokens(model, cache, pending)[-1]  # [V]
         token, _ = choose(logits, params, generator)
-        times.append(time.perf_counter() - ts)
+        if len(pending) == 1:
+            times.append(time.perf_counter() - ts)
         ev = commit([token], confirmed=0, verified=verified)
         if ev is None:
             break
         yield ev
-        pending = token
+        pending = [token]
     if times:
         stats.decode_step_s = sum(times) / len(times)
 
@@ -372,17 +389,45 @@ def decode_plain(
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
     *,
+    new_token_ids: list[int] | None = None,
+    first_forward: list[int] | None = None,
     generator: torch.Generator | None = None,
     stop_token_ids: tuple[int, ...] = (),
 ) -> list[int]:
-    """Reference decoding without speculation on ``kv`` (the same start convention as the runner)."""
-    cache = start_cache(kv, model.config, len(prompt_ids))
+    """Plain decoding on ``kv`` without speculation: the reference the runner's output equals.
+
+    The same start as the runner: the cache holds the prompt minus its last token, the first forward feeds
+    ``[last, new_token_ids ...]``, then one token per forward.
+
+    ``first_forward`` (greedy only) fixes the shape of that first forward as the runner's verify pass has it: the
+    tokens it appends after the fed prompt tokens (pass the run's ``stats.draft_token_ids``). Greedy decoding
+    then takes the argmax of every row of that one forward up to the first row whose argmax differs from the
+    appended token, drops the rest, and continues one token per forward. In fp32 this changes nothing (one
+    multi-token forward and sequential steps give the same argmaxes); in bf16 and fp16 the two round
+    differently and can flip a near-tie, so a bf16 run is compared with the reference of its own forward shapes.
+    """
+    feed = [int(prompt_ids[-1])] + [int(t) for t in (new_token_ids or ())]
+    appended = [int(t) for t in (first_forward or ())]
+    if appended and not sampling.greedy:
+        raise InputError("first_forward defines greedy decoding only")
+    cache = start_cache(model, kv, len(prompt_ids))
     out: list[int] = []
-    pending = int(prompt_ids[-1])
+    rows = forward_tokens(model, cache, feed + appended)[len(feed) - 1 :]  # [len(appended)+1, V]
+    if appended:
+        best = rows.argmax(dim=-1).tolist()
+        n = 0
+        while n < len(appended) and best[n] == appended[n]:
+            n += 1
+        out = best[: n + 1]
+        drop_last(cache, len(appended) - n)
+    else:
+        out = [choose(rows[-1], sampling, generator)[0]]
+    for i, tok in enumerate(out):
+        if tok in stop_token_ids or i + 1 == max_new_tokens:
+            return out[: i + 1]
     while len(out) < max_new_tokens:
-        logits = forward_tokens(model, cache, [pending])[-1]
-        pending, _ = choose(logits, sampling, generator)
-        out.append(pending)
-        if pending in stop_token_ids:
+        logits = forward_tokens(model, cache, [out[-1]])[-1]
+        out.append(choose(logits, sampling, generator)[0])
+        if out[-1] in stop_token_ids:
             break
     return out

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RunStats:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # cached + new prompt tokens
+    cached_prompt_tokens: int = 0
     anchor_ready_s: float | None = None  # wait_anchor() returned
     residual_ready_s: float | None = None  # the residual future completed (observed by a callback)
     residual_seen_s: float | None = None  # the runner took the full KV (after any in-flight draft step)
@@ -20,6 +21,7 @@ class RunStats:
     first_commit_s: float | None = None
     commit_times_s: list[float] = field(default_factory=list)  # one per committed token, in order
     drafted: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # fed to the verify pass after the prompt
     accepted: int = 0
     window_cap: int = 0
     window_planned: int | None = None  # from the residual ETA and the draft step time, at the first draft

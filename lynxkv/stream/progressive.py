@@ -47,6 +47,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from lynxkv.cache import check_decoded_size
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
@@ -100,7 +101,7 @@ class ProgressiveLoad:
                  retry: RetryPolicy | None = None, dtype: torch.dtype = torch.float32,
                  fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
                  decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None,
-                 dequantize_fn: Callable[..., torch.Tensor] | None = None):
+                 dequantize_fn: Callable[..., torch.Tensor] | None = None, allow_locations=()):
         self.source = source
         self.link = link
         self.on_event = on_event
@@ -120,7 +121,7 @@ class ProgressiveLoad:
         self._transfer = Transfer(self._timeline, self._now, link=link, tee=tee)
         self._transport = open_transport(source, self._transfer, residual=residual, storage_options=storage_options,
                                          inflight=inflight, block_size=block_size, retry=retry or RetryPolicy(),
-                                         fetch_hook=fetch_hook)
+                                         fetch_hook=fetch_hook, allow_locations=allow_locations)
         self._events: list[LoadEvent] = []
         self._events_cond = threading.Condition()
         self._finished = False  # no more events will come
@@ -325,6 +326,7 @@ class ProgressiveLoad:
                 if kind == "header":
                     if self.decode:
                         h = item[1]
+                        check_decoded_size(h, self.dtype)
                         shape = (h.kv_heads, h.tokens, h.head_dim)
                         self._kv_out = tuple([(torch.empty(shape, dtype=self.dtype),
                                                torch.empty(shape, dtype=self.dtype)) for _ in range(h.layers)]
@@ -447,12 +449,14 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      dtype: torch.dtype = torch.float32, link: EmulatedLink | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
                      tee: Callable[[str, int, bytes], None] | None = None,
-                     dequantize_fn: Callable[..., torch.Tensor] | None = None) -> ProgressiveLoad:
+                     dequantize_fn: Callable[..., torch.Tensor] | None = None,
+                     allow_locations=()) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
     ``http://HOST:PORT/NAME`` of ``lynxkv serve``. ``residual`` overrides where the residual lives (default: the location
-    the anchor header records, relative to the anchor). ``bandwidth`` (``"1Gbps"``, bytes/s as a number) and
+    the anchor header records, followed under the trust rule of :func:`lynxkv.storage.resolve_location`: inside
+    the anchor's directory, or under a prefix of ``allow_locations`` / ``$LYNXKV_ALLOW_LOCATIONS``). ``bandwidth`` (``"1Gbps"``, bytes/s as a number) and
     ``latency`` (``"2ms"``) put both streams through one emulated link with strict anchor priority.
     ``allow_anchor_only`` lets the anchor survive a failed residual (flagged lossy; see the module docstring).
     ``fetch_hook(segment, fetch) -> fetch`` wraps the byte-range reads of a segment (instrumentation, fault
@@ -473,4 +477,5 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
-                           fetch_hook=fetch_hook, decode=decode, tee=tee, dequantize_fn=dequantize_fn)
+                           fetch_hook=fetch_hook, decode=decode, tee=tee, dequantize_fn=dequantize_fn,
+                           allow_locations=allow_locations)

@@ -2,30 +2,45 @@
 
 A :class:`ReceivedCopy` is given to :func:`~lynxkv.stream.progressive.open_progressive` as its ``tee``: it keeps
 every block the load receives, and writes the files only once the load has verified every page (:meth:`commit`):
-the residual first, then the anchor, each atomically, so an anchor never points at a missing residual.
+the residual first, then the anchor, each atomically, so an anchor never points at a missing residual; then it
+reads both back and checks every page of every segment.
+
+Where it writes: ``dest``, and the residual at ``residual_dest`` or else at the relative location the anchor
+records, which must stay inside ``dest``'s directory (:func:`lynxkv.storage.write_target`). An existing file is
+replaced only with ``force``.
 """
 
 from __future__ import annotations
 
 import threading
 
+from lynxkv.cache import residual_file_of
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.storage import AtomicWriter, has_protocol, resolve_location
+from lynxkv.storage import AtomicWriter, exists, read_all, record_location, remove, same_object, write_target
+from lynxkv.stream.tier import check_cache_bytes, relocate_residual
 
 
 class ReceivedCopy:
     """Blocks of a load kept for writing to ``dest`` (the anchor) and ``residual_dest`` (default: the location
     the anchor records, next to ``dest``)."""
 
-    def __init__(self, dest: str, residual_dest: str | None = None):
+    def __init__(self, dest: str, residual_dest: str | None = None, *, force: bool = False):
         self.dest, self.residual_dest = dest, residual_dest
+        self.force = force
+        self.refuse_existing(dest)
+        if residual_dest is not None:
+            self.refuse_existing(residual_dest)
         self._blocks: dict[str, list[tuple[int, bytes]]] = {"anchor": [], "residual": []}
         self._lock = threading.Lock()
 
     def tee(self, segment: str, offset: int, data: bytes) -> None:
         with self._lock:
             self._blocks[segment].append((offset, bytes(data)))
+
+    def refuse_existing(self, path: str) -> None:
+        if not self.force and exists(path):
+            raise InputError(f"{path} already exists; pass --force to replace it")
 
     def _joined(self, *segments: str) -> bytes:
         """The bytes of one object from the blocks of ``segments``, by offset (a single file arrives as the
@@ -44,21 +59,33 @@ class ReceivedCopy:
         if seg is not None and seg.placement == c.PLACEMENT_INLINE:
             if anchor_only:
                 raise LynxError("the residual of this single-file cache failed; nothing was written")
+            data = self._joined("anchor", "residual")
+            check_cache_bytes(data)
             with AtomicWriter(self.dest, make_dirs=True) as w:
-                w.write(self._joined("anchor", "residual"))
+                w.write(data)
+            check_cache_bytes(read_all(self.dest))
             return {"anchor": self.dest}
         written = {}
-        if not anchor_only:
-            rdest = self.residual_dest
-            if rdest is None:
-                if has_protocol(seg.location) or seg.location.startswith("/"):
-                    raise InputError(f"the anchor records its residual at the absolute location {seg.location}; "
-                                     "say where to write the copy with --residual-out")
-                rdest = resolve_location(self.dest, seg.location)
+        anchor = self._joined("anchor")
+        residual = None if anchor_only else self._joined("residual")
+        check_cache_bytes(anchor, residual)
+        old = residual_file_of(self.dest) if self.force else None  # the replaced copy's residual, removed last
+        if residual is not None:
+            rdest = self.residual_dest or write_target(self.dest, seg.location)
+            self.refuse_existing(rdest)
+            if exists(rdest):
+                # Replacing (--force): the new residual under a fresh name and the anchor pointing at it, so a
+                # reader of dest sees the old copy or the new one, never a mix; the old residual goes last.
+                old = old or rdest
+                rdest = f"{rdest}.{load.header.cache_id.hex()[:8]}"
+                anchor = relocate_residual(anchor, record_location(self.dest, rdest))
             with AtomicWriter(rdest, make_dirs=True) as w:
-                w.write(self._joined("residual"))
+                w.write(residual)
             written["residual"] = rdest
         with AtomicWriter(self.dest, make_dirs=True) as w:
-            w.write(self._joined("anchor"))
+            w.write(anchor)
         written["anchor"] = self.dest
+        check_cache_bytes(read_all(self.dest), None if residual is None else read_all(written["residual"]))
+        if old is not None and not same_object(old, written.get("residual", self.dest)):
+            remove(old)
         return written

@@ -26,6 +26,7 @@ from lynxkv.format.layout import AnchorHeader, pack_anchor_header
 from lynxkv.format.reader import PageReader
 from lynxkv.storage import (
     BytesSource,
+    can_remove,
     read_range,
     record_location,
     remove,
@@ -116,8 +117,11 @@ def _publish(url: str, data: bytes, check: Callable[[bytes], object]) -> int:
 
 
 def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = None, keep: bool = False,
-               progress: Progress | None = None) -> dict:
-    """Move (or with ``keep`` copy) the anchor to ``dst`` and/or the residual to ``residual_to``."""
+               progress: Progress | None = None, allow_locations=()) -> dict:
+    """Move (or with ``keep`` copy) the anchor to ``dst`` and/or the residual to ``residual_to``.
+
+    The residual is found under the trust rule of :func:`lynxkv.storage.resolve_location` (``allow_locations``);
+    a move whose source cannot be deleted afterwards (HTTP) is refused before anything is written."""
     new_anchor = dst or src
     anchor = _read(src, "anchor", progress)
     h = anchor_header_of(anchor)
@@ -126,8 +130,14 @@ def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = No
     if residual_to and not external:
         raise InputError("this cache keeps its residual inside the anchor file; there is no residual to move")
     moved: dict = {}
-    old_res = resolve_location(src, seg.location) if external else None
+    old_res = resolve_location(src, seg.location, allow=allow_locations) if external else None
     new_res = residual_to or old_res
+    if not keep:
+        for what, url, moves in (("anchor", src, not same_object(new_anchor, src)),
+                                 ("residual", old_res, bool(residual_to) and not same_object(residual_to, old_res))):
+            if moves and not can_remove(url):
+                raise InputError(f"cannot delete the {what} at {url} after moving it ({url.split('://')[0]} "
+                                 "storage is read-only here); pass --keep to copy instead")
     residual = None
     if external and residual_to and not same_object(residual_to, old_res):
         residual = _read(old_res, "residual", progress)

@@ -239,14 +239,16 @@ class StorageTransport:
     """Both segments by ranged reads through the storage layer (any path or URL it opens).
 
     The anchor: its header first (two small reads) to learn where the anchor section ends, then the section in
-    blocks. The residual: from the location the header records (resolved by :func:`lynxkv.storage.resolve_location`)
-    or ``residual``; it keeps one request in flight until every anchor byte is in, so on a shared store it does
+    blocks. The residual: from ``residual``, or from the location the header records under the trust rule of
+    :func:`lynxkv.storage.resolve_location` (``allow_locations``); it keeps one request in flight until every anchor byte is in, so on a shared store it does
     not slow the anchor down (strict priority at the storage too, not only on the link)."""
 
     def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
-                 retry: RetryPolicy | None = None, fetch_hook: Callable[[str, Fetch], Fetch] | None = None):
+                 retry: RetryPolicy | None = None, fetch_hook: Callable[[str, Fetch], Fetch] | None = None,
+                 allow_locations=()):
         self.url = url
+        self.allow_locations = tuple(allow_locations)
         self.transfer = transfer
         self.residual_override = residual
         self.storage_options = storage_options
@@ -305,7 +307,7 @@ class StorageTransport:
             t.pump(self._blocks(self.url, seg.offset, seg.offset + seg.length, RESIDUAL, "residual"), buf,
                    RESIDUAL, "residual", charge_link=False)
         else:
-            url = self.residual_override or resolve_location(self.url, seg.location)
+            url = self.residual_override or resolve_location(self.url, seg.location, allow=self.allow_locations)
             self.residual_url = url
             size = size_of(url, self.storage_options)
             buf = t.buffer(size, "residual")

@@ -1,0 +1,54 @@
+"""lynxkv KV ↔ ``transformers`` caches, so that ``model.generate`` and a serving loop can use a stored cache.
+
+    import lynxkv
+    from lynxkv.hf import to_dynamic_cache
+
+    lynxkv.save_cache("doc.lynx", dynamic_cache, prompt_token_ids=ids)   # a DynamicCache goes in as it is
+    with lynxkv.open_cache("doc.lynx") as cache:
+        past = to_dynamic_cache(cache, model, anchor_only=False)         # [1, H, T, D] layers, model dtype
+    model.generate(torch.tensor([ids + question_ids]), past_key_values=past, max_new_tokens=32)
+
+The caches built here keep every token in every layer (plain ``DynamicLayer`` s, also for sliding-window and
+hybrid-attention models: the model's attention mask applies the window, so the attention is the model's own),
+which is what lets the speculative runner drop rejected drafts with ``crop``. ``generate`` needs at least one
+input token that is not in the cache: to continue the cached prompt itself, ``crop(-1)`` the cache and pass the
+whole prompt (the runner does the same: it re-feeds the last prompt token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lynxkv.kv import KVPairs
+
+
+def kv_to_cache(kv: KVPairs, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    """Per-layer ``[H, T, D]`` tensors → a ``transformers`` ``DynamicCache`` (batch 1), converted to ``dtype``
+    and ``device`` when given (no copy when they already match: the layers are views of ``kv``)."""
+    from transformers import DynamicCache
+
+    data = []
+    for k, v in kv:
+        k, v = k.to(dtype=dtype or k.dtype, device=device), v.to(dtype=dtype or v.dtype, device=device)
+        data.append((k.unsqueeze(0), v.unsqueeze(0)))
+    return DynamicCache(ddp_cache_data=data)
+
+
+def to_dynamic_cache(cache_or_kv, model=None, *, anchor_only: bool = False, dtype: torch.dtype | None = None):
+    """A ``DynamicCache`` for ``model.generate(past_key_values=...)`` from an open :class:`lynxkv.LynxCache` (full
+    code, or the anchor alone with ``anchor_only``) or from per-layer KV pairs.
+
+    The stored dtype and the compute dtype are independent: the cache is converted to ``dtype``, else to the
+    model's dtype and device, else kept as stored.
+    """
+    if hasattr(cache_or_kv, "load_kv"):
+        kv = cache_or_kv.load_kv(anchor_only=anchor_only)
+    elif anchor_only:
+        raise TypeError("anchor_only needs an open lynxkv cache, not KV tensors")
+    else:
+        kv = cache_or_kv
+    device = None
+    if model is not None:
+        dtype = dtype or model.dtype
+        device = model.device
+    return kv_to_cache(kv, dtype=dtype, device=device)

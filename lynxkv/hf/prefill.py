@@ -1,0 +1,72 @@
+"""Prefill: run a prompt through a model and keep its KV cache, every token of every layer.
+
+The prefill uses a ``DynamicCache()`` without a config, so sliding-window and hybrid-attention models (Mistral,
+Gemma 2/3, Qwen3 ``layer_types``) keep every prompt token in every layer; their attention masks still apply the
+window, so the logits are the model's own, and the stored cache always holds exactly the prompt's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lynxkv.errors import InputError
+from lynxkv.kv import KVPairs, cache_to_kv
+
+
+@torch.no_grad()
+def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs, torch.Tensor]:
+    """Run the prompt ``input_ids`` (``[T]`` or ``[1, T]``) through ``model``.
+
+    Returns the KV cache as per-layer ``[H, T, D]`` tensors in the model's dtype and the logits of the last
+    position ``[V]``.
+    """
+    from transformers import DynamicCache
+
+    ids = input_ids.reshape(1, -1).to(model.device)
+    if ids.shape[1] == 0:
+        raise InputError("the prompt is empty")
+    cache = DynamicCache()
+    out = model(input_ids=ids, cache=cache, use_cache=True)
+    kv = cache_to_kv(cache)
+    for i, (k, _) in enumerate(kv):
+        if k.shape[1] != ids.shape[1]:
+            raise InputError(f"layer {i} kept {k.shape[1]} of the prompt's {ids.shape[1]} tokens")
+    return kv, out.logits[0, -1]
+
+
+def continuation_ids(tokenizer, cached_ids: list[int], text: str) -> list[int]:
+    """The token ids of ``text`` as a continuation of the cached prompt ``cached_ids``.
+
+    ``text`` is either new text to append after the cached prompt, or a whole new prompt that starts with the
+    cached prompt's text (then only its tail is new). The tail is tokenized in context when the tokenizer keeps
+    the cached ids as a prefix of the whole text's ids, and on its own otherwise.
+    """
+    cached_text = tokenizer.decode(cached_ids, skip_special_tokens=False)
+    if text.startswith(cached_text) and cached_text:
+        text = text[len(cached_text):]
+    if not text:
+        raise InputError("the new prompt adds no text to the cached prompt")
+    whole = tokenizer(cached_text + text, add_special_tokens=False).input_ids
+    start = len(cached_ids)
+    if whole[:start] == list(cached_ids) and len(whole) > start:
+        return list(whole[start:])
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise InputError("the new prompt tokenizes to zero tokens")
+    return list(ids)
+
+
+def encode_model(model: str | None, output, scheme, *, prompt: str | None = None, tokens: int = 1000,
+                 residual=None, single_file=False, zstd=False, dtype: torch.dtype = torch.float32):
+    """Prefill ``model`` (loaded in ``dtype``) on ``prompt`` (default: the built-in prompt of ``tokens`` tokens)
+    and encode its cache, with the prompt token ids and the model fingerprint. Returns the cache's ``CacheInfo``."""
+    from lynxkv.cache import save_cache
+    from lynxkv.hf.models import encode_prompt, load_model
+    from lynxkv.hf.prompts import builtin_prompt
+
+    loaded = load_model(model, dtype=dtype)
+    text = prompt if prompt is not None else builtin_prompt(loaded.tokenizer, tokens)
+    ids = encode_prompt(loaded, text)
+    kv, _ = prefill(loaded.model, ids)
+    return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd,
+                         prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint)

@@ -1,0 +1,121 @@
+"""The quantizer entry: one place that chooses the implementation, by device and scheme.
+
+- CUDA tensors stay on the GPU: the Triton kernels where they support the scheme (:mod:`lynxkv.kernels`:
+  the linear compander; decoding needs the 4+4 split and packed codes), else the torch reference on the GPU.
+- CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) when numba imports, else the
+  reference.
+
+Every choice gives the reference's codes, metadata and decoded values bit for bit (the tests hold the fast
+path and the kernels to :mod:`lynxkv.quant.reference`; a GPU's float64 ``log1p`` may differ from the CPU's by an
+ulp, which changes a code in vanishingly rare double-rounding cases). The packed functions give the bytes of
+the ``.lynx`` page records (spec/FORMAT.md, "Packing") straight from the tensor and back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lynxkv.errors import InputError
+from lynxkv.quant import fast, pack, reference
+from lynxkv.quant.reference import EncodedTensor
+from lynxkv.quant.scheme import Scheme
+
+
+@functools.lru_cache(maxsize=1)
+def _triton():
+    """``(encode, decode)`` kernel modules, or None where Triton does not import."""
+    try:
+        from lynxkv.kernels import decode, encode
+    except ImportError:  # Triton is optional
+        return None
+    return encode, decode
+
+
+def _fast_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and fast.available()
+
+
+def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
+    """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16) on its device: anchor and residual codes, metadata."""
+    if x.is_cuda:
+        kernels = _triton()
+        if kernels is not None and kernels[0].supports(scheme):
+            return kernels[0].quantize_triton(x, scheme)
+        return reference.quantize(x, scheme)
+    if _fast_cpu(x):
+        return fast.quantize(x, scheme)
+    return reference.quantize(x, scheme)
+
+
+def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[H, T, D]`` in ``dtype`` from anchor + residual, or from the anchor alone; into ``out`` when given (a
+    preallocated tensor of that shape, e.g. a slice of a whole cache, written in place)."""
+    if _fast_cpu(enc.anchor) and (out is None or out.device.type == "cpu"):
+        return fast.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype,
+                               out=out)
+    res = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype)
+    return res if out is None else _into(out, res)
+
+
+def quantize_packed(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(anchor_bytes, residual_bytes, offset, scale)`` of ``x`` ``[H, T, D]``: the codes packed over the
+    ``[H, T, D]`` flattening (``pack_bits`` of :func:`quantize`'s anchor and residual), on ``x``'s device. For
+    a 4+4 split and an even head_dim, token ``t``'s bytes are ``[h, t, :]`` of the ``[H, T, D/2]`` view, so a
+    page record is a slice."""
+    h, t, d = x.shape if x.dim() == 3 else (0, 0, 0)
+    if x.is_cuda:
+        kernels = _triton()
+        if kernels is not None and kernels[0].supports(scheme) and fast.packable(scheme, d):
+            a, r, o, s = kernels[0].encode(x.unsqueeze(0), scheme, pack=True)
+            return a[0], r[0], o[0], s[0]
+    elif _fast_cpu(x) and x.dim() == 3 and fast.packable(scheme, d):
+        return fast.quantize_packed(x, scheme)
+    enc = quantize(x, scheme)
+    return (pack_bits(enc.anchor, scheme.anchor_bits), pack_bits(enc.residual, scheme.residual_bits), enc.offset,
+            enc.scale)
+
+
+def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
+                      shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`quantize_packed`: ``[H, T, D]`` from packed anchor bytes (+ residual bytes, or
+    ``None`` for the anchor alone) and the metadata, into ``out`` when given."""
+    h, t, d = shape
+    dtype = dtype if out is None else out.dtype
+    if anchor.is_cuda:
+        kernels = _triton()
+        if kernels is not None and kernels[1].supports(scheme) and fast.packable(scheme, d):
+            y = out if out is not None else torch.empty(shape, dtype=dtype, device=anchor.device)
+            kernels[1].decode(anchor.reshape(1, -1), None if residual is None else residual.reshape(1, -1),
+                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0))
+            return y
+    elif _fast_cpu(anchor) and fast.packable(scheme, d):
+        return fast.dequantize_packed(anchor, residual, offset, scale, shape, scheme, dtype=dtype, out=out)
+    n = h * t * d
+    a = unpack_bits(anchor, scheme.anchor_bits, n).view(shape)
+    r = torch.zeros_like(a) if residual is None else unpack_bits(residual, scheme.residual_bits, n).view(shape)
+    return dequantize(EncodedTensor(a, r, offset, scale), scheme, anchor_only=residual is None, dtype=dtype, out=out)
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 ``values`` (each < 2**bits) into ``ceil(numel·bits/8)`` bytes (spec/FORMAT.md, "Packing")."""
+    if bits == 4 and _fast_cpu(values) and values.numel() % 2 == 0 and values.dtype == torch.uint8:
+        return fast.pack4(values)
+    return pack.pack_bits(values, bits)
+
+
+def unpack_bits(packed: torch.Tensor | bytes | memoryview, bits: int, count: int) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`: ``count`` uint8 values (a wrong payload size is a FormatError)."""
+    if (bits == 4 and isinstance(packed, torch.Tensor) and _fast_cpu(packed) and count % 2 == 0
+            and packed.numel() == count // 2 and packed.dtype == torch.uint8):
+        return fast.unpack4(packed)
+    return pack.unpack_bits(packed, bits, count)
+
+
+def _into(out: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    if tuple(out.shape) != tuple(res.shape):
+        raise InputError(f"out: expected shape {tuple(res.shape)}, got {tuple(out.shape)}")
+    return out.copy_(res)
