@@ -293,7 +293,7 @@ def test_every_scheme_the_writer_accepts_reads_back_equal():
 
     from lynxkv.errors import SchemeError
     from lynxkv.format import PageReader
-    from lynxkv.quant.scheme import MAX_ALPHA, MAX_CHUNK, MAX_PAGE
+    from lynxkv.quant.scheme import MAX_ALPHA, MAX_CHUNK, MAX_PAGE, MIN_ALPHA
 
     @st.composite
     def schemes(draw):
@@ -301,7 +301,7 @@ def test_every_scheme_the_writer_accepts_reads_back_equal():
         page = chunk * draw(st.integers(1, MAX_PAGE // chunk))
         anchor_bits = draw(st.integers(1, 7))
         alpha_law = draw(st.booleans())
-        alpha = draw(st.floats(min_value=0.0, max_value=MAX_ALPHA, exclude_min=True)) if alpha_law else 0.0
+        alpha = draw(st.floats(min_value=MIN_ALPHA, max_value=MAX_ALPHA)) if alpha_law else 0.0
         return Scheme(compander="alpha" if alpha_law else "linear", alpha=alpha,
                       centring=draw(st.sampled_from(["midrange", "mean"])), chunk=chunk, page=page,
                       anchor_bits=anchor_bits, residual_bits=8 - anchor_bits,

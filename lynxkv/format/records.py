@@ -49,21 +49,21 @@ class ResidualPage:
 
 
 def _meta_bytes(t: torch.Tensor, meta_dtype: str) -> bytes:
-    return t.contiguous().numpy().astype(_META_NP[meta_dtype], copy=False).tobytes()
+    return t.numpy().astype(_META_NP[meta_dtype], copy=False).tobytes()  # tobytes copies a page slice in C order
 
 
 def encode_anchor_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
     """``k``/``v``: one page of keys/values (``EncodedTensor.tokens`` slices)."""
     md = scheme.meta_dtype
     parts = [_meta_bytes(k.offset, md), _meta_bytes(k.scale, md), _meta_bytes(v.offset, md), _meta_bytes(v.scale, md),
-             pack_bits(k.anchor.contiguous(), scheme.anchor_bits).numpy().tobytes(),
-             pack_bits(v.anchor.contiguous(), scheme.anchor_bits).numpy().tobytes()]
+             pack_bits(k.anchor, scheme.anchor_bits).numpy().tobytes(),  # pack_bits reads a page slice in place
+             pack_bits(v.anchor, scheme.anchor_bits).numpy().tobytes()]
     return b"".join(parts)
 
 
 def encode_residual_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
-    return (pack_bits(k.residual.contiguous(), scheme.residual_bits).numpy().tobytes()
-            + pack_bits(v.residual.contiguous(), scheme.residual_bits).numpy().tobytes())
+    return (pack_bits(k.residual, scheme.residual_bits).numpy().tobytes()
+            + pack_bits(v.residual, scheme.residual_bits).numpy().tobytes())
 
 
 def compress(raw: bytes, codec: int, level: int = 3) -> bytes:
