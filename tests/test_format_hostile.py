@@ -118,6 +118,9 @@ CORPUS = [
     ("duplicate-names", names_case(["k0", "v0", "k0", "v1"]), "names", "twice"),
     ("empty-name", names_case(["k0", "", "k1", "v1"]), "names", "non-empty"),
     ("metadata-name", names_case(["k0", "v0", "__metadata__", "v1"]), "names", "__metadata__"),
+    ("nul-in-location", location_case("c.lynxr\0"), "location", "control characters"),
+    ("newline-in-location", location_case("c\nlynxkv: error: forged.lynxr"), "location", "control characters"),
+    ("escape-in-location", location_case("c\x1b[2J.lynxr"), "location", "control characters"),
 ]
 
 

@@ -55,6 +55,14 @@ def _regular_file(path: str, what: str) -> None:
         raise InputError(f"{what} {path} is not a regular file; refusing to read it")
 
 
+def _check_characters(location: str, what: str) -> None:
+    """A recorded location is a path or URL: no control characters (a NUL that the OS cannot take, a newline or
+    terminal escape that would forge lines of output)."""
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in location):
+        raise InputError(f"the anchor records its {what} at {location!r}, which contains control characters; "
+                         f"pass --residual to name the {what} explicitly")
+
+
 def resolve_location(anchor: str | None, location: str, *, allow=(), what: str = "residual") -> str:
     """Where a segment recorded as ``location`` in the anchor at ``anchor`` (a path or URL; ``None`` or a
     ``<...>`` name when the anchor came from memory) lives -- and whether the reader may go there.
@@ -72,6 +80,7 @@ def resolve_location(anchor: str | None, location: str, *, allow=(), what: str =
     segment explicitly and bypasses this function)."""
     hint = (f"pass --residual to name the {what} explicitly, or allow its place with --allow-location PREFIX "
             f"(or ${ALLOW_ENV})")
+    _check_characters(location, what)
     if has_protocol(location) or location.startswith("/"):
         if _is_allowed(location, allow):
             return location
@@ -99,6 +108,7 @@ def resolve_location(anchor: str | None, location: str, *, allow=(), what: str =
 def write_target(dest_anchor: str, location: str, *, what: str = "residual") -> str:
     """Where to write a copy of a segment recorded as ``location`` next to the anchor copy ``dest_anchor``: a
     relative location that stays inside the destination's directory (and is not a symbolic link)."""
+    _check_characters(location, what)
     if has_protocol(location) or location.startswith("/"):
         raise InputError(f"the anchor records its {what} at the absolute location {location}; say where to write "
                          f"the copy with --residual-out")
