@@ -7,6 +7,7 @@ then made hostile in one way."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import http.server
 import json
@@ -104,6 +105,17 @@ def names_case(names):
     return build
 
 
+def properties_case(data: bytes):
+    """A 1.1 header whose properties string is ``data`` (a writer that would write anything there)."""
+    def build(d, outside, monkeypatch):
+        import lynxkv.format.layout as layout
+
+        monkeypatch.setattr(layout, "pack_properties", lambda properties: data)
+        enc = dataclasses.replace(encode_kv(kv(), SCHEME), properties={"k": "v"})
+        _write(d, build_files(enc, residual_location="c.lynxr"))
+    return build
+
+
 # id, builder, what `verify` must report (a finding's field / message part), what `decode` must say
 CORPUS = [
     ("traversal-location", location_case("../outside/c.lynxr"), "location", "leads outside"),
@@ -121,6 +133,9 @@ CORPUS = [
     ("nul-in-location", location_case("c.lynxr\0"), "location", "control characters"),
     ("newline-in-location", location_case("c\nlynxkv: error: forged.lynxr"), "location", "control characters"),
     ("escape-in-location", location_case("c\x1b[2J.lynxr"), "location", "control characters"),
+    ("deeply-nested-properties", properties_case(b"[" * 60000 + b"]" * 5536), "properties", "a JSON object"),
+    ("surrogate-in-properties", properties_case(b'{"k":"\\ud800"}'), "properties", "text values"),
+    ("repeated-property-key", properties_case(b'{"k":"a","k":"b"}'), "properties", "all different"),
 ]
 
 
