@@ -407,3 +407,29 @@ def test_fuzz_resealed_headers_for_a_bounded_time(tmp_path):
         assert time.perf_counter() - t0 < 2.0
         tried += 1
     assert tried > 20
+
+
+# -- hostile HTTP clients against `serve` ----------------------------------------------------------------------
+def test_malformed_requests_get_a_400_and_log_one_line_each(tmp_path, capsys):
+    """Garbage, a missing Host, a line or header past the limits: each peer gets a 400, the server keeps serving,
+    and its log is one line per request (no traceback for a peer to fill the server's output with)."""
+    import socket
+
+    from lynxkv.stream.http_server import CacheServer, load_served_cache
+
+    _write(tmp_path, build_files(encode_kv(kv(), SCHEME), residual_location="c.lynxr"))
+    logged: list[str] = []
+    bad = [b"GARBAGE\r\n\r\n", b"\x00\xff\xfe\r\n\r\n", b"GET / HTTP/1.1\r\n\r\n",
+           b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"]
+    with CacheServer(load_served_cache(str(tmp_path / "c.lynx")), log=logged.append) as srv:
+        for request in bad:
+            with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+                s.sendall(request)
+                status_line = s.recv(4096).split(b"\r\n", 1)[0]
+                assert status_line.startswith(b"HTTP/1.") and b" 400 " in status_line, (request[:20], status_line)
+        with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
+    _, err = capsys.readouterr()
+    assert "Traceback" not in err and not any("Traceback" in m or "\n" in m for m in logged), (err, logged)
+    assert any("Error handling request" in m for m in logged), logged  # reported, as one line

@@ -386,7 +386,7 @@ class CacheServer:
         self._stop = asyncio.Event()
         self._egress = Egress(self.bandwidth)
         server = _Server(self, self._handle, keepalive_timeout=self.idle_timeout, max_line_size=8190,
-                         max_field_size=8190)
+                         max_field_size=8190, logger=_OneLineLogger(self.log))
         aserver = await self._loop.create_server(server, sock=self._sock, backlog=256)
         watchdog = self._loop.create_task(self._watchdog(until))
         self._ready.set()
@@ -510,6 +510,28 @@ class CacheServer:
         record["seconds"] = time.perf_counter() - t0
         self.stats.cover(res.name, start, end)
         return resp
+
+
+class _OneLineLogger:
+    """aiohttp's server logger, as one ``log`` line per event: a malformed request from a peer is that peer's
+    error (it already got a 400), never a traceback in the server's output."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self._log = log
+
+    def _line(self, msg, *args, exc_info=None, **kwargs) -> None:
+        import sys
+
+        text = str(msg) % args if args else str(msg)
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if exc is not None:
+            text += f": {type(exc).__name__}: {' '.join(str(exc).split())}"
+        self._log(text)
+
+    exception = error = warning = info = _line
+
+    def debug(self, *args, **kwargs) -> None:
+        pass
 
 
 class _Server(web.Server):
