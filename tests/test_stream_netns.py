@@ -109,6 +109,8 @@ def test_dscp_marked_anchor_gets_through_first_on_a_shaped_link(tmp_path, shaped
     path = write_pair(tmp_path, anchor, residual)
     marked = _transfer(shaped_namespace, path, marks=True)
     plain = _transfer(shaped_namespace, path, marks=False)
+    print(f"anchor/residual done, marked EF/CS1: {marked['anchor'][0]:.2f}/{marked['residual'][0]:.2f} s; "
+          f"unmarked: {plain['anchor'][0]:.2f}/{plain['residual'][0]:.2f} s")  # shown with pytest -s
     alone = len(anchor) * 8 / RATE_BITS  # the anchor by itself on the shaped link
     both = (len(anchor) + len(residual)) * 8 / RATE_BITS
     assert marked["anchor"][1] == len(anchor) and marked["residual"][1] == len(residual)

@@ -115,6 +115,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     residual: str = typer.Option(None, "--residual", help="The residual to serve, when the anchor records it "
                                  "outside its own directory (absolute path or URL)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     bandwidth: str = typer.Option(None, "--bandwidth", help="Pace all responses to this rate, e.g. 1Gbps: the "
                                   "anchor strictly first, clients served in turn."),
     dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of anchor responses (EF, AF41, 46)."),
@@ -129,7 +130,7 @@ def serve(
     from lynxkv.stream.http_server import CacheServer, load_served_cache, parse_dscp
     from lynxkv.stream.units import format_rate, parse_bandwidth
 
-    served = load_served_cache(cache, residual)
+    served = load_served_cache(cache, residual, allow=allow_location or ())
     bw = parse_bandwidth(bandwidth)
     server = CacheServer(served, host=host, port=port, bandwidth=bw, dscp_anchor=parse_dscp(dscp_anchor),
                          dscp_residual=parse_dscp(dscp_residual), max_connections=max_connections,

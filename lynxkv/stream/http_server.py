@@ -13,9 +13,9 @@ What is served. Only the cache the user named: the anchor file, and the residual
 ``--residual`` override). Both are read once at start-up and checked before the port opens: every header, index
 and page CRC, and the residual's magic and ``cache_id`` against its anchor, so a header that names
 ``/etc/passwd`` or another cache's residual is refused, not served. A recorded location that is absolute, a URL,
-or leaves the anchor's directory is followed only when given explicitly with ``--residual``; the anchor is then
-served with its header rewritten to record a relative name (the pages are unchanged), since a client cannot
-follow the server's own paths. The bytes are served from memory, so what goes out is what was checked.
+or leaves the anchor's directory is followed only as the storage layer's trust rule allows (named with
+``--residual``, or under an ``--allow-location`` prefix); the anchor is then served with its header rewritten
+to record a relative name (the pages are unchanged), since a client cannot follow the server's own paths. The bytes are served from memory, so what goes out is what was checked.
 
 Priority and fairness. With a rate (``bandwidth``) every response goes through one :class:`Egress`: a chunk of
 ``quantum`` bytes at a time, anchor chunks strictly before residual chunks, first come first served within a
@@ -52,6 +52,7 @@ from typing import Callable
 from aiohttp import web
 
 from lynxkv.errors import InputError, LynxError
+from lynxkv.format import constants as c
 from lynxkv.stream.link import ANCHOR, RESIDUAL, TokenBucket
 
 QUANTUM = 64 << 10  # bytes per grant: 2.6 ms at 200 Mbit/s, so a residual chunk delays an anchor by little
@@ -115,12 +116,27 @@ def _safe_relative(location: str) -> bool:
     return not (norm == "." or norm.startswith("../") or norm == "..") and norm == location
 
 
-def load_served_cache(cache: str, residual: str | None = None) -> ServedCache:
+def check_crcs(anchor: bytes, residual: bytes | None) -> None:
+    """Every header, index and page CRC of the cache, and the residual's magic and ``cache_id`` against the
+    anchor's (the page reader's checks, without decoding the records: a server only moves bytes)."""
+    from lynxkv.format.reader import PageReader
+    from lynxkv.storage import BytesSource
+
+    reader = PageReader(BytesSource(anchor, "anchor"))
+    if residual is not None:
+        reader.attach_residual(BytesSource(residual, "residual"))
+    kinds = [c.SEGMENT_ANCHOR] + ([c.SEGMENT_RESIDUAL] if residual is not None or reader.residual_inline else [])
+    for kind in kinds:
+        for _ in reader.pages(kind, decode=False):
+            pass
+
+
+def load_served_cache(cache: str, residual: str | None = None, *, allow=()) -> ServedCache:
     """Read and check the cache the user named (see the module docstring); raise a LynxError if it is not
-    whole, or if its residual is not its own."""
-    from lynxkv.format import constants as c
+    whole, or if its residual is not its own. The residual is the one ``residual`` names, or the location the
+    anchor records, followed under the storage layer's trust rule (``allow``: the allow-list)."""
     from lynxkv.storage import local_path, read_all, resolve_location
-    from lynxkv.stream.tier import anchor_header_of, check_cache_bytes, relocate_residual
+    from lynxkv.stream.tier import anchor_header_of, relocate_residual
 
     anchor = read_all(cache)
     h = anchor_header_of(anchor)
@@ -130,22 +146,17 @@ def load_served_cache(cache: str, residual: str | None = None) -> ServedCache:
     relocated = False
     res_path = None
     if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
-        if residual is None and not _safe_relative(seg.location):
-            raise InputError(f"{cache}: the anchor records its residual at {seg.location!r}, outside the anchor's "
-                             "directory; name the residual to serve with --residual")
-        res_bytes = read_all(residual or resolve_location(cache, seg.location))
-        if _safe_relative(seg.location):
+        res_bytes = read_all(residual or resolve_location(cache, seg.location, allow=allow))
+        if _safe_relative(seg.location) and seg.location != name:
             res_path = seg.location
-        else:
+        else:  # served next to the anchor: a client cannot follow the server's own paths
             res_path = (name + "r") if name.endswith(".lynx") else name + ".lynxr"
             anchor = relocate_residual(anchor, res_path)
             relocated = True
     try:
-        check_cache_bytes(anchor, res_bytes)  # every CRC, and the residual's cache_id against the anchor's
+        check_crcs(anchor, res_bytes)
     except LynxError as exc:
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
-    if res_path == name:
-        raise InputError(f"{cache}: the residual's location equals the anchor's name")
     res = Resource("residual", res_path, res_bytes, zlib.crc32(res_bytes)) if res_bytes is not None else None
     return ServedCache(Resource("anchor", name, anchor, zlib.crc32(anchor)), res, relocated)
 
@@ -477,6 +488,7 @@ class CacheServer:
         resp.content_length = end - start
         if request.method == "HEAD":
             await resp.prepare(request)
+            record["seconds"] = 0.0
             return resp
         t0 = time.perf_counter()
         await resp.prepare(request)
