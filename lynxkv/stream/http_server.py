@@ -176,7 +176,6 @@ class Egress:
         self._queues: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._idle = True
 
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues)
@@ -206,13 +205,14 @@ class Egress:
                 if item:
                     break
             if item is None:
-                self._idle = True
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             fut, n = item
-            wait = self._bucket.debit(n, loop.time(), restart=self._idle)
-            self._idle = False
+            # No restart after an empty queue: between two chunks of one response the queue is empty while the
+            # chunk is written, and restarting would charge that time again; the bucket's cap (a few ms of link
+            # time) already keeps an idle spell from turning into a burst.
+            wait = self._bucket.debit(n, loop.time())
             if wait > 0:
                 await asyncio.sleep(wait)
             if not fut.done():
