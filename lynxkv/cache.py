@@ -53,6 +53,7 @@ class EncodedCache:
     model_fingerprint: str | None = None
     names: tuple[str, ...] | None = None  # K0, V0, K1, V1, ... as they were in the input file
     batch_dim: bool = False  # the input tensors were [1, H, T, D]
+    properties: dict[str, str] | None = None  # text key/value pairs: lynxkv.model, an input file's metadata ...
 
     @property
     def pages_per_layer(self) -> int:
@@ -131,6 +132,7 @@ class CacheInfo:
     anchor_payload_bytes: int  # stored page bytes (after zstd where used)
     residual_payload_bytes: int
     bits_per_element: dict = field(default_factory=dict)
+    properties: dict = field(default_factory=dict)  # text key/value pairs (format 1.1), e.g. lynxkv.model
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -161,7 +163,7 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
                      h.cache_id.hex(), h.names or None, h.batch_dim,
                      res.location if res and res.placement == c.PLACEMENT_EXTERNAL else None,
                      bool(res and res.placement == c.PLACEMENT_INLINE), anchor_bytes, residual_bytes,
-                     index.stored_bytes, res_payload, bits)
+                     index.stored_bytes, res_payload, bits, dict(h.properties))
 
 
 MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
@@ -270,7 +272,8 @@ class LynxCache:
             layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1]),
                            EncodedTensor(codes[1], resid[1], meta[2], meta[3])))
         return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
-                            list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim)
+                            list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim,
+                            dict(h.properties) or None)
 
     def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
         """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
@@ -369,13 +372,14 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
-               cache_id: bytes | None = None) -> CacheInfo:
+               cache_id: bytes | None = None, properties: dict[str, str] | None = None) -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
     the residual written first so that an anchor file never points at a missing residual. The anchor header
     records the residual as ``residual_location`` (default: its path relative to the anchor's directory; pass a
-    URL when the residual will be served from elsewhere).
+    URL when the residual will be served from elsewhere). ``properties`` are text key/value pairs recorded in
+    the header (the model's name as ``lynxkv.model``, an input file's own metadata).
 
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
@@ -392,6 +396,8 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     else:
         enc = encode_kv(kv_or_encoded, scheme, prompt_token_ids=prompt_token_ids,
                         model_fingerprint=model_fingerprint, names=names)
+    if properties is not None:
+        enc.properties = dict(properties)
     path = os.fspath(path)
     if single_file:
         if residual_path is not None:
@@ -472,4 +478,5 @@ def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **op
     kv, naming = load_kv_safetensors(dump_path)
     if naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
         kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv]
-    return save_cache(path, kv, scheme, names=kv_names(len(kv), naming), **options)
+    properties = {**dict(naming.metadata), **(options.pop("properties", None) or {})}  # the file's own metadata
+    return save_cache(path, kv, scheme, names=kv_names(len(kv), naming), properties=properties or None, **options)

@@ -44,6 +44,7 @@ class KVNaming:
 
     style: str = "layers"
     batched: bool = False  # tensors had a leading batch dimension of 1
+    metadata: tuple[tuple[str, str], ...] = ()  # the file's safetensors __metadata__, kept through encode/decode
 
     def name(self, layer: int, kind: str) -> str:
         return f"{self.style}.{layer}.{kind}"
@@ -66,7 +67,8 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
     try:
         with safe_open(path, framework="pt") as f:
             names = list(f.keys())
-            heads_major = (f.metadata() or {}).get(LAYOUT_KEY) == HEADS_MAJOR
+            metadata = f.metadata() or {}
+            heads_major = metadata.get(LAYOUT_KEY) == HEADS_MAJOR
             found: dict[tuple[int, str], str] = {}
             styles = set()
             for name in names:
@@ -130,7 +132,7 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
         raise InputError(f"{path}: tensors differ in shape: {sorted(shapes)}")
     if len(dtypes) != 1:
         raise InputError(f"{path}: tensors differ in dtype: {sorted(map(str, dtypes))}")
-    return kv, KVNaming(styles.pop(), bool(batched))
+    return kv, KVNaming(styles.pop(), bool(batched), tuple(sorted(metadata.items())))
 
 
 def kv_names(layers: int, naming: KVNaming = KVNaming()) -> list[str]:

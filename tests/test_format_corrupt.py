@@ -199,7 +199,7 @@ def test_bad_file_is_rejected_naming_the_field(edit, segment, field, cls):
 def test_unused_field_is_ignored_but_reserved_is_not():
     built = small_cache()
     a = bytearray(built.anchor)
-    edit_header("unused0", 0xDEADBEEF)(a, None)
+    edit_header("properties_length", 0xDEADBEEF)(a, None)  # unused without FLAG_PROPERTIES
     with open_cache(bytes(a), residual=built.residual) as cache:
         assert cache.verify() == []
 

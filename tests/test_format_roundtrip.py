@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import pytest
 import torch
 
 from lynxkv.cache import encode_kv, open_cache, save_cache
-from lynxkv.errors import InputError, LynxError
+from lynxkv.errors import FormatError, InputError, LynxError
+from lynxkv.format import constants as c
 from lynxkv.storage import BytesSource
 from lynxkv.format.writer import build_files
 from lynxkv.quant import dequantize, quantize
@@ -280,3 +283,44 @@ def test_roundtrip_property():
                     assert torch.equal(getattr(g, name), getattr(w, name)), name
 
     check()
+
+
+def test_every_scheme_the_writer_accepts_reads_back_equal():
+    """Each scheme parameter as the header stores it round-trips exactly (alpha as f64, chunk and page as u32),
+    and a header whose scheme the writer would refuse is refused by the reader."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lynxkv.errors import SchemeError
+    from lynxkv.format import PageReader
+    from lynxkv.quant.scheme import MAX_ALPHA, MAX_CHUNK, MAX_PAGE, MIN_ALPHA
+
+    @st.composite
+    def schemes(draw):
+        chunk = 1 << draw(st.integers(0, MAX_CHUNK.bit_length() - 1))
+        page = chunk * draw(st.integers(1, MAX_PAGE // chunk))
+        anchor_bits = draw(st.integers(1, 7))
+        alpha_law = draw(st.booleans())
+        alpha = draw(st.floats(min_value=MIN_ALPHA, max_value=MAX_ALPHA)) if alpha_law else 0.0
+        return Scheme(compander="alpha" if alpha_law else "linear", alpha=alpha,
+                      centring=draw(st.sampled_from(["midrange", "mean"])), chunk=chunk, page=page,
+                      anchor_bits=anchor_bits, residual_bits=8 - anchor_bits,
+                      meta_dtype=draw(st.sampled_from(["fp16", "fp32"])), grid=draw(st.sampled_from(["nested", "uniform"])))
+
+    kv = make_kv(1, 1, 3, 2)
+
+    @settings(max_examples=40, deadline=None)
+    @given(schemes())
+    def roundtrip(scheme):
+        built = build_files(encode_kv(kv, scheme), single_file=True)
+        assert PageReader(BytesSource(built.anchor)).header.scheme == scheme
+
+    roundtrip()
+    with pytest.raises(SchemeError):
+        Scheme(chunk=3)  # what the writer refuses ...
+    built = bytearray(build_files(encode_kv(kv, Scheme(chunk=4, page=8)), single_file=True).anchor)
+    struct.pack_into("<I", built, c.ANCHOR_FIELD_OFFSETS["chunk"], 3)
+    length = struct.unpack_from("<I", built, 16)[0]
+    struct.pack_into("<I", built, length - 4, zlib.crc32(bytes(built[:length - 4])))
+    with pytest.raises(FormatError, match="scheme"):  # ... the reader refuses too
+        PageReader(BytesSource(bytes(built)))

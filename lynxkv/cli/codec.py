@@ -108,7 +108,8 @@ def decode(
     with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c, \
             progress_step(f"decoding {cache}"):
         kv = c.load_kv(anchor_only=anchor_only, dtype=TORCH_DTYPES[dtype] if dtype else None)
-        meta = {"lynxkv.cache_id": c.info.cache_id, "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
+        meta = {**c.info.properties, "lynxkv.cache_id": c.info.cache_id,  # the input's metadata comes back
+                "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
         save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)
     if json:
         k0 = kv[0][0]
@@ -152,7 +153,9 @@ def inspect(
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
     t.add_row("prompt", f"{len(d['prompt_token_ids'])} token ids" if d.get("prompt_token_ids") else "not stored")
-    t.add_row("model", d["model_fingerprint"] or "not recorded")
+    name = d["properties"].get("lynxkv.model")
+    t.add_row("model", escape(" ".join(filter(None, [name, d["model_fingerprint"] and f"(fingerprint "
+                                                     f"{d['model_fingerprint']})"]))) or "not recorded")
     t.add_row("cache id", d["cache_id"])
     out.print(t)
 

@@ -152,7 +152,8 @@ def run(
 
     from lynxkv.cli.console import progress_step
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import load_model
+    from lynxkv.cache import open_cache
+    from lynxkv.hf.models import load_model, model_for_cache
     from lynxkv.kv import TORCH_DTYPES
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
@@ -168,6 +169,8 @@ def run(
         prompt = read_text(prompt_file)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
+    with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
+        model = model_for_cache(c.info.properties, model)
     with progress_step(f"loading model {model or 'SmolLM2-135M-Instruct (offline default)'} ({dtype})"):
         loaded = load_model(model, dtype=TORCH_DTYPES[dtype])
         with torch.no_grad():  # first-call initialisation is not charged to the first draft

@@ -41,7 +41,7 @@ ANCHOR_FIXED_STRUCT = (
     "H"  # 84  segment_count
     "H"  # 86  fingerprint_length
     "I"  # 88  names_length
-    "I"  # 92  unused (writers write 0, readers ignore)
+    "I"  # 92  properties_length (1.1, with FLAG_PROPERTIES; otherwise unused: writers write 0, readers ignore)
 )
 ANCHOR_FIXED_SIZE = 8 + 2 + 2 + 4 + 4 + 4 + 4 * 4 + 6 * 1 + 1 + 1 + 4 + 4 + 8 + 16 + 4 + 2 + 2 + 4 + 4  # 96
 
@@ -73,7 +73,7 @@ ANCHOR_FIELD_OFFSETS = {
     "segment_count": 84,
     "fingerprint_length": 86,
     "names_length": 88,
-    "unused0": 92,
+    "properties_length": 92,
 }
 
 # Segment table entry (spec table "Segment entry"); the location strings follow the table.
@@ -148,7 +148,8 @@ PAGE_ENTRY_SIZE = 8 + 4 + 4 + 1 + 3 + 4  # 24
 
 # -- flags ---------------------------------------------------------------------------------------------------
 FLAG_BATCH_DIM = 1 << 0  # the input tensors had a leading batch dimension of 1
-KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM
+FLAG_PROPERTIES = 1 << 1  # 1.1: the header ends with a properties string of properties_length bytes
+KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES
 KNOWN_RESIDUAL_FLAGS = 0
 
 # -- enumerations --------------------------------------------------------------------------------------------
@@ -177,6 +178,7 @@ MAX_PROMPT_TOKENS = MAX_TOKENS
 MAX_SEGMENTS = 8
 MAX_FINGERPRINT = 64
 MAX_NAMES_LENGTH = 1 << 20
+MAX_PROPERTIES_LENGTH = 1 << 16
 MAX_LOCATION = 4096
 MAX_PAGE_ENTRIES = 1 << 20  # per segment
 MAX_PAGE_RAW = 1 << 30  # bytes of one decoded page record
@@ -186,6 +188,7 @@ MAX_ANCHOR_HEADER = (
     + 4 * MAX_PROMPT_TOKENS
     + MAX_FINGERPRINT
     + MAX_NAMES_LENGTH
+    + MAX_PROPERTIES_LENGTH
     + HEADER_ALIGN
     + CRC_SIZE
 )

@@ -8,11 +8,12 @@ message names the field, where it sits, what was expected and what was found.
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from dataclasses import dataclass
 
-from lynxkv.errors import ChecksumError, FormatError, SchemeError
+from lynxkv.errors import ChecksumError, FormatError, InputError, SchemeError
 from lynxkv.format import constants as c
 from lynxkv.quant.scheme import Scheme
 
@@ -73,6 +74,7 @@ class AnchorHeader:
     flags: int = 0
     version_minor: int = c.VERSION_MINOR
     header_length: int = 0  # filled in by the parser (the writer computes it)
+    properties: tuple[tuple[str, str], ...] = ()  # 1.1: text key/value pairs, sorted by key (e.g. lynxkv.model)
 
     @property
     def pages_per_layer(self) -> int:
@@ -176,25 +178,52 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     locations = [seg.location.encode("utf-8") for seg in h.segments]
     fingerprint = h.fingerprint.encode("ascii")
     names = "\n".join(h.names).encode("utf-8")
+    properties = pack_properties(h.properties)
+    flags = (h.flags | c.FLAG_PROPERTIES) if properties else (h.flags & ~c.FLAG_PROPERTIES)
     var = b"".join(
         _SEGMENT.pack(seg.kind, seg.placement, len(loc), seg.page_count, seg.offset, seg.length,
                       seg.index_crc32, 0)
         for seg, loc in zip(h.segments, locations)
     )
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
-    var += b"".join(locations) + fingerprint + names
+    var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
     fixed = _ANCHOR_FIXED.pack(
-        c.ANCHOR_MAGIC, c.VERSION_MAJOR, h.version_minor, h.flags, length, 0,
+        c.ANCHOR_MAGIC, c.VERSION_MAJOR, max(h.version_minor, 1) if properties else h.version_minor, flags, length, 0,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
         c.DTYPE_CODES[h.dtype], c.COMPANDER_CODES[s.compander], c.CENTRING_CODES[s.centring],
         c.META_DTYPE_CODES[s.meta_dtype], s.anchor_bits, s.residual_bits, c.GRID_CODES[s.grid], 0,
         s.chunk, s.page, float(s.alpha), h.cache_id, len(h.prompt_token_ids), len(h.segments),
-        len(fingerprint), len(names), 0,
+        len(fingerprint), len(names), len(properties),
     )
     body = fixed + var
     body += b"\x00" * (length - c.CRC_SIZE - len(body))
     return body + struct.pack("<I", crc32(body))
+
+
+def pack_properties(properties) -> bytes:
+    """The properties string: a JSON object of text keys and text values, keys sorted, no spaces, UTF-8."""
+    if not properties:
+        return b""
+    pairs = dict(properties)
+    if any(not isinstance(k, str) or not isinstance(v, str) or not k for k, v in pairs.items()):
+        raise InputError("properties: expected non-empty text keys with text values")
+    data = json.dumps(pairs, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(data) > c.MAX_PROPERTIES_LENGTH:
+        raise InputError(f"properties: {len(data)} bytes, at most {c.MAX_PROPERTIES_LENGTH}")
+    return data
+
+
+def parse_properties(data: bytes, where: str) -> tuple[tuple[str, str], ...]:
+    """The properties string back as sorted (key, value) pairs; anything else is a ``properties`` error."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _err("properties", where, "a JSON object in UTF-8", repr(data[:64])) from None
+    if not isinstance(value, dict) or any(not isinstance(k, str) or not k or not isinstance(v, str)
+                                          for k, v in value.items()):
+        raise _err("properties", where, "an object of non-empty text keys with text values", repr(data[:64]))
+    return tuple(sorted(value.items()))
 
 
 def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_header: int,
@@ -248,7 +277,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     _check_header_crc(buf, length, what)
     (_, _, _, _, _, reserved0, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
      anchor_bits, residual_bits, grid, reserved1, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
-     _unused) = _ANCHOR_FIXED.unpack_from(buf, 0)
+     n_props) = _ANCHOR_FIXED.unpack_from(buf, 0)
     off = c.ANCHOR_FIELD_OFFSETS
     for name, value in (("reserved0", reserved0), ("reserved1", reserved1)):
         if value:
@@ -261,6 +290,10 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     _cap("segment_count", n_seg, c.MAX_SEGMENTS, off, what, 1)
     _cap("fingerprint_length", n_fp, c.MAX_FINGERPRINT, off, what)
     _cap("names_length", n_names, c.MAX_NAMES_LENGTH, off, what)
+    if flags & c.FLAG_PROPERTIES:
+        _cap("properties_length", n_props, c.MAX_PROPERTIES_LENGTH, off, what, 1)
+    else:
+        n_props = 0  # unused without the flag: ignored
     enums = (("dtype", dtype, c.DTYPE_CODES), ("compander", compander, c.COMPANDER_CODES),
              ("centring", centring, c.CENTRING_CODES), ("meta_dtype", meta_dtype, c.META_DTYPE_CODES),
              ("grid", grid, c.GRID_CODES))
@@ -279,7 +312,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
 
     pos = c.ANCHOR_FIXED_SIZE
     end_of_content = length - c.CRC_SIZE
-    need = n_seg * c.SEGMENT_SIZE + 4 * n_prompt + n_fp + n_names
+    need = n_seg * c.SEGMENT_SIZE + 4 * n_prompt + n_fp + n_names + n_props
     if pos + need > end_of_content:
         raise _err("header_length", f"{what} byte 16", f">= {_pad_to(pos + need + c.CRC_SIZE, c.HEADER_ALIGN)} "
                    "for the counts it declares", length)
@@ -329,6 +362,8 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     if problem is not None:
         raise FormatError(f"`names` at {what} byte {pos}: expected {problem}", field="names", where=f"{what} byte {pos}")
     pos += n_names
+    properties = parse_properties(bytes(buf[pos:pos + n_props]), f"{what} byte {pos}") if n_props else ()
+    pos += n_props
     padding = bytes(buf[pos:end_of_content])
     if any(padding):
         raise _err("padding", f"{what} byte {pos}", "zero bytes before the header CRC", padding.hex())
@@ -336,7 +371,8 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
         raise _err("header_length", f"{what} byte 16", _pad_to(pos + c.CRC_SIZE, c.HEADER_ALIGN), length)
 
     h = AnchorHeader(layers, kv_heads, head_dim, tokens, decoded["dtype"], scheme, bytes(cache_id),
-                     tuple(segments), tuple(prompt), fp_bytes.decode("ascii"), names, flags, minor, length)
+                     tuple(segments), tuple(prompt), fp_bytes.decode("ascii"), names, flags, minor, length,
+                     properties)
     _check_segments(h)
     return h
 

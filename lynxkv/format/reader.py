@@ -327,7 +327,9 @@ class PageReader:
             if not parts:
                 return (torch.empty((4, H, 0, D), dtype=META_TORCH_DTYPE[s.meta_dtype]),
                         torch.empty((2, H, 0, D), dtype=torch.uint8))
+            if len(parts) == 1:  # no short last page: no concatenation copy
+                return parts[0]
             return torch.cat([m for m, _ in parts], dim=2), torch.cat([k for _, k in parts], dim=2)
         if not parts:
             return None, torch.empty((2, H, 0, D), dtype=torch.uint8)
-        return None, torch.cat(parts, dim=2)
+        return None, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

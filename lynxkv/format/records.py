@@ -49,21 +49,21 @@ class ResidualPage:
 
 
 def _meta_bytes(t: torch.Tensor, meta_dtype: str) -> bytes:
-    return t.contiguous().numpy().astype(_META_NP[meta_dtype], copy=False).tobytes()
+    return t.numpy().astype(_META_NP[meta_dtype], copy=False).tobytes()  # tobytes copies a page slice in C order
 
 
 def encode_anchor_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
     """``k``/``v``: one page of keys/values (``EncodedTensor.tokens`` slices)."""
     md = scheme.meta_dtype
     parts = [_meta_bytes(k.offset, md), _meta_bytes(k.scale, md), _meta_bytes(v.offset, md), _meta_bytes(v.scale, md),
-             pack_bits(k.anchor.contiguous(), scheme.anchor_bits).numpy().tobytes(),
-             pack_bits(v.anchor.contiguous(), scheme.anchor_bits).numpy().tobytes()]
+             pack_bits(k.anchor, scheme.anchor_bits).numpy().tobytes(),  # pack_bits reads a page slice in place
+             pack_bits(v.anchor, scheme.anchor_bits).numpy().tobytes()]
     return b"".join(parts)
 
 
 def encode_residual_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
-    return (pack_bits(k.residual.contiguous(), scheme.residual_bits).numpy().tobytes()
-            + pack_bits(v.residual.contiguous(), scheme.residual_bits).numpy().tobytes())
+    return (pack_bits(k.residual, scheme.residual_bits).numpy().tobytes()
+            + pack_bits(v.residual, scheme.residual_bits).numpy().tobytes())
 
 
 def compress(raw: bytes, codec: int, level: int = 3) -> bytes:
@@ -149,14 +149,24 @@ def _rows(raws: list, lay: RecordLayout, where: str) -> np.ndarray:
 _META_NAMES = ("key_offset", "key_scale", "value_offset", "value_scale")
 
 
+_FLOAT_BITS = {2: (np.uint16, 0x7C00, 0x8000), 4: (np.uint32, 0x7F800000, 0x80000000)}  # (view, exponent, sign)
+
+
 def _check_metadata(m: np.ndarray, where: str) -> None:
-    """Offsets and scales are finite, scales >= 0 (what the quantizer writes; spec §9.2)."""
-    finite = np.isfinite(m)
+    """Offsets and scales are finite, scales >= 0 (what the quantizer writes; spec §9.2). Checked on the bit
+    patterns (all-ones exponent: infinity or NaN; sign bit on a non-zero scale: negative), one pass."""
+    view, exponent, sign = _FLOAT_BITS[m.dtype.itemsize]
+    bits = m.view(view)
+    bad = (bits & exponent) == exponent
+    scales = bits[:, 1::2]
+    negative = ((scales & sign) != 0) & (scales != sign)  # -0.0 is zero, not negative
+    if not (bad.any() or negative.any()):
+        return
     for j, name in enumerate(_META_NAMES):
-        if not finite[:, j].all():
+        if bad[:, j].any():
             raise FormatError(f"`{name}` {where}: expected finite values, got NaN or infinity", field=name,
                               where=where)
-        if j % 2 and (m[:, j] < 0).any():
+        if j % 2 and negative[:, j // 2].any():
             raise FormatError(f"`{name}` {where}: expected scales >= 0, got {float(m[:, j].min())}", field=name,
                               where=where)
 

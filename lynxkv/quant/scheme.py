@@ -29,6 +29,9 @@ CODE_BITS = 8
 MAX_CHUNK = 1024
 MAX_PAGE = 65536
 MAX_ALPHA = 65504.0
+#: Below this the α-law is the linear code to within fp32 rounding of ``log1p(α|u|)/log1p(α)`` (and a subnormal
+#: α underflows ``α|u|`` to 0, mapping every value to the chunk centre): use the linear compander instead.
+MIN_ALPHA = 1e-3
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,9 @@ class Scheme:
         if self.meta_dtype not in META_DTYPES:
             raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.compander == "alpha":
-            if not (math.isfinite(self.alpha) and 0.0 < self.alpha <= MAX_ALPHA):
-                raise SchemeError(f"alpha: expected 0 < alpha <= {MAX_ALPHA} for the alpha compander, got {self.alpha}")
+            if not (math.isfinite(self.alpha) and MIN_ALPHA <= self.alpha <= MAX_ALPHA):
+                raise SchemeError(f"alpha: expected {MIN_ALPHA:g} <= alpha <= {MAX_ALPHA:g} for the alpha compander "
+                                  f"(for a smaller alpha use the linear compander), got {self.alpha:g}")
         elif self.alpha != 0.0:
             raise SchemeError(f"alpha: must be 0 for the linear compander, got {self.alpha}")
         if not _is_pow2(self.chunk) or not 1 <= self.chunk <= MAX_CHUNK:

@@ -100,15 +100,13 @@ class ProgressiveLoad:
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
                  retry: RetryPolicy | None = None, dtype: torch.dtype = torch.float32,
                  fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
-                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None,
-                 dequantize_fn: Callable[..., torch.Tensor] | None = None, allow_locations=()):
+                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None, allow_locations=()):
         self.source = source
         self.link = link
         self.on_event = on_event
         self.allow_anchor_only = allow_anchor_only
         self.dtype = dtype
         self.decode = decode
-        self.dequantize_fn = dequantize_fn or dequantize
 
         self.header = None
         self.prompt_token_ids: list[int] | None = None
@@ -439,7 +437,8 @@ class ProgressiveLoad:
                 offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D]
                 scale=getattr(arec, f"{which}_scale"),
             )
-            out[i][:, t0:t0 + n] = self.dequantize_fn(enc, s, anchor_only=rrec is None, dtype=self.dtype)
+            # straight into the layer's tensor; residual pages arrive while a model drafts: one worker thread
+            dequantize(enc, s, anchor_only=rrec is None, out=out[i][:, t0:t0 + n], threads=None if rrec is None else 1)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
@@ -449,7 +448,6 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      dtype: torch.dtype = torch.float32, link: EmulatedLink | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
                      tee: Callable[[str, int, bytes], None] | None = None,
-                     dequantize_fn: Callable[..., torch.Tensor] | None = None,
                      allow_locations=()) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
 
@@ -462,9 +460,8 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     ``fetch_hook(segment, fetch) -> fetch`` wraps the byte-range reads of a segment (instrumentation, fault
     injection). ``decode=False`` moves and verifies the bytes only (``wait_anchor`` and ``residual`` then give
     ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
-    order (to save a copy; commit it only once the load has verified every page). ``dequantize_fn(enc, scheme,
-    anchor_only=, dtype=)`` replaces the reference dequantizer (e.g. a faster CPU path); the default gives
-    exactly what ``open_cache(...).load_kv()`` gives."""
+    order (to save a copy; commit it only once the load has verified every page). The KV is exactly what
+    ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page)."""
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if residual is not None and isinstance(residual, os.PathLike):
@@ -477,5 +474,4 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
-                           fetch_hook=fetch_hook, decode=decode, tee=tee, dequantize_fn=dequantize_fn,
-                           allow_locations=allow_locations)
+                           fetch_hook=fetch_hook, decode=decode, tee=tee, allow_locations=allow_locations)

@@ -1,0 +1,199 @@
+"""Atomic writes: an object appears under its name complete or not at all (:class:`AtomicWriter`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import zlib
+from collections.abc import Iterator
+
+from lynxkv.errors import InputError, LynxError
+from lynxkv.storage.urls import as_lynx_error, filesystem, is_local, local_path
+
+
+_TMP_SUFFIX = ".tmp"
+
+
+def _temp_name(final: str) -> str:
+    """``.NAME.<pid>-<random>.tmp`` beside ``final``: hidden, and naming the process that writes it."""
+    d, base = os.path.split(final)
+    return os.path.join(d, f".{base}.{os.getpid()}-{secrets.token_hex(4)}{_TMP_SUFFIX}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def clean_stale_temps(final: str) -> list[str]:
+    """Remove the temporary files that a killed writer of ``final`` left behind (their process is gone)."""
+    d, base = os.path.split(os.path.abspath(final))
+    prefix = f".{base}."
+    removed = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for n in names:
+        if not (n.startswith(prefix) and n.endswith(_TMP_SUFFIX)):
+            continue
+        pid = n[len(prefix):-len(_TMP_SUFFIX)].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(d, n))
+                removed.append(n)
+    return removed
+
+
+def _fsync_dir(d: str) -> None:
+    with contextlib.suppress(OSError):  # make the rename itself durable, where the platform allows it
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class AtomicWriter:
+    """A streaming writer that publishes the object under its name only on :meth:`commit` (or a clean ``with``
+    exit); :meth:`abort` (or an exception inside ``with``) leaves nothing under the real name.
+
+    Local files: a temporary ``.NAME.<pid>-<random>.tmp`` in the same directory (temporaries of writers that were
+    killed are removed first; ``make_dirs`` creates missing directories), fsync, ``os.replace``, directory fsync.
+    The file gets the permissions the umask
+    gives a new file, or those of the file it replaces. Object stores (s3, memory, ...): one PUT of the whole
+    object on commit, so an aborted upload leaves nothing.
+    """
+
+    def __init__(self, url: str | os.PathLike, storage_options: dict | None = None, *, make_dirs: bool = False):
+        self.url = os.fspath(url)
+        self.bytes_written = 0
+        self.crc32 = 0
+        self._done = False
+        self._f = None
+        if is_local(self.url):
+            path = os.path.abspath(local_path(self.url))
+            d = os.path.dirname(path)
+            if make_dirs:
+                try:
+                    os.makedirs(d, exist_ok=True)
+                except OSError as exc:
+                    raise InputError(f"{self.url}: cannot create directory {d} ({exc.strerror or exc})") from None
+            if not os.path.isdir(d):
+                raise InputError(f"{self.url}: directory {d} does not exist")
+            clean_stale_temps(path)
+            self._final = path
+            self.temp_path = _temp_name(path)
+            try:
+                mode = os.stat(path).st_mode & 0o7777 if os.path.isfile(path) else None
+                fd = os.open(self.temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+                if mode is not None:
+                    os.chmod(self.temp_path, mode)
+            except OSError as exc:
+                raise as_lynx_error(self.url, exc) from None
+            self._f = os.fdopen(fd, "wb")
+            self._parts = None
+        else:
+            self._fs, self._path = filesystem(self.url, storage_options)
+            self.temp_path = None
+            self._parts = []
+
+    def write(self, data) -> None:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.bytes_written += len(data)
+        if self._f is not None:
+            try:
+                self._f.write(data)
+            except OSError as exc:
+                self.abort()
+                raise _storage_error(self.url, exc) from None
+        else:
+            self._parts.append(bytes(data))
+
+    def commit(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            if self._f is not None:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                self._f.close()
+                os.replace(self.temp_path, self._final)
+                _fsync_dir(os.path.dirname(self._final))
+            else:
+                self._fs.pipe_file(self._path, b"".join(self._parts))
+                self._parts = []
+                self._fs.invalidate_cache(self._path)
+        except BaseException as exc:
+            self._discard()
+            if isinstance(exc, Exception) and not isinstance(exc, LynxError):
+                raise _storage_error(self.url, exc) from None
+            raise
+
+    def abort(self) -> None:
+        self._done = True
+        self._discard()
+
+    def _discard(self) -> None:
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.temp_path)
+        self._parts = []
+
+    def __enter__(self) -> "AtomicWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def _storage_error(url: str, exc: BaseException) -> LynxError:
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return InputError(f"{url}: no space left on the device; nothing was written")
+    if isinstance(exc, OSError) and exc.errno == errno.EDQUOT:
+        return InputError(f"{url}: disk quota exceeded; nothing was written")
+    if isinstance(exc, (PermissionError, FileNotFoundError, IsADirectoryError)):
+        return as_lynx_error(url, exc)
+    return InputError(f"{url}: cannot write ({exc}); nothing was written")
+
+
+def write_atomic(url: str | os.PathLike, data, storage_options: dict | None = None, *,
+                 make_dirs: bool = False) -> None:
+    """Write ``data`` to ``url`` atomically (see :class:`AtomicWriter`)."""
+    with AtomicWriter(url, storage_options, make_dirs=make_dirs) as w:
+        w.write(data)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary local path beside ``path`` for a library that writes files itself (safetensors); on
+    success it is published under ``path`` exactly as :class:`AtomicWriter` publishes, on error removed."""
+    w = AtomicWriter(os.fspath(path))
+    if w.temp_path is None:
+        w.abort()
+        raise InputError(f"{path}: expected a local path")
+    w._f.close()  # the library opens the path itself
+    w._f = open(w.temp_path, "rb+")
+    try:
+        yield w.temp_path
+    except OSError as exc:  # the library's own write failed: disk full, permission ...
+        w.abort()
+        raise _storage_error(os.fspath(path), exc) from None
+    except BaseException:
+        w.abort()
+        raise
+    w.commit()

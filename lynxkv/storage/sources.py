@@ -1,0 +1,128 @@
+"""Byte sources: what the format's page reader reads from (bytes, a memory-mapped file, a file object, any URL)."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import threading
+from typing import Protocol
+
+from lynxkv.errors import InputError, LynxError
+from lynxkv.storage.urls import as_lynx_error, filesystem, has_protocol, is_local, local_path
+
+
+class ByteSource(Protocol):
+    """What the format's page reader reads from: ``size`` bytes, random access. ``name`` says where it is (a
+    path or URL; ``<bytes>``-style names for data without a place)."""
+
+    name: str
+    size: int
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class BytesSource:
+    """Bytes already in memory."""
+
+    def __init__(self, data, name: str = "<bytes>"):
+        self._data = memoryview(data).cast("B")
+        self.size = len(self._data)
+        self.name = name
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self._data[offset:offset + length])
+
+    def close(self) -> None:
+        pass
+
+
+class FileSource:
+    """A local file, memory-mapped: reading one page touches only that page's bytes."""
+
+    def __init__(self, path: str | os.PathLike):
+        import stat
+
+        self.name = os.fspath(path)
+        try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+            fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except OSError as exc:
+            raise as_lynx_error(self.name, exc) from None
+        self._f = os.fdopen(fd, "rb")
+        try:
+            st = os.fstat(self._f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise InputError(f"{self.name} is not a regular file; refusing to read it")
+            self.size = st.st_size
+            self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+        except InputError:
+            self._f.close()
+            raise
+        except (OSError, ValueError) as exc:
+            self._f.close()
+            raise InputError(f"{self.name}: cannot map the file ({exc})") from None
+
+    def read(self, offset: int, length: int) -> bytes:
+        if self._mm is None:
+            return b""
+        return self._mm[offset:offset + length]
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self._f.close()
+
+
+class FileObjSource:
+    """A seekable binary file object (e.g. an fsspec file doing HTTP/S3 range requests)."""
+
+    def __init__(self, f, name: str = "<file>", size: int | None = None, *, owns: bool = False):
+        self._f = f
+        self._owns = owns  # close the file object on close() only if this source opened it
+        self.name = name
+        self._lock = threading.Lock()
+        if size is None:
+            size = f.seek(0, io.SEEK_END)
+        self.size = int(size)
+
+    def read(self, offset: int, length: int) -> bytes:
+        with self._lock:
+            try:
+                self._f.seek(offset)
+                return self._f.read(max(0, min(length, self.size - offset)))
+            except LynxError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a network file object fails in its own ways
+                raise as_lynx_error(self.name, exc) from None
+
+    def close(self) -> None:
+        if self._owns:
+            self._f.close()
+
+
+def open_source(obj, name: str | None = None, storage_options: dict | None = None) -> ByteSource:
+    """A byte source for a path or URL, a bytes-like object, a seekable file object, or a source itself."""
+    if isinstance(obj, (str, os.PathLike)):
+        text = os.fspath(obj)
+        if has_protocol(text) and not is_local(text):
+            fs, path = filesystem(text, storage_options)
+            try:
+                f = fs.open(path, "rb")
+            except Exception as exc:  # noqa: BLE001 - fsspec raises backend-specific errors
+                raise as_lynx_error(text, exc) from None
+            try:
+                return FileObjSource(f, text, size=getattr(f, "size", None), owns=True)
+            except Exception as exc:  # noqa: BLE001
+                f.close()
+                raise as_lynx_error(text, exc) from None
+        return FileSource(local_path(text))
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return BytesSource(obj, name or "<bytes>")
+    if hasattr(obj, "size") and hasattr(obj, "read") and not hasattr(obj, "seek"):
+        return obj
+    if hasattr(obj, "seek") and hasattr(obj, "read"):
+        return FileObjSource(obj, name or f"<{getattr(obj, 'name', 'file')}>")
+    raise InputError(f"cannot read a .lynx cache from a {type(obj).__name__}")
