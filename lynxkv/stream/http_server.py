@@ -413,7 +413,13 @@ class CacheServer:
                     if handler.transport is not None:
                         handler.transport.abort()
             if until is not None and until():
-                await asyncio.sleep(0.05)  # let the last response finish
+                # Stop only once every response has left this process: no request in progress and nothing in
+                # a transport's buffer (the kernel delivers what it holds after a graceful close).
+                t_end = time.monotonic() + self.idle_timeout
+                while time.monotonic() < t_end and any(
+                        st.active or (h.transport is not None and h.transport.get_write_buffer_size())
+                        for h, st in list(self._conns.items())):
+                    await asyncio.sleep(0.05)
                 self._stop.set()
                 return
 
