@@ -56,6 +56,26 @@ def test_run_and_continue_equal_plain_decoding(models, tmp_path, arch, dtype):
         assert res.token_ids == want
         if dtype == "fp32":  # in fp32 the forward shape does not matter: plain sequential decoding agrees
             assert res.token_ids == decode_plain(model, full_kv, ids, NEW, new_token_ids=new)
+        if new:  # and independently: the whole decoded full cache, the question, then one token per forward
+            assert res.token_ids == _greedy_after(model, full_kv, new, res.stats.draft_token_ids)
+
+
+def _greedy_after(model, kv, question: list[int], drafts: list[int]) -> list[int]:
+    """Greedy decoding on a DynamicCache of all of ``kv`` after ``question``, written without lynxkv's runner
+    code; its first forward appends ``drafts`` (the verify pass's shape, which matters in bf16/fp16 only)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(ddp_cache_data=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv])
+    with torch.no_grad():
+        rows = model(input_ids=torch.tensor([question + drafts]), cache=cache).logits[0, len(question) - 1:]
+        best = rows.float().argmax(-1).tolist()
+        n = next((i for i, d in enumerate(drafts) if best[i] != d), len(drafts))
+        out = best[: n + 1]
+        cache.crop(-(len(drafts) - n)) if len(drafts) > n else None
+        while len(out) < NEW:
+            logits = model(input_ids=torch.tensor([out[-1:]]), cache=cache).logits[0, -1]
+            out.append(int(logits.float().argmax()))
+    return out[:NEW]
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -27,7 +27,7 @@ def _logit_gap_report(model, full_kv, ids, got, want):
     j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
     from lynxkv.speculative.model_ops import forward_tokens, start_cache
 
-    cache = start_cache(model, full_kv, len(ids))
+    cache = start_cache(model, full_kv, len(ids) - 1)
     logits = forward_tokens(model, cache, [ids[-1]] + want[:j])[-1]
     top = logits.topk(2).values
     return f"first difference at {j}: top-2 logit gap {float(top[0] - top[1]):.3e}"
@@ -151,7 +151,7 @@ def test_sequence_vs_one_pass_logits_agree_in_fp32(models):
     ids = prompt_ids(9, 50)
     _, _, full_kv = caches(model, ids)
     toks = decode_plain(model, full_kv, ids, 16)
-    one = forward_tokens(model, start_cache(model, full_kv, len(ids)), [ids[-1]] + toks[:-1])
-    cache = start_cache(model, full_kv, len(ids))
+    one = forward_tokens(model, start_cache(model, full_kv, len(ids) - 1), [ids[-1]] + toks[:-1])
+    cache = start_cache(model, full_kv, len(ids) - 1)
     seq = torch.stack([forward_tokens(model, cache, [t])[-1] for t in [ids[-1]] + toks[:-1]])
     assert (one - seq).abs().max() < 1e-4

@@ -113,13 +113,13 @@ def test_end_to_end_distribution_matches_full_cache(small_vocab, chunk):
     V = 8
 
     # exact law of (t0, t1, t2) on the full cache
-    cache = start_cache(model, full_kv, len(ids))
+    cache = start_cache(model, full_kv, len(ids) - 1)
     p0 = logits_to_probs(forward_tokens(model, cache, [ids[-1]])[-1], params)
     base = full_kv
     joint = torch.zeros(V, V, V)
     for a in range(V):
         for b in range(V):
-            c = start_cache(model, base, len(ids))
+            c = start_cache(model, base, len(ids) - 1)
             rows = logits_to_probs(forward_tokens(model, c, [ids[-1], a, b]), params)  # [3, V]
             joint[a, b] = p0[a] * rows[1, b] * rows[2]
     joint = joint.reshape(-1)

@@ -32,7 +32,7 @@ def _gap(model, full_kv, ids, got, want) -> str:
     j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if j is None:
         return "same"
-    logits = forward_tokens(model, start_cache(model, full_kv, len(ids)), [ids[-1]] + want[:j])[-1]
+    logits = forward_tokens(model, start_cache(model, full_kv, len(ids) - 1), [ids[-1]] + want[:j])[-1]
     top = logits.topk(2).values
     return f"first difference at {j}: top-2 logit gap {float(top[0] - top[1]):.3e}"
 

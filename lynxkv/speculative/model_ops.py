@@ -1,12 +1,14 @@
 """The few model-facing steps of the runner: start a cache from stored KV, run tokens, drop rejected tokens.
 
-Where the first new token comes from: a stored cache holds KV for all T prompt tokens but not the logits of the
-last one. :func:`start_cache` keeps the first T-1 tokens of the stored KV and the runner re-feeds the last
-prompt token (followed by any new prompt tokens), so the first prediction is a normal forward on exactly the
-cache being evaluated (anchor-only for drafting, full for verifying). The reference decoder
-(:func:`lynxkv.speculative.decode_plain`) does the same, so "identical to decoding on the full cache" compares
-like with like. The recomputed KV of the last prompt token is the model's own value, not the quantized one: one
-token out of T.
+Where the first new token comes from (:func:`first_step`): a stored cache holds KV for all T prompt tokens but
+not the logits of the last one. To continue the cached prompt itself, the cache keeps the first T-1 tokens of
+the stored KV and the runner re-feeds the last prompt token, so the first prediction is a normal forward on
+exactly the cache being evaluated (anchor-only for drafting, full for verifying); the recomputed KV of that
+token is the model's own value, not the quantized one: one token out of T. With new text after the cached
+prompt (a question about a cached document) the cache keeps all T stored tokens and the first forward feeds the
+new tokens: plain decoding on the full stored cache with that text. The reference decoder
+(:func:`lynxkv.speculative.decode_plain`) starts the same way, so "identical to decoding on the full cache"
+compares like with like.
 
 Dtypes: the stored dtype (what the file records) and the compute dtype (the model's) are independent. The
 cache is converted to the model's dtype and device here, once, when a run starts.
@@ -36,20 +38,28 @@ def check_kv(kv: KVPairs, config, prompt_len: int, what: str) -> None:
                              f"token ids")
 
 
-def start_cache(model, kv: KVPairs, prompt_len: int):
-    """A fresh ``transformers`` cache, in ``model`` 's dtype and on its device, with the first ``prompt_len - 1``
-    tokens of ``kv`` (each ``[H, T, D]``).
+def first_step(prompt: list[int], new: list[int] | None) -> tuple[int, list[int]]:
+    """(how many stored tokens the cache keeps, the tokens the first forward feeds) for continuing ``prompt``
+    (the cached prompt's ids) with the ``new`` prompt tokens, if any."""
+    if new:
+        return len(prompt), [int(t) for t in new]
+    return len(prompt) - 1, [int(prompt[-1])]
 
-    Built over all T tokens and then cropped by one: when the stored dtype is the model's, both steps are views,
-    so opening a 4K-token cache costs nothing (slicing ``[:, :T-1]`` first would copy every layer). The tensors
-    may be shared with ``kv`` but are never written: a forward appends with ``torch.cat`` into new storage.
+
+def start_cache(model, kv: KVPairs, keep: int):
+    """A fresh ``transformers`` cache, in ``model`` 's dtype and on its device, with the first ``keep`` tokens of
+    ``kv`` (each ``[H, T, D]``).
+
+    Built over all T tokens and then cropped: when the stored dtype is the model's, both steps are views, so
+    opening a 4K-token cache costs nothing (slicing ``[:, :keep]`` first would copy every layer). The tensors may
+    be shared with ``kv`` but are never written: a forward appends with ``torch.cat`` into new storage.
     """
     from transformers import DynamicCache
 
-    if prompt_len <= 1:
+    if keep <= 0:
         return DynamicCache()
     cache = kv_to_cache(kv, dtype=model.dtype, device=model.device)
-    drop_last(cache, 1)
+    drop_last(cache, int(cache.get_seq_length()) - keep)
     return cache
 
 
@@ -80,7 +90,7 @@ def measure_tpot(model, kv: KVPairs, prompt_len: int, steps: int = 4) -> float:
     """Median seconds of one plain decode step after a cache of ``prompt_len`` tokens (one warm-up step)."""
     import time
 
-    cache = start_cache(model, kv, prompt_len)
+    cache = start_cache(model, kv, prompt_len - 1)
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()

@@ -1,11 +1,12 @@
 """The Lynx decode loop: draft on the anchor while the residual streams, verify once, continue on the full cache.
 
-    open  ->  wait_anchor()  ->  start_cache(anchor KV, T-1) ; feed [last prompt token, n0 .. n(m-1)]
-              (n: new prompt tokens after the cached prompt, if any: they are prefilled on the anchor cache)
+    open  ->  wait_anchor()  ->  start_cache(anchor KV, T-1) ; feed the last prompt token, or, with new prompt
+              tokens n0 .. n(m-1) after the cached prompt: start_cache(anchor KV, T) ; feed [n0 .. n(m-1)]
+              (the new tokens are prefilled on the anchor cache; model_ops.first_step)
     draft ->  d0, d1, ... (each from the anchor cache, greedy or sampled, keeping its distribution)
               until the residual is complete, the window cap is hit, or the residual is due within a fraction
               of a draft step (its ETA from the transport)
-    verify -> start_cache(full KV, T-1) ; ONE forward over [last, n0 .. n(m-1), d0 .. d(k-1)] -> the last k+1
+    verify -> the same start on the full KV ; ONE forward over [fed tokens, d0 .. d(k-1)] -> the last k+1
               rows of logits; accept the longest valid prefix (greedy: argmax match; sampling: min(1, p/q)), then
               the correction / bonus token from the target; drop the rejected tokens from the cache
     decode -> plain decoding on the full cache until max_new_tokens or a stop token
@@ -30,7 +31,7 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.kv import KVPairs
 from lynxkv.loading import CacheLoad
 from lynxkv.hf.models import model_fingerprint
-from lynxkv.speculative.model_ops import check_kv, drop_last, forward_tokens, start_cache
+from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
 from lynxkv.speculative.sampling import (
     SamplingParams,
     accept_greedy,
@@ -208,7 +209,7 @@ def stream(
     stats.cached_prompt_tokens = len(prompt)
     stats.prompt_tokens = len(prompt) + len(new)
     check_kv(anchor_kv, config_obj, len(prompt), "anchor")
-    feed = [prompt[-1]] + new  # what the first forward after the cache (T-1 tokens) consumes
+    keep, feed = first_step(prompt, new)  # the stored tokens the caches keep, what their first forward consumes
 
     # ---- draft while the residual streams -------------------------------------------------------------------
     cap = min(config.max_window, config.max_new_tokens) if config.speculate else 0
@@ -231,7 +232,7 @@ def stream(
                 if residual.done():
                     break
         if draft_cache is None:
-            draft_cache = start_cache(model, anchor_kv, len(prompt))
+            draft_cache = start_cache(model, anchor_kv, keep)
         ts = time.perf_counter()
         logits = forward_tokens(model, draft_cache, pending)[-1]  # [V]
         token, probs = choose(logits, params, generator)
@@ -272,7 +273,7 @@ def stream(
             raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
         stats.verified, stats.residual_error = False, error
         if draft_cache is None:
-            draft_cache = start_cache(model, anchor_kv, len(prompt))
+            draft_cache = start_cache(model, anchor_kv, keep)
         ev = commit(drafts, confirmed=len(drafts), verified=False)
         if ev:
             yield ev
@@ -284,8 +285,8 @@ def stream(
     stats.residual_seen_s = now()
     check_kv(full_kv, config_obj, len(prompt), "full")
 
-    # ---- verify: one forward over [last prompt token, new prompt tokens, d0 .. d(k-1)] -------------------------
-    cache = start_cache(model, full_kv, len(prompt))
+    # ---- verify: one forward over [fed prompt tokens, d0 .. d(k-1)] ----------------------------------------------
+    cache = start_cache(model, full_kv, keep)
     stats.verify_start_s = now()
     tv = time.perf_counter()
     accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params, generator,
@@ -315,11 +316,11 @@ def stream(
 
 def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[torch.Tensor],
             params: SamplingParams, generator, chunk: int) -> tuple[int, int, int, int]:
-    """Verify ``drafts`` on the full cache (holding the prompt minus its last token): (accepted, next token,
+    """Verify ``drafts`` on the full cache (holding what ``feed`` follows): (accepted, next token,
     drafts fed into the cache, forward passes).
 
-    ``chunk <= 0``: ONE forward over ``feed + drafts`` (``feed`` = the last prompt token and any new prompt
-    tokens); its last k+1 rows judge the drafts (row j judges draft j, row k gives the bonus). ``chunk > 0``: the
+    ``chunk <= 0``: ONE forward over ``feed + drafts`` (``feed``: the last prompt token, or the new prompt
+    tokens; :func:`~lynxkv.speculative.model_ops.first_step`); its last k+1 rows judge the drafts (row j judges draft j, row k gives the bonus). ``chunk > 0``: the
     same rows computed in passes of ``chunk``, ``2·chunk``, ... drafts that stop at the first rejection. A
     multi-token forward is nearly free on a GPU but costs about ``k/8`` decode steps on a CPU at long context, so
     on a CPU with a poor anchor most of a long window is verified for nothing; in fp32 the rows, and so the
@@ -396,8 +397,9 @@ def decode_plain(
 ) -> list[int]:
     """Plain decoding on ``kv`` without speculation: the reference the runner's output equals.
 
-    The same start as the runner: the cache holds the prompt minus its last token, the first forward feeds
-    ``[last, new_token_ids ...]``, then one token per forward.
+    The same start as the runner (:func:`~lynxkv.speculative.model_ops.first_step`): the cache holds the prompt
+    minus its last token and the first forward feeds that token; or, with ``new_token_ids``, the cache holds the
+    whole stored prompt and the first forward feeds the new tokens. Then one token per forward.
 
     ``first_forward`` (greedy only) fixes the shape of that first forward as the runner's verify pass has it: the
     tokens it appends after the fed prompt tokens (pass the run's ``stats.draft_token_ids``). Greedy decoding
@@ -406,11 +408,11 @@ def decode_plain(
     multi-token forward and sequential steps give the same argmaxes); in bf16 and fp16 the two round
     differently and can flip a near-tie, so a bf16 run is compared with the reference of its own forward shapes.
     """
-    feed = [int(prompt_ids[-1])] + [int(t) for t in (new_token_ids or ())]
+    keep, feed = first_step([int(t) for t in prompt_ids], new_token_ids)
     appended = [int(t) for t in (first_forward or ())]
     if appended and not sampling.greedy:
         raise InputError("first_forward defines greedy decoding only")
-    cache = start_cache(model, kv, len(prompt_ids))
+    cache = start_cache(model, kv, keep)
     out: list[int] = []
     rows = forward_tokens(model, cache, feed + appended)[len(feed) - 1 :]  # [len(appended)+1, V]
     if appended:

@@ -1,11 +1,11 @@
-"""The progressive reader: a cache loading anchor first, page by page, from any tier or a TCP server.
+"""The progressive reader: a cache loading anchor first, page by page, from any tier (an HTTP server included).
 
 ``open_progressive(source)`` returns a :class:`ProgressiveLoad` (the :class:`~lynxkv.loading.CacheLoad` the decode
 runner consumes). It is the consumer half; the bytes come from a transport (:mod:`lynxkv.stream.transport`, picked
 by URL scheme), which owns the pumps, the range reads and the link. Threads and their roles:
 
 - the transport's *pump* per segment moves ordered blocks (ranged reads with several requests in flight for
-  storage URLs, or a TCP connection) through the shared emulated link into a bounded :class:`StreamBuffer`;
+  storage URLs) through the shared emulated link into a bounded :class:`StreamBuffer`;
 - one *parser* per segment walks the segment with the one page reader (:class:`~lynxkv.format.reader.PageReader`):
   header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and decoded;
   a page whose checksum fails is never handed on;
