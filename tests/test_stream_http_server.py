@@ -198,6 +198,7 @@ def _best_of(attempts: int, load_once) -> "LoadTimeline":
     return best
 
 
+@pytest.mark.timing
 def test_anchor_first_under_the_servers_own_rate_limit(big):
     path, anchor, residual = big
     with CacheServer(load_served_cache(path), bandwidth=25e6) as srv:  # 200 Mbit/s
@@ -213,6 +214,7 @@ def test_anchor_first_under_the_servers_own_rate_limit(big):
     assert tl.residual_ready_s >= 0.9 * total  # the rate held
 
 
+@pytest.mark.timing
 def test_anchor_first_on_an_emulated_200_mbit_link(big):
     path, _, _ = big
     with CacheServer(load_served_cache(path)) as srv:
@@ -236,6 +238,7 @@ def _victim_seconds(srv: CacheServer) -> float:
     return time.perf_counter() - t0
 
 
+@pytest.mark.timing
 def test_an_idle_anchor_reader_does_not_starve_others(big):
     """A client that asks for the anchor and never reads holds no share of the paced link: another client's
     whole transfer takes about as long as alone (generous bound: < 1.5x; starved it would take until the idle
