@@ -122,3 +122,14 @@ def test_every_module_imports_on_its_own():
     proc = subprocess.run([sys.executable, "-c", code, *[m for m in order if m not in skip]],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists packages explicitly (for the kernels mapping): a new subpackage must be listed, or a
+    built wheel silently leaves it out while an editable install still finds it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "lynxkv").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's package list: {sorted(found - listed)}"
