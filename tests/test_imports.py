@@ -122,3 +122,13 @@ def test_every_module_imports_on_its_own():
     proc = subprocess.run([sys.executable, "-c", code, *[m for m in order if m not in skip]],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_two_modules_share_a_file_name():
+    """One meaning per name: ``report.py`` in two packages reads as one concept; ``__init__.py`` excepted."""
+    seen: dict[str, list[str]] = {}
+    for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "kernels").rglob("*.py")]:
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT.parent)))
+    twice = {n: ps for n, ps in seen.items() if len(ps) > 1}
+    assert not twice, f"file names used twice: {twice}"

@@ -47,7 +47,7 @@ def stream(
     """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.received import ReceivedCopy
-    from lynxkv.stream.report import transfer_report
+    from lynxkv.stream.summary import transfer_report
     from lynxkv.stream.units import format_rate
 
     saver = ReceivedCopy(output, residual_out, force=force) if output else None
