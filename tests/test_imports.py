@@ -85,8 +85,22 @@ def test_the_cycle_check_finds_a_cycle():
     ("lynxkv.storage", "lynxkv.hf"),  # storage knows nothing of models, formats or the CLI
     ("lynxkv.storage", "lynxkv.format"),
     ("lynxkv.storage", "lynxkv.cache"),
+    ("lynxkv.format", "lynxkv.hf"),
+    ("lynxkv.quant", "lynxkv.format"),  # the quantizer works on tensors: no bytes, files or models
+    ("lynxkv.quant", "lynxkv.storage"),
+    ("lynxkv.quant", "lynxkv.cache"),
+    ("lynxkv.quant", "lynxkv.hf"),
+    ("lynxkv.storage", "lynxkv.quant"),
     ("lynxkv.cache", "lynxkv.stream"),
+    ("lynxkv.cache", "lynxkv.hf"),
     ("lynxkv.stream", "lynxkv.hf"),
+    ("lynxkv.stream", "lynxkv.speculative"),  # the runner sits above the transports, not beside them
+    ("lynxkv.speculative", "lynxkv.stream"),  # it consumes a lynxkv.loading.CacheLoad, whichever transport
+    ("lynxkv.hf", "lynxkv.speculative"),
+    ("lynxkv.hf", "lynxkv.stream"),
+    ("lynxkv.speculative", "lynxkv.eval"),  # evaluation sits on top of the library, not inside it
+    ("lynxkv.stream", "lynxkv.eval"),
+    ("lynxkv.cache", "lynxkv.eval"),
     ("lynxkv", "lynxkv.cli"),  # nothing in the library imports the CLI
 ])
 def test_imports_point_down(low, high):
