@@ -19,9 +19,10 @@ $(BIN)/lynxkv: pyproject.toml
 demo: $(BIN)/lynxkv
 	$(BIN)/lynxkv demo
 
-## The whole test suite (what CI runs).
+## The whole test suite (what CI runs): two workers, then the tests that measure rates, alone on the machine.
 test: $(BIN)/lynxkv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 -m "not timing"
+	$(BIN)/python -m pytest -q -p no:xdist -m timing
 
 ## Unit tests only (skips the ones that load the real model).
 test-fast: $(BIN)/lynxkv

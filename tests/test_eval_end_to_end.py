@@ -102,7 +102,8 @@ def test_cli_json_and_plots_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     assert c["lynx-default-anchor"]["bits"] < c["lynx-default"]["bits"]
     assert len(c["bf16"]["k_vnmse_layers"]) == 2
     assert c["fp32"]["ppl_delta"] == pytest.approx(0.0, abs=1e-9) and "ppl_delta" in c["int4-tensor"]
-    for name in ("prefix_curve_80.png", "error_vs_bits_120.png"):
+    assert c["fp32"]["agree_sem"] == 0.0 and c["int4-tensor"]["kl_sem"] >= 0.0
+    for name in ("prefix_curve_80.png", "error_vs_bits_120.png", "quality_vs_bits_80.png", "quality_vs_bits_120.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -151,6 +152,24 @@ def test_cli_on_user_text(tiny_dir, tmp_path, capsys):
     assert block["prompt_tokens"] == [100] * 4  # 492 // (100 + 20) pieces
     assert run_cli(["eval", "--model", tiny_dir, "--text", str(text), "--tokens", "600"]) == 1
     assert "fewer than one prompt" in capsys.readouterr().err
+
+
+def test_stdlib_corpus_is_held_out_from_the_builtin_prompts(tiny_dir, capsys):
+    from lynxkv.eval.cases import stdlib_text
+    from lynxkv.hf.prompts import document
+
+    text = stdlib_text()
+    assert "def " in text and "import " in text and len(text) > 300_000
+    assert document(0, min_chars=2000)[:200] not in text  # the choosing corpus is not in the reporting one
+    rc = run_cli(["eval", "--model", tiny_dir, "--corpus", "stdlib", "--tokens", "100", "--prompts", "3",
+                  "--window", "4", "--heldout", "8", "--schemes", "fp32,int4-tensor", "--json"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["corpus"] == "held-out stdlib source"
+    assert result["lengths"][0]["prompt_tokens"] == [100] * 3
+    assert run_cli(["eval", "--model", tiny_dir, "--corpus", "manpages"]) == 1
+    assert "--corpus: expected builtin or stdlib" in capsys.readouterr().err
 
 
 def test_heldout_text_continues_the_document_after_the_prompt():

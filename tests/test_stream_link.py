@@ -52,6 +52,7 @@ def _send_all(link, stream, total, block, done):
     done[stream] = link.now()
 
 
+@pytest.mark.timing
 def test_strict_priority_and_shared_rate():
     """Both streams start together: the residual only gets the link after the anchor's last byte, and the two
     together move at the configured rate (one bucket, not one each)."""

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from fixtures_s3 import synthetic_cache_bytes, write_pair
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network, pytest.mark.timing]
 
 RATE_BITS = 20e6
 

@@ -78,6 +78,7 @@ def test_memory_tier_and_residual_override(cache_dir):
         assert load.residual_url == "memory://cold/elsewhere.lynxr"
 
 
+@pytest.mark.timing
 def test_one_gbps_link_anchor_first_and_measured_rate(tmp_path):
     """A 4+4 cache of about 40 MB under an emulated 1 Gbit/s link (2 ms latency): the anchor is complete at
     <= 0.6 x the residual-ready time and both streams together run within 10 % of the configured rate."""

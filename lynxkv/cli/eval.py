@@ -39,6 +39,11 @@ def eval_command(
     model: str = typer.Option(None, "--model", help="HF model name/path or .gguf file (default: offline SmolLM2)."),
     kv: str = typer.Option(None, "--kv", help="Safetensors KV dump instead of a model (KV-only metrics)."),
     text: str = typer.Option(None, "--text", help="UTF-8 text file to cut prompts from instead of built-in text."),
+    corpus: str = typer.Option(
+        "builtin", "--corpus",
+        help="Where prompts come from: builtin (pydoc topics, the text schemes are chosen on) or stdlib (Python "
+        "standard-library source, held out for reporting). --text FILE overrides both.",
+    ),
     tokens: str = typer.Option("1000", "--tokens", help="Context lengths in tokens, comma-separated."),
     prompts: int = typer.Option(4, "--prompts", min=1, help="Built-in prompts per length."),
     prompt_offset: int = typer.Option(
@@ -81,8 +86,14 @@ def eval_command(
 
             from lynxkv.hf.models import load_model
 
+            from lynxkv.eval.cases import stdlib_text
+
             lengths = _lengths(tokens)
-            user_text = _read_text(text) if text else None
+            if corpus not in ("builtin", "stdlib"):
+                raise InputError(f"--corpus: expected builtin or stdlib, got {corpus!r}")
+            user_text = _read_text(text) if text else (stdlib_text() if corpus == "stdlib" else None)
+            corpus_name = (f"text from {text}" if text else
+                           "held-out stdlib source" if corpus == "stdlib" else "built-in pydoc prompts")
             err.print(f"loading model {model or 'smollm2 (offline default)'} ...")
             loaded = load_model(model, dtype=torch.float32)
             if loaded.tokenizer is None:
@@ -91,6 +102,7 @@ def eval_command(
                 loaded, codecs, lengths=lengths, prompts=prompts, window=window, heldout=heldout,
                 prompt_offset=prompt_offset, text=user_text, progress=progress,
             )
+            result["corpus"] = corpus_name
     if plot_dir:
         result["plots"] = report.plot(result, plot_dir)
         err.print(f"wrote {len(result['plots'])} plot(s) to {plot_dir}")

@@ -39,6 +39,28 @@ def builtin_case(tokenizer, tokens: int, start: int, heldout: int) -> tuple[torc
 
 Case = tuple[torch.Tensor, "torch.Tensor | None"]  # (prompt ids [T], held-out ids [N] or None)
 
+#: Modules of CPython's standard library whose source is the held-out reporting corpus (``--corpus stdlib``):
+#: code, not the English documentation the built-in prompts (the choosing corpus) are cut from.
+STDLIB_MODULES = ("argparse", "inspect", "typing", "dataclasses", "functools", "pathlib", "subprocess", "tarfile",
+                  "zipfile", "email/message", "json/decoder", "asyncio/base_events")
+
+
+def stdlib_text() -> str:
+    """The held-out corpus: the source of :data:`STDLIB_MODULES`, concatenated in that order (several hundred
+    thousand tokens; read from this interpreter's standard library)."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for name in STDLIB_MODULES:
+        path = root / f"{name}.py"
+        try:
+            parts.append(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise InputError(f"--corpus stdlib: cannot read {path} ({exc}); give --text FILE instead") from None
+    return "\n\n".join(parts)
+
 
 def text_cases(tokenizer, text: str, tokens: int, count: int, heldout: int) -> list[Case]:
     """Up to ``count`` (prompt ids ``[tokens]``, held-out ids ``[heldout]``) pairs cut one after the other from a

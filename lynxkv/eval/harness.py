@@ -114,9 +114,11 @@ def summarize(per_prompt: list[dict], codecs: list, window: int) -> dict:
             vals = [r[key] for r in rows if key in r]
             if vals:
                 s[key] = _mean(vals)
-        for key in ("agree", "kl"):  # per prompt, for paired comparisons between codecs
+        for key in ("agree", "kl"):  # per prompt, for paired comparisons between codecs, and the spread
             if rows and key in rows[0]:
-                s[f"{key}_prompts"] = [r[key] for r in rows]
+                vals = [r[key] for r in rows]
+                s[f"{key}_prompts"] = vals
+                s[f"{key}_sem"] = metrics.mean_std(vals)[1] / math.sqrt(len(vals))
         for key in ("k_vnmse_layers", "v_vnmse_layers"):
             if rows and key in rows[0]:
                 s[key] = [_mean(list(col)) for col in zip(*(r[key] for r in rows))]

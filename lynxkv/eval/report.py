@@ -27,6 +27,8 @@ def _cell(summary: dict, key: str, fmt: str | None) -> str:
     value = summary.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if summary.get("prompts", 0) > 1 and f"{key}_sem" in summary:  # mean ± s.e.m. over prompts
+        return f"{fmt.format(value)} ± {fmt.format(summary[key + '_sem'])}"
     return fmt.format(value)
 
 
@@ -41,9 +43,10 @@ def _title(result: dict, block: dict) -> str:
     sizes = block["prompt_tokens"]
     if result["kind"] == "kv":
         return f"{result.get('source')}: {sizes[0]} tokens (KV-only)"
+    corpus = f" of {result['corpus']}" if result.get("corpus") else ""
     return (
-        f"{result['model']}: ~{block['tokens']} tokens, {len(sizes)} prompt(s) of {min(sizes)}-{max(sizes)} tokens, "
-        f"window W={result['window']}"
+        f"{result['model']}: ~{block['tokens']} tokens, {len(sizes)} prompt(s){corpus} of {min(sizes)}-{max(sizes)} "
+        f"tokens, window W={result['window']}"
     )
 
 
@@ -77,8 +80,10 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, directory: str) -> list[str]:
-    """Write ``prefix_curve_<tokens>.png`` (P(accepted ≥ k) per codec) and ``error_vs_bits_<tokens>.png``
-    (K and V vNMSE against bits per element, log scale) for every length; returns the paths."""
+    """Write, for every length, ``quality_vs_bits_<tokens>.png`` (the quality frontier that matters for Lynx:
+    draft agreement, next-token KL and accepted prefix against bits per element, mean ± s.e.m. over prompts,
+    every codec labelled), ``prefix_curve_<tokens>.png`` (P(accepted ≥ k) per codec) and
+    ``error_vs_bits_<tokens>.png`` (K and V vNMSE against bits, log scale); returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,6 +94,26 @@ def plot(result: dict, directory: str) -> list[str]:
     for block in result["lengths"]:
         tokens = block["tokens"]
         codecs = block["codecs"]
+        drafted = {n: s for n, s in codecs.items() if "agree" in s and "prefix_mean" in s}
+        if drafted:
+            fig, axes = plt.subplots(1, 3, figsize=(16, 5.5))
+            panels = (("agree", "agree_sem", "top-1 draft agreement", False),
+                      ("kl", "kl_sem", "next-token KL (log)", True),
+                      ("prefix_mean", "prefix_sem", f"accepted prefix of W = {result.get('window')}", False))
+            for ax, (key, sem, label, log) in zip(axes, panels):
+                for i, (name, s) in enumerate(drafted.items()):
+                    ax.errorbar(s["bits"], s[key], yerr=s.get(sem, 0.0), fmt="os^vD"[i // 10 % 5], capsize=2,
+                                label=name)
+                    ax.annotate(name, (s["bits"], s[key]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+                if log:
+                    ax.set_yscale("log")
+                ax.set_xlabel("bits per element (with metadata)")
+                ax.set_ylabel(label)
+                ax.grid(alpha=0.3)
+            axes[0].legend(fontsize=7, ncol=2)
+            fig.suptitle(f"Draft quality against bits, ~{tokens} tokens, {len(block['prompt_tokens'])} prompt(s)"
+                         f"{' of ' + result['corpus'] if result.get('corpus') else ''}")
+            paths.append(_save(fig, directory, f"quality_vs_bits_{tokens}.png"))
         curves = {n: s["prefix_curve"] for n, s in codecs.items() if "prefix_curve" in s}
         if curves:
             fig, ax = plt.subplots(figsize=(8, 5))
