@@ -10,10 +10,7 @@ import typer
 from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json, read_text
 from lynxkv.errors import InputError
-
-
-def _s(x: float | None, unit: str = "s") -> str:
-    return "-" if x is None else (f"{x * 1e3:.1f} ms" if unit == "ms" else f"{x:.3f} s")
+from lynxkv.stream.units import format_seconds as _s
 
 
 class _Printer:
