@@ -120,7 +120,7 @@ def serve(
     idle_timeout: float = typer.Option(30.0, "--idle-timeout", min=0.1, help="Seconds before an idle "
                                        "connection, or a client that stops reading, is dropped."),
     once: bool = typer.Option(False, "--once", help="Exit after every byte of the cache has been sent once."),
-    as_json: bool = typer.Option(False, "--json", help="Print the address and resources as one JSON line."),
+    as_json: bool = typer.Option(False, "--json", help="Print the address and the resources as JSON on stdout."),
 ) -> None:
     """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests."""
     from lynxkv.stream.http_server import CacheServer, load_served_cache, parse_dscp

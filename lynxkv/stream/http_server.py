@@ -176,7 +176,6 @@ class Egress:
         self._queues: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._idle = True
 
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues)
@@ -206,13 +205,14 @@ class Egress:
                 if item:
                     break
             if item is None:
-                self._idle = True
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             fut, n = item
-            wait = self._bucket.debit(n, loop.time(), restart=self._idle)
-            self._idle = False
+            # No restart after an empty queue: between two chunks of one response the queue is empty while the
+            # chunk is written, and restarting would charge that time again; the bucket's cap (a few ms of link
+            # time) already keeps an idle spell from turning into a burst.
+            wait = self._bucket.debit(n, loop.time())
             if wait > 0:
                 await asyncio.sleep(wait)
             if not fut.done():
@@ -413,7 +413,13 @@ class CacheServer:
                     if handler.transport is not None:
                         handler.transport.abort()
             if until is not None and until():
-                await asyncio.sleep(0.05)  # let the last response finish
+                # Stop only once every response has left this process: no request in progress and nothing in
+                # a transport's buffer (the kernel delivers what it holds after a graceful close).
+                t_end = time.monotonic() + self.idle_timeout
+                while time.monotonic() < t_end and any(
+                        st.active or (h.transport is not None and h.transport.get_write_buffer_size())
+                        for h, st in list(self._conns.items())):
+                    await asyncio.sleep(0.05)
                 self._stop.set()
                 return
 
