@@ -98,9 +98,6 @@ def test_the_cycle_check_finds_a_cycle():
     ("lynxkv.speculative", "lynxkv.stream"),  # it consumes a lynxkv.loading.CacheLoad, whichever transport
     ("lynxkv.hf", "lynxkv.speculative"),
     ("lynxkv.hf", "lynxkv.stream"),
-    ("lynxkv.speculative", "lynxkv.eval"),  # evaluation sits on top of the library, not inside it
-    ("lynxkv.stream", "lynxkv.eval"),
-    ("lynxkv.cache", "lynxkv.eval"),
     ("lynxkv", "lynxkv.cli"),  # nothing in the library imports the CLI
 ])
 def test_imports_point_down(low, high):
@@ -111,6 +108,18 @@ def test_imports_point_down(low, high):
         if within(m, low) and not within(m, high) and m != "lynxkv.__main__":
             bad = sorted(d for d in deps if within(d, high))
             assert not bad, f"{m} imports {bad}"
+
+
+@pytest.mark.parametrize("top, importers", [
+    ("lynxkv.eval", ("lynxkv.cli",)),  # evaluation sits on top of the library; only its command imports it
+    ("lynxkv.integrations", ()),  # optional extras, loaded by their hosts (LMCache), never by lynxkv itself
+])
+def test_top_layers_are_imported_from_above_only(top, importers):
+    for m, deps in GRAPH.items():
+        if m == top or m.startswith(top + ".") or any(m == i or m.startswith(i + ".") for i in importers):
+            continue
+        bad = sorted(d for d in deps if d == top or d.startswith(top + "."))
+        assert not bad, f"{m} imports {bad}"
 
 
 def test_every_module_imports_on_its_own():
