@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from lynxkv.cli.app import app
-from lynxkv.cli.console import err, escape, out, parse_dtype, print_json, progress_step, read_text
+from lynxkv.cli.console import err, escape, model_label, out, parse_dtype, print_json, progress_step, read_text
 from lynxkv.errors import InputError
 from lynxkv.storage import has_protocol
 from lynxkv.stream.units import format_bytes
@@ -69,8 +69,7 @@ def encode(
             info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd)
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
-        name = model or "SmolLM2-135M-Instruct (offline default)"
-        with progress_step(f"loading {name} ({dtype}), prefilling and encoding"):
+        with progress_step(f"loading {model_label(model)} ({dtype}), prefilling and encoding"):
             info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual_out,
                                 single_file=single_file, zstd=zstd, dtype=torch_dtype)
     if json:

@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from lynxkv.errors import InputError
 
-__all__ = ["err", "escape", "out", "parse_dtype", "print_json", "progress_step", "read_text"]
+__all__ = ["err", "escape", "model_label", "out", "parse_dtype", "print_json", "progress_step", "read_text"]
 
 _UNLIMITED = 1 << 16  # columns for output that is not a terminal: as wide as the content needs
 
@@ -85,3 +85,8 @@ def parse_dtype(name: str):
     if name not in TORCH_DTYPES:
         raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {name!r}")
     return TORCH_DTYPES[name]
+
+
+def model_label(model: str | None) -> str:
+    """How a progress line names the model ``--model`` chose (``None``: the offline default)."""
+    return model or "SmolLM2-135M-Instruct (offline default)"

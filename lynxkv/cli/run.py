@@ -147,7 +147,7 @@ def run(
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
 
-    from lynxkv.cli.console import parse_dtype, progress_step
+    from lynxkv.cli.console import model_label, parse_dtype, progress_step
     from lynxkv.hf import continuation_ids
     from lynxkv.cache import open_cache
     from lynxkv.hf.models import load_model, model_for_cache
@@ -166,7 +166,7 @@ def run(
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
         model = model_for_cache(c.info.properties, model)
-    with progress_step(f"loading model {model or 'SmolLM2-135M-Instruct (offline default)'} ({dtype})"):
+    with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
