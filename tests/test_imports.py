@@ -155,3 +155,14 @@ def test_no_two_modules_share_a_file_name():
             seen.setdefault(p.name, []).append(str(p.relative_to(ROOT.parent)))
     twice = {n: ps for n, ps in seen.items() if len(ps) > 1}
     assert not twice, f"file names used twice: {twice}"
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists packages explicitly (for the kernels mapping): a new subpackage must be listed, or a
+    built wheel silently leaves it out while an editable install still finds it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "lynxkv").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's package list: {sorted(found - listed)}"
