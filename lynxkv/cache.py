@@ -36,7 +36,8 @@ from lynxkv.format.writer import build_files
 from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
 from lynxkv.quant import EncodedTensor, dequantize, quantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
-from lynxkv.storage import exists, open_source, record_location, remove, resolve_location, same_object, write_atomic
+from lynxkv.storage import (exists, has_protocol, open_source, record_location, remove, resolve_location, same_object,
+                            write_atomic)
 
 
 @dataclass
@@ -307,8 +308,9 @@ class LynxCache:
         d["scheme_description"] = self.info.scheme.describe()
         if check_residual is None:
             loc = self.info.residual_location
-            check_residual = (self._residual_arg is None and (loc is None or "://" not in loc and not loc.startswith("/")
-                                                              and not self.name.startswith("<") and "://" not in self.name))
+            check_residual = (self._residual_arg is None
+                              and (loc is None or not has_protocol(loc) and not loc.startswith("/")
+                                   and not self.name.startswith("<") and not has_protocol(self.name)))
         d["residual_reachable"] = self.residual_reachable() if check_residual else None
         if not d.get("prompt_token_ids"):
             d.pop("prompt_token_ids", None)
@@ -434,7 +436,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
 def residual_file_of(path: str) -> str | None:
     """The residual file of the two-file cache now at ``path``, if there is one a writer replacing the cache may
     delete afterwards: its recorded location is inside the anchor's directory (the trust rule), a local file."""
-    if "://" in path or not os.path.isfile(path):
+    if has_protocol(path) or not os.path.isfile(path):
         return None
     try:
         with open_cache(path) as old:
@@ -449,7 +451,7 @@ def _orphan_residuals(rpath: str) -> list[str]:
     anchor was renamed left behind; local files only."""
     import re
 
-    if "://" in rpath or not rpath.endswith(c.RESIDUAL_SUFFIX):
+    if has_protocol(rpath) or not rpath.endswith(c.RESIDUAL_SUFFIX):
         return []
     d, base = os.path.split(os.path.abspath(rpath))
     stem = base[:-len(c.RESIDUAL_SUFFIX)]

@@ -33,7 +33,7 @@ from lynxkv.kv import KVPairs
 
 
 NAME_STYLES = ("layers", "past_key_values")
-_NAME = re.compile(r"^(layers|past_key_values)\.(\d+)\.(key|value)$")
+_NAME = re.compile(rf"^({'|'.join(NAME_STYLES)})\.(\d+)\.(key|value)$")
 MAX_LAYERS = 4096
 LAYOUT_KEY, HEADS_MAJOR = "lynxkv.layout", "kv_heads,tokens,head_dim"
 

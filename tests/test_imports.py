@@ -85,8 +85,19 @@ def test_the_cycle_check_finds_a_cycle():
     ("lynxkv.storage", "lynxkv.hf"),  # storage knows nothing of models, formats or the CLI
     ("lynxkv.storage", "lynxkv.format"),
     ("lynxkv.storage", "lynxkv.cache"),
+    ("lynxkv.format", "lynxkv.hf"),
+    ("lynxkv.quant", "lynxkv.format"),  # the quantizer works on tensors: no bytes, files or models
+    ("lynxkv.quant", "lynxkv.storage"),
+    ("lynxkv.quant", "lynxkv.cache"),
+    ("lynxkv.quant", "lynxkv.hf"),
+    ("lynxkv.storage", "lynxkv.quant"),
     ("lynxkv.cache", "lynxkv.stream"),
+    ("lynxkv.cache", "lynxkv.hf"),
     ("lynxkv.stream", "lynxkv.hf"),
+    ("lynxkv.stream", "lynxkv.speculative"),  # the runner sits above the transports, not beside them
+    ("lynxkv.speculative", "lynxkv.stream"),  # it consumes a lynxkv.loading.CacheLoad, whichever transport
+    ("lynxkv.hf", "lynxkv.speculative"),
+    ("lynxkv.hf", "lynxkv.stream"),
     ("lynxkv", "lynxkv.cli"),  # nothing in the library imports the CLI
 ])
 def test_imports_point_down(low, high):
@@ -97,6 +108,18 @@ def test_imports_point_down(low, high):
         if within(m, low) and not within(m, high) and m != "lynxkv.__main__":
             bad = sorted(d for d in deps if within(d, high))
             assert not bad, f"{m} imports {bad}"
+
+
+@pytest.mark.parametrize("top, importers", [
+    ("lynxkv.eval", ("lynxkv.cli",)),  # evaluation sits on top of the library; only its command imports it
+    ("lynxkv.integrations", ()),  # optional extras, loaded by their hosts (LMCache), never by lynxkv itself
+])
+def test_top_layers_are_imported_from_above_only(top, importers):
+    for m, deps in GRAPH.items():
+        if m == top or m.startswith(top + ".") or any(m == i or m.startswith(i + ".") for i in importers):
+            continue
+        bad = sorted(d for d in deps if d == top or d.startswith(top + "."))
+        assert not bad, f"{m} imports {bad}"
 
 
 def test_every_module_imports_on_its_own():
@@ -122,6 +145,16 @@ def test_every_module_imports_on_its_own():
     proc = subprocess.run([sys.executable, "-c", code, *[m for m in order if m not in skip]],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_two_modules_share_a_file_name():
+    """One meaning per name: ``report.py`` in two packages reads as one concept; ``__init__.py`` excepted."""
+    seen: dict[str, list[str]] = {}
+    for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "kernels").rglob("*.py")]:
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT.parent)))
+    twice = {n: ps for n, ps in seen.items() if len(ps) > 1}
+    assert not twice, f"file names used twice: {twice}"
 
 
 def test_every_package_is_in_the_distribution():

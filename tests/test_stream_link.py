@@ -11,7 +11,7 @@ from lynxkv.errors import InputError
 from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.transport import RangeStream
-from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
+from lynxkv.stream.units import format_rate, format_seconds, parse_bandwidth, parse_duration
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -41,6 +41,12 @@ def test_parse_duration_rejects():
 def test_format_rate():
     assert format_rate(125e6) == "1.00 Gbit/s"
     assert format_rate(None) == "unlimited"
+
+
+def test_format_seconds():
+    assert format_seconds(1.5) == "1.500 s"
+    assert format_seconds(0.0123, "ms") == "12.3 ms"
+    assert format_seconds(None) == "-"
 
 
 def _send_all(link, stream, total, block, done):

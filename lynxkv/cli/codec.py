@@ -10,11 +10,11 @@ import typer
 from rich.table import Table
 
 from lynxkv.cli.app import app
-from lynxkv.cli.console import err, escape, out, print_json, progress_step, read_text
+from lynxkv.cli.console import err, escape, model_label, out, parse_dtype, print_json, progress_step, read_text
 from lynxkv.errors import InputError
+from lynxkv.storage import has_protocol
 from lynxkv.stream.units import format_bytes
 
-_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 ALLOW_HELP = ("Let the cache's recorded residual location lie under this prefix (a path or URL such as "
               "s3://bucket/; repeatable; also $LYNXKV_ALLOW_LOCATIONS, comma-separated). By default only a file "
               "inside the anchor's directory is followed.")
@@ -22,7 +22,7 @@ ALLOW_HELP = ("Let the cache's recorded residual location lie under this prefix 
 
 def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
     """Nothing already stored is replaced unless the user says so."""
-    if not force and "://" not in str(path) and os.path.exists(path):
+    if not force and not has_protocol(str(path)) and os.path.exists(path):
         raise InputError(f"{path} already exists; pass --force to replace it")
 
 
@@ -53,15 +53,12 @@ def encode(
     from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
-    from lynxkv.kv import TORCH_DTYPES
-
     sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
     if input is not None and model is not None:
         raise InputError("give either a KV dump file or --model, not both")
     if input is not None and prompt_file is not None:
         raise InputError("--prompt-file is the text to prefill with --model; a KV dump already holds its KV")
-    if dtype not in TORCH_DTYPES:
-        raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    torch_dtype = parse_dtype(dtype)
     refuse_overwrite(output, force)
     if residual_out is not None and single_file:
         raise InputError("--residual-out and --single-file exclude each other")
@@ -72,10 +69,9 @@ def encode(
             info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd)
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
-        name = model or "SmolLM2-135M-Instruct (offline default)"
-        with progress_step(f"loading {name} ({dtype}), prefilling and encoding"):
+        with progress_step(f"loading {model_label(model)} ({dtype}), prefilling and encoding"):
             info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual_out,
-                                single_file=single_file, zstd=zstd, dtype=TORCH_DTYPES[dtype])
+                                single_file=single_file, zstd=zstd, dtype=torch_dtype)
     if json:
         print_json(info.to_dict())
     else:
@@ -100,14 +96,13 @@ def decode(
     """Turn a .lynx cache back into tensors, with the names and shapes that went in."""
     from lynxkv.cache import open_cache
     from lynxkv.dumps import save_kv_safetensors
-    from lynxkv.kv import DTYPE_NAMES, TORCH_DTYPES
+    from lynxkv.kv import DTYPE_NAMES
 
-    if dtype is not None and dtype not in _DTYPE_CHOICES:
-        raise InputError(f"--dtype: expected one of {', '.join(_DTYPE_CHOICES)}, got {dtype!r}")
+    torch_dtype = parse_dtype(dtype) if dtype is not None else None
     refuse_overwrite(output, force)
     with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c, \
             progress_step(f"decoding {cache}"):
-        kv = c.load_kv(anchor_only=anchor_only, dtype=TORCH_DTYPES[dtype] if dtype else None)
+        kv = c.load_kv(anchor_only=anchor_only, dtype=torch_dtype)
         meta = {**c.info.properties, "lynxkv.cache_id": c.info.cache_id,  # the input's metadata comes back
                 "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
         save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)

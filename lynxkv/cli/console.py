@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from lynxkv.errors import InputError
 
-__all__ = ["err", "escape", "out", "print_json", "progress_step", "read_text"]
+__all__ = ["err", "escape", "model_label", "out", "parse_dtype", "print_json", "progress_step", "read_text"]
 
 _UNLIMITED = 1 << 16  # columns for output that is not a terminal: as wide as the content needs
 
@@ -76,3 +76,17 @@ def read_text(path: str | os.PathLike) -> str:
         raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def parse_dtype(name: str):
+    """The torch dtype a ``--dtype`` names (fp32, fp16 or bf16), or one clear error."""
+    from lynxkv.kv import TORCH_DTYPES
+
+    if name not in TORCH_DTYPES:
+        raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {name!r}")
+    return TORCH_DTYPES[name]
+
+
+def model_label(model: str | None) -> str:
+    """How a progress line names the model ``--model`` chose (``None``: the offline default)."""
+    return model or "SmolLM2-135M-Instruct (offline default)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from lynxkv.cli.app import app
-from lynxkv.cli.console import err, out, print_json
+from lynxkv.cli.console import err, model_label, out, print_json, read_text
 from lynxkv.errors import InputError
 
 
@@ -17,14 +17,6 @@ def _lengths(spec: str) -> list[int]:
     if not values or any(v < 2 for v in values):
         raise InputError(f"--tokens: expected lengths >= 2, got {spec!r}")
     return values
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"--text {path}: cannot read it as UTF-8 text ({exc})") from None
 
 
 HELP = (
@@ -91,10 +83,10 @@ def eval_command(
             lengths = _lengths(tokens)
             if corpus not in ("builtin", "stdlib"):
                 raise InputError(f"--corpus: expected builtin or stdlib, got {corpus!r}")
-            user_text = _read_text(text) if text else (stdlib_text() if corpus == "stdlib" else None)
+            user_text = read_text(text) if text else (stdlib_text() if corpus == "stdlib" else None)
             corpus_name = (f"text from {text}" if text else
                            "held-out stdlib source" if corpus == "stdlib" else "built-in pydoc prompts")
-            err.print(f"loading model {model or 'smollm2 (offline default)'} ...")
+            err.print(f"loading model {model_label(model)} ...")
             loaded = load_model(model, dtype=torch.float32)
             if loaded.tokenizer is None:
                 raise InputError(f"model {loaded.name!r} has no tokenizer; built-in prompts need one")

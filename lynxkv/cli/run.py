@@ -10,10 +10,7 @@ import typer
 from lynxkv.cli.app import app
 from lynxkv.cli.console import err, out, print_json, read_text
 from lynxkv.errors import InputError
-
-
-def _s(x: float | None, unit: str = "s") -> str:
-    return "-" if x is None else (f"{x * 1e3:.1f} ms" if unit == "ms" else f"{x:.3f} s")
+from lynxkv.stream.units import format_seconds as _s
 
 
 class _Printer:
@@ -150,19 +147,17 @@ def run(
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
 
-    from lynxkv.cli.console import progress_step
+    from lynxkv.cli.console import model_label, parse_dtype, progress_step
     from lynxkv.hf import continuation_ids
     from lynxkv.cache import open_cache
     from lynxkv.hf.models import load_model, model_for_cache
-    from lynxkv.kv import TORCH_DTYPES
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
-    if dtype not in TORCH_DTYPES:
-        raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    torch_dtype = parse_dtype(dtype)
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")
     if prompt_file is not None:
@@ -171,8 +166,8 @@ def run(
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
         model = model_for_cache(c.info.properties, model)
-    with progress_step(f"loading model {model or 'SmolLM2-135M-Instruct (offline default)'} ({dtype})"):
-        loaded = load_model(model, dtype=TORCH_DTYPES[dtype])
+    with progress_step(f"loading model {model_label(model)} ({dtype})"):
+        loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     eos = getattr(loaded.tokenizer, "eos_token_id", None)

@@ -14,10 +14,6 @@ from lynxkv.cli.console import err, out, print_json
 from lynxkv.errors import InputError
 
 
-def _fmt_s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f} s"
-
-
 def _progress():
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                                TransferSpeedColumn)
@@ -47,8 +43,8 @@ def stream(
     """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.received import ReceivedCopy
-    from lynxkv.stream.report import transfer_report
-    from lynxkv.stream.units import format_rate
+    from lynxkv.stream.summary import transfer_report
+    from lynxkv.stream.units import format_rate, format_seconds
 
     saver = ReceivedCopy(output, residual_out, force=force) if output else None
     load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
@@ -87,9 +83,9 @@ def stream(
     t = Table(title=f"lynxkv stream {source}", title_justify="left")
     for col in ("stream", "ready", "bytes", "rate"):
         t.add_column(col, justify="right" if col != "stream" else "left")
-    t.add_row("anchor", _fmt_s(report["anchor_ready_s"]), f"{report['anchor_bytes']:,}",
+    t.add_row("anchor", format_seconds(report["anchor_ready_s"]), f"{report['anchor_bytes']:,}",
               format_rate(report["anchor_rate"]) if report["anchor_rate"] else "-")
-    t.add_row("residual", _fmt_s(report["residual_ready_s"]) if failure is None else "FAILED",
+    t.add_row("residual", format_seconds(report["residual_ready_s"]) if failure is None else "FAILED",
               f"{report['residual_bytes']:,}", format_rate(report["residual_rate"]) if report["residual_rate"] else "-")
     t.add_row("total", "", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
               format_rate(report["total_rate"]) if report["total_rate"] else "-")
@@ -99,10 +95,10 @@ def stream(
         for col in ("format", "bytes", "time"):
             m.add_column(col, justify="right" if col != "format" else "left")
         for name, row in report["monolithic"].items():
-            m.add_row(name.upper(), f"{row['bytes']:,}", _fmt_s(row["seconds"]))
-        m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", _fmt_s(report["anchor_ready_s"]))
+            m.add_row(name.upper(), f"{row['bytes']:,}", format_seconds(row["seconds"]))
+        m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", format_seconds(report["anchor_ready_s"]))
         m.add_row("lynx full", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
-                  _fmt_s(report["residual_ready_s"]))
+                  format_seconds(report["residual_ready_s"]))
         out.print(m)
     if report.get("written"):
         err.print("wrote " + ", ".join(f"{k} {v}" for k, v in report["written"].items()), highlight=False)

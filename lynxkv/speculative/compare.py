@@ -24,8 +24,6 @@ from lynxkv.loading import PreparedLoad
 from lynxkv.speculative.simulated import bf16_bytes, round_bf16, transfer_time
 from lynxkv.speculative.runner import RunConfig, RunResult, run
 
-BASELINES = ("monolithic-bf16", "monolithic-full", "anchor-only")
-
 
 def run_baselines(
     model,

@@ -63,6 +63,17 @@ def _check_characters(location: str, what: str) -> None:
                          f"pass --residual to name the {what} explicitly")
 
 
+def _beside(anchor: str, location: str) -> tuple[str, str, bool]:
+    """``location`` joined to the directory of ``anchor`` and normalised, that directory (a URL's ends in ``/``),
+    and whether the two are remote (a URL) rather than local paths."""
+    if has_protocol(anchor) and not is_local(anchor):
+        proto, rest = anchor.split("://", 1)
+        base = posixpath.dirname(rest)
+        return f"{proto}://{posixpath.normpath(posixpath.join(base, location))}", f"{proto}://{base}/", True
+    base = os.path.dirname(os.path.abspath(local_path(anchor)))
+    return os.path.normpath(os.path.join(base, location)), base, False
+
+
 def resolve_location(anchor: str | None, location: str, *, allow=(), what: str = "residual") -> str:
     """Where a segment recorded as ``location`` in the anchor at ``anchor`` (a path or URL; ``None`` or a
     ``<...>`` name when the anchor came from memory) lives -- and whether the reader may go there.
@@ -88,14 +99,10 @@ def resolve_location(anchor: str | None, location: str, *, allow=(), what: str =
     if anchor is None or anchor.startswith("<"):
         raise InputError(f"the anchor records its {what} at the relative location {location!r}, but the anchor "
                          f"was not read from a file; pass the {what} explicitly")
-    if has_protocol(anchor) and not is_local(anchor):
-        proto, rest = anchor.split("://", 1)
-        base = posixpath.dirname(rest)
-        target = f"{proto}://{posixpath.normpath(posixpath.join(base, location))}"
-        inside = _under(_normal(target), _normal(f"{proto}://{base}/"))
+    target, base, remote = _beside(anchor, location)
+    if remote:
+        inside = _under(_normal(target), _normal(base))
     else:
-        base = os.path.dirname(os.path.abspath(local_path(anchor)))
-        target = os.path.normpath(os.path.join(base, location))
         inside = _under(target, base) and _under(os.path.realpath(target), os.path.realpath(base))
     if not inside and not _is_allowed(target, allow):
         raise InputError(f"the anchor records its {what} at {location!r}, which leads outside the anchor's "
@@ -112,14 +119,10 @@ def write_target(dest_anchor: str, location: str, *, what: str = "residual") -> 
     if has_protocol(location) or location.startswith("/"):
         raise InputError(f"the anchor records its {what} at the absolute location {location}; say where to write "
                          f"the copy with --residual-out")
-    if has_protocol(dest_anchor) and not is_local(dest_anchor):
-        proto, rest = dest_anchor.split("://", 1)
-        base = posixpath.dirname(rest)
-        target = f"{proto}://{posixpath.normpath(posixpath.join(base, location))}"
-        inside = _under(_normal(target), _normal(f"{proto}://{base}/"))
+    target, base, remote = _beside(dest_anchor, location)
+    if remote:
+        inside = _under(_normal(target), _normal(base))
     else:
-        base = os.path.dirname(os.path.abspath(local_path(dest_anchor)))
-        target = os.path.normpath(os.path.join(base, location))
         inside = _under(target, base) and not os.path.islink(target)
     if not inside:
         raise InputError(f"the anchor records its {what} at {location!r}, which leads outside the directory of "

@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 ANCHOR, RESIDUAL = 0, 1
-STREAM_NAMES = ("anchor", "residual")
 
 
 @dataclass

@@ -75,3 +75,10 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def format_seconds(x: float | None, unit: str = "s") -> str:
+    """1.5 -> ``"1.500 s"`` (``unit="ms"``: ``"1500.0 ms"``); ``"-"`` for a time that never came."""
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if unit == "ms" else f"{x:.3f} s"
