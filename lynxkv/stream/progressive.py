@@ -431,11 +431,20 @@ class ProgressiveLoad:
         out = self._kv_out[0 if rrec is None else 1][layer]
         for i, which in enumerate(("key", "value")):
             anchor = getattr(arec, f"{which}_anchor")  # uint8 [H, n, D]
+            sinks = getattr(arec, f"{which}_sinks")  # uint8 [H, S, D] on a page 0 with sink tokens, else None
+            if rrec is not None:
+                residual = getattr(rrec, f"{which}_residual")
+            else:
+                residual = torch.zeros_like(anchor)
+                if sinks is not None:
+                    residual[:, :sinks.shape[1]] = sinks
             enc = EncodedTensor(
                 anchor=anchor,
-                residual=getattr(rrec, f"{which}_residual") if rrec is not None else torch.zeros_like(anchor),
-                offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D]
+                residual=residual,
+                offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D], or [H, n, D/C] for values per channel
                 scale=getattr(arec, f"{which}_scale"),
+                axis=s.axis(which),
+                sinks=0 if sinks is None else sinks.shape[1],
             )
             # straight into the layer's tensor; residual pages arrive while a model drafts: one worker thread
             dequantize(enc, s, anchor_only=rrec is None, out=out[i][:, t0:t0 + n], threads=None if rrec is None else 1)
