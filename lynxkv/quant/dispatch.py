@@ -1,7 +1,8 @@
 """The quantizer entry: one place that chooses the implementation, by device and scheme.
 
 - CUDA tensors stay on the GPU: the Triton kernels where they support the scheme (:mod:`lynxkv.kernels`:
-  the linear compander; decoding needs the 4+4 split and packed codes), else the torch reference on the GPU.
+  encoding: the linear compander, along tokens (values per channel as their transpose); decoding: any 4+4
+  scheme through the reference's level table, sink tokens included), else the torch reference on the GPU.
 - CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) when numba imports, else the
   reference.
 
@@ -57,6 +58,16 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
     ``enc.sinks`` leading tokens); into ``out`` when given (a preallocated tensor of that shape, e.g. a slice of a
     whole cache, written in place). ``threads`` caps the CPU worker threads (e.g. 1 beside a model that is
     decoding)."""
+    if enc.anchor.is_cuda and _triton() is not None and _triton()[1].supports(scheme) and fast.packable(scheme,
+                                                                                                     enc.shape[2]):
+        y = out if out is not None else torch.empty(enc.shape, dtype=dtype, device=enc.anchor.device)
+        if y.stride(-1) == 1 and y.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a, r = pack.pack_bits(enc.anchor, 4), pack.pack_bits(enc.residual, 4)
+            _triton()[1].decode(a.view(1, -1), r.view(1, -1), enc.offset.contiguous().unsqueeze(0),
+                                enc.scale.contiguous().unsqueeze(0), scheme, y.unsqueeze(0),
+                                kind="value" if enc.axis == "channel" else "key", anchor_only=anchor_only,
+                                sinks=enc.sinks)
+            return y
     if not (_fast_cpu(enc.anchor) and (out is None or out.device.type == "cpu")):
         res = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype)
         return res if out is None else _into(out, res)
@@ -110,16 +121,14 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     h, t, d = shape
     dtype = dtype if out is None else out.dtype
     axis = scheme.axis(kind)
-    if axis == "channel":
-        pass  # the fused paths group along tokens: unpack, then dequantize
-    elif anchor.is_cuda:
+    if anchor.is_cuda:
         kernels = _triton()
         if kernels is not None and kernels[1].supports(scheme) and fast.packable(scheme, d):
             y = out if out is not None else torch.empty(shape, dtype=dtype, device=anchor.device)
             kernels[1].decode(anchor.reshape(1, -1), None if residual is None else residual.reshape(1, -1),
-                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0))
+                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0), kind=kind)
             return y
-    elif _fast_cpu(anchor) and fast.packable(scheme, d):
+    elif axis == "token" and _fast_cpu(anchor) and fast.packable(scheme, d):  # the fused CPU path: along tokens
         return fast.dequantize_packed(anchor, residual, offset, scale, shape, scheme, dtype=dtype, out=out,
                                       threads=threads)
     n = h * t * d
