@@ -293,8 +293,9 @@ class PageReader:
 
     def pages(self, kind: int, *, decode: bool = True) -> Iterator[tuple[int, int, PageEntry, object]]:
         """Every page of segment ``kind`` in file order (layer-major): ``(layer, page, entry, record)``, the CRC
-        checked before it is yielded (``record`` is None with ``decode=False``: checked and decompressed only).
-        A streaming source is told after each page that the bytes before its end are no longer needed."""
+        checked before it is yielded (with ``decode=False`` the record is the raw record: checked and decompressed
+        only, for :func:`records.dequantize_records`). A streaming source is told after each page that the bytes
+        before its end are no longer needed."""
         src, index = self.source(kind), self.index(kind)
         release = getattr(src, "release", None)
         for i, entry in enumerate(index.entries):
@@ -303,8 +304,7 @@ class PageReader:
             if decode:
                 rec = decode_page(stored, entry, self.header, kind, layer, page)
             else:
-                check_and_decompress(stored, entry, _where(index.name, layer, page))
-                rec = None
+                rec = check_and_decompress(stored, entry, _where(index.name, layer, page))
             if release is not None:
                 release(index.base + entry.offset + entry.stored_length, index.name)
             yield layer, page, entry, rec
