@@ -19,11 +19,6 @@ from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import BytesSource
 
 
-def chunk_cache_id(*parts: object) -> bytes:
-    """A 16-byte cache id derived from the object's key, so that the same chunk always gets the same id."""
-    return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=16).digest()
-
-
 def model_tag(model_name: str) -> str:
     """The 32-hex-digit fingerprint recorded for chunks of ``model_name``."""
     return hashlib.blake2b(model_name.encode(), digest_size=16).hexdigest()
