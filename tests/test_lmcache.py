@@ -221,12 +221,12 @@ def test_lmcache_server_runs_with_the_lynx_tier(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ lmcache:// reads
-def lmcache_keys(tokens: list[int]) -> list[ObjectKey]:
+def lmcache_keys(tokens: list[int], model: str = MODEL) -> list[ObjectKey]:
     """The keys `lmcache server` gives these tokens (its resolver and token hasher; one rank, group 0)."""
     from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
     from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
-    return resolve_object_keys(TokenHasher(), MODEL, 1, tokens, "")[0]
+    return resolve_object_keys(TokenHasher(), model, 1, tokens, "")[0]
 
 
 def prompt(n_tokens: int, seed: int = 5) -> list[int]:
@@ -243,9 +243,9 @@ def store_prompt(hot, cold, tokens: list[int]) -> list[ObjectKey]:
     return ks
 
 
-def url_of(hot, tokens, **params) -> str:
+def url_of(hot, tokens, model: str = MODEL, **params) -> str:
     query = "&".join(f"{k}={v}" for k, v in {"anchor_path": hot, **params}.items())
-    return f"lmcache://{MODEL}?{query}&tokens={','.join(map(str, tokens))}"
+    return f"lmcache://{model}?{query}&tokens={','.join(map(str, tokens))}"
 
 
 def stored_kv(hot, cold, ks, *, anchor_only=False):
@@ -367,3 +367,38 @@ def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
     with open_progressive(url_of(hot, prompt(512, seed=9), residual_path=cold)) as load:
         with pytest.raises(InputError, match="no stored prefix of these tokens"):
             load.wait_anchor(timeout=60)
+
+
+def test_lynxkv_run_drafts_on_a_stored_prefix_and_equals_full_code_decoding(tmp_path, capsys):
+    """An engine's KV of a prompt stored through the tier (model name = the model directory, as vLLM's --model);
+    `lynxkv run lmcache://...` continues the whole prompt: the stored prefix loads anchor first, the tokens after
+    it are prefilled on the anchor, and the output equals plain decoding on the full code."""
+    from conftest import make_tiny_llama
+    from runner_helpers import prompt_ids, save_tiny_model_dir
+
+    from lynxkv.hf import prefill
+    from lynxkv.speculative import decode_plain
+
+    model = make_tiny_llama(4, layers=SHAPE[1], head_dim=32)  # 2 KV heads x 32: the chunk shape of this file
+    model_dir = save_tiny_model_dir(model, tmp_path / "model")
+    ids = prompt_ids(4, 2 * 256 + 20)
+    kv, _ = prefill(model, torch.tensor(ids[:512]))  # what the engine computed for the two complete chunks
+    engine_chunks = [torch.stack([torch.stack([x[:, s:s + 256].permute(1, 0, 2).reshape(256, -1) for x in pair])
+                                  for pair in kv], 1) for s in (0, 256)]
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    ks = lmcache_keys(ids, model_dir)
+    tier = Tier(hot, cold)
+    try:
+        tier.store(ks, engine_chunks)
+    finally:
+        tier.close()
+    url = url_of(hot, ids, model_dir, residual_path=cold)
+    assert main(["run", url, "-n", "12", "--ignore-eos", "--bandwidth", "2MB/s", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    want = decode_plain(model, stored_kv(hot, cold, ks), ids[:512], 12, new_token_ids=ids[512:])
+    assert doc["token_ids"] == want and doc["verified"] is True
+    assert doc["prompt_token_ids"] == ids
+    s = doc["stats"]
+    assert s["anchor_ready_s"] < s["residual_ready_s"] and s["load"]["anchor_bytes"] > 0
+    assert main(["run", url, "--model", "org/another", "-n", "4"]) == 1  # the store's keys name another model
+    assert "made with model" in capsys.readouterr().err

@@ -11,9 +11,9 @@ from lynxkv.integrations.lmcache.chunk import (
     decode_chunk,
     encode_chunk,
     max_chunk_bytes,
-    model_tag,
     split_chunk,
 )
+from lynxkv.stream.lmcache_source import name_fingerprint
 
 
 def _chunk(layers=3, tokens=256, heads=2, dim=32, dtype=torch.float16, seed=0):
@@ -30,7 +30,7 @@ def test_chunk_round_trip_equals_the_full_code(dtype):
     assert verify_file(single) == []
     with open_cache(single) as c:
         assert (c.header.kv_heads, c.header.head_dim, c.header.tokens) == (2, 32, 256)
-        assert c.header.fingerprint == model_tag("org/tiny-llama")
+        assert c.header.fingerprint == name_fingerprint("org/tiny-llama")
         full = c.load_kv(dtype=dtype)
     out = decode_chunk(single, torch.empty_like(x))
     for i, (k, v) in enumerate(full):  # [H, T, D] -> the chunk's [T, H*D]

@@ -81,6 +81,17 @@ def key_cache_id(key) -> bytes:
     return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=16).digest()
 
 
+def name_fingerprint(model_name: str) -> str:
+    """The model fingerprint the ``lynx`` serde records in a chunk (32 hex digits). LMCache knows a model by its
+    name only, so this is a hash of the name, not of the weights (:func:`lynxkv.hf.models.model_fingerprint`): a
+    cache from an LMCache store identifies its model exactly as the store's keys do."""
+    return hashlib.blake2b(model_name.encode(), digest_size=16).hexdigest()
+
+
+def is_lmcache_source(source) -> bool:
+    return isinstance(source, str) and source.lower().startswith(SCHEME + "://")
+
+
 def _join(base: str, name: str) -> str:
     return posixpath.join(base, name) if "://" in base else os.path.join(base, name)
 
@@ -134,7 +145,7 @@ def _token_ids(text: str) -> tuple[int, ...]:
 def parse_address(url: str) -> StoreAddress:
     """``lmcache://MODEL?anchor_path=...&tokens=...`` -> a :class:`StoreAddress`; anything else is an InputError."""
     prefix = SCHEME + "://"
-    if not url.lower().startswith(prefix):
+    if not is_lmcache_source(url):
         raise InputError(f"not an lmcache URL: {url[:80]!r}")
     model_part, _, query = url[len(prefix):].partition("?")
     model = unquote(model_part)
