@@ -462,7 +462,6 @@ class ProgressiveLoad:
         drafts: they take one worker thread."""
         h = self.header
         s = h.scheme
-        segment = "anchor" if residuals is None else "residual"
 
         def joined(raws: list) -> tuple[bytes, list[int]]:
             at = [0]
@@ -475,7 +474,7 @@ class ProgressiveLoad:
         dequantize_records(anchor, anchor_at, residual, residual_at,
                            [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages], s, h.kv_heads,
                            h.head_dim, self._kv_out[0 if residuals is None else 1][layer],
-                           lambda i: f"{segment} layer {layer} page {pages[i]}", None if residuals is None else 1)
+                           lambda i: f"layer {layer} page {pages[i]}", None if residuals is None else 1)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
