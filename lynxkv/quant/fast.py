@@ -278,19 +278,20 @@ if numba is not None:
                     o[d] = _meta_get(offset, m + d)
                     s[d] = _meta_get(scale, m + d)
             else:
-                row = np.uint64(x0 + h * sh + t0 * st)
-                for d in range(D):
-                    v = _load(x, row + np.uint64(d))
-                    mx[d] = v
-                    mn[d] = v
-                    bad[d] = v - v  # NaN for inf or NaN, else 0
-                for t in range(t0 + 1, t1):
-                    row = np.uint64(x0 + h * sh + t * st)
-                    for d in range(D):
-                        v = _load(x, row + np.uint64(d))
-                        mx[d] = v if v > mx[d] else mx[d]
-                        mn[d] = v if v < mn[d] else mn[d]
-                        bad[d] += v - v
+                base = np.uint64(x0 + h * sh + t0 * st)
+                for d in range(D):  # channel by channel: the running max, min and check stay in registers
+                    v = _load(x, base + np.uint64(d))
+                    hi_v = v
+                    lo_v = v
+                    nonfinite = v - v  # NaN for inf or NaN, else 0
+                    for t in range(1, t1 - t0):
+                        v = _load(x, base + np.uint64(t * st + d))
+                        hi_v = v if v > hi_v else hi_v
+                        lo_v = v if v < lo_v else lo_v
+                        nonfinite += v - v
+                    mx[d] = hi_v
+                    mn[d] = lo_v
+                    bad[d] = nonfinite
                 for d in range(D):
                     if bad[d] != 0:
                         flags |= 1
