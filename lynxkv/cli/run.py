@@ -129,7 +129,7 @@ def compare_table(compare: dict, link_text: str):
 
 @app.command()
 def run(
-    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve)."),
+    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve, lmcache://MODEL?anchor_path=DIR&tokens=IDS for an LMCache store)."),
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
     dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
                               "cache is converted to it, whatever dtype it stores)."),
@@ -162,10 +162,11 @@ def run(
     from lynxkv.cli.console import model_label, parse_dtype, progress_step
     from lynxkv.hf import continuation_ids
     from lynxkv.cache import open_cache
-    from lynxkv.hf.models import load_model, model_for_cache
+    from lynxkv.hf.models import load_model, model_for_cache, model_id
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
+    from lynxkv.stream import lmcache_source
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
@@ -178,12 +179,20 @@ def run(
         prompt = read_text(prompt_file)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
-    with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
-        model = model_for_cache(c.info.properties, model)
+    store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
+    if store is not None:  # an LMCache store knows its model by name: the one its keys were made for
+        if prompt is not None:
+            raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
+        model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model)
+    else:
+        with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
+            model = model_for_cache(c.info.properties, model)
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
+    # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
+    fingerprint = lmcache_source.name_fingerprint(store.model) if store is not None else loaded.fingerprint
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
@@ -203,12 +212,15 @@ def run(
         if prompt is not None:  # the cached prompt's ids arrive with the anchor header
             load.wait_anchor()
             new = continuation_ids(loaded.tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt)
+        elif store is not None:  # the tokens after the stored prefix are prefilled on the anchor, as new text
+            load.wait_anchor()
+            new = list(store.tokens[len(load.prompt_token_ids or []):]) or None
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None
         for ev in sd.stream(loaded.model, load, cfg, new_token_ids=new,
                             provisional=printer is not None and printer.live is not None,
-                            fingerprint=loaded.fingerprint, started_at=started):
+                            fingerprint=fingerprint, started_at=started):
             if printer is not None:
                 printer.event(ev)
             if ev.kind == "commit":
@@ -230,7 +242,7 @@ def run(
         if compare:
             err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link"
                       + (f", every method {repeats} times ..." if repeats > 1 else " ..."))
-            cmp = compare_run(loaded.model, load, result, cfg, loaded.fingerprint, bandwidth=rate, latency=delay,
+            cmp = compare_run(loaded.model, load, result, cfg, fingerprint, bandwidth=rate, latency=delay,
                               new_token_ids=new, repeats=repeats, open_load=open_load)
             report["compare"] = cmp
             gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
