@@ -52,6 +52,7 @@ from lynxkv.format.records import (
     check_and_decompress,
     decode_anchor_records,
     decode_residual_records,
+    dequantize_records,
     residual_page,
 )
 
@@ -307,6 +308,43 @@ class PageReader:
             if release is not None:
                 release(index.base + entry.offset + entry.stored_length, index.name)
             yield layer, page, entry, rec
+
+    def layer_records(self, kind: int, layer: int) -> tuple[bytes, list[int]]:
+        """The raw records of one layer's pages (each CRC-32 checked, decompressed) in one buffer, and where each
+        starts in it. A layer's pages are contiguous in the file: without zstd this is one read, and the
+        records are checked in place."""
+        src, index = self.source(kind), self.index(kind)
+        entries = [index.entry(layer, p) for p in range(index.pages_per_layer)]
+        if not entries:
+            return b"", []
+        at, pos = [], entries[0].offset
+        for e in entries:
+            if e.offset != pos or e.codec != c.CODEC_NONE:
+                break
+            at.append(pos - entries[0].offset)
+            pos += e.stored_length
+        else:
+            data = _read_exact(src, index.base + entries[0].offset, pos - entries[0].offset, "page",
+                               _where(index.name, layer, 0))
+            view = memoryview(data)
+            for p, (e, a) in enumerate(zip(entries, at)):
+                check_and_decompress(view[a:a + e.stored_length], e, _where(index.name, layer, p))
+            return data, at
+        raws = [self.raw(kind, layer, p) for p in range(len(entries))]
+        at = [sum(len(r) for r in raws[:p]) for p in range(len(raws))]
+        return b"".join(raws), at
+
+    def dequantize_layer(self, layer: int, out: tuple[torch.Tensor, torch.Tensor], *, anchor_only: bool = False,
+                         threads: int | None = None) -> None:
+        """Dequantize one layer straight from its page records into ``out`` (keys, values; ``[H, T, D]`` each,
+        written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`)."""
+        h = self.header
+        s = h.scheme
+        anchor, anchor_at = self.layer_records(c.SEGMENT_ANCHOR, layer)
+        residual, residual_at = (None, None) if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer)
+        tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
+        dequantize_records(anchor, anchor_at, residual, residual_at, tokens, s, h.kv_heads, h.head_dim, out,
+                           lambda p: _where("anchor", layer, p), threads)
 
     def layer(self, kind: int, layer: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(metadata ``[4, H, T/C, D]`` or None for the residual, codes ``[2, H, T, D]``) of one layer: the full

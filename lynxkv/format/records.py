@@ -15,6 +15,7 @@ decoders are the only places where the format calls the quantizer's packing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,9 +23,8 @@ import torch
 
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import PageEntry, RecordLayout, crc32
-from lynxkv.quant import pack_bits, unpack_bits
-from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor
+from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, crc32, residual_record_layout
+from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize_pages, pack_bits, unpack_bits
 from lynxkv.quant.scheme import Scheme
 
 _META_NP = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
@@ -186,7 +186,7 @@ def decode_anchor_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_head
     m = m.astype(np_dtype.newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
     _check_metadata(m, where)
     meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
-    codes = _codes(buf, 4 * lay.meta_size, lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
+    codes = _codes(buf, record_parts(lay)["key_anchor"], lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
     codes = codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
     return meta.to(META_TORCH_DTYPE[scheme.meta_dtype]), codes
 
@@ -198,6 +198,58 @@ def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_he
     pages, n, H, D = buf.shape[0], lay.tokens, kv_heads, head_dim
     codes = _codes(buf, 0, lay, scheme.residual_bits, H * n * D, where, ("key_residual", "value_residual"))
     return codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
+
+
+def record_parts(lay: RecordLayout) -> dict[str, int]:
+    """Where each part of a raw record starts (bytes from the record's first byte), in record order."""
+    if lay.meta_arrays:
+        m, k = lay.meta_size, 4 * lay.meta_size
+        return {"key_offset": 0, "key_scale": m, "value_offset": 2 * m, "value_scale": 3 * m, "key_anchor": k,
+                "value_anchor": k + lay.codes_size}
+    return {"key_residual": 0, "value_residual": lay.codes_size}
+
+
+def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: Sequence[int] | None,
+                       tokens: Sequence[tuple[int, int]], scheme: Scheme, kv_heads: int, head_dim: int,
+                       out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
+                       threads: int | None = None) -> None:
+    """Dequantize raw (CRC-checked, decompressed) page records of one layer straight into its keys and values.
+
+    Page ``i`` holds tokens ``[t0, t0 + n)`` (``tokens[i]``); its anchor record starts at byte ``anchor_at[i]``
+    of ``anchor``, its residual record at ``residual_at[i]`` of ``residual`` (``None``: the anchor alone).
+    ``out`` is ``(keys, values)``, ``[H, T, D]`` each (any strides), written in place through the quantizer
+    entry (:func:`lynxkv.quant.dequantize_pages`: nothing is unpacked, permuted or concatenated first).
+    ``where(i)`` names page ``i`` in errors. The checks of :func:`decode_anchor_records` apply: the record
+    sizes, zero padding bits after the last code, finite offsets and scales, scales >= 0."""
+    segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
+    if residual is not None:
+        segments.append(("residual", residual, residual_at, scheme.residual_bits))
+    rows: tuple[list, list] = ([], [])
+    for i, (t0, n) in enumerate(tokens):
+        count = kv_heads * n * head_dim
+        parts = {}
+        for kind, buf, at, bits in segments:
+            lay = (anchor_record_layout if kind == "anchor" else residual_record_layout)(scheme, kv_heads, head_dim, n)
+            if at[i] + lay.raw_length > len(buf):
+                raise FormatError(f"`page.raw_length` {where(i)}: expected {lay.raw_length} bytes, got "
+                                  f"{len(buf) - at[i]}", field="page.raw_length", where=where(i))
+            here = {name: at[i] + off for name, off in record_parts(lay).items()}
+            pad = count * bits % 8
+            for name in ("key_" + kind, "value_" + kind) if pad else ():
+                if buf[here[name] + lay.codes_size - 1] >> pad:
+                    raise FormatError(f"`{name}` {where(i)}: padding bits after the last code must be zero",
+                                      field=name, where=where(i))
+            parts.update(here)
+        for j, which in enumerate(("key", "value")):
+            rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
+                            parts.get(f"{which}_residual", 0), t0, n))
+    for j in range(2):
+        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads):
+            for i, (t0, n) in enumerate(tokens):  # name the page and the field
+                meta = anchor_record_layout(scheme, kv_heads, head_dim, n).meta_size // scheme.meta_bytes
+                m = np.frombuffer(anchor, _META_NP[scheme.meta_dtype], 4 * meta, anchor_at[i])
+                _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta), where(i))
+            raise FormatError(f"`page` {where(0)}: metadata out of range", field="page", where=where(0))
 
 
 def anchor_page(meta: torch.Tensor, codes: torch.Tensor) -> AnchorPage:
