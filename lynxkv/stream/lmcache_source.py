@@ -181,11 +181,17 @@ def lmcache_available() -> bool:
 def chunk_keys(addr: StoreAddress) -> list:
     """The LMCache object keys of the complete chunks of ``addr.tokens``, in token order, for this rank and group:
     LMCache's own resolver (``resolve_object_keys``, ``TokenHasher``), as ``lmcache server`` computes them."""
+    level = os.environ.get("LMCACHE_LOG_LEVEL")
+    if level is None:  # LMCache's loggers take their level when first imported: its INFO lines are noise here
+        os.environ["LMCACHE_LOG_LEVEL"] = "WARNING"
     try:
         from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
         from lmcache.v1.multiprocess.token_hasher import TokenHasher
     except ImportError as exc:
         raise InputError(f"lmcache:// sources need LMCache: {EXTRA} ({exc})") from None
+    finally:
+        if level is None:
+            os.environ.pop("LMCACHE_LOG_LEVEL", None)
     try:
         hasher = TokenHasher(chunk_size=addr.chunk_size, hash_algorithm=addr.hash_algorithm)
         keys, _ = resolve_object_keys(hasher, addr.model, addr.world_size, list(addr.tokens), addr.salt)
