@@ -284,8 +284,15 @@ class LynxCache:
 
     def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
         """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
-        check_decoded_size(self.header, dtype or TORCH_DTYPES[self.header.dtype], anchor_only=anchor_only)
-        return self.load_encoded(anchor_only=anchor_only).dequantize(anchor_only=anchor_only, dtype=dtype)
+        h = self.header
+        dtype = dtype or TORCH_DTYPES[h.dtype]
+        check_decoded_size(h, dtype, anchor_only=anchor_only)
+        if not anchor_only:
+            self._residual()
+        shape = (h.kv_heads, h.tokens, h.head_dim)
+        kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
+        self._reader.dequantize_layers(kv, anchor_only=anchor_only)  # page records straight into the tensors
+        return kv
 
     def verify(self) -> list[Finding]:
         """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -81,39 +82,88 @@ def test_exact_cache_scores_perfectly_and_a_coarse_one_does_not(tiny_model):
     assert coarse["k_vnmse"] > 1e-3 and coarse["attn_err"] > 0 and coarse["kl"] > 1e-6
 
 
+def random_words(seed: int, count: int) -> str:
+    """Words drawn at random: text in which no run of 32 bytes repeats."""
+    rng = random.Random(seed)
+    words = "lynx anchor residual page chunk scale offset draft verify token stream link tier cache".split()
+    return " ".join(rng.choice(words) for _ in range(count))
+
+
 def test_cli_json_and_plots_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     plots = tmp_path / "plots"
     names = "fp32,bf16,int4-tensor,int8-tensor,lynx-default,lynx-default-anchor"
     rc = run_cli(
-        ["eval", "--model", tiny_dir, "--tokens", "80,120", "--prompts", "2", "--window", "8", "--heldout", "8",
+        ["eval", "--model", tiny_dir, "--tokens", "80,120", "--prompts", "2", "--window", "8", "--ppl-tokens", "8",
          "--schemes", names, "--json", "--plot", str(plots)]
     )  # fmt: skip
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     result = json.loads(captured.out)
-    assert [b["tokens"] for b in result["lengths"]] == [80, 120]
-    block = result["lengths"][1]
+    assert [c["role"] for c in result["corpora"]] == ["heldout", "choosing"]  # both by default, held-out first
+    held, choosing = result["corpora"]
+    assert "standard-library" in held["name"] and "built-in" in choosing["name"]
+    assert [b["tokens"] for b in held["lengths"]] == [b["tokens"] for b in choosing["lengths"]] == [80, 120]
+    assert held["lengths"][0]["prompt_tokens"] == [80, 80]  # cut from the text at exactly the length asked
+    block = choosing["lengths"][1]
     assert len(block["prompt_tokens"]) == 2 and all(100 <= n <= 140 for n in block["prompt_tokens"])
-    c = block["codecs"]
-    assert list(c) == names.split(",")
-    assert c["fp32"]["agree"] == 1.0 and c["fp32"]["prefix_mean"] == 8 and c["fp32"]["k_vnmse"] == 0.0
-    assert c["fp32"]["prefix_curve"] == [1.0] * 9 and c["fp32"]["agree_prompts"] == [1.0, 1.0]
-    assert c["int4-tensor"]["k_vnmse"] > c["int8-tensor"]["k_vnmse"] > c["lynx-default"]["k_vnmse"]
-    assert c["lynx-default-anchor"]["bits"] < c["lynx-default"]["bits"]
-    assert len(c["bf16"]["k_vnmse_layers"]) == 2
-    assert c["fp32"]["ppl_delta"] == pytest.approx(0.0, abs=1e-9) and "ppl_delta" in c["int4-tensor"]
-    assert c["fp32"]["agree_sem"] == 0.0 and c["int4-tensor"]["kl_sem"] >= 0.0
-    for name in ("prefix_curve_80.png", "error_vs_bits_120.png", "quality_vs_bits_80.png", "quality_vs_bits_120.png"):
-        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for block in (held["lengths"][1], choosing["lengths"][1]):
+        c = block["codecs"]
+        assert list(c) == names.split(",")
+        assert c["fp32"]["agree"] == 1.0 and c["fp32"]["prefix_mean"] == 8 and c["fp32"]["k_vnmse"] == 0.0
+        assert c["fp32"]["prefix_curve"] == [1.0] * 9 and c["fp32"]["agree_prompts"] == [1.0, 1.0]
+        assert c["int4-tensor"]["k_vnmse"] > c["int8-tensor"]["k_vnmse"] > c["lynx-default"]["k_vnmse"]
+        assert c["lynx-default-anchor"]["bits"] < c["lynx-default"]["bits"]
+        assert len(c["bf16"]["k_vnmse_layers"]) == 2
+        assert c["fp32"]["ppl_delta"] == pytest.approx(0.0, abs=1e-9) and "ppl_delta" in c["int4-tensor"]
+        assert c["fp32"]["agree_sem"] == 0.0 and c["int4-tensor"]["kl_sem"] >= 0.0
+        assert len(c["int4-tensor"]["ppl_delta_prompts"]) == 2 and c["int4-tensor"]["ppl_delta_sem"] >= 0.0
+    assert held["lengths"][0]["codecs"]["int4-tensor"]["agree_prompts"] != \
+        choosing["lengths"][0]["codecs"]["int4-tensor"]["agree_prompts"]  # two corpora, two sets of scores
+    for role in ("heldout", "choosing"):
+        for name in (f"prefix_curve_{role}_80.png", f"error_vs_bits_{role}_120.png",
+                     f"quality_vs_bits_{role}_80.png", f"quality_vs_bits_{role}_120.png"):
+            assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(result["plots"]) == sorted(str(p) for p in plots.iterdir())
+
+
+def test_quality_plot_names_every_codec_without_overlapping_labels(tmp_path):
+    """The frontier plot writes every codec's name beside its point, and labels of codecs at the same bits
+    (here five at 5.03, as lynx anchors and KIVI-4 are) do not cover each other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lynxkv.eval import report
+
+    names = [f"codec-{i}" for i in range(5)] + ["kivi4", "lynx-x"]
+    fig, ax = plt.subplots()
+    points = [(5.03, 0.95 + 0.001 * i, n) for i, n in enumerate(names[:5])] + [(5.01, 0.951, "kivi4"),
+                                                                                  (9.03, 0.99, "lynx-x")]
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    report._place_labels(ax, points)
+    fig.canvas.draw()
+    texts = ax.texts
+    assert sorted(t.get_text() for t in texts) == sorted(names)
+    from matplotlib.text import Text
+
+    boxes = [Text.get_window_extent(t, renderer=fig.canvas.get_renderer()) for t in texts]  # the text, no leader
+    for i in range(len(boxes)):
+        for j in range(i):
+            assert not boxes[i].overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())
+    plt.close(fig)
 
 
 def test_cli_table_and_markdown(tiny_dir, capsys):
     rc = run_cli(["eval", "--model", tiny_dir, "--tokens", "60", "--prompts", "1", "--window", "4",
-                  "--heldout", "0", "--prompt-offset", "5", "--schemes", "bf16,kivi4", "--markdown"])  # fmt: skip
+                  "--ppl-tokens", "0", "--schemes", "bf16,kivi4", "--markdown"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0
     assert "| codec | bits/el | K vNMSE" in out and "| kivi4 |" in out
-    assert "ΔPPL" not in out  # no held-out text, no perplexity column
+    assert "ΔPPL" not in out  # no continuation, no perplexity column
+    held, choosing = out.index("**HELD-OUT"), out.index("**CHOOSING")
+    assert held < choosing  # the table to report comes first, and says so
+    assert "Python standard-library source" in out[held:choosing] and "built-in prompts" in out[choosing:]
 
 
 def test_cli_on_a_kv_dump_and_its_errors(tmp_path, capsys):
@@ -127,8 +177,9 @@ def test_cli_on_a_kv_dump_and_its_errors(tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     result = json.loads(captured.out)
-    c = result["lengths"][0]["codecs"]
-    assert result["kind"] == "kv" and result["lengths"][0]["tokens"] == 70
+    block = result["corpora"][0]["lengths"][0]
+    c = block["codecs"]
+    assert result["kind"] == "kv" and block["tokens"] == 70
     assert 0 < c["int8-g64"]["k_vnmse"] < c["kivi2"]["k_vnmse"]
     assert "agree" not in c["kivi2"]
 
@@ -139,40 +190,70 @@ def test_cli_on_a_kv_dump_and_its_errors(tmp_path, capsys):
     assert "bad.safetensors" in err and "Traceback" not in err
     assert run_cli(["eval", "--kv", str(path), "--schemes", "int9"]) == 1
     assert "unknown codec 'int9'" in capsys.readouterr().err
+    assert run_cli(["eval", "--kv", str(path), "--heldout-text", str(path)]) == 1
+    assert "--kv excludes" in capsys.readouterr().err
 
 
-def test_cli_on_user_text(tiny_dir, tmp_path, capsys):
+def test_cli_on_user_heldout_text(tiny_dir, tmp_path, capsys):
     text = tmp_path / "story.txt"
     text.write_text("Once upon a time a lynx cached its keys. " * 12, encoding="utf-8")  # 492 bytes = tokens
-    rc = run_cli(["eval", "--model", tiny_dir, "--text", str(text), "--tokens", "100", "--prompts", "9",
-                  "--window", "4", "--heldout", "20", "--schemes", "fp32", "--json"])  # fmt: skip
+    other = tmp_path / "other.txt"
+    other.write_text(random_words(0, 200), encoding="utf-8")
+    rc = run_cli(["eval", "--model", tiny_dir, "--heldout-text", str(text), "--heldout-text", str(other),
+                  "--corpus", "heldout", "--tokens", "100", "--prompts", "20", "--window", "4", "--ppl-tokens", "20",
+                  "--schemes", "fp32", "--json"])  # fmt: skip
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    block = json.loads(captured.out)["lengths"][0]
-    assert block["prompt_tokens"] == [100] * 4  # 492 // (100 + 20) pieces
-    assert run_cli(["eval", "--model", tiny_dir, "--text", str(text), "--tokens", "600"]) == 1
-    assert "fewer than one prompt" in capsys.readouterr().err
+    (corpus,) = json.loads(captured.out)["corpora"]
+    assert corpus["role"] == "heldout" and corpus["name"] == f"text from {text}, {other}"
+    block = corpus["lengths"][0]
+    # the story repeats one 41-byte sentence: its first piece is kept, the next three repeat it and are skipped;
+    # the piece across the two files holds only 12 bytes of the story; the random words' pieces are all kept
+    assert block["skipped_overlapping"] == 3
+    assert len(block["prompt_tokens"]) == (492 + 2 + len(other.read_text())) // 120 - 3
+    assert run_cli(["eval", "--model", tiny_dir, "--heldout-text", str(text), "--tokens", "600"]) == 1
+    assert "give no prompt of 600 tokens" in capsys.readouterr().err
+    assert run_cli(["eval", "--model", tiny_dir, "--heldout-text", str(tmp_path / "missing.txt")]) == 1
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    assert run_cli(["eval", "--model", tiny_dir, "--corpus", "choosing", "--heldout-text", str(text)]) == 1
+    assert "--heldout-text needs the held-out corpus" in capsys.readouterr().err
+    assert run_cli(["eval", "--model", tiny_dir, "--corpus", "stdlib"]) == 1
+    assert "--corpus: expected one of both, heldout, choosing" in capsys.readouterr().err
 
 
-def test_stdlib_corpus_is_held_out_from_the_builtin_prompts(tiny_dir, capsys):
-    from lynxkv.eval.cases import stdlib_text
+def _runs(ids: list[int], n: int = 32) -> set[tuple]:
+    return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
+
+
+def test_prompts_of_the_two_corpora_never_overlap():
+    """Every held-out prompt (and its continuation) shares no 32-token run with any choosing prompt, nor with
+    another held-out prompt, at every length; text copied from the choosing corpus into a held-out file is
+    skipped, and the pieces around it are kept."""
+    from lynxkv.eval.cases import CHOOSING, Corpus, choosing_runs, corpus_cases, stdlib_corpus
     from lynxkv.hf.prompts import document
 
-    text = stdlib_text()
-    assert "def " in text and "import " in text and len(text) > 300_000
-    assert document(0, min_chars=2000)[:200] not in text  # the choosing corpus is not in the reporting one
-    rc = run_cli(["eval", "--model", tiny_dir, "--corpus", "stdlib", "--tokens", "100", "--prompts", "3",
-                  "--window", "4", "--heldout", "8", "--schemes", "fp32,int4-tensor", "--json"])  # fmt: skip
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    result = json.loads(captured.out)
-    assert result["corpus"] == "held-out stdlib source"
-    assert result["lengths"][0]["prompt_tokens"] == [100] * 3
-    assert run_cli(["eval", "--model", tiny_dir, "--corpus", "manpages"]) == 1
-    assert "--corpus: expected builtin or stdlib" in capsys.readouterr().err
+    tok = byte_tokenizer()
+    avoid = choosing_runs(tok)
+    for tokens in (200, 1000):
+        chosen, _ = corpus_cases(CHOOSING, tok, tokens, 6, 16, avoid)
+        choosing = set().union(*(_runs(ids.tolist() + cont.tolist()) for ids, cont in chosen))
+        held, _ = corpus_cases(stdlib_corpus(), tok, tokens, 6, 16, avoid)  # bytes: long indents are skipped
+        assert len(held) == 6
+        pieces = [_runs(ids.tolist() + cont.tolist()) for ids, cont in held]
+        for i, runs in enumerate(pieces):
+            assert runs.isdisjoint(choosing)
+            assert all(runs.isdisjoint(other) for other in pieces[:i])
+
+    own = random_words(1, 600)
+    copied = Corpus("heldout", "mixed", own[:1500] + document(3, min_chars=900)[:900] + own[1500:])
+    held, skipped = corpus_cases(copied, tok, 200, 50, 0, avoid)
+    assert skipped >= 4 and len(held) >= 6
+    text = [tok.decode(ids.tolist()) for ids, _ in held]
+    assert not any(document(3, min_chars=900)[100:164] in t for t in text)
+    assert all(_runs(ids.tolist()).isdisjoint(_runs(tok(document(3, min_chars=900)).input_ids)) for ids, _ in held)
 
 
-def test_heldout_text_continues_the_document_after_the_prompt():
+def test_continuation_follows_the_document_after_the_prompt():
     from lynxkv.eval.cases import builtin_case, prompt_starts
     from lynxkv.hf.prompts import QUESTION, document
 
@@ -189,20 +270,21 @@ def test_heldout_text_continues_the_document_after_the_prompt():
 
 @pytest.mark.slow
 def test_smollm2_default_scheme_drafts_well_and_the_paper_ordering_holds(smollm2):
-    """On the real model (one ~500-token prompt, W = 32): the anchor drafts most tokens right, the full code
+    """On the real model (one 500-token held-out prompt, W = 32): the anchor drafts most tokens right, the full code
     is near-exact, and per-tensor INT4 >> per-tensor INT8 >> lynx full in vNMSE."""
     from lynxkv.eval import baselines, suite
+    from lynxkv.eval.cases import stdlib_corpus
 
     names = "fp32,int4-tensor,int8-tensor,lynx-default,lynx-default-anchor"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         result = suite.evaluate_model(
-            smollm2, baselines.select(names), lengths=[500], prompts=1, window=32, heldout=0, prompt_offset=40
+            smollm2, baselines.select(names), [stdlib_corpus()], lengths=[500], prompts=1, window=32, ppl_tokens=0
         )
     finally:
         torch.set_num_threads(threads)
-    c = result["lengths"][0]["codecs"]
+    c = result["corpora"][0]["lengths"][0]["codecs"]
     assert c["fp32"]["agree"] == 1.0 and c["fp32"]["kl"] < 1e-9
     assert c["lynx-default"]["kl"] < 2e-3 and c["lynx-default"]["agree"] >= 0.9
     assert c["lynx-default-anchor"]["kl"] < 0.1 and c["lynx-default-anchor"]["agree"] >= 0.8

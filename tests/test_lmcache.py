@@ -27,6 +27,7 @@ from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor  # 
 from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 
 from lynxkv.cache import open_cache, verify_file  # noqa: E402
+from lynxkv.errors import LynxError  # noqa: E402
 from lynxkv.cli import main  # noqa: E402
 
 MODEL = "org/tiny-llama"
@@ -217,3 +218,187 @@ def test_lmcache_server_runs_with_the_lynx_tier(tmp_path):
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+# ------------------------------------------------------------------------------------------ lmcache:// reads
+def lmcache_keys(tokens: list[int], model: str = MODEL) -> list[ObjectKey]:
+    """The keys `lmcache server` gives these tokens (its resolver and token hasher; one rank, group 0)."""
+    from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_keys
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    return resolve_object_keys(TokenHasher(), model, 1, tokens, "")[0]
+
+
+def prompt(n_tokens: int, seed: int = 5) -> list[int]:
+    return torch.randint(0, 50_000, (n_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def store_prompt(hot, cold, tokens: list[int]) -> list[ObjectKey]:
+    ks = lmcache_keys(tokens)
+    tier = Tier(hot, cold)
+    try:
+        tier.store(ks, chunks(len(ks)))
+    finally:
+        tier.close()
+    return ks
+
+
+def url_of(hot, tokens, model: str = MODEL, **params) -> str:
+    query = "&".join(f"{k}={v}" for k, v in {"anchor_path": hot, **params}.items())
+    return f"lmcache://{model}?{query}&tokens={','.join(map(str, tokens))}"
+
+
+def stored_kv(hot, cold, ks, *, anchor_only=False):
+    """What lynxkv decodes from each stored chunk on its own, joined along tokens ([H, T, D] per layer)."""
+    from lynxkv.stream.lmcache_source import object_paths
+
+    per_chunk = []
+    for key in ks:
+        a, r = object_paths(key, str(hot), str(cold))
+        with open_cache(a, residual=r) as c:
+            per_chunk.append(c.load_kv(anchor_only=anchor_only, dtype=torch.float32))
+    return [tuple(torch.cat([kv[layer][i] for kv in per_chunk], dim=1) for i in range(2))
+            for layer in range(SHAPE[1])]
+
+
+def assert_same_kv(got, want):
+    assert len(got) == len(want)
+    for (gk, gv), (wk, wv) in zip(got, want):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_a_stored_prefix_streams_anchor_first_bit_exact(tmp_path, capsys):
+    from lynxkv.stream import open_progressive
+
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    tokens = prompt(3 * 256 + 40)  # three complete chunks; the 40 tokens after them are never stored
+    ks = store_prompt(hot, cold, tokens)
+    assert len(ks) == 3
+    url = url_of(hot, tokens, residual_path=cold)
+    events = []
+    with open_progressive(url, on_event=events.append) as load:
+        anchor_kv = load.wait_anchor(timeout=60)
+        full_kv = load.residual.result(timeout=60)
+        assert load.prompt_token_ids == tokens[:768]
+        info = load.timeline.extra["lmcache"]
+    assert (info["chunks"], info["chunks_requested"], info["tokens"], info["miss"]) == (3, 3, 768, None)
+    kinds = [e.kind for e in events]
+    assert kinds.count("anchor_page") == kinds.count("residual_page") == 3 * SHAPE[1]
+    assert max(i for i, k in enumerate(kinds) if k == "anchor_page") < kinds.index("anchor_ready") \
+        < min(i for i, k in enumerate(kinds) if k == "residual_page")
+    assert_same_kv(full_kv, stored_kv(hot, cold, ks))  # bit-exact to the full code of every chunk
+    assert_same_kv(anchor_kv, stored_kv(hot, cold, ks, anchor_only=True))
+
+    # the CLI: a streamed copy of the prefix is one cache that verifies and decodes to the same KV
+    copy = tmp_path / "copy" / "prefix.lynx"
+    assert main(["stream", url, "-o", str(copy), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["anchor_bytes"] + report["residual_bytes"] == sum(
+        os.path.getsize(p) for p in (copy.parent).iterdir())
+    assert main(["verify", str(copy)]) == 0
+    with open_cache(copy) as c:
+        assert list(c.header.prompt_token_ids) == tokens[:768]
+        assert_same_kv(c.load_kv(dtype=torch.float32), full_kv)
+
+    # the trust rule: without residual_path each anchor's recorded residual (../cold/...) must be allowed
+    with open_progressive(url_of(hot, tokens)) as load:
+        with pytest.raises(LynxError, match="allow-location"):
+            load.wait_anchor(timeout=60)
+    with open_progressive(url_of(hot, tokens), allow_locations=(str(cold),)) as load:
+        assert_same_kv(load.residual.result(timeout=60), full_kv)
+
+
+def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
+    import shutil
+
+    from lynxkv.errors import InputError, LynxError
+    from lynxkv.stream import open_progressive
+    from lynxkv.stream.lmcache_source import object_paths
+
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    tokens = prompt(3 * 256)
+    ks = store_prompt(hot, cold, tokens)
+    whole = stored_kv(hot, cold, ks)
+
+    def damaged(case: str, key: ObjectKey, which: int, at: int):
+        """A copy of the store with one byte of one object flipped; returns its URL."""
+        h2, c2 = tmp_path / case / "hot", tmp_path / case / "cold"
+        shutil.copytree(hot, h2)
+        shutil.copytree(cold, c2)
+        path = object_paths(key, str(h2), str(c2))[which]
+        data = bytearray(open(path, "rb").read())
+        data[at] ^= 0x01
+        open(path, "wb").write(bytes(data))
+        return url_of(h2, tokens, residual_path=c2)
+
+    # a damaged header (caught before streaming): the prefix ends before that chunk, and says why
+    with open_progressive(damaged("header", ks[1], 0, 30)) as load:
+        kv = load.residual.result(timeout=60)
+        assert load.prompt_token_ids == tokens[:256]
+        info = load.timeline.extra["lmcache"]
+    assert info["chunks"] == 1 and info["miss"].startswith("chunk 1 (") and "crc" in info["miss"].lower()
+    assert_same_kv(kv, [(k[:, :256], v[:, :256]) for k, v in whole])
+
+    # a damaged anchor page (found while streaming): the load fails with one error naming the page
+    with open_progressive(damaged("anchor-page", ks[2], 0, -3)) as load:
+        with pytest.raises(LynxError, match="anchor layer 2 page 2"):
+            load.wait_anchor(timeout=60)
+
+    # a damaged residual page: the residual fails; the anchor survives only when allowed, flagged
+    url = damaged("residual-page", ks[0], 1, -3)
+    with open_progressive(url) as load:
+        with pytest.raises(LynxError, match="residual layer 2 page 0"):
+            load.residual.result(timeout=60)
+    with open_progressive(url, allow_anchor_only=True) as load:
+        assert_same_kv(load.wait_anchor(timeout=60), stored_kv(hot, cold, ks, anchor_only=True))
+        with pytest.raises(LynxError):
+            load.residual.result(timeout=60)
+        assert load.anchor_only
+
+    # another chunk's objects under chunk 1's names: a miss (the cache id binds an object to its key)
+    for src, dst in zip(object_paths(ks[0], str(hot), str(cold)), object_paths(ks[1], str(hot), str(cold))):
+        shutil.copyfile(src, dst)
+    with open_progressive(url_of(hot, tokens, residual_path=cold)) as load:
+        load.residual.result(timeout=60)
+        assert load.timeline.extra["lmcache"]["chunks"] == 1
+        assert "another chunk's cache id" in load.timeline.extra["lmcache"]["miss"]
+
+    # nothing stored for these tokens: one clear error
+    with open_progressive(url_of(hot, prompt(512, seed=9), residual_path=cold)) as load:
+        with pytest.raises(InputError, match="no stored prefix of these tokens"):
+            load.wait_anchor(timeout=60)
+
+
+def test_lynxkv_run_drafts_on_a_stored_prefix_and_equals_full_code_decoding(tmp_path, capsys):
+    """An engine's KV of a prompt stored through the tier (model name = the model directory, as vLLM's --model);
+    `lynxkv run lmcache://...` continues the whole prompt: the stored prefix loads anchor first, the tokens after
+    it are prefilled on the anchor, and the output equals plain decoding on the full code."""
+    from conftest import make_tiny_llama
+    from runner_helpers import prompt_ids, save_tiny_model_dir
+
+    from lynxkv.hf import prefill
+    from lynxkv.speculative import decode_plain
+
+    model = make_tiny_llama(4, layers=SHAPE[1], head_dim=32)  # 2 KV heads x 32: the chunk shape of this file
+    model_dir = save_tiny_model_dir(model, tmp_path / "model")
+    ids = prompt_ids(4, 2 * 256 + 20)
+    kv, _ = prefill(model, torch.tensor(ids[:512]))  # what the engine computed for the two complete chunks
+    engine_chunks = [torch.stack([torch.stack([x[:, s:s + 256].permute(1, 0, 2).reshape(256, -1) for x in pair])
+                                  for pair in kv], 1) for s in (0, 256)]
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    ks = lmcache_keys(ids, model_dir)
+    tier = Tier(hot, cold)
+    try:
+        tier.store(ks, engine_chunks)
+    finally:
+        tier.close()
+    url = url_of(hot, ids, model_dir, residual_path=cold)
+    assert main(["run", url, "-n", "12", "--ignore-eos", "--bandwidth", "2MB/s", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    want = decode_plain(model, stored_kv(hot, cold, ks), ids[:512], 12, new_token_ids=ids[512:])
+    assert doc["token_ids"] == want and doc["verified"] is True
+    assert doc["prompt_token_ids"] == ids
+    s = doc["stats"]
+    assert s["anchor_ready_s"] < s["residual_ready_s"] and s["load"]["anchor_bytes"] > 0
+    assert main(["run", url, "--model", "org/another", "-n", "4"]) == 1  # the store's keys name another model
+    assert "made with model" in capsys.readouterr().err

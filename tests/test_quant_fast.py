@@ -252,3 +252,72 @@ def test_values_per_channel_and_sink_tokens_are_bit_identical(scheme, shape, dty
             n = ref.sinks
             assert torch.equal(sunk[:, n:], plain[:, n:])
             assert torch.equal(sunk[:, :n], reference.dequantize(ref, scheme)[:, :n])
+
+
+def _page_records(enc, scheme, page):
+    """Anchor and residual bytes laid out as records (offsets | scales | packed codes), one per page, each at an
+    odd byte offset (records may start anywhere), and the page rows for ``dequantize_pages``."""
+    h, t, d = enc.anchor.shape
+    anchor, residual, rows = bytearray(b"\x01"), bytearray(b"\x01\x02\x03"), []
+    for t0 in range(0, t, page):
+        p = enc.tokens(t0, min(t0 + page, t), scheme.chunk)
+        at, r_at = len(anchor), len(residual)
+        offsets, scales = (m.contiguous().view(torch.uint8).numpy().tobytes() for m in (p.offset, p.scale))
+        codes = ref_pack_bits(p.anchor, scheme.anchor_bits).numpy().tobytes()
+        anchor += offsets + scales + codes + b"\x07"
+        residual += ref_pack_bits(p.residual, scheme.residual_bits).numpy().tobytes() + b"\x05"
+        rows.append((at, at + len(offsets), at + 2 * len(offsets), r_at, t0, p.anchor.shape[1]))
+    return bytes(anchor), bytes(residual), rows
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "token-slice", "transposed"])
+@pytest.mark.parametrize("anchor_only", [False, True], ids=["full", "anchor"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("scheme,shape", [(SCHEMES["default"], (3, 257, 64)), (SCHEMES["fp32meta"], (2, 33, 8)),
+                                          (SCHEMES["5+3"], (2, 50, 5)), (SCHEMES["C1"], (1, 3, 4))],
+                         ids=["default-T257", "fp32meta", "5+3-odd-D", "C1"])
+def test_dequantize_pages_is_bit_identical(scheme, shape, dtype, anchor_only, layout):
+    """Page records in byte buffers decode straight into any view of the output, as the reference decodes the
+    whole tensor; nothing outside the view is touched."""
+    x = kv_like(shape, torch.float32, seed=3)
+    enc = dataclasses.replace(reference.quantize(x, scheme), sinks=0)  # page records of groups along tokens only
+    ref = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
+    page = max(scheme.chunk, 2 * scheme.chunk if shape[1] > 2 * scheme.chunk else scheme.chunk)
+    anchor, residual, rows = _page_records(enc, scheme, page)
+    h, t, d = shape
+    if layout == "contiguous":
+        big = torch.full(shape, float("nan"), dtype=dtype)
+        out = big
+    elif layout == "token-slice":  # the tokens [5, 5 + T) of a longer cache
+        big = torch.full((h, t + 9, d), float("nan"), dtype=dtype)
+        out = big[:, 5:5 + t]
+    else:  # a [H, T, D] view of a [H, D, T] tensor: the last axis is strided
+        big = torch.full((h, d, t), float("nan"), dtype=dtype)
+        out = big.transpose(1, 2)
+    flags = entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out)
+    assert flags == 0
+    assert_equal_values(ref, out, layout)
+    if layout == "token-slice":
+        assert torch.isnan(big[:, :5].float()).all() and torch.isnan(big[:, 5 + t:].float()).all()
+
+
+def test_dequantize_pages_flags_and_bounds():
+    """Bad metadata is reported, not hidden; a page outside its buffers is refused before anything is read."""
+    scheme = SCHEMES["default"]
+    enc = reference.quantize(kv_like((2, 64, 8), torch.float32), scheme)
+    anchor, residual, rows = _page_records(enc, scheme, 32)
+    out = torch.empty((2, 64, 8))
+    assert entry.dequantize_pages(anchor, residual, rows, scheme, out=out) == 0
+    for value, flag in ((float("inf"), 1), (float("nan"), 1)):
+        bad = bytearray(anchor)
+        bad[rows[1][0]:rows[1][0] + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+        assert entry.dequantize_pages(bytes(bad), residual, rows, scheme, out=out) == flag
+    bad = bytearray(anchor)
+    bad[rows[0][1]:rows[0][1] + 2] = torch.tensor([-1.0], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    assert entry.dequantize_pages(bytes(bad), residual, rows, scheme, out=out) == 4
+    bad[rows[0][1]:rows[0][1] + 2] = torch.tensor([-0.0], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    assert entry.dequantize_pages(bytes(bad), residual, rows, scheme, out=out) == 0  # -0.0 is a zero scale
+    with pytest.raises(InputError, match="outside"):
+        entry.dequantize_pages(anchor[:-10], residual, rows, scheme, out=out)
+    with pytest.raises(InputError, match="outside"):
+        entry.dequantize_pages(anchor, residual, [(*rows[1][:4], 40, 32)], scheme, out=out)

@@ -1,5 +1,5 @@
 """vLLM (CPU build) -> LMCacheMPConnector -> ``lmcache server`` with the lynx tier -> server restart -> a second
-vLLM reuses the stored prefix. ``make test-vllm`` (its own venv, marker ``vllm``; about 5 minutes on 2 cores).
+vLLM reuses the stored prefix, and `lmcache://` reads it anchor first. ``make test-vllm`` (its own venv, marker ``vllm``; about 5 minutes on 2 cores).
 
 The first engine finds nothing and stores the prompt's two 256-token chunks through the lynx serde and tier; the
 server is restarted (nothing in its memory), and a second engine, a fresh process, retrieves both chunks from the
@@ -105,3 +105,25 @@ def test_a_second_vllm_reuses_the_prefix_from_the_lynx_tier_after_a_server_resta
 
     for a in anchors:
         assert verify_file(str(tmp_path / "hot" / a), allow_locations=(str(tmp_path / "cold"),)) == []
+
+    # the lynx runner's view of the same store: the prompt's ids address the engine's objects (LMCache's keys),
+    # loaded anchor first as one cache of the two chunks, bit-exact to each object's own full code
+    import torch
+
+    from lynxkv.cache import open_cache
+    from lynxkv.stream import open_progressive
+    from vllm_prefix_engine import PROMPT
+
+    url = (f"lmcache://{model}?anchor_path={tmp_path / 'hot'}&residual_path={tmp_path / 'cold'}"
+           f"&tokens={','.join(map(str, PROMPT))}")
+    with open_progressive(url) as load:
+        full = load.residual.result(timeout=120)
+        assert load.timeline.extra["lmcache"]["chunks"] == 2 and load.prompt_token_ids == PROMPT[:512]
+        names = load.timeline.extra["lmcache"]["objects"]
+    parts = []
+    for name in names:
+        with open_cache(str(tmp_path / "hot" / name), residual=str(tmp_path / "cold" / (name + "r"))) as c:
+            parts.append(c.load_kv(dtype=torch.float32))
+    for layer, (k, v) in enumerate(full):
+        assert torch.equal(k, torch.cat([p[layer][0] for p in parts], 1))
+        assert torch.equal(v, torch.cat([p[layer][1] for p in parts], 1))

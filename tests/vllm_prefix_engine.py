@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(600)]
+
 
 def main() -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -21,8 +23,7 @@ def main() -> None:
                            kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port})
     llm = LLM(model=model, skip_tokenizer_init=True, block_size=32, max_model_len=1024, kv_transfer_config=ktc,
               enforce_eager=True, dtype="float32", max_num_seqs=1, gpu_memory_utilization=0.05)
-    prompt = [(i * 37 + 11) % 500 + 3 for i in range(600)]
-    res = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+    res = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)],
                        SamplingParams(max_tokens=16, temperature=0.0, detokenize=False))
     with open(out, "w") as f:
         json.dump({"tokens": list(res[0].outputs[0].token_ids)}, f)

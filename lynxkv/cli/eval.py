@@ -21,28 +21,36 @@ def _lengths(spec: str) -> list[int]:
 
 HELP = (
     "Score lynx schemes against BF16, FP8, INT8/INT4, grouped INT (HF QuantizedCache) and KIVI on real KV caches."
+    "\n\nTwo corpora that share no text: the held-out one (Python standard-library source, or --heldout-text "
+    "files), which had no part in choosing a scheme and is the one to report, and the choosing one (the built-in "
+    "prompts the schemes are tuned on)."
     "\n\nMetrics: K/V vNMSE, attention error with the model's queries, teacher-forced draft agreement, KL and "
-    "accepted prefix over a W-token window, held-out perplexity change, bits per element with metadata."
+    "accepted prefix over a W-token window, perplexity change on each prompt's continuation, bits per element "
+    "with metadata."
 )
+
+#: --corpus: which corpora a run scores, held-out first (the one to report).
+CORPUS_CHOICES = {"both": ("heldout", "choosing"), "heldout": ("heldout",), "choosing": ("choosing",)}
 
 
 @app.command("eval", help=HELP)
 def eval_command(
     model: str = typer.Option(None, "--model", help="HF model name/path or .gguf file (default: offline SmolLM2)."),
     kv: str = typer.Option(None, "--kv", help="Safetensors KV dump instead of a model (KV-only metrics)."),
-    text: str = typer.Option(None, "--text", help="UTF-8 text file to cut prompts from instead of built-in text."),
     corpus: str = typer.Option(
-        "builtin", "--corpus",
-        help="Where prompts come from: builtin (pydoc topics, the text schemes are chosen on) or stdlib (Python "
-        "standard-library source, held out for reporting). --text FILE overrides both.",
+        "both", "--corpus", help="Which corpora to score: both, heldout or choosing (the held-out one is reported "
+        "first; held-out text is cut so that it shares no 32-token run with the choosing corpus either way).",
+    ),
+    heldout_text: list[str] = typer.Option(
+        None, "--heldout-text", metavar="FILE", help="UTF-8 text file for the held-out corpus instead of the standard-library source "
+        "(repeat for several files; pieces overlapping the choosing corpus are skipped).",
     ),
     tokens: str = typer.Option("1000", "--tokens", help="Context lengths in tokens, comma-separated."),
-    prompts: int = typer.Option(4, "--prompts", min=1, help="Built-in prompts per length."),
-    prompt_offset: int = typer.Option(
-        0, "--prompt-offset", min=0, help="Shift the corpus sections the built-in prompts start at (other text)."
-    ),
+    prompts: int = typer.Option(4, "--prompts", min=1, help="Prompts per corpus and length."),
     window: int = typer.Option(64, "--window", min=1, help="Teacher-forced draft window W (tokens)."),
-    heldout: int = typer.Option(64, "--heldout", min=0, help="Held-out tokens for the perplexity change (0: off)."),
+    ppl_tokens: int = typer.Option(
+        64, "--ppl-tokens", min=0, help="Tokens of each prompt's continuation for the perplexity change (0: off)."
+    ),
     schemes: str = typer.Option(None, "--schemes", help="Comma-separated codec names (default: all)."),
     sweep: bool = typer.Option(
         False, "--sweep", help="Ablation of lynx schemes, one factor at a time around the default (no baselines)."
@@ -58,10 +66,17 @@ def eval_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lynxkv.eval import baselines, report, suite
+    from lynxkv.eval.cases import CHOOSING, Corpus, stdlib_corpus
 
-    if kv and (model or text):
-        raise InputError("--kv excludes --model and --text: a KV dump is scored without a model")
+    if kv and (model or heldout_text or corpus != "both"):
+        raise InputError("--kv excludes --model, --corpus and --heldout-text: a KV dump is scored without a model")
+    if corpus not in CORPUS_CHOICES:
+        raise InputError(f"--corpus: expected one of {', '.join(CORPUS_CHOICES)}, got {corpus!r}")
+    roles = CORPUS_CHOICES[corpus]
+    if heldout_text and "heldout" not in roles:
+        raise InputError("--heldout-text needs the held-out corpus: drop --corpus choosing")
     codecs = baselines.select(schemes, sweep=sweep)
+    lengths = _lengths(tokens)
     if threads:
         import torch
 
@@ -78,23 +93,23 @@ def eval_command(
 
             from lynxkv.hf.models import load_model
 
-            from lynxkv.eval.cases import stdlib_text
-
-            lengths = _lengths(tokens)
-            if corpus not in ("builtin", "stdlib"):
-                raise InputError(f"--corpus: expected builtin or stdlib, got {corpus!r}")
-            user_text = read_text(text) if text else (stdlib_text() if corpus == "stdlib" else None)
-            corpus_name = (f"text from {text}" if text else
-                           "held-out stdlib source" if corpus == "stdlib" else "built-in pydoc prompts")
+            corpora = []
+            if "heldout" in roles:
+                corpora.append(
+                    Corpus("heldout", "text from " + ", ".join(heldout_text),
+                           "\n\n".join(read_text(p) for p in heldout_text))
+                    if heldout_text else stdlib_corpus()
+                )
+            if "choosing" in roles:
+                corpora.append(CHOOSING)
             err.print(f"loading model {model_label(model)} ...")
             loaded = load_model(model, dtype=torch.float32)
             if loaded.tokenizer is None:
-                raise InputError(f"model {loaded.name!r} has no tokenizer; built-in prompts need one")
+                raise InputError(f"model {loaded.name!r} has no tokenizer; prompts are cut from text")
             result = suite.evaluate_model(
-                loaded, codecs, lengths=lengths, prompts=prompts, window=window, heldout=heldout,
-                prompt_offset=prompt_offset, text=user_text, progress=progress,
+                loaded, codecs, corpora, lengths=lengths, prompts=prompts, window=window, ppl_tokens=ppl_tokens,
+                progress=progress,
             )
-            result["corpus"] = corpus_name
     if plot_dir:
         result["plots"] = report.plot(result, plot_dir)
         err.print(f"wrote {len(result['plots'])} plot(s) to {plot_dir}")
@@ -104,8 +119,8 @@ def eval_command(
         out.print(report.markdown(result), markup=False)
     else:
         for table in report.tables(result):
-            out.print(table, width=None if out.is_terminal else 180)
+            out.print(table)
     err.print(
         f"{len(codecs)} codecs in {result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU "
-        "(vNMSE: per-layer global ratio, mean over layers; prefix: mean ± s.e.m. over prompts)"
+        "(vNMSE: per-layer global ratio, mean over layers; agree, KL, prefix, ΔPPL: mean ± s.e.m. over prompts)"
     )

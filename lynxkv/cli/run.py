@@ -103,23 +103,33 @@ def stats_table(stats, gain_label: str, gain: float | None):
     return t
 
 
-def compare_table(rows: list[dict], link_text: str):
+def compare_table(compare: dict, link_text: str):
     from rich.table import Table
 
-    t = Table(title=f"TT-N side by side ({link_text}; monolithic transfers computed as latency + bytes/bandwidth, "
-              "then waited)", title_justify="left")
-    for col in ("method", "data ready", "TT1", "TT32", "TT64", "= lynx"):
+    repeats = compare["repeats"]
+    how = f"medians of {repeats} interleaved runs" if repeats > 1 else "one run each"
+    t = Table(title=f"TT-N side by side ({link_text}; {how}; monolithic transfers computed as latency + "
+              "bytes/bandwidth, then waited)", title_justify="left")
+    cols = ["method", "data ready", "TT1", "TT32", "TT64", "= lynx"]
+    if repeats > 1:
+        cols += ["TT64 per run", "drafts kept per run"]
+    for col in cols:
         t.add_column(col, no_wrap=True)
-    for r in rows:
+    for r in compare["rows"]:
         name = r["method"] + ("" if r["verified"] else " (lossy)")
-        t.add_row(name, _s(r["ready_s"]), _s(r["tt1_s"]), _s(r["tt32_s"]), _s(r["tt64_s"]),
-                  "yes" if r["same_tokens_as_lynx"] else "no")
+        cells = [name, _s(r["ready_s"]), _s(r["tt1_s"]), _s(r["tt32_s"]), _s(r["tt64_s"]),
+                 "yes" if r["same_tokens_as_lynx"] else "no"]
+        if repeats > 1:
+            cells.append(" ".join(_s(run["tt64_s"]) for run in r["runs"]))
+            cells.append(" ".join(f"{run['accepted']}/{run['drafted']}" for run in r["runs"])
+                         if r["method"] == "lynx" else "")
+        t.add_row(*cells)
     return t
 
 
 @app.command()
 def run(
-    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve)."),
+    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve, lmcache://MODEL?anchor_path=DIR&tokens=IDS for an LMCache store)."),
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
     dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
                               "cache is converted to it, whatever dtype it stores)."),
@@ -142,6 +152,8 @@ def run(
                                            "finish on the anchor and flag the output as unverified."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the end-of-sequence token."),
     compare: bool = typer.Option(False, "--compare", help="Also run the monolithic baselines on the same link."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="With --compare: run every method (Lynx and each "
+                                "baseline) this many times, interleaved, and judge on the medians."),
     as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
@@ -150,26 +162,37 @@ def run(
     from lynxkv.cli.console import model_label, parse_dtype, progress_step
     from lynxkv.hf import continuation_ids
     from lynxkv.cache import open_cache
-    from lynxkv.hf.models import load_model, model_for_cache
+    from lynxkv.hf.models import load_model, model_for_cache, model_id
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
+    from lynxkv.stream import lmcache_source
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
     torch_dtype = parse_dtype(dtype)
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")
+    if repeats > 1 and not compare:
+        raise InputError("--repeats needs --compare (it repeats the side-by-side runs)")
     if prompt_file is not None:
         prompt = read_text(prompt_file)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
-    with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
-        model = model_for_cache(c.info.properties, model)
+    store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
+    if store is not None:  # an LMCache store knows its model by name: the one its keys were made for
+        if prompt is not None:
+            raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
+        model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model)
+    else:
+        with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
+            model = model_for_cache(c.info.properties, model)
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
+    # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
+    fingerprint = lmcache_source.name_fingerprint(store.model) if store is not None else loaded.fingerprint
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
@@ -177,21 +200,27 @@ def run(
         stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 
+    def open_load():
+        return open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
+                                allow_anchor_only=allow_anchor_only)
+
     started = time.perf_counter()
-    load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
-                            allow_anchor_only=allow_anchor_only)
+    load = open_load()
     printer = None
     try:
         new = None
         if prompt is not None:  # the cached prompt's ids arrive with the anchor header
             load.wait_anchor()
             new = continuation_ids(loaded.tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt)
+        elif store is not None:  # the tokens after the stored prefix are prefilled on the anchor, as new text
+            load.wait_anchor()
+            new = list(store.tokens[len(load.prompt_token_ids or []):]) or None
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None
         for ev in sd.stream(loaded.model, load, cfg, new_token_ids=new,
                             provisional=printer is not None and printer.live is not None,
-                            fingerprint=loaded.fingerprint, started_at=started):
+                            fingerprint=fingerprint, started_at=started):
             if printer is not None:
                 printer.event(ev)
             if ev.kind == "commit":
@@ -211,9 +240,10 @@ def run(
         }
         gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)
         if compare:
-            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
-            cmp = compare_run(loaded.model, load, result, cfg, loaded.fingerprint, bandwidth=rate, latency=delay,
-                              new_token_ids=new)
+            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link"
+                      + (f", every method {repeats} times ..." if repeats > 1 else " ..."))
+            cmp = compare_run(loaded.model, load, result, cfg, fingerprint, bandwidth=rate, latency=delay,
+                              new_token_ids=new, repeats=repeats, open_load=open_load)
             report["compare"] = cmp
             gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
     finally:
@@ -228,17 +258,23 @@ def run(
     if compare:
         link = report["compare"]["link"]
         link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
-        out.print(compare_table(report["compare"]["rows"], link_text))
+        out.print(compare_table(report["compare"], link_text))
         print_judge(report["compare"]["judge"])
     return report
 
 
 def print_judge(j: dict) -> None:
-    """The two latency targets of ``--compare``, met or not, in one line."""
-    if j["beats_full_by_0.6_delta"] is not None:
-        out.print(
-            f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
-            f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
-            f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
-            f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
-        )
+    """The two latency targets of ``--compare``, met or not, in one line (on medians when repeated)."""
+    if j["beats_full_by_0.6_delta"] is None:
+        return
+    medians = ""
+    if j["repeats"] > 1:
+        both = sum(1 for r in j["rounds"] if r["beats_full_by_0.6_delta"] and r["within_1.15_of_anchor_only"])
+        medians = f"; medians of {j['repeats']} runs, both targets met in {both} of {len(j['rounds'])} rounds"
+    out.print(
+        f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
+        f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
+        f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
+        f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
+        + medians
+    )

@@ -33,8 +33,8 @@ class Reference:
     exact_logits: torch.Tensor  # [W, V] teacher-forced on the exact cache
     queries: list[torch.Tensor]  # per layer [Hq, W, D], after RoPE, of the window's tokens
     scaling: float  # the attention's softmax scale
-    heldout: torch.Tensor | None  # [N] held-out text tokens after the prompt
-    heldout_exact_logits: torch.Tensor | None  # [N, V]
+    continuation: torch.Tensor | None  # [N] the text's own tokens after the prompt (for perplexity)
+    continuation_exact_logits: torch.Tensor | None  # [N, V]
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -117,7 +117,7 @@ def build_reference(
     model: torch.nn.Module,
     ids: torch.Tensor,
     window: int,
-    heldout: torch.Tensor | None = None,
+    continuation: torch.Tensor | None = None,
 ) -> Reference:
     """Prefill ``ids`` ``[T]``, decode the greedy reference and record everything the scores compare against."""
     if ids.numel() < 2:
@@ -132,8 +132,8 @@ def build_reference(
     queries = [q for q in store if q is not None]
     scaling = float(getattr(_attention_modules(model)[0], "scaling", queries[0].shape[-1] ** -0.5))
     held_logits = None
-    if heldout is not None and heldout.numel() >= 1:
-        held_logits = forward_logits(model, kv, window_inputs(last, heldout))
+    if continuation is not None and continuation.numel() >= 1:
+        held_logits = forward_logits(model, kv, window_inputs(last, continuation))
     else:
-        heldout = None
-    return Reference(kv, last, tokens, exact_logits, queries, scaling, heldout, held_logits)
+        continuation = None
+    return Reference(kv, last, tokens, exact_logits, queries, scaling, continuation, held_logits)

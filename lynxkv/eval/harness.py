@@ -2,7 +2,7 @@
 
 Per prompt and codec every layer's keys and values are round-tripped once; the same approximate cache then
 feeds the KV metrics, the attention error (the window's real queries against the prompt's keys/values) and
-one teacher-forced forward of the window (plus one over held-out text for the perplexity change).
+one teacher-forced forward of the window (plus one over the text's continuation for the perplexity change).
 Results are plain dicts of floats and lists, ready for JSON.
 """
 
@@ -50,7 +50,8 @@ def exact_attention(ref: Reference) -> list:
 
 
 def draft_scores(model, ref: Reference, approx: KVPairs, exact_attn: list | None = None) -> dict:
-    """Attention error with the real queries, teacher-forced draft quality and held-out perplexity change."""
+    """Attention error with the real queries, teacher-forced draft quality and the perplexity change
+    on the prompt's continuation."""
     exact_attn = exact_attn if exact_attn is not None else exact_attention(ref)
     rel, akl = [], []
     for q, exact, (kh, vh) in zip(ref.queries, exact_attn, approx):
@@ -67,17 +68,18 @@ def draft_scores(model, ref: Reference, approx: KVPairs, exact_attn: list | None
         "kl": float(kl.mean()),
         "prefix": metrics.accepted_prefix(ref.tokens, predicted),
     }
-    if ref.heldout is not None:
-        held = forward_logits(model, approx, window_inputs(ref.last_token, ref.heldout))
-        exact_ppl = metrics.perplexity(ref.heldout_exact_logits, ref.heldout)
+    if ref.continuation is not None:
+        held = forward_logits(model, approx, window_inputs(ref.last_token, ref.continuation))
+        exact_ppl = metrics.perplexity(ref.continuation_exact_logits, ref.continuation)
         out["ppl_exact"] = exact_ppl
-        out["ppl_delta"] = metrics.perplexity(held, ref.heldout) / exact_ppl - 1.0
+        out["ppl_delta"] = metrics.perplexity(held, ref.continuation) / exact_ppl - 1.0
     return out
 
 
-def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, heldout, tick: Tick | None = None) -> dict:
-    """Scores of every codec on one prompt ``ids`` ``[T]``: ``{codec name: {metric: value}}``."""
-    ref = build_reference(model, ids, window, heldout)
+def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuation, tick: Tick | None = None) -> dict:
+    """Scores of every codec on one prompt ``ids`` ``[T]`` (``continuation``: the text's next tokens ``[N]`` for
+    the perplexity change, or None): ``{codec name: {metric: value}}``."""
+    ref = build_reference(model, ids, window, continuation)
     exact_attn = exact_attention(ref)
     scores = {}
     for codec in codecs:
@@ -102,6 +104,7 @@ SCALARS = (
     "bits", "k_vnmse", "v_vnmse", "k_vnmse_pv", "v_vnmse_pv",
     "attn_err", "attn_kl", "agree", "kl", "ppl_delta",
 )  # fmt: skip
+SPREAD = ("agree", "kl", "ppl_delta")  # reported as mean ± s.e.m. over prompts (and the prefix, below)
 
 
 def summarize(per_prompt: list[dict], codecs: list, window: int) -> dict:
@@ -114,9 +117,9 @@ def summarize(per_prompt: list[dict], codecs: list, window: int) -> dict:
             vals = [r[key] for r in rows if key in r]
             if vals:
                 s[key] = _mean(vals)
-        for key in ("agree", "kl"):  # per prompt, for paired comparisons between codecs, and the spread
-            if rows and key in rows[0]:
-                vals = [r[key] for r in rows]
+        for key in SPREAD:  # per prompt, for paired comparisons between codecs, and the spread
+            vals = [r[key] for r in rows if key in r]
+            if vals:
                 s[f"{key}_prompts"] = vals
                 s[f"{key}_sem"] = metrics.mean_std(vals)[1] / math.sqrt(len(vals))
         for key in ("k_vnmse_layers", "v_vnmse_layers"):

@@ -1,13 +1,17 @@
-"""A whole evaluation: codecs × context lengths × prompts on a model, or codecs on a KV dump.
+"""A whole evaluation: codecs × corpora × context lengths × prompts on a model, or codecs on a KV dump.
 
 The result is one JSON-ready dict:
 
-    {"model": ..., "window": W, "heldout": N, "kind": "model" | "kv",
-     "lengths": [{"tokens": 1000, "prompt_tokens": [...], "codecs": {name: summary}}, ...],
+    {"kind": "model" | "kv", "model": ..., "window": W, "ppl_tokens": N,
+     "corpora": [{"role": "heldout" | "choosing" | "kv", "name": ..., "lengths": [
+                   {"tokens": 1000, "prompt_tokens": [...], "skipped_overlapping": 0, "codecs": {name: summary}},
+                   ...]}, ...],
      "seconds": wall time, "cpu_seconds": process CPU time}
 
-Summaries hold means over prompts (see :func:`lynxkv.eval.harness.summarize`); the vNMSE figures are the
-per-layer global ratio averaged over layers (``k_vnmse``) and the per-vector mean (``k_vnmse_pv``).
+Summaries hold means over prompts and their standard errors (see :func:`lynxkv.eval.harness.summarize`); the
+vNMSE figures are the per-layer global ratio averaged over layers (``k_vnmse``) and the per-vector mean
+(``k_vnmse_pv``). Corpora come in the order given; ``lynxkv eval`` puts the held-out one first, the one to
+report.
 """
 
 from __future__ import annotations
@@ -15,43 +19,39 @@ from __future__ import annotations
 import time
 
 from lynxkv.eval import harness
-from lynxkv.eval.cases import builtin_case, load_kv_dump, prompt_starts, text_cases
+from lynxkv.eval.cases import Corpus, choosing_runs, corpus_cases, load_kv_dump
 
 
 def evaluate_model(
     loaded,
     codecs: list,
+    corpora: list[Corpus],
     *,
     lengths: list[int],
     prompts: int = 4,
     window: int = 64,
-    heldout: int = 64,
-    prompt_offset: int = 0,
-    text: str | None = None,
+    ppl_tokens: int = 64,
     progress=None,
 ) -> dict:
-    """Score ``codecs`` on ``prompts`` prompts for each length in ``lengths`` (tokens): built-in prompts, or
-    consecutive pieces of ``text`` when given."""
+    """Score ``codecs`` on ``prompts`` prompts of each corpus in ``corpora`` for each length in ``lengths``
+    (tokens). Held-out text is cut so that it shares no run of tokens with the choosing corpus
+    (:func:`lynxkv.eval.cases.text_cases`), whether or not the choosing corpus is among ``corpora``."""
     t0, c0 = time.perf_counter(), time.process_time()
-    result = {
-        "kind": "model", "model": loaded.name, "window": window, "heldout": heldout,
-        "prompt_offset": prompt_offset, "lengths": [],
-    }  # fmt: skip
-    for tokens in lengths:
-        task = progress.add_task(f"{tokens} tokens", total=prompts * len(codecs)) if progress else None
-        tick = (lambda: progress.advance(task)) if progress else None
-        per_prompt, sizes = [], []
-        if text is None:
-            starts = prompt_starts(prompts, prompt_offset)
-            cases = (builtin_case(loaded.tokenizer, tokens, s, heldout) for s in starts)
-        else:
-            cases = iter(text_cases(loaded.tokenizer, text, tokens, prompts, heldout))
-        for ids, held in cases:
-            sizes.append(int(ids.numel()))
-            per_prompt.append(harness.score_prompt(loaded.model, ids, codecs, window, held, tick))
-        result["lengths"].append(
-            {"tokens": tokens, "prompt_tokens": sizes, "codecs": harness.summarize(per_prompt, codecs, window)}
-        )
+    avoid = choosing_runs(loaded.tokenizer) if any(c.text is not None for c in corpora) else None
+    result = {"kind": "model", "model": loaded.name, "window": window, "ppl_tokens": ppl_tokens, "corpora": []}
+    for corpus in corpora:
+        blocks = []
+        for tokens in lengths:
+            cases, skipped = corpus_cases(corpus, loaded.tokenizer, tokens, prompts, ppl_tokens, avoid)
+            task = progress.add_task(f"{corpus.role}, {tokens} tokens", total=len(cases) * len(codecs)) \
+                if progress else None
+            tick = (lambda: progress.advance(task)) if progress else None
+            per_prompt = [harness.score_prompt(loaded.model, ids, codecs, window, cont, tick) for ids, cont in cases]
+            blocks.append({
+                "tokens": tokens, "prompt_tokens": [int(ids.numel()) for ids, _ in cases],
+                "skipped_overlapping": skipped, "codecs": harness.summarize(per_prompt, codecs, window),
+            })  # fmt: skip
+        result["corpora"].append({"role": corpus.role, "name": corpus.name, "lengths": blocks})
     result["seconds"] = time.perf_counter() - t0
     result["cpu_seconds"] = time.process_time() - c0
     return result
@@ -64,12 +64,11 @@ def evaluate_kv(path: str, codecs: list, *, progress=None) -> dict:
     task = progress.add_task("kv dump", total=len(codecs)) if progress else None
     scores = harness.score_kv(kv, codecs, (lambda: progress.advance(task)) if progress else None)
     tokens = int(kv[0][0].shape[1])
+    block = {"tokens": tokens, "prompt_tokens": [tokens], "codecs": harness.summarize([scores], codecs, 0)}
     return {
         "kind": "kv",
         "model": None,
-        "source": path,
-        "lengths": [{"tokens": tokens, "prompt_tokens": [tokens], "codecs": harness.summarize([scores], codecs, 0)}],
+        "corpora": [{"role": "kv", "name": path, "lengths": [block]}],
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time() - c0,
     }
-

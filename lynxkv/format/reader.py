@@ -53,6 +53,7 @@ from lynxkv.format.records import (
     check_and_decompress,
     decode_anchor_records,
     decode_residual_records,
+    dequantize_records,
     residual_page,
 )
 
@@ -296,8 +297,9 @@ class PageReader:
 
     def pages(self, kind: int, *, decode: bool = True) -> Iterator[tuple[int, int, PageEntry, object]]:
         """Every page of segment ``kind`` in file order (layer-major): ``(layer, page, entry, record)``, the CRC
-        checked before it is yielded (``record`` is None with ``decode=False``: checked and decompressed only).
-        A streaming source is told after each page that the bytes before its end are no longer needed."""
+        checked before it is yielded (with ``decode=False`` the record is the raw record: checked and decompressed
+        only, for :func:`records.dequantize_records`). A streaming source is told after each page that the bytes
+        before its end are no longer needed."""
         src, index = self.source(kind), self.index(kind)
         release = getattr(src, "release", None)
         for i, entry in enumerate(index.entries):
@@ -306,11 +308,58 @@ class PageReader:
             if decode:
                 rec = decode_page(stored, entry, self.header, kind, layer, page)
             else:
-                check_and_decompress(stored, entry, _where(index.name, layer, page))
-                rec = None
+                rec = check_and_decompress(stored, entry, _where(index.name, layer, page))
             if release is not None:
                 release(index.base + entry.offset + entry.stored_length, index.name)
             yield layer, page, entry, rec
+
+    def layer_records(self, kind: int, layer: int) -> tuple[bytes, list[int]]:
+        """The raw records of one layer's pages (each CRC-32 checked, decompressed) in one buffer, and where each
+        starts in it. A layer's pages are contiguous in the file: without zstd this is one read, and the
+        records are checked in place."""
+        src, index = self.source(kind), self.index(kind)
+        entries = [index.entry(layer, p) for p in range(index.pages_per_layer)]
+        if not entries:
+            return b"", []
+        at, pos = [], entries[0].offset
+        for e in entries:
+            if e.offset != pos or e.codec != c.CODEC_NONE:
+                break
+            at.append(pos - entries[0].offset)
+            pos += e.stored_length
+        else:
+            data = _read_exact(src, index.base + entries[0].offset, pos - entries[0].offset, "page",
+                               _where(index.name, layer, 0))
+            view = memoryview(data)
+            for p, (e, a) in enumerate(zip(entries, at)):
+                check_and_decompress(view[a:a + e.stored_length], e, _where(index.name, layer, p))
+            return data, at
+        raws = [self.raw(kind, layer, p) for p in range(len(entries))]
+        at = [sum(len(r) for r in raws[:p]) for p in range(len(raws))]
+        return b"".join(raws), at
+
+    def dequantize_layers(self, out: list[tuple[torch.Tensor, torch.Tensor]], *, anchor_only: bool = False,
+                          threads: int | None = None) -> None:
+        """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
+        each, written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`).
+        The next layer's records are read and checked on a helper thread while this one is dequantized."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        h = self.header
+        s = h.scheme
+        tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
+
+        def records(layer: int):
+            return (self.layer_records(c.SEGMENT_ANCHOR, layer),
+                    None if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer))
+
+        with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-read") as pool:
+            ahead = pool.submit(records, 0) if h.layers else None
+            for layer in range(h.layers):
+                (anchor, anchor_at), residual = ahead.result()
+                ahead = pool.submit(records, layer + 1) if layer + 1 < h.layers else None
+                dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
+                                   out[layer], lambda p, layer=layer: f"layer {layer} page {p}", threads)
 
     def layer(self, kind: int, layer: int) -> tuple[list[torch.Tensor] | None, torch.Tensor, torch.Tensor | None]:
         """(metadata -- K offsets, K scales, V offsets, V scales, as :func:`decode_anchor_records` --, or None for

@@ -18,6 +18,7 @@ decoders are the only places where the format calls the quantizer's packing.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,9 +26,8 @@ import torch
 
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import PageEntry, RecordLayout, crc32
-from lynxkv.quant import pack_bits, unpack_bits
-from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor
+from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, crc32, residual_record_layout
+from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize, dequantize_pages, pack_bits, unpack_bits
 from lynxkv.quant.scheme import Scheme
 
 _META_NP = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
@@ -221,6 +221,95 @@ def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_he
     pages, n, H, D = buf.shape[0], lay.tokens, kv_heads, head_dim
     codes = _codes(buf, 0, lay, scheme.residual_bits, H * n * D, where, ("key_residual", "value_residual"))
     return codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
+
+
+def record_parts(lay: RecordLayout) -> dict[str, int]:
+    """Where each part of a raw record starts (bytes from the record's first byte), in record order."""
+    if lay.meta_arrays:
+        m, v = lay.meta_size, lay.value_meta
+        k = 2 * (m + v)
+        parts = {"key_offset": 0, "key_scale": m, "value_offset": 2 * m, "value_scale": 2 * m + v, "key_anchor": k,
+                 "value_anchor": k + lay.codes_size}
+        if lay.sinks:
+            s = k + 2 * lay.codes_size
+            parts.update(key_sinks=s, value_sinks=s + lay.sink_size)
+        return parts
+    return {"key_residual": 0, "value_residual": lay.codes_size}
+
+
+def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: Sequence[int] | None,
+                       tokens: Sequence[tuple[int, int]], scheme: Scheme, kv_heads: int, head_dim: int,
+                       out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
+                       threads: int | None = None) -> None:
+    """Dequantize raw (CRC-checked, decompressed) page records of one layer straight into its keys and values.
+
+    Page ``i`` holds tokens ``[t0, t0 + n)`` (``tokens[i]``); its anchor record starts at byte ``anchor_at[i]``
+    of ``anchor``, its residual record at ``residual_at[i]`` of ``residual`` (``None``: the anchor alone).
+    ``out`` is ``(keys, values)``, ``[H, T, D]`` each (any strides), written in place through the quantizer
+    entry (:func:`lynxkv.quant.dequantize_pages`: nothing is unpacked, permuted or concatenated first).
+    ``where(i)`` names page ``i`` in errors (``"layer 3 page 1"``; the segment is put before it). The checks of
+    :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
+    and scales, scales >= 0. Schemes of format 1.2 (values per channel, sink tokens) decode page by page through
+    :func:`decode_anchor_records` and :func:`lynxkv.quant.dequantize` instead."""
+    if scheme.extended:
+        _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme, kv_heads, head_dim, out, where,
+                         threads)
+        return
+    segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
+    if residual is not None:
+        segments.append(("residual", residual, residual_at, scheme.residual_bits))
+    rows: tuple[list, list] = ([], [])
+    for i, (t0, n) in enumerate(tokens):
+        count = kv_heads * n * head_dim
+        parts = {}
+        for kind, buf, at, bits in segments:
+            lay = (anchor_record_layout if kind == "anchor" else residual_record_layout)(scheme, kv_heads, head_dim, n)
+            place = f"{kind} {where(i)}"
+            if at[i] + lay.raw_length > len(buf):
+                raise FormatError(f"`page.raw_length` {place}: expected {lay.raw_length} bytes, got "
+                                  f"{len(buf) - at[i]}", field="page.raw_length", where=place)
+            here = {name: at[i] + off for name, off in record_parts(lay).items()}
+            pad = count * bits % 8
+            for name in ("key_" + kind, "value_" + kind) if pad else ():
+                if buf[here[name] + lay.codes_size - 1] >> pad:
+                    raise FormatError(f"`{name}` {place}: padding bits after the last code must be zero",
+                                      field=name, where=place)
+            parts.update(here)
+        for j, which in enumerate(("key", "value")):
+            rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
+                            parts.get(f"{which}_residual", 0), t0, n))
+    for j in range(2):
+        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads):
+            for i, (t0, n) in enumerate(tokens):  # name the page and the field
+                meta = anchor_record_layout(scheme, kv_heads, head_dim, n).meta_size // scheme.meta_bytes
+                m = np.frombuffer(anchor, _META_NP[scheme.meta_dtype], 4 * meta, anchor_at[i])
+                _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta),
+                                f"anchor {where(i)}")
+            raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
+                              where=f"anchor {where(0)}")
+
+
+def _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
+                     out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str], threads: int | None) -> None:
+    """:func:`dequantize_records` one page at a time through the decoded records (any scheme)."""
+    H, D = kv_heads, head_dim
+    for i, (t0, n) in enumerate(tokens):
+        sinks = max(0, min(scheme.sink_tokens, t0 + n) - t0)
+        lay = anchor_record_layout(scheme, H, D, n, sinks)
+        place = f"anchor {where(i)}"
+        meta, codes, sink_codes = decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay,
+                                                        scheme, H, D, place)
+        if residual is None:
+            resid = torch.zeros_like(codes)
+            if sink_codes is not None:  # the anchor carries the sink tokens' residual
+                resid[:, :, :sinks] = sink_codes
+        else:
+            rlay = residual_record_layout(scheme, H, D, n)
+            resid = decode_residual_records([residual[residual_at[i]:residual_at[i] + rlay.raw_length]], rlay, scheme,
+                                            H, D, f"residual {where(i)}")
+        for j, which in enumerate(("key", "value")):
+            enc = EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], scheme.axis(which), sinks)
+            dequantize(enc, scheme, anchor_only=residual is None, out=out[j][:, t0:t0 + n], threads=threads)
 
 
 def anchor_page(meta: list[torch.Tensor], codes: torch.Tensor, sinks: torch.Tensor | None) -> AnchorPage:

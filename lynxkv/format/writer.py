@@ -119,37 +119,53 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
             raise InputError(f"{name}: {value} is outside what format v1 stores (at most {cap})")
 
     anchor_records, residual_records = _page_records(enc)
-    n_pages = len(anchor_records)
-    index_size = n_pages * c.PAGE_ENTRY_SIZE
+    index_size = len(anchor_records) * c.PAGE_ENTRY_SIZE
     a_entries, a_stored = _section(anchor_records, index_size, zstd)
-    a_index = pack_index(a_entries)
-    a_length = index_size + sum(len(b) for b in a_stored)
+    r_entries, r_stored = _section(residual_records, c.RESIDUAL_HEADER_SIZE + index_size, zstd)
+    fields = AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id, (), prompt, fingerprint,
+                          names, c.FLAG_BATCH_DIM if enc.batch_dim else 0, properties=properties)
+    framed = frame_sections(fields, a_entries, r_entries, single_file=single_file,
+                            residual_location=residual_location)
+    residual = b"".join([framed.residual_lead, *r_stored])
+    anchor = b"".join([framed.anchor_lead, *a_stored] + ([residual] if single_file else []))
+    return BuiltFiles(anchor, None if single_file else residual, framed.header)
 
-    r_lead = c.RESIDUAL_HEADER_SIZE + index_size
-    r_entries, r_stored = _section(residual_records, r_lead, zstd)
-    r_index = pack_index(r_entries)
-    r_head = pack_residual_header(ResidualHeader(cache_id, layers, heads, dim, enc.tokens, enc.scheme.page,
-                                                 enc.scheme.residual_bits, crc32(r_index)))
-    residual = b"".join([r_head, r_index, *r_stored])
+
+@dataclass(frozen=True)
+class FramedSections:
+    anchor_lead: bytes  # the anchor header and the anchor page index: the anchor file up to its first page
+    residual_lead: bytes  # the residual header and the residual page index: the section up to its first page
+    header: AnchorHeader  # as a reader parses it (header_length filled in)
+
+
+def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residual_entries: list[PageEntry], *,
+                   single_file: bool = False, residual_location: str = "") -> FramedSections:
+    """The bytes around the stored pages of a cache: both headers and both page indexes, from the index entries
+    (offsets section-relative, as :func:`_section` places them) and ``fields`` (every header field but the segment
+    table, which is computed here). The pages themselves are the caller's: written after each lead, in order."""
+    a_index, r_index = pack_index(anchor_entries), pack_index(residual_entries)
+    a_length = len(a_index) + sum(e.stored_length for e in anchor_entries)
+    r_length = c.RESIDUAL_HEADER_SIZE + len(r_index) + sum(e.stored_length for e in residual_entries)
+    r_head = pack_residual_header(ResidualHeader(fields.cache_id, fields.layers, fields.kv_heads, fields.head_dim,
+                                                 fields.tokens, fields.scheme.page, fields.scheme.residual_bits,
+                                                 crc32(r_index)))
 
     def header(anchor_offset: int) -> AnchorHeader:
-        anchor_seg = SegmentEntry(c.SEGMENT_ANCHOR, c.PLACEMENT_INLINE, n_pages, anchor_offset, a_length,
+        anchor_seg = SegmentEntry(c.SEGMENT_ANCHOR, c.PLACEMENT_INLINE, len(anchor_entries), anchor_offset, a_length,
                                   crc32(a_index))
         if single_file:
-            res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_INLINE, n_pages, anchor_offset + a_length,
-                                   len(residual), crc32(r_index))
+            res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_INLINE, len(residual_entries),
+                                   anchor_offset + a_length, r_length, crc32(r_index))
         else:
-            res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_EXTERNAL, n_pages, 0, len(residual),
+            res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_EXTERNAL, len(residual_entries), 0, r_length,
                                    crc32(r_index), residual_location)
-        return AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id,
-                            (anchor_seg, res_seg), prompt, fingerprint, names,
-                            (c.FLAG_BATCH_DIM if enc.batch_dim else 0) | (c.FLAG_PROPERTIES if properties else 0),
-                            version_minor=1 if properties else c.VERSION_MINOR, properties=properties)
+        return replace(fields, segments=(anchor_seg, res_seg),
+                       flags=fields.flags | (c.FLAG_PROPERTIES if fields.properties else 0),
+                       version_minor=1 if fields.properties else c.VERSION_MINOR)
 
     # The header holds the anchor section's offset, which is the header's own length: pack once to learn it.
     length = len(pack_anchor_header(header(0)))
     h = header(length)
     head = pack_anchor_header(h)
     assert len(head) == length  # offsets are fixed-width, so the length cannot change
-    anchor = b"".join([head, a_index, *a_stored] + ([residual] if single_file else []))
-    return BuiltFiles(anchor, None if single_file else residual, replace(h, header_length=length))
+    return FramedSections(head + a_index, r_head + r_index, replace(h, header_length=length))

@@ -2,7 +2,8 @@
 or Triton, chosen by device and scheme, all bit-identical); :mod:`lynxkv.quant.reference` is the normative
 arithmetic and the tests' oracle."""
 
-from lynxkv.quant.dispatch import dequantize, dequantize_packed, pack_bits, quantize, quantize_packed, unpack_bits
+from lynxkv.quant.dispatch import (dequantize, dequantize_packed, dequantize_pages, pack_bits, quantize, quantize_packed,
+                                   unpack_bits)
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor, error_bound, join_code, split_code
 
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "EncodedTensor",
     "dequantize",
     "dequantize_packed",
+    "dequantize_pages",
     "error_bound",
     "join_code",
     "pack_bits",

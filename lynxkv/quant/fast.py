@@ -278,19 +278,20 @@ if numba is not None:
                     o[d] = _meta_get(offset, m + d)
                     s[d] = _meta_get(scale, m + d)
             else:
-                row = np.uint64(x0 + h * sh + t0 * st)
-                for d in range(D):
-                    v = _load(x, row + np.uint64(d))
-                    mx[d] = v
-                    mn[d] = v
-                    bad[d] = v - v  # NaN for inf or NaN, else 0
-                for t in range(t0 + 1, t1):
-                    row = np.uint64(x0 + h * sh + t * st)
-                    for d in range(D):
-                        v = _load(x, row + np.uint64(d))
-                        mx[d] = v if v > mx[d] else mx[d]
-                        mn[d] = v if v < mn[d] else mn[d]
-                        bad[d] += v - v
+                base = np.uint64(x0 + h * sh + t0 * st)
+                for d in range(D):  # channel by channel: the running max, min and check stay in registers
+                    v = _load(x, base + np.uint64(d))
+                    hi_v = v
+                    lo_v = v
+                    nonfinite = v - v  # NaN for inf or NaN, else 0
+                    for t in range(1, t1 - t0):
+                        v = _load(x, base + np.uint64(t * st + d))
+                        hi_v = v if v > hi_v else hi_v
+                        lo_v = v if v < lo_v else lo_v
+                        nonfinite += v - v
+                    mx[d] = hi_v
+                    mn[d] = lo_v
+                    bad[d] = nonfinite
                 for d in range(D):
                     if bad[d] != 0:
                         flags |= 1
@@ -358,49 +359,96 @@ if numba is not None:
                         r_out[el + np.uint64(d)] = np.uint8(row_codes[d] & mask)
         return flags
 
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _meta_at(buf, at, wide):
+        """fp32 value and raw bits of the little-endian metadata element at byte ``at`` (fp32 when ``wide``,
+        else fp16): the bytes are read one by one, so a record may start at any byte."""
+        if wide:
+            bits = (np.int32(buf[at]) | (np.int32(buf[at + 1]) << 8) | (np.int32(buf[at + 2]) << 16)
+                    | (np.int32(buf[at + 3]) << 24))
+            return _bits_f32(bits), bits
+        bits = np.int32(buf[at]) | (np.int32(buf[at + 1]) << 8)
+        return _f16_widen(np.uint16(bits)), bits
+
     @_jit
-    def _decode_kernel(a_in, r_in, packed, anchor_only, rb, T, D, C, nc, u0, u1, offset, scale, levels, y, y0, sh, st):
-        """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16), from
-        packed 4+4 bytes or unpacked anchor/residual bytes; ``anchor_only`` indexes ``levels`` by the anchor."""
-        o = np.empty(D, np.float32)
-        s = np.empty(D, np.float32)
-        q = np.empty(D, np.int32)
-        for unit in range(u0, u1):
-            h = unit // nc
-            c = unit - h * nc
-            m = unit * D
-            for d in range(D):
-                o[d] = _meta_get(offset, m + d)
-                s[d] = _meta_get(scale, m + d)
-            for t in range(c * C, min(T, c * C + C)):
-                el = (h * T + t) * D
-                if packed:
-                    ar = a_in[el >> 1:(el >> 1) + (D >> 1)]
-                    rr = r_in[el >> 1:(el >> 1) + (D >> 1)]
-                    if anchor_only:
-                        for j in range(D >> 1):
-                            b = np.int32(ar[j])
-                            q[2 * j] = b & 0xF
-                            q[2 * j + 1] = b >> 4
+    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, H, C, u0, u1, levels, y, sh,
+                       st, sd):
+        """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16); returns
+        metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a scale is negative.
+
+        ``pages`` int64 ``[P, 8]``, one row per page of ``rows x cols`` elements per head: byte offsets of its
+        offsets and scales (``[H, ceil(rows/C), cols]``, little-endian fp16, or fp32 when ``wide``) in
+        ``o_buf``/``s_buf`` and of its codes (``[H, rows, cols]`` row-major) in ``a_buf``/``r_buf``, the element
+        offset in ``y`` of its first element, ``rows``, ``cols`` and its first unit (a unit is one (head, chunk)
+        of one page; units are numbered page after page). Codes are packed 4+4 (``packed``: two per byte, the
+        first in the low nibble; ``cols`` even) or one byte each; ``anchor_only`` indexes ``levels`` by the
+        anchor. Element (h, t, d) of a page goes to ``y[y0 + h·sh + t·st + d·sd]``: any strided view."""
+        cmax = 0
+        for p in range(pages.shape[0]):
+            cmax = max(cmax, pages[p, 6])
+        o = np.empty(cmax, np.float32)
+        s = np.empty(cmax, np.float32)
+        f = np.empty(cmax, np.float32)
+        mb = 4 if wide else 2
+        exponent = np.int32(0x7F800000) if wide else np.int32(0x7C00)
+        sign = np.int32(-2147483648) if wide else np.int32(0x8000)
+        flags = 0
+        for p in range(pages.shape[0]):
+            rows = pages[p, 5]
+            cols = pages[p, 6]
+            nc = (rows + C - 1) // C
+            first = pages[p, 7]
+            lo = max(u0, first)
+            hi = min(u1, first + H * nc)
+            for unit in range(lo, hi):
+                h = (unit - first) // nc
+                c = unit - first - h * nc
+                m = (h * nc + c) * cols * mb
+                for d in range(cols):
+                    ov, ob = _meta_at(o_buf, pages[p, 0] + m + d * mb, wide)
+                    sv, sb = _meta_at(s_buf, pages[p, 1] + m + d * mb, wide)
+                    if (ob & exponent) == exponent:
+                        flags |= 1
+                    if (sb & exponent) == exponent:
+                        flags |= 2
+                    if (sb & sign) != 0 and sb != sign:  # -0.0 is zero, not negative
+                        flags |= 4
+                    o[d] = ov
+                    s[d] = sv
+                for t in range(c * C, min(rows, c * C + C)):
+                    el = np.uint64((h * rows + t) * cols)
+                    if packed:
+                        ar = a_buf[np.uint64(pages[p, 2]) + (el >> np.uint64(1)):]
+                        rr = r_buf[np.uint64(pages[p, 3]) + (el >> np.uint64(1)):]
+                        if anchor_only:
+                            for j in range(cols >> 1):
+                                b = np.uint32(ar[j])
+                                f[2 * j] = levels[b & np.uint32(0xF)]
+                                f[2 * j + 1] = levels[b >> np.uint32(4)]
+                        else:
+                            for j in range(cols >> 1):
+                                b = np.uint32(ar[j])
+                                e = np.uint32(rr[j])
+                                f[2 * j] = levels[((b & np.uint32(0xF)) << np.uint32(4)) | (e & np.uint32(0xF))]
+                                f[2 * j + 1] = levels[(b & np.uint32(0xF0)) | (e >> np.uint32(4))]
                     else:
-                        for j in range(D >> 1):
-                            b = np.int32(ar[j])
-                            e = np.int32(rr[j])
-                            q[2 * j] = ((b & 0xF) << 4) | (e & 0xF)
-                            q[2 * j + 1] = (b & 0xF0) | (e >> 4)
-                else:
-                    ar = a_in[el:el + D]
-                    rr = r_in[el:el + D]
-                    if anchor_only:
-                        for d in range(D):
-                            q[d] = np.int32(ar[d])
+                        ar = a_buf[np.uint64(pages[p, 2]) + el:]
+                        rr = r_buf[np.uint64(pages[p, 3]) + el:]
+                        if anchor_only:
+                            for d in range(cols):
+                                f[d] = levels[np.uint32(ar[d])]
+                        else:
+                            for d in range(cols):
+                                f[d] = levels[(np.uint32(ar[d]) << np.uint32(rb)) | np.uint32(rr[d])]
+                    row = np.uint64(pages[p, 4] + h * sh + t * st)
+                    if sd == 1:
+                        yr = y[row:row + np.uint64(cols)]
+                        for d in range(cols):
+                            _store(yr, d, o[d] + s[d] * f[d])
                     else:
-                        for d in range(D):
-                            q[d] = (np.int32(ar[d]) << rb) | np.int32(rr[d])
-                row = y0 + h * sh + t * st
-                yr = y[row:row + D]
-                for d in range(D):
-                    _store(yr, d, o[d] + s[d] * levels[q[d]])
+                        for d in range(cols):
+                            _store(y, row + np.uint64(d * sd), o[d] + s[d] * f[d])
+        return flags
 
     @_jit
     def _pack4_kernel(v, out, i0, i1):
@@ -456,14 +504,17 @@ def _parallel(kernel, units: int, args_before: tuple, args_after: tuple, min_uni
 
 
 # ----------------------------------------------------------------------------------------------- tensors
-def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int, int]:
-    """A 1-d numpy view over the storage span of ``t`` ``[H, T, D]`` (last axis contiguous) and the element
-    strides: ``(buffer, start, stride_h, stride_t)``; bf16 is viewed as uint16 bits."""
+def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int, int, int]:
+    """A 1-d numpy view over the storage span of ``t`` ``[H, T, D]`` (any non-negative strides) and the element
+    strides: ``(buffer, start, stride_h, stride_t, stride_d)``; bf16 is viewed as uint16 bits."""
     h, n, d = t.shape
-    span = 1 + (h - 1) * t.stride(0) + (n - 1) * t.stride(1) + (d - 1)
-    flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
+    if t.is_contiguous():
+        flat = t.view(-1)
+    else:
+        span = 1 + (h - 1) * t.stride(0) + (n - 1) * t.stride(1) + (d - 1) * t.stride(2)
+        flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
     arr = flat.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else flat.numpy()
-    return arr, 0, t.stride(0), t.stride(1)
+    return arr, 0, t.stride(0), t.stride(1), t.stride(2)
 
 
 def _input(x: torch.Tensor) -> torch.Tensor:
@@ -507,7 +558,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     size = n // 2 if packed else n
     a_out = torch.empty(size, dtype=torch.uint8)
     r_out = torch.empty(size, dtype=torch.uint8)
-    buf, x0, sh, st = _flat(x)
+    buf, x0, sh, st, _ = _flat(x)  # _input: the last axis is contiguous
     flags = 0
     for f in _parallel(
         _encode_kernel, h * nc, (buf, x0, sh, st, t, d, c, nc),
@@ -601,27 +652,52 @@ def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dty
     return out
 
 
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a tensor in C order (a view where it is contiguous)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], packed: bool, scheme: Scheme,
+                  out: torch.Tensor, threads: int | None) -> int:
+    """Run :func:`_decode_kernel` over ``pages`` (rows of its table without the last column, the first unit,
+    which is added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
+    non-negative strides; fp32 and bf16 are written in place, other dtypes through an fp32 tensor of the same
+    strides); returns the metadata problem flags. Python work per call is kept small: the progressive reader
+    calls this once per page."""
+    anchor_only = r_buf is None
+    direct = out.dtype in (torch.float32, torch.bfloat16)
+    y = out if direct else torch.empty_strided(out.shape, out.stride(), dtype=torch.float32)
+    c = scheme.chunk
+    h = out.shape[0]
+    table, units = [], 0
+    for row in pages:
+        table.append((*row, units))
+        units += h * -(-row[5] // c)
+    buf, _, sh, st, sd = _flat(y)
+    flags = 0
+    for f in _parallel(
+        _decode_kernel, units,
+        (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
+         scheme.residual_bits, scheme.meta_dtype == "fp32", h, c),
+        (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
+    ):
+        flags |= f
+    if y is not out:
+        out.copy_(y)
+    return flags
+
+
 def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads):
     h, t, d = shape
     out = _out(out, shape, dtype)
     if out.numel() == 0:
         return out
-    anchor_only = r is None
-    direct = out.dtype in (torch.float32, torch.bfloat16) and out.stride(-1) == 1
-    y = out if direct else torch.empty(shape, dtype=torch.float32)
-    c = scheme.chunk
-    nc = -(-t // c)
+    nc = -(-t // scheme.chunk)
     if tuple(offset.shape) != (h, nc, d) or tuple(scale.shape) != (h, nc, d):
         raise InputError(f"offset/scale: expected shape {(h, nc, d)}, got {tuple(offset.shape)}/{tuple(scale.shape)}")
-    buf, y0, sh, st = _flat(y)
-    a_np = a.contiguous().view(-1).numpy()
-    r_np = a_np if anchor_only else r.contiguous().view(-1).numpy()
-    _parallel(
-        _decode_kernel, h * nc, (a_np, r_np, packed, anchor_only, scheme.residual_bits, t, d, c, nc),
-        (_meta_np(offset), _meta_np(scale), level_table(scheme, anchor_only), buf, y0, sh, st), threads=threads,
-    )
-    if y is not out:
-        out.copy_(y)
+    pages = [(0, 0, 0, 0, 0, t, d)]  # the whole tensor as one page
+    _decode_pages(_bytes(offset), _bytes(scale), _bytes(a), None if r is None else _bytes(r), pages, packed, scheme,
+                  out, threads)
     return out
 
 
@@ -631,8 +707,8 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
     float tensor of the shape with a contiguous last axis is written in place; other layouts are copied)."""
     shape = tuple(enc.anchor.shape)
     n = enc.anchor.numel()
-    if enc.residual.numel() != n and not anchor_only:
-        raise InputError(f"residual: expected {n} codes, got {enc.residual.numel()}")
+    if not anchor_only and (enc.residual is None or enc.residual.numel() != n):
+        raise InputError(f"residual: expected {n} codes, got {0 if enc.residual is None else enc.residual.numel()}")
     return _decode(enc.anchor, None if anchor_only else enc.residual, False, enc.offset, enc.scale, shape, scheme,
                    dtype, out, threads)
 
@@ -652,13 +728,46 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads)
 
 
+def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None) -> int:
+    """Dequantize pages of packed 4+4 codes held in byte buffers straight into ``out`` ``[H, T, D]`` (a CPU
+    tensor, any strides; needs :func:`packable`), without unpacking or concatenating anything first.
+
+    ``pages``: one row of integers per page ``(offset_at, scale_at, anchor_at, residual_at, t0, n)``: the
+    page holds tokens ``[t0, t0 + n)``; its offsets and scales (``[H, ceil(n/C), D]``, little-endian metadata
+    dtype) start at bytes ``offset_at`` and ``scale_at`` of ``anchor``, its packed anchor codes (``[H, n, D]``
+    flattened) at ``anchor_at``; its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor
+    alone). Returns metadata problem flags (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
+    negative); the values written for such a page are what the arithmetic gives."""
+    h, t, d = out.shape
+    if not packable(scheme, d):
+        raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
+                         f"{scheme.anchor_bits}+{scheme.residual_bits} and head_dim {d}")
+    if out.device.type != "cpu" or min(out.stride()) < 0:
+        raise InputError(f"out: expected a CPU tensor with non-negative strides, got {out.device}")
+    a_buf = np.frombuffer(anchor, dtype=np.uint8)
+    r_buf = None if residual is None else np.frombuffer(residual, dtype=np.uint8)
+    a_size, r_size = a_buf.size, 0 if r_buf is None else r_buf.size
+    c, mb, st = scheme.chunk, scheme.meta_bytes, out.stride(1)
+    table = []
+    for o_at, s_at, a_at, r_at, t0, n in pages:
+        meta, codes = h * -(-n // c) * d * mb, h * n * d // 2
+        if (min(o_at, s_at, a_at, r_at, t0, n) < 0 or t0 + n > t or max(o_at, s_at) + meta > a_size
+                or a_at + codes > a_size or (r_buf is not None and r_at + codes > r_size)):
+            raise InputError(f"pages: page {(o_at, s_at, a_at, r_at, t0, n)} lies outside its buffers or outside out")
+        if n and h and d:
+            table.append((o_at, s_at, a_at, r_at, t0 * st, n, d))
+    if not table:
+        return 0
+    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads)
+
+
 def pack4(values: torch.Tensor) -> torch.Tensor:
     """4-bit packing of an even number of uint8 values (two per byte, the first in the low nibble) in C order;
     a ``[H, n, D]`` view with even ``D`` and a contiguous last axis (a page of a larger tensor) is read in
     place."""
     if values.dim() == 3 and values.shape[2] % 2 == 0 and values.stride(2) == 1 and values.numel():
         h, n, d = values.shape
-        buf, x0, sh, st = _flat(values)
+        buf, x0, sh, st, _ = _flat(values)
         out = torch.empty(h * n * d // 2, dtype=torch.uint8)
         _parallel(_pack4_rows_kernel, h * n, (buf, x0, sh, st, n, d, out.numpy()), (), min_units=1 << 12)
         return out

@@ -8,7 +8,8 @@ Load a cache progressively (the :class:`~lynxkv.loading.CacheLoad` the decode ru
     from lynxkv.stream import open_progressive
 
     load = open_progressive("s3://bucket/x.lynx",            # or a path, file://, http(s)://, memory://,
-                            bandwidth="1Gbps", latency="2ms",  # or http://HOST:PORT/x.lynx of `lynxkv serve`
+                            bandwidth="1Gbps", latency="2ms",  # http://HOST:PORT/x.lynx of `lynxkv serve`,
+                                                              # lmcache://MODEL?anchor_path=...&tokens=...
                             on_event=print)                   # anchor_page ... anchor_ready, residual_page ...
     draft_kv = load.wait_anchor()            # per layer (K, V) [H, T, D], anchor only (lossy)
     full_kv = load.residual.result()         # anchor + residual, exactly what open_cache(...).load_kv() gives
@@ -24,11 +25,13 @@ the storage layer's, :mod:`lynxkv.storage`.
 
 Modules: ``units`` (1Gbps, 2ms, sizes), ``link`` (one token bucket, strict priority), ``buffer`` (a bounded byte
 source fed by a stream), ``transport`` (how segment bytes arrive: ranged reads through the storage layer, and
-the interface a new transport implements), ``progressive`` (the consumer: priority, events, ETA, pages,
+the interface a new transport implements), ``joined`` (several stored caches read as one, along tokens),
+``lmcache_source`` (``lmcache://``: a prompt's prefix from an LMCache store with the lynx tier), ``progressive`` (the consumer: priority, events, ETA, pages,
 dequantization), ``http_server`` (``lynxkv serve``), ``tier`` (moving segments), ``received`` (saving a
 streamed copy), ``report`` (what ``lynxkv stream`` prints).
 """
 
+from lynxkv.stream import lmcache_source  # noqa: F401  (registers the lmcache:// transport; LMCache loads on use)
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.progressive import LoadEvent, ProgressiveLoad, open_progressive
 from lynxkv.stream.tier import move_cache

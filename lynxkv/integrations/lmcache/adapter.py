@@ -42,19 +42,9 @@ from lynxkv.cache import verify_file
 from lynxkv.errors import InputError, LynxError
 from lynxkv.integrations.lmcache.chunk import anchor_length, split_chunk
 from lynxkv.storage import filesystem, read_all, size_of, write_atomic
+from lynxkv.stream.lmcache_source import object_name, object_paths
 
 log = init_logger(__name__)  # LMCache's log, so that `lmcache server` shows what the lynx tier did
-
-
-def object_name(key: ObjectKey) -> str:
-    """The file name (without extension) of a chunk: every key field, the model name first."""
-    model = key.model_name.replace("%", "%25").replace("/", "%2F")
-    name = f"{model}@{key.kv_rank:#010x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
-    return f"{name}@{key.cache_salt}" if key.cache_salt else name
-
-
-def _join(base: str, name: str) -> str:
-    return posixpath.join(base, name) if "://" in base else os.path.join(base, name)
 
 
 class LynxL2Adapter(L2AdapterInterface):
@@ -81,8 +71,7 @@ class LynxL2Adapter(L2AdapterInterface):
 
     # -- paths
     def paths(self, key: ObjectKey) -> tuple[str, str]:
-        name = object_name(key)
-        return _join(self.anchor_path, name + ".lynx"), _join(self.residual_path, name + ".lynxr")
+        return object_paths(key, self.anchor_path, self.residual_path)
 
     def _residual_location(self, anchor: str, residual: str) -> str:
         """What the anchor records: the residual's path relative to the anchor's directory (or its URL)."""

@@ -9,7 +9,6 @@ chunk tensor, exactly the full code's values (:func:`lynxkv.open_cache` ``.load_
 
 from __future__ import annotations
 
-import hashlib
 import torch
 
 from lynxkv.errors import FormatError, InputError
@@ -17,16 +16,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.reader import read_anchor_header
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import BytesSource
-
-
-def chunk_cache_id(*parts: object) -> bytes:
-    """A 16-byte cache id derived from the object's key, so that the same chunk always gets the same id."""
-    return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=16).digest()
-
-
-def model_tag(model_name: str) -> str:
-    """The 32-hex-digit fingerprint recorded for chunks of ``model_name``."""
-    return hashlib.blake2b(model_name.encode(), digest_size=16).hexdigest()
+from lynxkv.stream.lmcache_source import name_fingerprint
 
 
 def as_pairs(shape) -> tuple[int, int, int, int]:
@@ -61,13 +51,13 @@ def chunk_to_kv(chunk: torch.Tensor, kv_heads: int) -> list[tuple[torch.Tensor, 
 
 def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEFAULT, model_name: str = "",
                  cache_id: bytes | None = None) -> bytes:
-    """One chunk as a single-file ``.lynx`` cache. The header's fingerprint is :func:`model_tag` of
+    """One chunk as a single-file ``.lynx`` cache. The header's fingerprint is the model's :func:`~lynxkv.stream.lmcache_source.name_fingerprint` of
     ``model_name`` (the name itself is in the object's key and file name)."""
     from lynxkv.cache import encode_kv
     from lynxkv.format.writer import build_files
 
     kv = chunk_to_kv(chunk.detach().to("cpu"), kv_heads)
-    enc = encode_kv(kv, scheme, model_fingerprint=model_tag(model_name) if model_name else None)
+    enc = encode_kv(kv, scheme, model_fingerprint=name_fingerprint(model_name) if model_name else None)
     return build_files(enc, cache_id=cache_id, single_file=True).anchor
 
 

@@ -18,14 +18,11 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 
 from lynxkv.errors import InputError
-from lynxkv.integrations.lmcache.chunk import chunk_cache_id, decode_chunk, encode_chunk, max_chunk_bytes
+from lynxkv.integrations.lmcache.chunk import decode_chunk, encode_chunk, max_chunk_bytes
 from lynxkv.quant.scheme import Scheme, get_scheme
+from lynxkv.stream.lmcache_source import key_cache_id
 
 SERDE_TYPE = "lynx"
-
-
-def key_cache_id(key: ObjectKey) -> bytes:
-    return chunk_cache_id(key.model_name, key.kv_rank, key.object_group_id, key.chunk_hash.hex(), key.cache_salt)
 
 
 class LynxSerializer(Serializer):
