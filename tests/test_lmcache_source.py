@@ -28,7 +28,10 @@ def _kv(tokens: int, seed: int = 0):
             for _ in range(LAYERS)]
 
 
-def _save_chunks(tmp_path, kv, sizes, scheme=lynxkv.DEFAULT):
+JOINABLE = lynxkv.DEFAULT.replace(sink_tokens=0)  # a part's own first tokens must not be sinks
+
+
+def _save_chunks(tmp_path, kv, sizes, scheme=JOINABLE):
     parts, t0 = [], 0
     for i, n in enumerate(sizes):
         path = str(tmp_path / f"chunk{i}.lynx")
@@ -48,7 +51,7 @@ def test_joined_chunks_are_the_cache_saved_whole(tmp_path):
     residual = joined.residual.fetch(0, joined.residual.size)
     assert len(joined.anchor.spans) == LAYERS * 4 and len(anchor) == joined.anchor.size
     assert verify_file(anchor, residual=residual) == []
-    lynxkv.save_cache(tmp_path / "whole.lynx", kv)
+    lynxkv.save_cache(tmp_path / "whole.lynx", kv, JOINABLE)
     with open_cache(anchor, residual=residual) as j, open_cache(tmp_path / "whole.lynx") as w:
         assert j.header.tokens == w.header.tokens and list(j.header.prompt_token_ids) == ids
         assert j.info.properties == {"lynxkv.model": "org/m"}

@@ -66,6 +66,8 @@ def join_problem(before: AnchorHeader, h: AnchorHeader) -> str | None:
             return f"its {name} ({getattr(h, name)}) differs from the part before it ({getattr(before, name)})"
     if before.tokens % before.scheme.page:
         return f"the part before it ends inside a page ({before.tokens} tokens, pages of {before.scheme.page})"
+    if h.scheme.sink_tokens:  # its own first tokens carry sink residuals: not the pages of one whole cache
+        return f"its scheme has {h.scheme.sink_tokens} sink tokens (encode joinable parts with sink_tokens=0)"
     return None
 
 

@@ -57,6 +57,7 @@ def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEF
     from lynxkv.format.writer import build_files
 
     kv = chunk_to_kv(chunk.detach().to("cpu"), kv_heads)
+    scheme = scheme.replace(sink_tokens=0)  # chunks are joined into one cache (lynxkv.stream.joined): no sinks
     enc = encode_kv(kv, scheme, model_fingerprint=name_fingerprint(model_name) if model_name else None)
     return build_files(enc, cache_id=cache_id, single_file=True).anchor
 
