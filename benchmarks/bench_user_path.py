@@ -139,6 +139,7 @@ STEPS = ("save_cache", "load_kv", "load_anchor", "progressive_anchor", "zstd_com
 def measure(name: str, kv, repeats: int, tmp: Path, profile: bool) -> dict:
     steps = Steps(kv, tmp)
     nbytes = len(steps.raw)
+    load_before = os.getloadavg()
     for step in STEPS:  # warm-up: compile caches, page cache, thread pools
         getattr(steps, step)()
     times: dict[str, list[float]] = {s: [] for s in STEPS}
@@ -166,13 +167,14 @@ def measure(name: str, kv, repeats: int, tmp: Path, profile: bool) -> dict:
     return {
         "cache": name, "layers": len(kv), "shape": shape, "bf16_bytes": nbytes, "anchor_file_bytes": steps.anchor_bytes,
         "seconds": times, "median_s": med, "gbps": {s: nbytes / t / 1e9 for s, t in med.items()}, "ratios": ratios,
-        "profiles": profiles,
+        "profiles": profiles, "loadavg": {"start": load_before, "end": os.getloadavg()},
     }
 
 
 def print_result(r: dict) -> None:
     print(f"\n{r['cache']}: {r['layers']} layers x K,V {list(r['shape'])} bf16 = {r['bf16_bytes'] / 1e6:.0f} MB "
-          f"(anchor file {r['anchor_file_bytes'] / 1e6:.0f} MB)")
+          f"(anchor file {r['anchor_file_bytes'] / 1e6:.0f} MB); load average (1/5/15 min) "
+          + " -> ".join("/".join(f"{x:.1f}" for x in r["loadavg"][k]) for k in ("start", "end")))
     print(f"  {'step':<24} {'median s':>9} {'GB/s of BF16 KV':>16}")
     for s in STEPS:
         print(f"  {s:<24} {r['median_s'][s]:>9.3f} {r['gbps'][s]:>16.2f}")

@@ -23,7 +23,7 @@ from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, run
-from lynxkv.speculative.compare import judge, run_baselines, tt_rows
+from lynxkv.speculative.compare import compare_run
 from lynxkv.speculative.model_ops import measure_tpot
 from lynxkv.stream.progressive import open_progressive
 
@@ -67,15 +67,12 @@ def main(argv=None) -> dict:
     load = open_progressive(anchor_path, bandwidth=bandwidth, allow_locations=[slow])  # the slow tier, allowed
     try:
         lynx = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
-        anchor_kv, full_kv = load.wait_anchor(), load.residual.result()
-        tl = load.timeline
+        compared = compare_run(loaded.model, load, lynx, cfg, loaded.fingerprint, bandwidth=bandwidth, latency=0.0,
+                               n=args.max_new_tokens)
     finally:
         load.close()
 
-    baselines = run_baselines(loaded.model, ids.tolist(), loaded.fingerprint, anchor_kv, full_kv,
-                              anchor_bytes=tl.anchor_bytes, residual_bytes=tl.residual_bytes,
-                              bandwidth=bandwidth, latency=0.0, config=cfg)
-    rows = tt_rows(lynx, baselines, ns=(1, 32, args.max_new_tokens))
+    rows, verdict = compared["rows"], compared["judge"]
     n = args.max_new_tokens
     print(f"\n{'method':<16} {'ready':>8} {'TT1':>8} {'TT32':>8} {'TT' + str(n):>8}  same tokens")
     for r in rows:
@@ -83,7 +80,6 @@ def main(argv=None) -> dict:
         print(f"{r['method']:<16} " + " ".join("       -" if c is None else f"{c:8.3f}" for c in cells)
               + f"  {'yes' if r['same_tokens_as_lynx'] else 'no'}")
     s = lynx.stats
-    verdict = judge(lynx, baselines, n=n)
     print(f"\ndrafted {s.drafted}, accepted {s.accepted}; verify {s.verify_s * 1e3:.0f} ms; "
           f"Δ = min(t_res, {n}·TPOT) = {verdict['delta_theoretical_s'] or 0:.3f} s; "
           f"measured gain over monolithic full code {verdict['gain_measured_s'] or 0:.3f} s")

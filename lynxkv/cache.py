@@ -284,11 +284,8 @@ class LynxCache:
         if not anchor_only:
             self._residual()
         shape = (h.kv_heads, h.tokens, h.head_dim)
-        kv = []
-        for layer in range(h.layers):  # each page record decoded straight into the layer's tensors
-            pair = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-            self._reader.dequantize_layer(layer, pair, anchor_only=anchor_only)
-            kv.append(pair)
+        kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
+        self._reader.dequantize_layers(kv, anchor_only=anchor_only)  # page records straight into the tensors
         return kv
 
     def verify(self) -> list[Finding]:

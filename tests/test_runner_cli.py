@@ -81,6 +81,38 @@ def test_compare_runs_all_baselines(tiny_cache, capsys):
     assert cmp["judge"]["tt_lynx_s"] is None  # fewer than 64 tokens: no TT64 verdict is made up
 
 
+def test_compare_repeats_every_method_and_judges_on_medians(tiny_cache, capsys):
+    import statistics
+
+    model_dir, path, _, _ = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "64", "--ignore-eos", "--bandwidth", "8MB/s",
+                          "--compare", "--repeats", "3", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    cmp = doc["compare"]
+    assert cmp["repeats"] == 3
+    rows = {r["method"]: r for r in cmp["rows"]}
+    assert set(rows) == {"lynx", "monolithic-bf16", "monolithic-full", "anchor-only"}
+    for name, row in rows.items():
+        assert len(row["runs"]) == 3 and len(cmp["stats"][name]) == 3
+        assert row["tt64_s"] == statistics.median(r["tt64_s"] for r in row["runs"])
+    assert rows["lynx"]["same_tokens_as_lynx"] and rows["monolithic-full"]["same_tokens_as_lynx"]
+    assert rows["lynx"]["runs"][0]["tt64_s"] == doc["stats"]["tt64_s"]  # the shown run is the first round
+    j = cmp["judge"]
+    assert j["repeats"] == 3 and len(j["rounds"]) == 3
+    assert j["tt_lynx_s"] == rows["lynx"]["tt64_s"] and j["tt_full_s"] == rows["monolithic-full"]["tt64_s"]
+    assert [r["tt_lynx_s"] for r in j["rounds"]] == [r["tt64_s"] for r in rows["lynx"]["runs"]]
+    assert isinstance(j["beats_full_by_0.6_delta"], bool)
+
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "64", "--ignore-eos", "--bandwidth", "8MB/s",
+                          "--compare", "--repeats", "2")
+    assert code == 0, err
+    words = " ".join(out.split())  # a table's title wraps at the table's width
+    assert "medians of 2 interleaved runs" in words and "TT64 per run" in out and "medians of 2 runs" in words
+    code, _, err = _run(capsys, path, "--model", model_dir, "--repeats", "2")
+    assert code == 1 and "--repeats needs --compare" in err
+
+
 def test_wrong_model_is_one_clear_error(tiny_cache, capsys, tmp_path):
     _, path, _, _ = tiny_cache
     other = save_tiny_model_dir(make_tiny_llama(5, layers=3, head_dim=32), tmp_path / "other")

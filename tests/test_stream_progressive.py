@@ -303,3 +303,17 @@ def test_several_ranged_reads_in_flight_and_residual_waits_its_turn(cache_dir):
         assert kv_equal(load.residual.result(60), ref_full)
     assert peak["anchor"] >= 3 and peak["residual"] >= 3
     assert peak["residual_during_anchor"] <= 1
+
+
+def test_loading_leaves_the_callers_torch_threads_alone(cache_dir):
+    """torch.set_num_threads is process-wide: a load must not change it under a model decoding beside it."""
+    _, path, *_ , (ref_anchor, ref_full) = cache_dir
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with open_progressive(path) as load:
+            assert kv_equal(load.wait_anchor(30), ref_anchor)
+            assert kv_equal(load.residual.result(30), ref_full)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

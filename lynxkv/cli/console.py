@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
 from lynxkv.errors import InputError
@@ -27,15 +27,17 @@ _UNLIMITED = 1 << 16  # columns for output that is not a terminal: as wide as th
 
 
 class _Console(Console):
+    # rich renders with ``size`` (its ``width`` reads it), which falls back to 80 columns off a terminal
     @property
-    def width(self) -> int:
+    def size(self) -> ConsoleDimensions:
+        size = super().size
         if self._width is None and not self.is_terminal:
-            return _UNLIMITED
-        return super().width
+            return ConsoleDimensions(_UNLIMITED, size.height)
+        return size
 
-    @width.setter
-    def width(self, value: int) -> None:
-        self._width = value
+    @size.setter
+    def size(self, value: tuple[int, int]) -> None:
+        Console.size.fset(self, value)
 
 
 out = _Console(highlight=False, soft_wrap=True)

@@ -3,8 +3,8 @@
 Each step is the library call behind a command a user would type, and the command is printed first: prefill +
 ``encode`` with the anchor and the residual on two tiers (two directories standing for fast and slow storage),
 ``inspect``, ``verify`` and the reconstruction error (full and anchor-only, against the prefill's own KV), then
-``run --compare`` under an emulated link whose rate makes the residual take about ``--residual-steps`` decode
-steps, and a short summary.
+``run --compare --repeats`` under an emulated link whose rate makes the residual take about ``--residual-steps``
+decode steps (every method run ``--repeats`` times, interleaved, judged on medians), and a short summary.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def demo(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     residual_steps: float = typer.Option(40.0, "--residual-steps", min=1.0,
                                          help="Emulated link: residual transfer time in decode steps."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Run every method of the comparison this many "
+                                "times, interleaved, and judge on the medians."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole report as JSON on stdout."),
 ) -> dict:
     """Run the whole Lynx pipeline on the offline SmolLM2 and a built-in prompt."""
@@ -104,14 +106,20 @@ def demo(
     err.print(f"\nTPOT {tpot * 1e3:.0f} ms at {len(ids)} tokens: an emulated link of {format_rate(rate)} makes the "
               f"residual take about {residual_steps:g} decode steps")
     _show(["run", str(anchor), "--residual", str(residual), "--bandwidth", f"{rate * 8:.0f}bps", "-n",
-           str(max_new_tokens), "--ignore-eos", "--compare"])
+           str(max_new_tokens), "--ignore-eos", "--compare", "--repeats", str(repeats)])
     cfg = RunConfig(max_new_tokens=max_new_tokens)
+
+    def open_load():
+        return open_progressive(str(anchor), bandwidth=rate, allow_locations=allow)
+
     started = time.perf_counter()
-    load = open_progressive(str(anchor), bandwidth=rate, allow_locations=allow)
+    load = open_load()
     try:
         result = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
-        err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
-        compared = compare_run(loaded.model, load, result, cfg, loaded.fingerprint, bandwidth=rate, latency=None)
+        err.print(f"running the monolithic baselines (bf16, full code, anchor only) on the same link, every method "
+                  f"{repeats} time(s) ...")
+        compared = compare_run(loaded.model, load, result, cfg, loaded.fingerprint, bandwidth=rate, latency=None,
+                               repeats=repeats, open_load=open_load)
     finally:
         load.close()
 
@@ -119,7 +127,7 @@ def demo(
     rows = {r["method"]: r for r in compared["rows"]}
     n = max(k for k in (1, 32, 64) if k <= max_new_tokens)
     tt = {name: rows[name][f"tt{n}_s"] for name in ("lynx", "monolithic-full", "anchor-only")}
-    same = rows["monolithic-full"]["same_tokens_as_lynx"]
+    same = rows["monolithic-full"]["same_tokens_as_lynx"] and rows["lynx"]["same_tokens_as_lynx"]
     report = {"inspect": described, "verify": {"ok": True, "findings": []}, "vnmse": errors,
               "tpot_s": tpot, "bandwidth_bytes_per_s": rate, "token_ids": result.token_ids,
               "text": loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True),
@@ -129,13 +137,15 @@ def demo(
         return report
     out.print(escape(report["text"]))
     out.print(stats_table(s, "gain, measured (TT64 monolithic full − lynx)", compared["judge"]["gain_measured_s"]))
-    out.print(compare_table(compared["rows"], f"link {format_rate(rate)}"))
+    out.print(compare_table(compared, f"link {format_rate(rate)}"))
     print_judge(compared["judge"])
+    kept = ", ".join(f"{r['accepted']} of {r['drafted']}" for r in rows["lynx"]["runs"])
+    median = f" (medians of {repeats} runs)" if repeats > 1 else ""
     out.print(
         f"\n[bold]Summary[/]: the anchor ({info.bits_per_element['anchor']:.2f} bits/element) was ready at "
-        f"{s.anchor_ready_s:.2f} s and the residual at {s.residual_ready_s:.2f} s; Lynx drafted {s.drafted} "
-        f"tokens on the anchor and kept {s.accepted}. Time to {n} tokens: {tt['lynx']:.2f} s with Lynx, "
-        f"{tt['monolithic-full']:.2f} s loading the full code first, {tt['anchor-only']:.2f} s on the lossy "
-        f"anchor alone; the output is {'identical to' if same else 'DIFFERENT from'} decoding on the full code."
+        f"{s.anchor_ready_s:.2f} s and the residual at {s.residual_ready_s:.2f} s; Lynx kept {kept} tokens drafted "
+        f"on the anchor. Time to {n} tokens{median}: {tt['lynx']:.2f} s with Lynx, {tt['monolithic-full']:.2f} s "
+        f"loading the full code first, {tt['anchor-only']:.2f} s on the lossy anchor alone; the output is "
+        f"{'identical to' if same else 'DIFFERENT from'} decoding on the full code."
     )
     return report

@@ -119,7 +119,7 @@ def eval_command(
         out.print(report.markdown(result), markup=False)
     else:
         for table in report.tables(result):
-            out.print(table, width=None if out.is_terminal else 180)
+            out.print(table)
     err.print(
         f"{len(codecs)} codecs in {result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU "
         "(vNMSE: per-layer global ratio, mean over layers; agree, KL, prefix, ΔPPL: mean ± s.e.m. over prompts)"

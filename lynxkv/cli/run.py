@@ -103,17 +103,27 @@ def stats_table(stats, gain_label: str, gain: float | None):
     return t
 
 
-def compare_table(rows: list[dict], link_text: str):
+def compare_table(compare: dict, link_text: str):
     from rich.table import Table
 
-    t = Table(title=f"TT-N side by side ({link_text}; monolithic transfers computed as latency + bytes/bandwidth, "
-              "then waited)", title_justify="left")
-    for col in ("method", "data ready", "TT1", "TT32", "TT64", "= lynx"):
+    repeats = compare["repeats"]
+    how = f"medians of {repeats} interleaved runs" if repeats > 1 else "one run each"
+    t = Table(title=f"TT-N side by side ({link_text}; {how}; monolithic transfers computed as latency + "
+              "bytes/bandwidth, then waited)", title_justify="left")
+    cols = ["method", "data ready", "TT1", "TT32", "TT64", "= lynx"]
+    if repeats > 1:
+        cols += ["TT64 per run", "drafts kept per run"]
+    for col in cols:
         t.add_column(col, no_wrap=True)
-    for r in rows:
+    for r in compare["rows"]:
         name = r["method"] + ("" if r["verified"] else " (lossy)")
-        t.add_row(name, _s(r["ready_s"]), _s(r["tt1_s"]), _s(r["tt32_s"]), _s(r["tt64_s"]),
-                  "yes" if r["same_tokens_as_lynx"] else "no")
+        cells = [name, _s(r["ready_s"]), _s(r["tt1_s"]), _s(r["tt32_s"]), _s(r["tt64_s"]),
+                 "yes" if r["same_tokens_as_lynx"] else "no"]
+        if repeats > 1:
+            cells.append(" ".join(_s(run["tt64_s"]) for run in r["runs"]))
+            cells.append(" ".join(f"{run['accepted']}/{run['drafted']}" for run in r["runs"])
+                         if r["method"] == "lynx" else "")
+        t.add_row(*cells)
     return t
 
 
@@ -142,6 +152,8 @@ def run(
                                            "finish on the anchor and flag the output as unverified."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the end-of-sequence token."),
     compare: bool = typer.Option(False, "--compare", help="Also run the monolithic baselines on the same link."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="With --compare: run every method (Lynx and each "
+                                "baseline) this many times, interleaved, and judge on the medians."),
     as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
@@ -161,6 +173,8 @@ def run(
     torch_dtype = parse_dtype(dtype)
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")
+    if repeats > 1 and not compare:
+        raise InputError("--repeats needs --compare (it repeats the side-by-side runs)")
     if prompt_file is not None:
         prompt = read_text(prompt_file)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
@@ -186,9 +200,12 @@ def run(
         stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 
+    def open_load():
+        return open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
+                                allow_anchor_only=allow_anchor_only)
+
     started = time.perf_counter()
-    load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
-                            allow_anchor_only=allow_anchor_only)
+    load = open_load()
     printer = None
     try:
         new = None
@@ -223,9 +240,10 @@ def run(
         }
         gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)
         if compare:
-            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
+            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link"
+                      + (f", every method {repeats} times ..." if repeats > 1 else " ..."))
             cmp = compare_run(loaded.model, load, result, cfg, fingerprint, bandwidth=rate, latency=delay,
-                              new_token_ids=new)
+                              new_token_ids=new, repeats=repeats, open_load=open_load)
             report["compare"] = cmp
             gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
     finally:
@@ -240,17 +258,23 @@ def run(
     if compare:
         link = report["compare"]["link"]
         link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
-        out.print(compare_table(report["compare"]["rows"], link_text))
+        out.print(compare_table(report["compare"], link_text))
         print_judge(report["compare"]["judge"])
     return report
 
 
 def print_judge(j: dict) -> None:
-    """The two latency targets of ``--compare``, met or not, in one line."""
-    if j["beats_full_by_0.6_delta"] is not None:
-        out.print(
-            f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
-            f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
-            f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
-            f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
-        )
+    """The two latency targets of ``--compare``, met or not, in one line (on medians when repeated)."""
+    if j["beats_full_by_0.6_delta"] is None:
+        return
+    medians = ""
+    if j["repeats"] > 1:
+        both = sum(1 for r in j["rounds"] if r["beats_full_by_0.6_delta"] and r["within_1.15_of_anchor_only"])
+        medians = f"; medians of {j['repeats']} runs, both targets met in {both} of {len(j['rounds'])} rounds"
+    out.print(
+        f"TT64: lynx {_s(j['tt_lynx_s'])} vs monolithic full {_s(j['tt_full_s'])} "
+        f"(gain {_s(j['gain_measured_s'])}, Δ = {_s(j['delta_theoretical_s'])}, target ≥ 0.6 Δ: "
+        f"{'met' if j['beats_full_by_0.6_delta'] else 'NOT met'}); vs anchor-only "
+        f"{_s(j['tt_anchor_only_s'])} (target ≤ 1.15×: {'met' if j['within_1.15_of_anchor_only'] else 'NOT met'})"
+        + medians
+    )

@@ -293,8 +293,9 @@ class PageReader:
 
     def pages(self, kind: int, *, decode: bool = True) -> Iterator[tuple[int, int, PageEntry, object]]:
         """Every page of segment ``kind`` in file order (layer-major): ``(layer, page, entry, record)``, the CRC
-        checked before it is yielded (``record`` is None with ``decode=False``: checked and decompressed only).
-        A streaming source is told after each page that the bytes before its end are no longer needed."""
+        checked before it is yielded (with ``decode=False`` the record is the raw record: checked and decompressed
+        only, for :func:`records.dequantize_records`). A streaming source is told after each page that the bytes
+        before its end are no longer needed."""
         src, index = self.source(kind), self.index(kind)
         release = getattr(src, "release", None)
         for i, entry in enumerate(index.entries):
@@ -303,8 +304,7 @@ class PageReader:
             if decode:
                 rec = decode_page(stored, entry, self.header, kind, layer, page)
             else:
-                check_and_decompress(stored, entry, _where(index.name, layer, page))
-                rec = None
+                rec = check_and_decompress(stored, entry, _where(index.name, layer, page))
             if release is not None:
                 release(index.base + entry.offset + entry.stored_length, index.name)
             yield layer, page, entry, rec
@@ -334,17 +334,28 @@ class PageReader:
         at = [sum(len(r) for r in raws[:p]) for p in range(len(raws))]
         return b"".join(raws), at
 
-    def dequantize_layer(self, layer: int, out: tuple[torch.Tensor, torch.Tensor], *, anchor_only: bool = False,
-                         threads: int | None = None) -> None:
-        """Dequantize one layer straight from its page records into ``out`` (keys, values; ``[H, T, D]`` each,
-        written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`)."""
+    def dequantize_layers(self, out: list[tuple[torch.Tensor, torch.Tensor]], *, anchor_only: bool = False,
+                          threads: int | None = None) -> None:
+        """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
+        each, written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`).
+        The next layer's records are read and checked on a helper thread while this one is dequantized."""
+        from concurrent.futures import ThreadPoolExecutor
+
         h = self.header
         s = h.scheme
-        anchor, anchor_at = self.layer_records(c.SEGMENT_ANCHOR, layer)
-        residual, residual_at = (None, None) if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer)
         tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
-        dequantize_records(anchor, anchor_at, residual, residual_at, tokens, s, h.kv_heads, h.head_dim, out,
-                           lambda p: _where("anchor", layer, p), threads)
+
+        def records(layer: int):
+            return (self.layer_records(c.SEGMENT_ANCHOR, layer),
+                    None if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer))
+
+        with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-read") as pool:
+            ahead = pool.submit(records, 0) if h.layers else None
+            for layer in range(h.layers):
+                (anchor, anchor_at), residual = ahead.result()
+                ahead = pool.submit(records, layer + 1) if layer + 1 < h.layers else None
+                dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
+                                   out[layer], lambda p, layer=layer: f"layer {layer} page {p}", threads)
 
     def layer(self, kind: int, layer: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(metadata ``[4, H, T/C, D]`` or None for the residual, codes ``[2, H, T, D]``) of one layer: the full

@@ -219,8 +219,9 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     of ``anchor``, its residual record at ``residual_at[i]`` of ``residual`` (``None``: the anchor alone).
     ``out`` is ``(keys, values)``, ``[H, T, D]`` each (any strides), written in place through the quantizer
     entry (:func:`lynxkv.quant.dequantize_pages`: nothing is unpacked, permuted or concatenated first).
-    ``where(i)`` names page ``i`` in errors. The checks of :func:`decode_anchor_records` apply: the record
-    sizes, zero padding bits after the last code, finite offsets and scales, scales >= 0."""
+    ``where(i)`` names page ``i`` in errors (``"layer 3 page 1"``; the segment is put before it). The checks of
+    :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
+    and scales, scales >= 0."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
@@ -230,15 +231,16 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         parts = {}
         for kind, buf, at, bits in segments:
             lay = (anchor_record_layout if kind == "anchor" else residual_record_layout)(scheme, kv_heads, head_dim, n)
+            place = f"{kind} {where(i)}"
             if at[i] + lay.raw_length > len(buf):
-                raise FormatError(f"`page.raw_length` {where(i)}: expected {lay.raw_length} bytes, got "
-                                  f"{len(buf) - at[i]}", field="page.raw_length", where=where(i))
+                raise FormatError(f"`page.raw_length` {place}: expected {lay.raw_length} bytes, got "
+                                  f"{len(buf) - at[i]}", field="page.raw_length", where=place)
             here = {name: at[i] + off for name, off in record_parts(lay).items()}
             pad = count * bits % 8
             for name in ("key_" + kind, "value_" + kind) if pad else ():
                 if buf[here[name] + lay.codes_size - 1] >> pad:
-                    raise FormatError(f"`{name}` {where(i)}: padding bits after the last code must be zero",
-                                      field=name, where=where(i))
+                    raise FormatError(f"`{name}` {place}: padding bits after the last code must be zero",
+                                      field=name, where=place)
             parts.update(here)
         for j, which in enumerate(("key", "value")):
             rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
@@ -248,8 +250,10 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
             for i, (t0, n) in enumerate(tokens):  # name the page and the field
                 meta = anchor_record_layout(scheme, kv_heads, head_dim, n).meta_size // scheme.meta_bytes
                 m = np.frombuffer(anchor, _META_NP[scheme.meta_dtype], 4 * meta, anchor_at[i])
-                _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta), where(i))
-            raise FormatError(f"`page` {where(0)}: metadata out of range", field="page", where=where(0))
+                _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta),
+                                f"anchor {where(i)}")
+            raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
+                              where=f"anchor {where(0)}")
 
 
 def anchor_page(meta: torch.Tensor, codes: torch.Tensor) -> AnchorPage:

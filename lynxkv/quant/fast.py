@@ -278,19 +278,20 @@ if numba is not None:
                     o[d] = _meta_get(offset, m + d)
                     s[d] = _meta_get(scale, m + d)
             else:
-                row = np.uint64(x0 + h * sh + t0 * st)
-                for d in range(D):
-                    v = _load(x, row + np.uint64(d))
-                    mx[d] = v
-                    mn[d] = v
-                    bad[d] = v - v  # NaN for inf or NaN, else 0
-                for t in range(t0 + 1, t1):
-                    row = np.uint64(x0 + h * sh + t * st)
-                    for d in range(D):
-                        v = _load(x, row + np.uint64(d))
-                        mx[d] = v if v > mx[d] else mx[d]
-                        mn[d] = v if v < mn[d] else mn[d]
-                        bad[d] += v - v
+                base = np.uint64(x0 + h * sh + t0 * st)
+                for d in range(D):  # channel by channel: the running max, min and check stay in registers
+                    v = _load(x, base + np.uint64(d))
+                    hi_v = v
+                    lo_v = v
+                    nonfinite = v - v  # NaN for inf or NaN, else 0
+                    for t in range(1, t1 - t0):
+                        v = _load(x, base + np.uint64(t * st + d))
+                        hi_v = v if v > hi_v else hi_v
+                        lo_v = v if v < lo_v else lo_v
+                        nonfinite += v - v
+                    mx[d] = hi_v
+                    mn[d] = lo_v
+                    bad[d] = nonfinite
                 for d in range(D):
                     if bad[d] != 0:
                         flags |= 1
@@ -507,8 +508,11 @@ def _flat(t: torch.Tensor) -> tuple[np.ndarray, int, int, int, int]:
     """A 1-d numpy view over the storage span of ``t`` ``[H, T, D]`` (any non-negative strides) and the element
     strides: ``(buffer, start, stride_h, stride_t, stride_d)``; bf16 is viewed as uint16 bits."""
     h, n, d = t.shape
-    span = 1 + (h - 1) * t.stride(0) + (n - 1) * t.stride(1) + (d - 1) * t.stride(2)
-    flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
+    if t.is_contiguous():
+        flat = t.view(-1)
+    else:
+        span = 1 + (h - 1) * t.stride(0) + (n - 1) * t.stride(1) + (d - 1) * t.stride(2)
+        flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
     arr = flat.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else flat.numpy()
     return arr, 0, t.stride(0), t.stride(1), t.stride(2)
 
@@ -653,27 +657,28 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: np.ndarray, packed: bool, scheme: Scheme, out: torch.Tensor,
-                  threads: int | None) -> int:
-    """Run :func:`_decode_kernel` over ``pages`` (its table without the last column, the first unit, which is
-    added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
+def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], packed: bool, scheme: Scheme,
+                  out: torch.Tensor, threads: int | None) -> int:
+    """Run :func:`_decode_kernel` over ``pages`` (rows of its table without the last column, the first unit,
+    which is added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
     non-negative strides; fp32 and bf16 are written in place, other dtypes through an fp32 tensor of the same
-    strides); returns the metadata problem flags."""
+    strides); returns the metadata problem flags. Python work per call is kept small: the progressive reader
+    calls this once per page."""
     anchor_only = r_buf is None
     direct = out.dtype in (torch.float32, torch.bfloat16)
     y = out if direct else torch.empty_strided(out.shape, out.stride(), dtype=torch.float32)
     c = scheme.chunk
     h = out.shape[0]
-    units = h * (-(-pages[:, 5] // c))
-    table = np.empty((pages.shape[0], 8), dtype=np.int64)
-    table[:, :7] = pages
-    table[:, 7] = np.cumsum(units) - units
+    table, units = [], 0
+    for row in pages:
+        table.append((*row, units))
+        units += h * -(-row[5] // c)
     buf, _, sh, st, sd = _flat(y)
     flags = 0
     for f in _parallel(
-        _decode_kernel, int(units.sum()),
-        (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, table, packed, anchor_only, scheme.residual_bits,
-         scheme.meta_dtype == "fp32", h, c),
+        _decode_kernel, units,
+        (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
+         scheme.residual_bits, scheme.meta_dtype == "fp32", h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
     ):
         flags |= f
@@ -690,7 +695,7 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
     nc = -(-t // scheme.chunk)
     if tuple(offset.shape) != (h, nc, d) or tuple(scale.shape) != (h, nc, d):
         raise InputError(f"offset/scale: expected shape {(h, nc, d)}, got {tuple(offset.shape)}/{tuple(scale.shape)}")
-    pages = np.array([[0, 0, 0, 0, 0, t, d]], dtype=np.int64)  # the whole tensor as one page
+    pages = [(0, 0, 0, 0, 0, t, d)]  # the whole tensor as one page
     _decode_pages(_bytes(offset), _bytes(scale), _bytes(a), None if r is None else _bytes(r), pages, packed, scheme,
                   out, threads)
     return out
@@ -727,7 +732,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     """Dequantize pages of packed 4+4 codes held in byte buffers straight into ``out`` ``[H, T, D]`` (a CPU
     tensor, any strides; needs :func:`packable`), without unpacking or concatenating anything first.
 
-    ``pages``: int64 ``[P, 6]``, one row per page ``(offset_at, scale_at, anchor_at, residual_at, t0, n)``: the
+    ``pages``: one row of integers per page ``(offset_at, scale_at, anchor_at, residual_at, t0, n)``: the
     page holds tokens ``[t0, t0 + n)``; its offsets and scales (``[H, ceil(n/C), D]``, little-endian metadata
     dtype) start at bytes ``offset_at`` and ``scale_at`` of ``anchor``, its packed anchor codes (``[H, n, D]``
     flattened) at ``anchor_at``; its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor
@@ -737,28 +742,22 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
                          f"{scheme.anchor_bits}+{scheme.residual_bits} and head_dim {d}")
+    if out.device.type != "cpu" or min(out.stride()) < 0:
+        raise InputError(f"out: expected a CPU tensor with non-negative strides, got {out.device}")
     a_buf = np.frombuffer(anchor, dtype=np.uint8)
     r_buf = None if residual is None else np.frombuffer(residual, dtype=np.uint8)
-    pages = np.asarray(pages, dtype=np.int64).reshape(-1, 6)
-    if out.device.type != "cpu" or any(x < 0 for x in out.stride()):
-        raise InputError(f"out: expected a CPU tensor with non-negative strides, got {out.device}")
-    n = pages[:, 5]
-    meta = h * (-(-n // scheme.chunk)) * d * scheme.meta_bytes
-    codes = h * n * d // 2
-    ok = ((pages >= 0).all() and (pages[:, 4] + n <= t).all() and (pages[:, 0] + meta <= a_buf.size).all()
-          and (pages[:, 1] + meta <= a_buf.size).all() and (pages[:, 2] + codes <= a_buf.size).all()
-          and (r_buf is None or (pages[:, 3] + codes <= r_buf.size).all()))
-    if not ok:
-        raise InputError("pages: a page lies outside its buffers or outside out")
-    keep = n > 0
-    if out.numel() == 0 or not keep.any():
+    a_size, r_size = a_buf.size, 0 if r_buf is None else r_buf.size
+    c, mb, st = scheme.chunk, scheme.meta_bytes, out.stride(1)
+    table = []
+    for o_at, s_at, a_at, r_at, t0, n in pages:
+        meta, codes = h * -(-n // c) * d * mb, h * n * d // 2
+        if (min(o_at, s_at, a_at, r_at, t0, n) < 0 or t0 + n > t or max(o_at, s_at) + meta > a_size
+                or a_at + codes > a_size or (r_buf is not None and r_at + codes > r_size)):
+            raise InputError(f"pages: page {(o_at, s_at, a_at, r_at, t0, n)} lies outside its buffers or outside out")
+        if n and h and d:
+            table.append((o_at, s_at, a_at, r_at, t0 * st, n, d))
+    if not table:
         return 0
-    pages = pages[keep]
-    table = np.empty((pages.shape[0], 7), dtype=np.int64)
-    table[:, :4] = pages[:, :4]
-    table[:, 4] = pages[:, 4] * out.stride(1)
-    table[:, 5] = pages[:, 5]
-    table[:, 6] = d
     return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads)
 
 

@@ -7,18 +7,20 @@ by URL scheme), which owns the pumps, the range reads and the link. Threads and 
 - the transport's *pump* per segment moves ordered blocks (ranged reads with several requests in flight for
   storage URLs) through the shared emulated link into a bounded :class:`StreamBuffer`;
 - one *parser* per segment walks the segment with the one page reader (:class:`~lynxkv.format.reader.PageReader`):
-  header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and decoded;
-  a page whose checksum fails is never handed on;
-- one *consumer* takes decoded pages from a priority queue, anchor pages first (the receiver drains anchor
-  buffers before residual ones), holds residual pages back until the anchor is complete, emits the events
+  header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and
+  decompressed (no tensor work: the parsers stay off the cores the consumer and a model use); a page whose
+  checksum fails is never handed on;
+- one *consumer* takes the raw page records from a priority queue, anchor pages first (the receiver drains
+  anchor buffers before residual ones), holds residual pages back until the anchor is complete, emits the events
   ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or ``residual_failed``), and
-  builds the dequantized KV (:func:`lynxkv.quant.dequantize`, page by page as pages arrive): anchor-only at
-  ``anchor_ready``, full at ``residual_ready``.
+  builds the dequantized KV page by page as pages arrive, straight from the record bytes
+  (:func:`lynxkv.format.records.dequantize_records`, one compiled pass per page with the GIL released; the
+  record checks run there): anchor-only at ``anchor_ready``, full at ``residual_ready``.
 
 Memory. The transport is bounded: each segment's :class:`StreamBuffer` holds at most ``cap`` bytes (16 MiB) beyond
 what its parser has used, ranged reads keep ``inflight x block_size`` bytes in flight, and at most
-``max_pending_pages`` decoded residual pages wait for the consumer. What the load produces is held as it must be:
-the anchor codes of each page until its residual page arrives (to rebuild the full code), and the two KV outputs.
+``max_pending_pages`` residual pages wait for the consumer. What the load produces is held as it must be:
+the anchor record of each page until its residual page arrives (to rebuild the full code), and the two KV outputs.
 
 Residual failures. Transient transport errors are retried with backoff inside the pump (see ``transport``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
 object, a connection that keeps failing. Then ``residual`` fails with that LynxError and
@@ -52,9 +54,9 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
 from lynxkv.format.reader import PageReader
+from lynxkv.format.records import dequantize_records
 from lynxkv.kv import KVPairs
 from lynxkv.loading import LoadTimeline
-from lynxkv.quant import EncodedTensor, dequantize
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import EmulatedLink
@@ -70,13 +72,6 @@ def _close_live_loads() -> None:
     shutdown aborts the process ("terminate called without an active exception")."""
     for load in list(_LIVE):
         load.close()
-
-
-def _one_torch_thread() -> None:
-    """Run this worker's torch ops on one intra-op thread (a per-thread OpenMP setting; the caller's threads keep
-    theirs). Page-sized ops gain nothing from a fork/join, and on a busy machine each one can stall for
-    milliseconds waiting for a second core: measured 111 ms vs 0.05 ms for one page's dequantization."""
-    torch.set_num_threads(1)
 
 
 EVENT_KINDS = ("anchor_page", "anchor_ready", "residual_page", "residual_ready", "residual_failed", "error")
@@ -125,6 +120,7 @@ class ProgressiveLoad:
         self._finished = False  # no more events will come
         self._header_ready = threading.Event()
         self._anchor_done = threading.Event()
+        self._anchor_parsed = threading.Event()  # the anchor parser is done (or failed)
         self._anchor_kv: KVPairs | None = None
         self._anchor_error: BaseException | None = None
         self._fatal: BaseException | None = None
@@ -263,7 +259,6 @@ class ProgressiveLoad:
         self._queue.put((prio, seq, item))
 
     def _guard(self, segment: str, fn: Callable[[], None]) -> None:
-        _one_torch_thread()
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which decides
@@ -273,6 +268,12 @@ class ProgressiveLoad:
 
     # ------------------------------------------------------------------------------------------ parsers
     def _anchor_worker(self) -> None:
+        try:
+            self._parse_anchor()
+        finally:
+            self._anchor_parsed.set()
+
+    def _parse_anchor(self) -> None:
         buf = self._transport.open_anchor()
         # An inline residual (single-file cache) lies after the anchor section: the page reader checks the file's
         # exact length against header + both inline sections.
@@ -283,8 +284,8 @@ class ProgressiveLoad:
         reader.index(c.SEGMENT_ANCHOR)
         self._header_ready.set()
         self._put(0, ("header", h))
-        for layer, page, entry, rec in reader.pages(c.SEGMENT_ANCHOR, decode=self.decode):
-            self._put(0, ("anchor", layer, page, rec, entry.stored_length))
+        for layer, page, entry, raw in reader.pages(c.SEGMENT_ANCHOR, decode=False):  # CRC checked here
+            self._put(0, ("anchor", layer, page, raw if self.decode else None, entry.stored_length))
         self._timeline.extra["anchor_arrived_s"] = self._now()
         buf.unregister("anchor")
         self._put(0, ("anchor_done",))
@@ -300,17 +301,21 @@ class ProgressiveLoad:
         self._residual_bytes_total = seg.length
         buf = self._transport.open_residual(h)
         reader.attach_residual(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)
-        for layer, page, entry, rec in reader.pages(c.SEGMENT_RESIDUAL, decode=self.decode):
+        while not self._anchor_parsed.wait(0.2):  # residual pages wait for the anchor anyway: their checks then
+            if self._closed.is_set():               # take no CPU from the anchor's (the bytes keep arriving)
+                return
+        for layer, page, entry, raw in reader.pages(c.SEGMENT_RESIDUAL, decode=False):
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
                     return
-            self._put(1, ("residual", layer, page, rec, entry.stored_length))
+            self._put(1, ("residual", layer, page, raw if self.decode else None, entry.stored_length))
         self._timeline.extra["residual_arrived_s"] = self._now()
         self._put(1, ("residual_done",))
 
     # ------------------------------------------------------------------------------------------ consumer
     def _consumer(self) -> None:
-        _one_torch_thread()
+        # No torch.set_num_threads here: it is process-wide (it would also slow down the model decoding beside
+        # this load); the dequantization runs in compiled workers, anchor pages on all of them, residual on one.
         anchors: dict[tuple[int, int], object] = {}
         held: list[tuple] = []
         anchor_complete = False
@@ -330,6 +335,20 @@ class ProgressiveLoad:
                                                torch.empty(shape, dtype=self.dtype)) for _ in range(h.layers)]
                                              for _ in range(2))  # (anchor-only, full)
                     continue
+                if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
+                    batch = [item] + self._take_more(lambda it: it[0] == "residual" and it[1] == item[1])
+                    try:  # the records' own checks (padding bits) run here, before the pages are handed on
+                        self._dequantize_pages(item[1], [it[2] for it in batch],
+                                               [anchors.pop((it[1], it[2])) for it in batch], [it[3] for it in batch])
+                    except LynxError as exc:
+                        for _ in batch:
+                            self._residual_slots.release()
+                        kind, item = "error", ("error", "residual", exc)
+                    else:
+                        for _, layer, page, _, n in batch:
+                            self._residual_slots.release()
+                            self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
+                        continue
                 if kind == "error":
                     _, segment, exc = item
                     if segment == "anchor" or not self.allow_anchor_only:
@@ -344,11 +363,13 @@ class ProgressiveLoad:
                         return
                     continue  # keep loading the anchor; anchor_done then ends the load, flagged lossy
                 if kind == "anchor":
-                    _, layer, page, rec, n = item
+                    batch = [item] + self._take_more(lambda it: it[0] == "anchor" and it[1] == item[1])
                     if self.decode:
-                        anchors[(layer, page)] = rec
-                        self._dequantize_page(layer, page, rec, None)
-                    self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
+                        for _, layer, page, raw, _ in batch:
+                            anchors[(layer, page)] = raw
+                        self._dequantize_pages(item[1], [it[2] for it in batch], [it[3] for it in batch], None)
+                    for _, layer, page, _, n in batch:
+                        self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
                     continue
                 if kind == "anchor_done":
                     self._anchor_kv = self._kv_out[0] if self.decode else None
@@ -370,10 +391,8 @@ class ProgressiveLoad:
                     if kind == "residual":
                         self._residual_slots.release()
                     continue
-                if kind == "residual":
-                    _, layer, page, rec, n = item
-                    if self.decode:
-                        self._dequantize_page(layer, page, anchors.pop((layer, page)), rec)
+                if kind == "residual":  # decode=False: checked only
+                    _, layer, page, _, n = item
                     self._residual_slots.release()
                     self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
                     continue
@@ -419,26 +438,43 @@ class ProgressiveLoad:
             self._events_cond.notify_all()
 
     # ------------------------------------------------------------------------------------------ KV
-    def _dequantize_page(self, layer: int, page: int, arec, rrec) -> None:
-        """Dequantize one page into the layer's output tensors: anchor-only (``rrec`` None) or full.
+    def _take_more(self, fits: Callable[[tuple], bool], limit: int = 64) -> list[tuple]:
+        """Further queued items that ``fits`` accepts, in queue order, as many as are already there (at most
+        ``limit``): pages that arrived while the last batch was dequantized are dequantized together."""
+        got: list[tuple] = []
+        while len(got) < limit:
+            try:
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not fits(entry[2]):
+                self._queue.put(entry)  # same (priority, sequence): its place in the queue is kept
+                break
+            got.append(entry[2])
+        return got
+
+    def _dequantize_pages(self, layer: int, pages: list[int], anchors: list, residuals: list | None) -> None:
+        """Dequantize raw records of pages of one layer into its output tensors: anchor-only (``residuals``
+        None) or full, straight from the record bytes (:func:`lynxkv.format.records.dequantize_records`).
 
         A page is exactly P/C whole chunks, so dequantizing page by page equals dequantizing the whole tensor;
-        doing it as pages arrive overlaps the arithmetic with the transfer."""
+        doing it as pages arrive overlaps the arithmetic with the transfer. Residual pages arrive while a model
+        drafts: they take one worker thread."""
         h = self.header
         s = h.scheme
-        t0 = page * s.page
-        n = page_tokens(h.tokens, s.page, page)
-        out = self._kv_out[0 if rrec is None else 1][layer]
-        for i, which in enumerate(("key", "value")):
-            anchor = getattr(arec, f"{which}_anchor")  # uint8 [H, n, D]
-            enc = EncodedTensor(
-                anchor=anchor,
-                residual=getattr(rrec, f"{which}_residual") if rrec is not None else torch.zeros_like(anchor),
-                offset=getattr(arec, f"{which}_offset"),  # [H, n/C, D]
-                scale=getattr(arec, f"{which}_scale"),
-            )
-            # straight into the layer's tensor; residual pages arrive while a model drafts: one worker thread
-            dequantize(enc, s, anchor_only=rrec is None, out=out[i][:, t0:t0 + n], threads=None if rrec is None else 1)
+
+        def joined(raws: list) -> tuple[bytes, list[int]]:
+            at = [0]
+            for raw in raws[:-1]:
+                at.append(at[-1] + len(raw))
+            return (raws[0] if len(raws) == 1 else b"".join(raws)), at
+
+        anchor, anchor_at = joined(anchors)
+        residual, residual_at = (None, None) if residuals is None else joined(residuals)
+        dequantize_records(anchor, anchor_at, residual, residual_at,
+                           [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages], s, h.kv_heads,
+                           h.head_dim, self._kv_out[0 if residuals is None else 1][layer],
+                           lambda i: f"layer {layer} page {pages[i]}", None if residuals is None else 1)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
