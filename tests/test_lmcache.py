@@ -363,6 +363,20 @@ def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
         assert load.timeline.extra["lmcache"]["chunks"] == 1
         assert "another chunk's cache id" in load.timeline.extra["lmcache"]["miss"]
 
+    # a valid object bound to chunk 1's key but holding 128 tokens: a miss (pages are joined, never re-cut)
+    from lynxkv.integrations.lmcache.chunk import encode_chunk, split_chunk
+    from lynxkv.stream.lmcache_source import key_cache_id
+
+    a1, r1 = object_paths(ks[1], str(hot), str(cold))
+    single = encode_chunk(torch.zeros(2, SHAPE[1], 128, SHAPE[3]), kv_heads=2, model_name=MODEL,
+                          cache_id=key_cache_id(ks[1]))
+    anchor, residual = split_chunk(single, os.path.relpath(r1, os.path.dirname(a1)))
+    open(r1, "wb").write(residual)
+    open(a1, "wb").write(anchor)
+    with open_progressive(url_of(hot, tokens, residual_path=cold)) as load:
+        load.residual.result(timeout=60)
+        assert load.timeline.extra["lmcache"]["miss"].endswith("128 tokens, the chunk size is 256")
+
     # nothing stored for these tokens: one clear error
     with open_progressive(url_of(hot, prompt(512, seed=9), residual_path=cold)) as load:
         with pytest.raises(InputError, match="no stored prefix of these tokens"):
