@@ -28,6 +28,7 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 
 from lynxkv.cache import open_cache, verify_file  # noqa: E402
 from lynxkv.errors import LynxError  # noqa: E402
+from fixtures_s3 import s3_server  # noqa: E402,F401  (a fixture: moto's S3 server on loopback)
 from lynxkv.cli import main  # noqa: E402
 
 MODEL = "org/tiny-llama"
@@ -363,6 +364,20 @@ def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
         assert load.timeline.extra["lmcache"]["chunks"] == 1
         assert "another chunk's cache id" in load.timeline.extra["lmcache"]["miss"]
 
+    # a valid object bound to chunk 1's key but holding 128 tokens: a miss (pages are joined, never re-cut)
+    from lynxkv.integrations.lmcache.chunk import encode_chunk, split_chunk
+    from lynxkv.stream.lmcache_source import key_cache_id
+
+    a1, r1 = object_paths(ks[1], str(hot), str(cold))
+    single = encode_chunk(torch.zeros(2, SHAPE[1], 128, SHAPE[3]), kv_heads=2, model_name=MODEL,
+                          cache_id=key_cache_id(ks[1]))
+    anchor, residual = split_chunk(single, os.path.relpath(r1, os.path.dirname(a1)))
+    open(r1, "wb").write(residual)
+    open(a1, "wb").write(anchor)
+    with open_progressive(url_of(hot, tokens, residual_path=cold)) as load:
+        load.residual.result(timeout=60)
+        assert load.timeline.extra["lmcache"]["miss"].endswith("128 tokens, the chunk size is 256")
+
     # nothing stored for these tokens: one clear error
     with open_progressive(url_of(hot, prompt(512, seed=9), residual_path=cold)) as load:
         with pytest.raises(InputError, match="no stored prefix of these tokens"):
@@ -402,3 +417,22 @@ def test_lynxkv_run_drafts_on_a_stored_prefix_and_equals_full_code_decoding(tmp_
     assert s["anchor_ready_s"] < s["residual_ready_s"] and s["load"]["anchor_bytes"] > 0
     assert main(["run", url, "--model", "org/another", "-n", "4"]) == 1  # the store's keys name another model
     assert "made with model" in capsys.readouterr().err
+
+
+
+def test_anchors_on_local_disk_residuals_on_s3(tmp_path, s3_server):
+    """The issue's tiering: the tier keeps anchors in a local directory and residuals on S3 (moto on loopback,
+    real HTTP); lmcache:// reads the anchors from disk first, then the residuals with ranged GETs."""
+    from lynxkv.stream import open_progressive
+
+    hot, cold = tmp_path / "hot", s3_server.url("lynx-residuals")
+    tokens = prompt(2 * 256, seed=11)
+    ks = store_prompt(hot, cold, tokens)
+    assert len(s3_server.fs().ls(f"{s3_server.bucket}/lynx-residuals")) == 2
+    with open_progressive(url_of(hot, tokens, residual_path=cold)) as load:
+        kv = load.residual.result(timeout=120)
+        assert load.residual_url == cold
+    assert_same_kv(kv, stored_kv(hot, cold, ks))
+    # the anchors record their residuals' URLs: followed only when allowed
+    with open_progressive(url_of(hot, tokens), allow_locations=(cold,)) as load:
+        assert_same_kv(load.residual.result(timeout=120), kv)
