@@ -7,10 +7,13 @@ Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endia
 
 Residual record: K residual codes packed | V residual codes packed. Anchor-only decoding therefore needs only
 anchor records. :func:`check_and_decompress` checks the CRC-32 of the stored bytes first, then decompresses with
-the output bounded by the raw length the shape implies; one decoder per record layout
-(:func:`decode_anchor_records`, :func:`decode_residual_records`) then splits one page, or all full pages of a
-layer at once. Encoding goes through :func:`encode_anchor_record` / :func:`encode_residual_record`; these and the
-decoders are the only places where the format calls the quantizer's packing.
+the output bounded by the raw length the shape implies. :func:`record_parts` says where each part of a record
+lies; :func:`dequantize_records` (what ``load_kv`` and the progressive reader use) hands those places to the
+quantizer entry, which dequantizes the codes straight from the record bytes into the output tensors, while
+:func:`decode_anchor_records` / :func:`decode_residual_records` split records into code and metadata tensors (one
+page, or all full pages of a layer at once) for callers that want the codes themselves. Encoding goes through
+:func:`encode_anchor_record` / :func:`encode_residual_record`; these and the decoders are the only places where
+the format calls the quantizer.
 """
 
 from __future__ import annotations
@@ -186,7 +189,8 @@ def decode_anchor_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_head
     m = m.astype(np_dtype.newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
     _check_metadata(m, where)
     meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
-    codes = _codes(buf, record_parts(lay)["key_anchor"], lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
+    codes = _codes(buf, record_parts(lay)["key_anchor"], lay, scheme.anchor_bits, H * n * D, where,
+                   ("key_anchor", "value_anchor"))
     codes = codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
     return meta.to(META_TORCH_DTYPE[scheme.meta_dtype]), codes
 
