@@ -43,6 +43,14 @@ def as_pairs(shape) -> tuple[int, int, int, int]:
     return 2, lead // 2, shape[-2], shape[-1]
 
 
+def chunk_scheme(scheme: Scheme) -> Scheme:
+    """``scheme`` as a chunk is stored with it: no sink tokens. A chunk's first tokens are the sequence's only in
+    its first chunk (the serde cannot tell which), and lmcache:// joins chunks along tokens, where only the joined
+    cache's start may hold sinks (:func:`lynxkv.stream.joined.join_problem`)."""
+    return scheme.replace(sink_tokens=0) if scheme.sink_tokens else scheme
+
+
+DEFAULT_CHUNK = chunk_scheme(DEFAULT)
 LAYOUT_PROPERTY = "lynxkv.lmcache_layout"  # header property: the chunk layout, when not the default ``kv``
 VLLM_CPU_VEC = "vllm-cpu-vec"
 
@@ -119,7 +127,7 @@ def kv_to_chunk(kv, out: torch.Tensor, layout: ChunkLayout = ChunkLayout()) -> t
     return out
 
 
-def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEFAULT, model_name: str = "",
+def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEFAULT_CHUNK, model_name: str = "",
                  cache_id: bytes | None = None, layout: ChunkLayout = ChunkLayout()) -> bytes:
     """One chunk (in ``layout``) as a single-file ``.lynx`` cache. The header's fingerprint is the model's
     :func:`~lynxkv.stream.lmcache_source.name_fingerprint` of ``model_name`` (the name itself is in the object's
@@ -185,7 +193,7 @@ def decode_chunk(data: bytes, out: torch.Tensor, *, anchor_only: bool = False) -
     return kv_to_chunk(kv, out, layout)
 
 
-def max_chunk_bytes(shape: tuple[int, ...], scheme: Scheme = DEFAULT, *, kv_heads: int = 1,
+def max_chunk_bytes(shape: tuple[int, ...], scheme: Scheme = DEFAULT_CHUNK, *, kv_heads: int = 1,
                     layout: ChunkLayout = ChunkLayout()) -> int:
     """An upper bound on :func:`encode_chunk`'s output for a chunk of ``shape`` (what LMCache allocates)."""
     layers, tokens, heads, d = layout.dims(shape, kv_heads)

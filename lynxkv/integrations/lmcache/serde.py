@@ -8,7 +8,8 @@ identically), ``layout`` (how the chunk tensor holds K and V, :class:`~lynxkv.in
 ``kv``, the default, for LMCache's split-K/V objects; ``vllm-cpu-vec:B`` for vLLM's CPU build with KV block size
 ``B``, whose objects LMCache gathers as ``[layers, tokens, kv_heads * 2 * head_dim]`` blocks of that backend's raw
 memory: the lynx object is then a cache of the model's layers, heads and head dim), ``scheme`` (a lynxkv scheme
-name, default ``default``), ``max_workers``.
+name, default ``default``; stored without sink tokens, :func:`~lynxkv.integrations.lmcache.chunk.chunk_scheme`),
+``max_workers``.
 
 A deserialize failure fails LMCache's whole load batch; the lynx tier (``adapter.py``) therefore checks every CRC
 per chunk before it reports a hit, so that a corrupted object is a miss for that chunk only.
@@ -22,7 +23,8 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 
 from lynxkv.errors import InputError
-from lynxkv.integrations.lmcache.chunk import ChunkLayout, decode_chunk, encode_chunk, max_chunk_bytes, parse_layout
+from lynxkv.integrations.lmcache.chunk import (ChunkLayout, chunk_scheme, decode_chunk, encode_chunk,
+                                              max_chunk_bytes, parse_layout)
 from lynxkv.quant.scheme import Scheme, get_scheme
 from lynxkv.stream.lmcache_source import key_cache_id
 
@@ -31,7 +33,7 @@ SERDE_TYPE = "lynx"
 
 class LynxSerializer(Serializer):
     def __init__(self, kv_heads: int = 1, scheme: Scheme | None = None, layout: ChunkLayout = ChunkLayout()):
-        self.kv_heads, self.scheme, self.layout = kv_heads, scheme or get_scheme(), layout
+        self.kv_heads, self.scheme, self.layout = kv_heads, chunk_scheme(scheme or get_scheme()), layout
 
     def serialize(self, src, dst, key: ObjectKey) -> int:
         data = encode_chunk(src.tensor, kv_heads=self.kv_heads, scheme=self.scheme, model_name=key.model_name,
