@@ -28,16 +28,20 @@ from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # n
 
 from lynxkv.cache import open_cache, verify_file  # noqa: E402
 from lynxkv.errors import LynxError  # noqa: E402
+from fixtures_s3 import s3_server  # noqa: E402,F401  (a fixture: moto's S3 server on loopback)
 from lynxkv.cli import main  # noqa: E402
 
 MODEL = "org/tiny-llama"
 SHAPE = (2, 3, 256, 2 * 32)  # [K/V, layers, tokens, kv_heads * head_dim]
 
 
-def tier_spec(hot, cold) -> dict:
+SERDE = {"kv_heads": 2}
+
+
+def tier_spec(hot, cold, serde: dict = SERDE) -> dict:
     return {"type": "plugin", "module_path": "lynxkv.integrations.lmcache.adapter", "class_name": "LynxL2Adapter",
             "adapter_params": {"anchor_path": str(hot), "residual_path": str(cold)},
-            "serde": {"type": "lynx", "kv_heads": 2}}
+            "serde": {"type": "lynx", **serde}}
 
 
 def memobj(tensor: torch.Tensor) -> TensorMemoryObj:
@@ -54,13 +58,14 @@ def wait(poll, timeout=30.0):
 
 
 class Tier:
-    """The lynx tier and its serde as LMCache builds them from a tier spec."""
+    """The lynx tier and its serde as LMCache builds them from a tier spec, for chunks of ``shape`` and ``dtype``."""
 
-    def __init__(self, hot, cold):
-        spec = tier_spec(hot, cold)
+    def __init__(self, hot, cold, serde: dict = SERDE, shape=SHAPE, dtype=torch.float16):
+        spec = tier_spec(hot, cold, serde)
         self.adapter = create_l2_adapter_from_registry(PluginL2AdapterConfig.from_dict(spec))
-        self.serde = create_serde_processor(SerdeConfig("lynx", {"kv_heads": 2}))
-        self.size = self.serde.estimate_serialized_size(MemoryLayoutDesc([torch.Size(SHAPE)], [torch.float16]))
+        self.serde = create_serde_processor(SerdeConfig("lynx", dict(serde)))
+        self.shape, self.dtype = shape, dtype
+        self.size = self.serde.estimate_serialized_size(MemoryLayoutDesc([torch.Size(shape)], [dtype]))
 
     def store(self, keys, chunks) -> None:
         temps = [memobj(torch.zeros(self.size, dtype=torch.uint8)) for _ in keys]
@@ -79,7 +84,7 @@ class Tier:
         hits = wait(lambda: self.adapter.query_load_result(tid)).get_indices_list()
         outs: list = [None] * len(keys)
         if hits:
-            dsts = [memobj(torch.zeros(SHAPE, dtype=torch.float16)) for _ in hits]
+            dsts = [memobj(torch.zeros(self.shape, dtype=self.dtype)) for _ in hits]
             sid = self.serde.submit_deserialize([temps[i] for i in hits], dsts, [keys[i] for i in hits])
             assert wait(lambda: self.serde.query_deserialize_result(sid)) is True
             for i, d in zip(hits, dsts):
@@ -162,6 +167,35 @@ def test_stored_objects_are_lynx_segments_verify_and_inspect_read(tmp_path, caps
     with open_cache(anchor) as c:
         approx = c.load_kv(anchor_only=True)
     assert len(approx) == SHAPE[1]
+
+
+def test_a_vllm_cpu_chunk_through_the_serde_is_stored_as_the_models_layers_and_retrieved_bit_exact(tmp_path):
+    """vLLM's CPU build registers a fused object ``[layers, tokens, kv_heads * 2 * head_dim]`` (fp32 here) whose
+    32-token blocks are its attention kernel's raw memory; with ``layout`` the stored object is a cache of the
+    model's 3 layers x 2 heads x 32, and the engine gets its layout back, bit-exact to that cache's full code."""
+    from test_lmcache_chunk import _vllm_cpu_object
+
+    from lynxkv.integrations.lmcache.chunk import kv_to_chunk, parse_layout
+
+    g = torch.Generator().manual_seed(8)
+    k, v = torch.randn(2, 3, 2, 256, 32, generator=g)
+    engine = _vllm_cpu_object(k, v, 32)  # what LMCache gathers from the engine's paged cache
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    tier = Tier(hot, cold, {**SERDE, "layout": "vllm-cpu-vec:32"}, tuple(engine.shape), torch.float32)
+    try:
+        tier.store(keys(1), [engine])
+        (got,) = tier.retrieve(keys(1))
+    finally:
+        tier.close()
+    name = os.listdir(hot)[0]
+    with open_cache(str(hot / name), residual=str(cold / (name + "r"))) as c:
+        assert (c.header.layers, c.header.kv_heads, c.header.tokens, c.header.head_dim) == (3, 2, 256, 32)
+        full = c.load_kv(dtype=torch.float32)
+    for layer, (fk, fv) in enumerate(full):  # the model's own keys and values, to the code's precision
+        assert (fk - k[layer]).abs().max() < 0.05 and (fv - v[layer]).abs().max() < 0.05
+    assert torch.equal(got, kv_to_chunk(full, torch.empty_like(engine), parse_layout("vllm-cpu-vec:32")))
+    on_disk = os.path.getsize(hot / name) + os.path.getsize(cold / (name + "r"))
+    assert on_disk <= 0.6 * engine.numel() * 2, on_disk  # <= 0.6x the fp16 size of the same KV
 
 
 def test_a_corrupted_object_is_a_miss_for_that_chunk_only(tmp_path):
@@ -363,6 +397,20 @@ def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
         assert load.timeline.extra["lmcache"]["chunks"] == 1
         assert "another chunk's cache id" in load.timeline.extra["lmcache"]["miss"]
 
+    # a valid object bound to chunk 1's key but holding 128 tokens: a miss (pages are joined, never re-cut)
+    from lynxkv.integrations.lmcache.chunk import encode_chunk, split_chunk
+    from lynxkv.stream.lmcache_source import key_cache_id
+
+    a1, r1 = object_paths(ks[1], str(hot), str(cold))
+    single = encode_chunk(torch.zeros(2, SHAPE[1], 128, SHAPE[3]), kv_heads=2, model_name=MODEL,
+                          cache_id=key_cache_id(ks[1]))
+    anchor, residual = split_chunk(single, os.path.relpath(r1, os.path.dirname(a1)))
+    open(r1, "wb").write(residual)
+    open(a1, "wb").write(anchor)
+    with open_progressive(url_of(hot, tokens, residual_path=cold)) as load:
+        load.residual.result(timeout=60)
+        assert load.timeline.extra["lmcache"]["miss"].endswith("128 tokens, the chunk size is 256")
+
     # nothing stored for these tokens: one clear error
     with open_progressive(url_of(hot, prompt(512, seed=9), residual_path=cold)) as load:
         with pytest.raises(InputError, match="no stored prefix of these tokens"):
@@ -402,3 +450,22 @@ def test_lynxkv_run_drafts_on_a_stored_prefix_and_equals_full_code_decoding(tmp_
     assert s["anchor_ready_s"] < s["residual_ready_s"] and s["load"]["anchor_bytes"] > 0
     assert main(["run", url, "--model", "org/another", "-n", "4"]) == 1  # the store's keys name another model
     assert "made with model" in capsys.readouterr().err
+
+
+
+def test_anchors_on_local_disk_residuals_on_s3(tmp_path, s3_server):
+    """The issue's tiering: the tier keeps anchors in a local directory and residuals on S3 (moto on loopback,
+    real HTTP); lmcache:// reads the anchors from disk first, then the residuals with ranged GETs."""
+    from lynxkv.stream import open_progressive
+
+    hot, cold = tmp_path / "hot", s3_server.url("lynx-residuals")
+    tokens = prompt(2 * 256, seed=11)
+    ks = store_prompt(hot, cold, tokens)
+    assert len(s3_server.fs().ls(f"{s3_server.bucket}/lynx-residuals")) == 2
+    with open_progressive(url_of(hot, tokens, residual_path=cold)) as load:
+        kv = load.residual.result(timeout=120)
+        assert load.residual_url == cold
+    assert_same_kv(kv, stored_kv(hot, cold, ks))
+    # the anchors record their residuals' URLs: followed only when allowed
+    with open_progressive(url_of(hot, tokens), allow_locations=(cold,)) as load:
+        assert_same_kv(load.residual.result(timeout=120), kv)

@@ -10,10 +10,13 @@ Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endia
 
 Residual record: K residual codes packed | V residual codes packed. Anchor-only decoding therefore needs only
 anchor records. :func:`check_and_decompress` checks the CRC-32 of the stored bytes first, then decompresses with
-the output bounded by the raw length the shape implies; one decoder per record layout
-(:func:`decode_anchor_records`, :func:`decode_residual_records`) then splits one page, or all full pages of a
-layer at once. Encoding goes through :func:`encode_anchor_record` / :func:`encode_residual_record`; these and the
-decoders are the only places where the format calls the quantizer's packing.
+the output bounded by the raw length the shape implies. :func:`record_parts` says where each part of a record
+lies; :func:`dequantize_records` (what ``load_kv`` and the progressive reader use) hands those places to the
+quantizer entry, which dequantizes the codes straight from the record bytes into the output tensors, while
+:func:`decode_anchor_records` / :func:`decode_residual_records` split records into code and metadata tensors (one
+page, or all full pages of a layer at once) for callers that want the codes themselves. Encoding goes through
+:func:`encode_anchor_record` / :func:`encode_residual_record`; these and the decoders are the only places where
+the format calls the quantizer.
 """
 
 from __future__ import annotations

@@ -225,9 +225,9 @@ def stored_prefix(keys: list, addr: StoreAddress, *, allow=(), storage_options: 
                     part = fut.result()
                 except LynxError as exc:
                     return parts, f"chunk {i} ({object_name(key)}): {exc}"
-                problem = join_problem(parts[-1].header, part.header) if parts else (
-                    None if part.header.tokens == addr.chunk_size else
-                    f"{part.header.tokens} tokens, the chunk size is {addr.chunk_size}")
+                problem = (f"{part.header.tokens} tokens, the chunk size is {addr.chunk_size}"
+                           if part.header.tokens != addr.chunk_size else
+                           join_problem(parts[-1].header, part.header) if parts else None)
                 if problem is not None:
                     return parts, f"chunk {i} ({object_name(key)}): {problem}"
                 parts.append(part)
