@@ -238,6 +238,8 @@ def quantize_triton(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
     """``lynxkv.quant.quantize`` for one ``[H, T, D]`` tensor on the GPU, bit for bit (same ``EncodedTensor``)."""
     if x.dim() != 3:
         raise InputError(f"expected a [kv_heads, tokens, head_dim] tensor, got shape {tuple(x.shape)}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
     if x.dtype not in _IN_DTYPES:
         x = x.float()
     if x.stride(-1) != 1:

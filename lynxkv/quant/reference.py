@@ -93,12 +93,13 @@ class EncodedTensor:
                           self.scale[:, m0:m1], max(0, min(self.sinks, stop) - start))
 
 
-def _check_input(x: torch.Tensor) -> None:
+def _check_input(x: torch.Tensor, *, finite: bool = True) -> None:
+    """Shape and dtype of an input tensor, and (``finite``) that it holds no inf or NaN."""
     if x.dim() != 3:
         raise InputError(f"expected a [kv_heads, tokens, head_dim] tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise InputError(f"expected a floating-point tensor, got {x.dtype}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if finite and x.numel() and not bool(torch.isfinite(x).all()):
         raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
 
 
@@ -170,8 +171,10 @@ def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *,
     ``scheme``: groups along ``scheme.axis(kind)``, the first ``scheme.sink_tokens`` tokens marked as sinks.
 
     ``along_tokens(x, scheme)`` is the implementation of the token-axis encoding (default: this module's); a
-    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule."""
-    _check_input(x)
+    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule. Each
+    implementation refuses inf and NaN itself (this module's before it computes, the compiled ones in their
+    metadata pass), so the input is read for that once."""
+    _check_input(x, finite=False)
     encode = along_tokens or quantize_tokens
     if scheme.axis(kind) == "channel":
         enc = encode(x.transpose(1, 2).contiguous(), scheme)  # [H, D, T]: chunks of C channels per token
