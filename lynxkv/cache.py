@@ -103,7 +103,7 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
                                  f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
         k3, _ = _as_hdt(pair[0], "keys")
         v3, _ = _as_hdt(pair[1], "values")
-        layers.append((quantize(k3.detach(), scheme).to("cpu"), quantize(v3.detach(), scheme).to("cpu")))
+        layers.append((quantize(k3.detach(), scheme).to("cpu"), quantize(v3.detach(), scheme, "value").to("cpu")))
     h, t, d = shape
     return EncodedCache(scheme, layers, h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
@@ -268,10 +268,16 @@ class LynxCache:
             self._residual()
         layers = []
         for layer in range(h.layers):
-            meta, codes = self._reader.layer(c.SEGMENT_ANCHOR, layer)
-            resid = torch.zeros_like(codes) if anchor_only else self._reader.layer(c.SEGMENT_RESIDUAL, layer)[1]
-            layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1]),
-                           EncodedTensor(codes[1], resid[1], meta[2], meta[3])))
+            meta, codes, sinks = self._reader.layer(c.SEGMENT_ANCHOR, layer)
+            if anchor_only:
+                resid = torch.zeros_like(codes)
+                if sinks is not None:  # the anchor carries the sink tokens' residual
+                    resid[:, :, :sinks.shape[2]] = sinks
+            else:
+                resid = self._reader.layer(c.SEGMENT_RESIDUAL, layer)[1]
+            n = min(h.scheme.sink_tokens, h.tokens)
+            layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1], "token", n),
+                           EncodedTensor(codes[1], resid[1], meta[2], meta[3], h.scheme.value_axis, n)))
         return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
                             list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim,
                             dict(h.properties) or None)

@@ -128,10 +128,10 @@ def synthetic_cache_bytes(layers: int, heads: int, tokens: int, dim: int, *, see
     from lynxkv.cache import EncodedCache
     from lynxkv.format import build_files
     from lynxkv.quant.reference import EncodedTensor
-    from lynxkv.quant.scheme import DEFAULT
+    from lynxkv.quant.scheme import LINEAR  # values per token, no sink tokens: every page alike
 
     g = torch.Generator().manual_seed(seed)
-    nc = -(-tokens // DEFAULT.chunk)
+    nc = -(-tokens // LINEAR.chunk)
 
     def tensor():
         return EncodedTensor(
@@ -141,7 +141,7 @@ def synthetic_cache_bytes(layers: int, heads: int, tokens: int, dim: int, *, see
             scale=torch.rand(heads, nc, dim, generator=g).half(),
         )
 
-    enc = EncodedCache(DEFAULT, [(tensor(), tensor()) for _ in range(layers)], heads, dim, tokens)
+    enc = EncodedCache(LINEAR, [(tensor(), tensor()) for _ in range(layers)], heads, dim, tokens)
     built = build_files(enc, residual_location=residual_location)
     return built.anchor, built.residual
 

@@ -40,11 +40,13 @@ def test_bits_per_element_include_metadata():
     assert bits_kv(reg["int4-g64"], shape, "key") == pytest.approx(4 + 32 / 64)
     assert bits_kv(reg["kivi2"], shape, "key") == pytest.approx(2 + 32 / 32)
     assert bits_kv(reg["kivi2"], shape, "value") == pytest.approx(2 + 32 / 32)
-    assert bits_kv(reg["lynx-default"], shape, "key") == pytest.approx(8 + 32 / 32)
-    assert bits_kv(reg["lynx-default-anchor"], shape, "key") == pytest.approx(4 + 32 / 32)
-    assert bits_kv(reg["lynx-3+5-anchor"], shape, "key") == pytest.approx(3 + 1)
-    # a 40-token tail still pays for two whole chunks of metadata
-    assert bits_kv(reg["lynx-default"], (2, 40, 64), "key") == pytest.approx(8 + 32 * 2 / 40)
+    sinks = 4 * 4 / 64  # the default's 4 sink tokens carry their 4-bit residual in the anchor (and the residual)
+    assert bits_kv(reg["lynx-default"], shape, "key") == pytest.approx(8 + 32 / 32 + sinks)
+    assert bits_kv(reg["lynx-default-anchor"], shape, "key") == pytest.approx(4 + 32 / 32 + sinks)
+    assert bits_kv(reg["lynx-linear-anchor"], shape, "value") == pytest.approx(4 + 32 / 32)
+    assert bits_kv(reg["lynx-3+5-anchor"], shape, "key") == pytest.approx(3 + 1 + 4 * 5 / 64)
+    # a 40-token tail still pays for two whole chunks of key metadata (values per channel: two groups of 32)
+    assert bits_kv(reg["lynx-default"], (2, 40, 64), "key") == pytest.approx(8 + (32 * 2 / 40 + 1) / 2 + 4 * 4 / 40)
 
 
 def test_int_per_tensor_and_fp8_round_trips_by_hand():

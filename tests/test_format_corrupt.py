@@ -57,6 +57,15 @@ def edit_header(field: str, value: int, size: str = "I"):
     return edit
 
 
+def edit_minor_2(field: str, value: int, size: str = "I"):
+    """A 1.2 header (``version_minor`` 2) with one of its scheme fields changed."""
+    def edit(a: bytearray, r: bytearray):
+        struct.pack_into("<H", a, c.ANCHOR_FIELD_OFFSETS["version_minor"], 2)
+        struct.pack_into("<" + size, a, c.ANCHOR_FIELD_OFFSETS[field], value)
+        fix_header_crc(a)
+    return edit
+
+
 def edit_index(entry: int, delta_offset: int = 0, stored: int | None = None, codec: int | None = None):
     """Change anchor index entry ``entry`` and re-seal the index CRC and the header CRC."""
     def edit(a: bytearray, r: bytearray):
@@ -123,8 +132,12 @@ CORPUS = [
     ("anchor-bad-magic", anchor_bytes_edit(lambda a: a.__setitem__(1, ord("l"))), "anchor", "magic", FormatError),
     ("anchor-version-2", edit_header("version_major", 2, "H"), "anchor", "version_major", FormatError),
     ("anchor-unknown-flag", edit_header("flags", 1 << 7), "anchor", "flags", FormatError),
-    ("anchor-reserved0-nonzero", edit_header("reserved0", 1), "anchor", "reserved0", FormatError),
-    ("anchor-reserved1-nonzero", edit_header("reserved1", 1, "B"), "anchor", "reserved1", FormatError),
+    ("anchor-1.2-sink-tokens-in-a-1.0-file", edit_header("sink_tokens", 1), "anchor", "sink_tokens", FormatError),
+    ("anchor-1.2-value-axis-in-a-1.0-file", edit_header("value_axis", 1, "B"), "anchor", "value_axis", FormatError),
+    ("anchor-unknown-value-axis", edit_minor_2("value_axis", 2, "B"), "anchor", "value_axis", FormatError),
+    ("anchor-sink-tokens-over-cap", edit_minor_2("sink_tokens", 65537), "anchor", "scheme", FormatError),
+    ("anchor-sink-tokens-without-their-records", edit_minor_2("sink_tokens", 1), "anchor", "page.raw_length",
+     FormatError),
     ("anchor-unknown-grid", edit_header("grid", 2, "B"), "anchor", "grid", FormatError),
     ("anchor-header-over-cap", edit_header("header_length", c.MAX_ANCHOR_HEADER + 8), "anchor", "header_length",
      FormatError),

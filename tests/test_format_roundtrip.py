@@ -25,8 +25,8 @@ def make_kv(layers: int, heads: int, tokens: int, dim: int, dtype=torch.float32,
 
 
 def expected(kv, scheme, anchor_only, dtype=None):
-    return [tuple(dequantize(quantize(t, scheme), scheme, anchor_only=anchor_only, dtype=dtype or t.dtype)
-                  for t in pair) for pair in kv]
+    return [tuple(dequantize(quantize(t, scheme, kind), scheme, anchor_only=anchor_only, dtype=dtype or t.dtype)
+                  for t, kind in zip(pair, ("key", "value"))) for pair in kv]
 
 
 def assert_kv_equal(got, want):
@@ -128,8 +128,8 @@ def test_encode_kv_gives_the_reference_codes():
     kv = make_kv(2, 1, 37, 4)
     enc = encode_kv(kv)
     for (k, v), (ek, ev) in zip(kv, enc.layers):
-        for x, e in ((k, ek), (v, ev)):
-            ref = reference.quantize(x, enc.scheme)
+        for x, e, kind in ((k, ek, "key"), (v, ev, "value")):
+            ref = reference.quantize(x, enc.scheme, kind)
             assert all(torch.equal(getattr(ref, f), getattr(e, f)) for f in ("anchor", "residual", "offset", "scale"))
 
 

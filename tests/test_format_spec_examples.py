@@ -71,6 +71,27 @@ def test_reader_accepts_the_valid_examples(tmp_path):
         assert torch.equal(ka, K) and torch.equal(va, V)  # the anchor levels hit the chunk extremes here
 
 
+SCHEME_1_2 = Scheme(chunk=2, page=2, value_axis="channel", sink_tokens=1)
+
+
+def test_the_1_2_example_is_what_the_writer_writes_and_decodes_its_sink_from_the_full_code():
+    enc = encode_kv([(K, V)], SCHEME_1_2, prompt_token_ids=[1, 2, 3])
+    data = build_files(enc, cache_id=bytes(range(16)), single_file=True).anchor
+    assert data == example("anchor-1.2"), "1.2 anchor file differs from spec/FORMAT.md §11"
+    assert data[10] == 2 and data[20] == 1 and data[47] == 1  # version_minor, sink_tokens, value_axis
+    with open_cache(data) as cache:
+        assert cache.verify() == [] and cache.info.scheme == SCHEME_1_2 and cache.header.version_minor == 2
+        (k, v), = cache.load_kv()
+        assert torch.equal(k, dequantize(quantize(K, SCHEME_1_2), SCHEME_1_2))
+        assert torch.equal(v, dequantize(quantize(V, SCHEME_1_2, "value"), SCHEME_1_2))
+        (ka, va), = cache.load_kv(anchor_only=True)
+        assert torch.equal(ka[:, :1], k[:, :1])  # the sink token from its full code, from the anchor file alone
+        assert torch.equal(ka[:, 1:], K[:, 1:]) and torch.equal(va, V)
+        page = cache.read_anchor_page(0, 0)
+        assert page.value_offset.shape == (1, 2, 1) and page.key_sinks.tolist() == [[[8, 8]]]
+        assert cache.read_anchor_page(0, 1).key_sinks is None
+
+
 INVALID = [(attrs, data) for attrs, data in hex_blocks() if "invalid" in attrs]
 
 

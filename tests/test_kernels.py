@@ -238,3 +238,34 @@ def test_encode_constant_and_signed_zero_chunks(scheme, device):
         same_bits = torch.equal(want.view(torch.int16), got.view(torch.int16)) if want.dtype == torch.float16 else torch.equal(want, got)
         assert same_bits, first_mismatches(name, want.view(torch.int16) if want.dtype == torch.float16 else want,
                                            got.view(torch.int16) if got.dtype == torch.float16 else got)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [SHAPES[k] for k in ("T1", "prime-T", "T-100-D6")], ids=["T1", "prime-T", "T-100-D6"])
+@pytest.mark.parametrize("scheme", [get_scheme("default"), get_scheme("paper"),
+                                    get_scheme("default", chunk=4, page=8).replace(sink_tokens=10)],
+                         ids=["default", "paper", "C4-S10"])
+def test_decode_is_the_reference_bit_for_bit(scheme, shape, dtype, device):
+    """Through the reference's level table (any compander and grid), keys and values per channel, the sink tokens
+    from the full code when decoding the anchor alone: the entry's GPU path gives the reference's values exactly,
+    written into a poisoned slice of a longer cache."""
+    x = kv_like(shape, torch.float32, seed=5)
+    bsz, h, t, d = shape
+    for b in range(bsz):
+        for kind in ("key", "value"):
+            enc = quantize(x[b], scheme, kind)
+            for anchor_only in (False, True):
+                want = dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
+                cache = torch.full((h, t + 3, d), float("nan"), dtype=dtype, device=device)
+                a, r = pack_bits(enc.anchor, 4).to(device), pack_bits(enc.residual, 4).to(device)
+                kdecode.decode(a.view(1, -1), r.view(1, -1), enc.offset.to(device).unsqueeze(0),
+                               enc.scale.to(device).unsqueeze(0), scheme, cache[:, 1:1 + t].unsqueeze(0), kind=kind,
+                               anchor_only=anchor_only, sinks=enc.sinks)
+                got = cache[:, 1:1 + t].cpu()
+                assert bool(cache[:, 0].isnan().all()) and bool(cache[:, -2:].isnan().all()), "wrote outside out"
+                if dtype == torch.float32 or device == "cuda":
+                    if not torch.equal(want, got):
+                        pytest.fail(f"{kind} anchor_only={anchor_only}: " + first_mismatches("values", want, got))
+                else:  # the interpreter's fp32 -> bf16 conversion is not round-to-nearest-even: one bf16 step
+                    assert bool(((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs()).all())

@@ -35,10 +35,13 @@ MODEL = "org/tiny-llama"
 SHAPE = (2, 3, 256, 2 * 32)  # [K/V, layers, tokens, kv_heads * head_dim]
 
 
-def tier_spec(hot, cold) -> dict:
+SERDE = {"kv_heads": 2}
+
+
+def tier_spec(hot, cold, serde: dict = SERDE) -> dict:
     return {"type": "plugin", "module_path": "lynxkv.integrations.lmcache.adapter", "class_name": "LynxL2Adapter",
             "adapter_params": {"anchor_path": str(hot), "residual_path": str(cold)},
-            "serde": {"type": "lynx", "kv_heads": 2}}
+            "serde": {"type": "lynx", **serde}}
 
 
 def memobj(tensor: torch.Tensor) -> TensorMemoryObj:
@@ -55,13 +58,14 @@ def wait(poll, timeout=30.0):
 
 
 class Tier:
-    """The lynx tier and its serde as LMCache builds them from a tier spec."""
+    """The lynx tier and its serde as LMCache builds them from a tier spec, for chunks of ``shape`` and ``dtype``."""
 
-    def __init__(self, hot, cold):
-        spec = tier_spec(hot, cold)
+    def __init__(self, hot, cold, serde: dict = SERDE, shape=SHAPE, dtype=torch.float16):
+        spec = tier_spec(hot, cold, serde)
         self.adapter = create_l2_adapter_from_registry(PluginL2AdapterConfig.from_dict(spec))
-        self.serde = create_serde_processor(SerdeConfig("lynx", {"kv_heads": 2}))
-        self.size = self.serde.estimate_serialized_size(MemoryLayoutDesc([torch.Size(SHAPE)], [torch.float16]))
+        self.serde = create_serde_processor(SerdeConfig("lynx", dict(serde)))
+        self.shape, self.dtype = shape, dtype
+        self.size = self.serde.estimate_serialized_size(MemoryLayoutDesc([torch.Size(shape)], [dtype]))
 
     def store(self, keys, chunks) -> None:
         temps = [memobj(torch.zeros(self.size, dtype=torch.uint8)) for _ in keys]
@@ -80,7 +84,7 @@ class Tier:
         hits = wait(lambda: self.adapter.query_load_result(tid)).get_indices_list()
         outs: list = [None] * len(keys)
         if hits:
-            dsts = [memobj(torch.zeros(SHAPE, dtype=torch.float16)) for _ in hits]
+            dsts = [memobj(torch.zeros(self.shape, dtype=self.dtype)) for _ in hits]
             sid = self.serde.submit_deserialize([temps[i] for i in hits], dsts, [keys[i] for i in hits])
             assert wait(lambda: self.serde.query_deserialize_result(sid)) is True
             for i, d in zip(hits, dsts):
@@ -163,6 +167,35 @@ def test_stored_objects_are_lynx_segments_verify_and_inspect_read(tmp_path, caps
     with open_cache(anchor) as c:
         approx = c.load_kv(anchor_only=True)
     assert len(approx) == SHAPE[1]
+
+
+def test_a_vllm_cpu_chunk_through_the_serde_is_stored_as_the_models_layers_and_retrieved_bit_exact(tmp_path):
+    """vLLM's CPU build registers a fused object ``[layers, tokens, kv_heads * 2 * head_dim]`` (fp32 here) whose
+    32-token blocks are its attention kernel's raw memory; with ``layout`` the stored object is a cache of the
+    model's 3 layers x 2 heads x 32, and the engine gets its layout back, bit-exact to that cache's full code."""
+    from test_lmcache_chunk import _vllm_cpu_object
+
+    from lynxkv.integrations.lmcache.chunk import kv_to_chunk, parse_layout
+
+    g = torch.Generator().manual_seed(8)
+    k, v = torch.randn(2, 3, 2, 256, 32, generator=g)
+    engine = _vllm_cpu_object(k, v, 32)  # what LMCache gathers from the engine's paged cache
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    tier = Tier(hot, cold, {**SERDE, "layout": "vllm-cpu-vec:32"}, tuple(engine.shape), torch.float32)
+    try:
+        tier.store(keys(1), [engine])
+        (got,) = tier.retrieve(keys(1))
+    finally:
+        tier.close()
+    name = os.listdir(hot)[0]
+    with open_cache(str(hot / name), residual=str(cold / (name + "r"))) as c:
+        assert (c.header.layers, c.header.kv_heads, c.header.tokens, c.header.head_dim) == (3, 2, 256, 32)
+        full = c.load_kv(dtype=torch.float32)
+    for layer, (fk, fv) in enumerate(full):  # the model's own keys and values, to the code's precision
+        assert (fk - k[layer]).abs().max() < 0.05 and (fv - v[layer]).abs().max() < 0.05
+    assert torch.equal(got, kv_to_chunk(full, torch.empty_like(engine), parse_layout("vllm-cpu-vec:32")))
+    on_disk = os.path.getsize(hot / name) + os.path.getsize(cold / (name + "r"))
+    assert on_disk <= 0.6 * engine.numel() * 2, on_disk  # <= 0.6x the fp16 size of the same KV
 
 
 def test_a_corrupted_object_is_a_miss_for_that_chunk_only(tmp_path):

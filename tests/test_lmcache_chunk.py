@@ -11,6 +11,7 @@ from lynxkv.integrations.lmcache.chunk import (
     decode_chunk,
     encode_chunk,
     max_chunk_bytes,
+    parse_layout,
     split_chunk,
 )
 from lynxkv.stream.lmcache_source import name_fingerprint
@@ -73,3 +74,44 @@ def test_a_corrupted_chunk_raises_and_writes_nothing():
     assert not out.any()
     with pytest.raises(LynxError, match="shape|buffer"):
         decode_chunk(anchor + residual, torch.empty(2, 3, 128, 64, dtype=torch.float16))
+
+
+def _vllm_cpu_object(k, v, block):
+    """What LMCache gathers from vLLM's CPU attention (VEC kernels) for K, V ``[L, H, T, D]``: each layer's paged
+    cache ``[blocks, H, block, 2*D]`` holds per block and head the keys column-major ``[D, block]``, then the values
+    row-major ``[block, D]``; LMCache copies ``cache[blk, h, s, :]`` to the object's ``[blk*block + s, h*2D:]``."""
+    layers, heads, tokens, d = k.shape
+    obj = torch.empty(layers, tokens, heads * 2 * d, dtype=k.dtype)
+    for layer in range(layers):
+        cache = torch.empty(tokens // block, heads, block, 2 * d, dtype=k.dtype)
+        for blk in range(tokens // block):
+            for h in range(heads):
+                mem = cache[blk, h].view(-1)
+                mem[:d * block] = k[layer, h, blk * block:(blk + 1) * block].T.reshape(-1)  # K[dim, slot]
+                mem[d * block:] = v[layer, h, blk * block:(blk + 1) * block].reshape(-1)  # V[slot, dim]
+                obj[layer, blk * block:(blk + 1) * block, h * 2 * d:(h + 1) * 2 * d] = cache[blk, h]
+    return obj
+
+
+def test_a_vllm_cpu_chunk_is_stored_as_the_models_layers_and_round_trips_to_the_full_code():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 2, 256, 32, generator=g)  # 2 layers x 2 KV heads x 256 tokens x 32
+    obj = _vllm_cpu_object(k, v, 32)
+    layout = parse_layout("vllm-cpu-vec:32")
+    single = encode_chunk(obj, kv_heads=2, layout=layout)
+    assert len(single) <= max_chunk_bytes(tuple(obj.shape), kv_heads=2, layout=layout)
+    assert len(single) <= 0.6 * obj.numel() * 2  # the fp16 size of the same KV
+    with open_cache(single) as c:
+        assert (c.header.layers, c.header.kv_heads, c.header.tokens, c.header.head_dim) == (2, 2, 256, 32)
+        assert c.info.properties == {"lynxkv.lmcache_layout": "vllm-cpu-vec:32"}
+        full = c.load_kv(dtype=torch.float32)
+    for layer, (fk, fv) in enumerate(full):  # the model's own K and V, to the code's precision
+        assert (fk - k[layer]).abs().max() < 0.05 and (fv - v[layer]).abs().max() < 0.05
+    out = decode_chunk(single, torch.empty_like(obj))  # back in the engine's layout, exactly the full code
+    assert torch.equal(out, _vllm_cpu_object(torch.stack([p[0] for p in full]), torch.stack([p[1] for p in full]), 32))
+    with pytest.raises(LynxError, match="blocks"):
+        encode_chunk(obj[:, :250], kv_heads=2, layout=layout)
+    with pytest.raises(LynxError, match="layout"):
+        parse_layout("vllm-cpu-amx:32")
+    with pytest.raises(LynxError, match="shape|buffer"):  # a stored vLLM chunk does not fill a split-K/V buffer
+        decode_chunk(single, torch.empty(2, 2, 256, 64))

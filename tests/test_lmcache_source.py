@@ -20,6 +20,7 @@ from lynxkv.stream.joined import join_caches, read_part
 from lynxkv.stream.lmcache_source import parse_address
 
 LAYERS, HEADS, DIM = 3, 2, 16
+SCHEME = lynxkv.DEFAULT.replace(sink_tokens=0)  # only a joined cache's start may hold sinks: chunks have none
 
 
 def _kv(tokens: int, seed: int = 0):
@@ -28,7 +29,7 @@ def _kv(tokens: int, seed: int = 0):
             for _ in range(LAYERS)]
 
 
-def _save_chunks(tmp_path, kv, sizes, scheme=lynxkv.DEFAULT):
+def _save_chunks(tmp_path, kv, sizes, scheme=SCHEME):
     parts, t0 = [], 0
     for i, n in enumerate(sizes):
         path = str(tmp_path / f"chunk{i}.lynx")
@@ -48,7 +49,7 @@ def test_joined_chunks_are_the_cache_saved_whole(tmp_path):
     residual = joined.residual.fetch(0, joined.residual.size)
     assert len(joined.anchor.spans) == LAYERS * 4 and len(anchor) == joined.anchor.size
     assert verify_file(anchor, residual=residual) == []
-    lynxkv.save_cache(tmp_path / "whole.lynx", kv)
+    lynxkv.save_cache(tmp_path / "whole.lynx", kv, SCHEME)
     with open_cache(anchor, residual=residual) as j, open_cache(tmp_path / "whole.lynx") as w:
         assert j.header.tokens == w.header.tokens and list(j.header.prompt_token_ids) == ids
         assert j.info.properties == {"lynxkv.model": "org/m"}
@@ -76,6 +77,10 @@ def test_parts_that_do_not_join_are_refused(tmp_path):
     c2, = _save_chunks(tmp_path / "l", _kv(256, 1), [256], scheme=lynxkv.get_scheme("linear"))
     with pytest.raises(InputError, match="scheme"):
         join_caches([c1, c2], residual_location="x.lynxr")
+    (tmp_path / "s").mkdir()
+    s1, s2 = _save_chunks(tmp_path / "s", kv, [256, 256], scheme=lynxkv.DEFAULT)  # 4 sink tokens in each
+    with pytest.raises(InputError, match="sink tokens"):
+        join_caches([s1, s2], residual_location="x.lynxr")
 
 
 def test_the_lmcache_url():

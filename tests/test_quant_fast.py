@@ -3,6 +3,8 @@ decoded values bit for bit (``torch.equal``), on awkward shapes, strided views a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -101,7 +103,9 @@ def test_dequantize_is_bit_identical(scheme, shape, dtype, anchor_only):
     out2 = torch.full(shape, float("nan"), dtype=dtype)
     got2 = entry.dequantize_packed(ap, None if anchor_only else rp, enc.offset, enc.scale, shape, scheme, out=out2)
     assert got2 is out2
-    assert_equal_values(ref, got2, "packed")
+    # the packed arrays carry no sink residual: every token from its anchor code
+    ref2 = reference.dequantize(dataclasses.replace(enc, sinks=0), scheme, anchor_only=anchor_only, dtype=dtype)
+    assert_equal_values(ref2, got2, "packed")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -221,6 +225,35 @@ def test_dequantize_rejects_a_wrong_out_shape():
         entry.dequantize(enc, scheme, out=torch.empty(1, 31, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [SHAPES[k] for k in ("T1", "prime-T", "odd-D", "T-257")],
+                         ids=["T1", "prime-T", "odd-D", "T-257"])
+@pytest.mark.parametrize("scheme", [get_scheme("default"), get_scheme("default", centring="mean", chunk=4, page=8),
+                                    get_scheme("linear").replace(value_axis="channel", sink_tokens=40)],
+                         ids=["default", "mean-C4-P8", "linear-S40"])
+def test_values_per_channel_and_sink_tokens_are_bit_identical(scheme, shape, dtype):
+    """Values grouped per channel (the transpose through the token-axis kernels) and the sink tokens decoded
+    from the full code give the reference's codes and values, written in place into a strided slice."""
+    x = kv_like(shape, dtype, seed=3)
+    for kind in ("key", "value"):
+        ref = reference.quantize(x, scheme, kind)
+        got = entry.quantize(x, scheme, kind)
+        assert (got.axis, got.sinks) == (ref.axis, ref.sinks) == (scheme.axis(kind), min(scheme.sink_tokens, shape[1]))
+        assert_same(ref, got, f"{kind} {scheme.describe()} {shape}")
+        for anchor_only in (False, True):
+            want = reference.dequantize(ref, scheme, anchor_only=anchor_only, dtype=dtype)
+            big = torch.full((shape[0], shape[1] + 3, shape[2]), float("nan"), dtype=dtype)
+            out = entry.dequantize(got, scheme, anchor_only=anchor_only, out=big[:, 1:1 + shape[1]])
+            assert_equal_values(want, out, f"{kind} anchor_only={anchor_only}")
+            assert bool(big[:, 0].isnan().all()) and bool(big[:, -2:].isnan().all()), "wrote outside out"
+        if scheme.sink_tokens:  # the sinks really decode differently from the anchor alone
+            plain = reference.dequantize(dataclasses.replace(ref, sinks=0), scheme, anchor_only=True)
+            sunk = reference.dequantize(ref, scheme, anchor_only=True)
+            n = ref.sinks
+            assert torch.equal(sunk[:, n:], plain[:, n:])
+            assert torch.equal(sunk[:, :n], reference.dequantize(ref, scheme)[:, :n])
+
+
 def _page_records(enc, scheme, page):
     """Anchor and residual bytes laid out as records (offsets | scales | packed codes), one per page, each at an
     odd byte offset (records may start anywhere), and the page rows for ``dequantize_pages``."""
@@ -229,7 +262,7 @@ def _page_records(enc, scheme, page):
     for t0 in range(0, t, page):
         p = enc.tokens(t0, min(t0 + page, t), scheme.chunk)
         at, r_at = len(anchor), len(residual)
-        offsets, scales = (m.contiguous().view(torch.uint8).numpy().tobytes() for m in (p.offset, p.scale))
+        offsets, scales = (m.numpy().tobytes() for m in (p.offset, p.scale))  # C order, little-endian here
         codes = ref_pack_bits(p.anchor, scheme.anchor_bits).numpy().tobytes()
         anchor += offsets + scales + codes + b"\x07"
         residual += ref_pack_bits(p.residual, scheme.residual_bits).numpy().tobytes() + b"\x05"
@@ -247,7 +280,7 @@ def test_dequantize_pages_is_bit_identical(scheme, shape, dtype, anchor_only, la
     """Page records in byte buffers decode straight into any view of the output, as the reference decodes the
     whole tensor; nothing outside the view is touched."""
     x = kv_like(shape, torch.float32, seed=3)
-    enc = reference.quantize(x, scheme)
+    enc = dataclasses.replace(reference.quantize(x, scheme), sinks=0)  # page records of groups along tokens only
     ref = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
     page = max(scheme.chunk, 2 * scheme.chunk if shape[1] > 2 * scheme.chunk else scheme.chunk)
     anchor, residual, rows = _page_records(enc, scheme, page)
@@ -288,3 +321,19 @@ def test_dequantize_pages_flags_and_bounds():
         entry.dequantize_pages(anchor[:-10], residual, rows, scheme, out=out)
     with pytest.raises(InputError, match="outside"):
         entry.dequantize_pages(anchor, residual, [(*rows[1][:4], 40, 32)], scheme, out=out)
+
+
+@pytest.mark.parametrize("anchor_only", [False, True], ids=["full", "anchor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(3, 257, 64), (2, 33, 40), (1, 3, 4)], ids=["T257", "D40", "tiny"])
+def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
+    """Values grouped per token over channels (format 1.2): metadata [H, n, ceil(D/C)] per page, decoded in the
+    same compiled pass as the reference decodes the whole tensor (sink tokens are the caller's, so none here)."""
+    scheme = get_scheme("default", sink_tokens=0)
+    assert scheme.axis("value") == "channel"
+    enc = reference.quantize(kv_like(shape, torch.float32, seed=5), scheme, "value")
+    ref = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
+    anchor, residual, rows = _page_records(enc, scheme, 64)
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, axis="channel") == 0
+    assert_equal_values(ref, out, "values per channel")

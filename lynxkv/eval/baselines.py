@@ -17,7 +17,8 @@ Baselines (the storage dtype of each scale/zero in brackets):
   its defaults (quanto backend, ``axis=0``, ``q_group_size=64``), without its full-precision recent window;
 - ``kivi4`` / ``kivi2``: KIVI: keys asymmetric per channel over groups of 32 tokens, values asymmetric per
   token over groups of 32 channels [fp16 scale + fp16 zero], also without KIVI's full-precision recent window;
-- ``lynx-*``: a :class:`~lynxkv.quant.scheme.Scheme` through the reference quantizer, full code or anchor only.
+- ``lynx-*``: a :class:`~lynxkv.quant.scheme.Scheme` through the quantizer entry, full code or anchor only
+  (``lynx-alpha1-1.0``: the format-1.0 default, values per token and no sink tokens).
 """
 
 from __future__ import annotations
@@ -217,20 +218,21 @@ class Lynx:
     def description(self) -> str:
         return f"lynx {'anchor' if self.anchor_only else 'full'}: {self.scheme.describe()}"
 
-    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        return dequantize(quantize(x, self.scheme), self.scheme, anchor_only=self.anchor_only)
+    def roundtrip(self, x: torch.Tensor, kind: str = "key") -> torch.Tensor:
+        return dequantize(quantize(x, self.scheme, kind), self.scheme, anchor_only=self.anchor_only)
 
-    def bits_per_element(self, shape: Shape) -> float:
-        return self.scheme.bits_per_element(anchor_only=self.anchor_only, tokens=shape[1])
+    def bits_per_element(self, shape: Shape, kind: str = "key") -> float:
+        """Keys and values averaged (the scheme's own accounting, sink tokens included)."""
+        return self.scheme.bits_per_element(anchor_only=self.anchor_only, tokens=shape[1], head_dim=shape[2])
 
 
 def roundtrip_kv(codec, x: torch.Tensor, kind: str) -> torch.Tensor:
     """``codec.roundtrip`` for keys (``kind="key"``) or values, passing the kind to codecs that need it."""
-    return codec.roundtrip(x, kind) if isinstance(codec, Kivi) else codec.roundtrip(x)
+    return codec.roundtrip(x, kind) if isinstance(codec, (Kivi, Lynx)) else codec.roundtrip(x)
 
 
 def bits_kv(codec, shape: Shape, kind: str) -> float:
-    return codec.bits_per_element(shape, kind) if isinstance(codec, Kivi) else codec.bits_per_element(shape)
+    return codec.bits_per_element(shape, kind) if isinstance(codec, (Kivi, Lynx)) else codec.bits_per_element(shape)
 
 
 def lynx_pair(name: str, scheme: Scheme) -> list[Lynx]:
@@ -255,6 +257,7 @@ def _baselines() -> list:
 def _lynx_codecs() -> list:
     default = get_scheme("default")
     codecs = lynx_pair("lynx-default", default) + lynx_pair("lynx-linear", get_scheme("linear"))
+    codecs += lynx_pair("lynx-alpha1-1.0", default.replace(value_axis="token", sink_tokens=0))  # the 1.0 default
     codecs += lynx_pair("lynx-paper", get_scheme("paper"))
     for a in (3, 5, 6):
         codecs += lynx_pair(f"lynx-{a}+{8 - a}", default.replace(anchor_bits=a, residual_bits=8 - a))
@@ -268,10 +271,13 @@ def registry() -> dict[str, object]:
 
 def sweep_codecs() -> dict[str, object]:
     """The ablation, one factor at a time around the default scheme (full and anchor for each variant):
-    compander (linear, α ∈ {1 (the default), 10, 100, 255}), centring (midrange, mean), chunk C ∈ {16, 32, 64},
-    page P ∈ {128, 256, 512} and split ∈ {3+5, 4+4, 5+3, 6+2}."""
+    compander (linear, α ∈ {1 (the default), 10, 100, 255}), centring (midrange, mean), values per token
+    instead of per channel, sink tokens ∈ {0, 1, 16} (default 4), chunk C ∈ {16, 32, 64}, page P ∈ {128, 256,
+    512} and split ∈ {3+5, 4+4, 5+3, 6+2}."""
     base = get_scheme("default")
-    variants: list[tuple[str, Scheme]] = [("default", base), ("linear", get_scheme("linear"))]
+    variants: list[tuple[str, Scheme]] = [("default", base), ("linear", base.replace(compander="linear", alpha=0.0))]
+    variants += [("values=token", base.replace(value_axis="token"))]
+    variants += [(f"sinks={n}", base.replace(sink_tokens=n)) for n in (0, 1, 16)]
     variants += [(f"alpha={a:g}", base.replace(compander="alpha", alpha=float(a))) for a in (10, 100, 255)]
     variants += [("centring=mean", base.replace(centring="mean"))]
     variants += [(f"C={c}", base.replace(chunk=c)) for c in (16, 64)]

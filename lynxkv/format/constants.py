@@ -10,7 +10,9 @@ from __future__ import annotations
 ANCHOR_MAGIC = b"\x89LYNXA\r\n"  # PNG-style: a high byte and CR LF catch 7-bit and text-mode mangling
 RESIDUAL_MAGIC = b"\x89LYNXR\r\n"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 0  # what a writer writes unless a later minor's feature is used:
+MINOR_PROPERTIES = 1  # 1.1: the properties string
+MINOR_SCHEME = 2  # 1.2: the scheme fields value_axis and sink_tokens (reserved, i.e. zero, before)
 
 # -- anchor header: fixed part (spec table "Anchor header") --------------------------------------------------
 ANCHOR_FIXED_STRUCT = (
@@ -20,7 +22,7 @@ ANCHOR_FIXED_STRUCT = (
     "H"  # 10  version_minor
     "I"  # 12  flags
     "I"  # 16  header_length
-    "I"  # 20  reserved (must be 0)
+    "I"  # 20  sink_tokens (1.2; reserved, must be 0, before)
     "I"  # 24  layers
     "I"  # 28  kv_heads
     "I"  # 32  head_dim
@@ -32,7 +34,7 @@ ANCHOR_FIXED_STRUCT = (
     "B"  # 44  anchor_bits
     "B"  # 45  residual_bits
     "B"  # 46  grid
-    "B"  # 47  reserved (must be 0)
+    "B"  # 47  value_axis (1.2; reserved, must be 0, before)
     "I"  # 48  chunk
     "I"  # 52  page
     "d"  # 56  alpha (f64)
@@ -52,7 +54,7 @@ ANCHOR_FIELD_OFFSETS = {
     "version_minor": 10,
     "flags": 12,
     "header_length": 16,
-    "reserved0": 20,
+    "sink_tokens": 20,
     "layers": 24,
     "kv_heads": 28,
     "head_dim": 32,
@@ -64,7 +66,7 @@ ANCHOR_FIELD_OFFSETS = {
     "anchor_bits": 44,
     "residual_bits": 45,
     "grid": 46,
-    "reserved1": 47,
+    "value_axis": 47,
     "chunk": 48,
     "page": 52,
     "alpha": 56,
@@ -158,6 +160,7 @@ COMPANDER_CODES = {"linear": 0, "alpha": 1}
 CENTRING_CODES = {"midrange": 0, "mean": 1}
 META_DTYPE_CODES = {"fp16": 0, "fp32": 1}
 GRID_CODES = {"nested": 0, "uniform": 1}
+VALUE_AXIS_CODES = {"token": 0, "channel": 1}
 
 SEGMENT_ANCHOR = 1
 SEGMENT_RESIDUAL = 2

@@ -120,13 +120,20 @@ class RecordLayout:
     """Byte sizes inside one raw page record of ``tokens`` tokens (spec "Page records")."""
 
     tokens: int
-    meta_size: int  # one [H, nc, D] metadata array (offsets or scales of K or V)
+    meta_size: int  # one key metadata array, [H, nc, D] (offsets or scales)
     codes_size: int  # one packed [H, n, D] code array (K or V)
     meta_arrays: int  # 4 for an anchor record (K off, K scale, V off, V scale), 0 for a residual record
+    value_meta_size: int = -1  # one value metadata array: [H, nc, D], or [H, n, ceil(D/C)] per channel (-1: as K)
+    sinks: int = 0  # anchor record (1.2): S, the page's sink tokens, whose residual codes it carries
+    sink_size: int = 0  # one packed [H, S, D] residual array (K or V) of those tokens
+
+    @property
+    def value_meta(self) -> int:
+        return self.meta_size if self.value_meta_size < 0 else self.value_meta_size
 
     @property
     def raw_length(self) -> int:
-        return self.meta_arrays * self.meta_size + 2 * self.codes_size
+        return (self.meta_arrays // 2) * (self.meta_size + self.value_meta) + 2 * self.codes_size + 2 * self.sink_size
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -138,10 +145,19 @@ def page_tokens(tokens: int, page: int, p: int) -> int:
     return min(page, tokens - p * page)
 
 
-def anchor_record_layout(scheme: Scheme, kv_heads: int, head_dim: int, n: int) -> RecordLayout:
+def anchor_record_layout(scheme: Scheme, kv_heads: int, head_dim: int, n: int, sinks: int = 0) -> RecordLayout:
+    """The anchor record of a page of ``n`` tokens whose first ``sinks`` tokens are sink tokens."""
     nc = -(-n // scheme.chunk)
-    return RecordLayout(n, kv_heads * nc * head_dim * scheme.meta_bytes,
-                        packed_size(kv_heads * n * head_dim, scheme.anchor_bits), 4)
+    key_meta = kv_heads * nc * head_dim * scheme.meta_bytes
+    value_meta = (kv_heads * n * -(-head_dim // scheme.chunk) * scheme.meta_bytes if scheme.value_axis == "channel"
+                  else key_meta)
+    return RecordLayout(n, key_meta, packed_size(kv_heads * n * head_dim, scheme.anchor_bits), 4, value_meta,
+                        sinks, packed_size(kv_heads * sinks * head_dim, scheme.residual_bits))
+
+
+def page_sinks(scheme: Scheme, tokens: int, p: int) -> int:
+    """Sink tokens held by page ``p``: the first ``sink_tokens`` tokens of the cache (usually all in page 0)."""
+    return max(0, min(scheme.sink_tokens, tokens, (p + 1) * scheme.page) - p * scheme.page)
 
 
 def residual_record_layout(scheme: Scheme, kv_heads: int, head_dim: int, n: int) -> RecordLayout:
@@ -188,11 +204,13 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
+    minor = max(h.version_minor, c.MINOR_SCHEME if s.extended else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
-        c.ANCHOR_MAGIC, c.VERSION_MAJOR, max(h.version_minor, 1) if properties else h.version_minor, flags, length, 0,
+        c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
         c.DTYPE_CODES[h.dtype], c.COMPANDER_CODES[s.compander], c.CENTRING_CODES[s.centring],
-        c.META_DTYPE_CODES[s.meta_dtype], s.anchor_bits, s.residual_bits, c.GRID_CODES[s.grid], 0,
+        c.META_DTYPE_CODES[s.meta_dtype], s.anchor_bits, s.residual_bits, c.GRID_CODES[s.grid],
+        c.VALUE_AXIS_CODES[s.value_axis],
         s.chunk, s.page, float(s.alpha), h.cache_id, len(h.prompt_token_ids), len(h.segments),
         len(fingerprint), len(names), len(properties),
     )
@@ -291,13 +309,14 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     minor, flags, length = _check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
                                          c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, what)
     _check_header_crc(buf, length, what)
-    (_, _, _, _, _, reserved0, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
-     anchor_bits, residual_bits, grid, reserved1, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
+    (_, _, _, _, _, sink_tokens, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
+     anchor_bits, residual_bits, grid, value_axis, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
      n_props) = _ANCHOR_FIXED.unpack_from(buf, 0)
     off = c.ANCHOR_FIELD_OFFSETS
-    for name, value in (("reserved0", reserved0), ("reserved1", reserved1)):
-        if value:
-            raise _err(name, f"{what} byte {off[name]}", 0, value)
+    if minor < c.MINOR_SCHEME:  # reserved before 1.2
+        for name, value in (("sink_tokens", sink_tokens), ("value_axis", value_axis)):
+            if value:
+                raise _err(name, f"{what} byte {off[name]}", f"0 in a version 1.{minor} file", value)
     _cap("layers", layers, c.MAX_LAYERS, off, what, 1)
     _cap("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
     _cap("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
@@ -312,7 +331,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
         n_props = 0  # unused without the flag: ignored
     enums = (("dtype", dtype, c.DTYPE_CODES), ("compander", compander, c.COMPANDER_CODES),
              ("centring", centring, c.CENTRING_CODES), ("meta_dtype", meta_dtype, c.META_DTYPE_CODES),
-             ("grid", grid, c.GRID_CODES))
+             ("grid", grid, c.GRID_CODES), ("value_axis", value_axis, c.VALUE_AXIS_CODES))
     decoded = {}
     for name, value, table in enums:
         inv = _inv(table)
@@ -322,9 +341,11 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     try:
         scheme = Scheme(compander=decoded["compander"], alpha=alpha, centring=decoded["centring"], chunk=chunk,
                         page=page, anchor_bits=anchor_bits, residual_bits=residual_bits,
-                        meta_dtype=decoded["meta_dtype"], grid=decoded["grid"])
+                        meta_dtype=decoded["meta_dtype"], grid=decoded["grid"], value_axis=decoded["value_axis"],
+                        sink_tokens=sink_tokens)
     except SchemeError as exc:
-        raise FormatError(f"`scheme` at {what} bytes 41-63: {exc}", field="scheme", where=f"{what} byte 41") from None
+        raise FormatError(f"`scheme` at {what} bytes 20-23, 41-63: {exc}", field="scheme",
+                          where=f"{what} byte 41") from None
 
     pos = c.ANCHOR_FIXED_SIZE
     end_of_content = length - c.CRC_SIZE
@@ -529,8 +550,10 @@ def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:
     per_page = []
     for p in range(h.pages_per_layer):
         n = page_tokens(h.tokens, h.scheme.page, p)
-        lay = (anchor_record_layout if kind == c.SEGMENT_ANCHOR else residual_record_layout)(
-            h.scheme, h.kv_heads, h.head_dim, n)
+        if kind == c.SEGMENT_ANCHOR:
+            lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, p))
+        else:
+            lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
         per_page.append(lay.raw_length)
     if any(r > c.MAX_PAGE_RAW for r in per_page):
         raise _err("page", "anchor byte 52", f"pages of at most {c.MAX_PAGE_RAW} bytes", max(per_page))

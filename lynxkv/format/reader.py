@@ -34,6 +34,7 @@ from lynxkv.format.layout import (
     ResidualHeader,
     anchor_header_length,
     anchor_record_layout,
+    page_sinks,
     check_residual_matches,
     crc32,
     inline_end,
@@ -206,9 +207,12 @@ def _where(segment: str, layer: int, page: int) -> str:
     return f"{segment} layer {layer} page {page}"
 
 
-def _record_layout(h: AnchorHeader, kind: int, n: int):
-    layout_of = anchor_record_layout if kind == c.SEGMENT_ANCHOR else residual_record_layout
-    return layout_of(h.scheme, h.kv_heads, h.head_dim, n)
+def _record_layout(h: AnchorHeader, kind: int, page: int):
+    """The record layout of ``page`` (every page of a layer has the same index entry size rule)."""
+    n = page_tokens(h.tokens, h.scheme.page, page)
+    if kind == c.SEGMENT_ANCHOR:
+        return anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, page))
+    return residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
 
 
 def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int,
@@ -216,7 +220,7 @@ def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int
     """Decode the record of (``layer``, ``page``) of segment ``kind`` from its stored bytes (CRC checked first)."""
     where = _where(c.SEGMENT_KINDS[kind], layer, page)
     raw = check_and_decompress(stored, entry, where)
-    lay = _record_layout(h, kind, page_tokens(h.tokens, h.scheme.page, page))
+    lay = _record_layout(h, kind, page)
     if kind == c.SEGMENT_ANCHOR:
         return anchor_page(*decode_anchor_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
     return residual_page(decode_residual_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
@@ -357,28 +361,37 @@ class PageReader:
                 dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
                                    out[layer], lambda p, layer=layer: f"layer {layer} page {p}", threads)
 
-    def layer(self, kind: int, layer: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(metadata ``[4, H, T/C, D]`` or None for the residual, codes ``[2, H, T, D]``) of one layer: the full
-        pages decoded in one vectorised pass (each page's CRC checked first), the short last page on its own."""
+    def layer(self, kind: int, layer: int) -> tuple[list[torch.Tensor] | None, torch.Tensor, torch.Tensor | None]:
+        """(metadata -- K offsets, K scales, V offsets, V scales, as :func:`decode_anchor_records` --, or None for
+        the residual; codes ``[2, H, T, D]``; the sink tokens' residual codes ``[2, H, S, D]`` or None) of one
+        layer: the full pages decoded in one vectorised pass (each page's CRC checked first), the pages that hold
+        sink tokens and the short last page on their own."""
         h = self.header
         s, H, D = h.scheme, h.kv_heads, h.head_dim
         full, ppl = h.tokens // s.page, h.pages_per_layer
-        decode = decode_anchor_records if kind == c.SEGMENT_ANCHOR else decode_residual_records
-        parts = []
-        if full:
-            raws = [self.raw(kind, layer, p) for p in range(full)]
-            parts.append(decode(raws, _record_layout(h, kind, s.page), s, H, D, _where(c.SEGMENT_KINDS[kind], layer, 0)))
-        if ppl > full:
-            n = page_tokens(h.tokens, s.page, full)
-            parts.append(decode([self.raw(kind, layer, full)], _record_layout(h, kind, n), s, H, D,
-                                _where(c.SEGMENT_KINDS[kind], layer, full)))
-        if kind == c.SEGMENT_ANCHOR:
+        anchor = kind == c.SEGMENT_ANCHOR
+        decode = decode_anchor_records if anchor else decode_residual_records
+        own = {p for p in range(ppl) if anchor and page_sinks(s, h.tokens, p)}  # pages decoded on their own
+        own |= set(range(full, ppl))
+        groups = [[p] for p in sorted(own)]
+        batch = [p for p in range(full) if p not in own]
+        if batch:
+            groups.append(batch)
+        groups.sort()
+        parts = [decode([self.raw(kind, layer, p) for p in g], _record_layout(h, kind, g[0]), s, H, D,
+                        _where(c.SEGMENT_KINDS[kind], layer, g[0])) for g in groups]
+        if anchor:
+            held = [p[2] for p in parts if p[2] is not None]
+            sinks = torch.cat(held, dim=2) if held else None
             if not parts:
-                return (torch.empty((4, H, 0, D), dtype=META_TORCH_DTYPE[s.meta_dtype]),
-                        torch.empty((2, H, 0, D), dtype=torch.uint8))
+                meta_dtype = META_TORCH_DTYPE[s.meta_dtype]
+                value = (H, 0, -(-D // s.chunk)) if s.value_axis == "channel" else (H, 0, D)
+                return ([torch.empty((H, 0, D), dtype=meta_dtype)] * 2 + [torch.empty(value, dtype=meta_dtype)] * 2,
+                        torch.empty((2, H, 0, D), dtype=torch.uint8), None)
             if len(parts) == 1:  # no short last page: no concatenation copy
                 return parts[0]
-            return torch.cat([m for m, _ in parts], dim=2), torch.cat([k for _, k in parts], dim=2)
+            meta = [torch.cat([m[j] for m, _, _ in parts], dim=1) for j in range(4)]
+            return meta, torch.cat([k for _, k, _ in parts], dim=2), sinks
         if not parts:
-            return None, torch.empty((2, H, 0, D), dtype=torch.uint8)
-        return None, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            return None, torch.empty((2, H, 0, D), dtype=torch.uint8), None
+        return None, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2), None

@@ -3,14 +3,20 @@
 Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endian, no padding:
 
     K offsets [H, nc, D] meta dtype | K scales | V offsets | V scales |
-    K anchor codes, pack_bits over the flattened [H, n, D] | V anchor codes, likewise
+    K anchor codes, pack_bits over the flattened [H, n, D] | V anchor codes, likewise |
+    (1.2, a page holding S of the scheme's sink tokens) their K residual codes [H, S, D] packed | V, likewise
+
+(values grouped per channel, 1.2: V offsets and scales are [H, n, ceil(D/C)])
 
 Residual record: K residual codes packed | V residual codes packed. Anchor-only decoding therefore needs only
 anchor records. :func:`check_and_decompress` checks the CRC-32 of the stored bytes first, then decompresses with
-the output bounded by the raw length the shape implies; one decoder per record layout
-(:func:`decode_anchor_records`, :func:`decode_residual_records`) then splits one page, or all full pages of a
-layer at once. Encoding goes through :func:`encode_anchor_record` / :func:`encode_residual_record`; these and the
-decoders are the only places where the format calls the quantizer's packing.
+the output bounded by the raw length the shape implies. :func:`record_parts` says where each part of a record
+lies; :func:`dequantize_records` (what ``load_kv`` and the progressive reader use) hands those places to the
+quantizer entry, which dequantizes the codes straight from the record bytes into the output tensors, while
+:func:`decode_anchor_records` / :func:`decode_residual_records` split records into code and metadata tensors (one
+page, or all full pages of a layer at once) for callers that want the codes themselves. Encoding goes through
+:func:`encode_anchor_record` / :func:`encode_residual_record`; these and the decoders are the only places where
+the format calls the quantizer.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, crc32, residual_record_layout
-from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize_pages, pack_bits, unpack_bits
+from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize, dequantize_pages, pack_bits, unpack_bits
 from lynxkv.quant.scheme import Scheme
 
 _META_NP = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
@@ -40,6 +46,8 @@ class AnchorPage:
     value_scale: torch.Tensor
     key_anchor: torch.Tensor  # uint8 [H, n, D]
     value_anchor: torch.Tensor  # uint8 [H, n, D]
+    key_sinks: torch.Tensor | None = None  # uint8 [H, S, D]: the residual codes of the page's sink tokens
+    value_sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ def encode_anchor_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> 
     parts = [_meta_bytes(k.offset, md), _meta_bytes(k.scale, md), _meta_bytes(v.offset, md), _meta_bytes(v.scale, md),
              pack_bits(k.anchor, scheme.anchor_bits).numpy().tobytes(),  # pack_bits reads a page slice in place
              pack_bits(v.anchor, scheme.anchor_bits).numpy().tobytes()]
+    if k.sinks:
+        parts += [pack_bits(t.residual[:, :t.sinks], scheme.residual_bits).numpy().tobytes() for t in (k, v)]
     return b"".join(parts)
 
 
@@ -152,9 +162,10 @@ _META_NAMES = ("key_offset", "key_scale", "value_offset", "value_scale")
 _FLOAT_BITS = {2: (np.uint16, 0x7C00, 0x8000), 4: (np.uint32, 0x7F800000, 0x80000000)}  # (view, exponent, sign)
 
 
-def _check_metadata(m: np.ndarray, where: str) -> None:
-    """Offsets and scales are finite, scales >= 0 (what the quantizer writes; spec §9.2). Checked on the bit
-    patterns (all-ones exponent: infinity or NaN; sign bit on a non-zero scale: negative), one pass."""
+def _check_metadata(m: np.ndarray, where: str, first: int = 0) -> None:
+    """Offsets and scales ``m`` ``[pages, 2, ...]`` (of K: ``first`` 0, of V: 2) are finite, scales >= 0 (what
+    the quantizer writes; spec §9.2). Checked on the bit patterns (all-ones exponent: infinity or NaN; sign bit on
+    a non-zero scale: negative), one pass."""
     view, exponent, sign = _FLOAT_BITS[m.dtype.itemsize]
     bits = m.view(view)
     bad = (bits & exponent) == exponent
@@ -162,7 +173,7 @@ def _check_metadata(m: np.ndarray, where: str) -> None:
     negative = ((scales & sign) != 0) & (scales != sign)  # -0.0 is zero, not negative
     if not (bad.any() or negative.any()):
         return
-    for j, name in enumerate(_META_NAMES):
+    for j, name in enumerate(_META_NAMES[first:first + 2]):
         if bad[:, j].any():
             raise FormatError(f"`{name}` {where}: expected finite values, got NaN or infinity", field=name,
                               where=where)
@@ -172,23 +183,38 @@ def _check_metadata(m: np.ndarray, where: str) -> None:
 
 
 def decode_anchor_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
-                          where: str = "anchor") -> tuple[torch.Tensor, torch.Tensor]:
+                          where: str = "anchor") -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """Split raw (CRC-checked, decompressed) anchor records of ``lay.tokens`` tokens each -- one page, or the
     consecutive full pages of a layer in one vectorised pass.
 
-    Returns (metadata ``[4, H, pages·nc, D]`` -- K offsets, K scales, V offsets, V scales --, codes
-    ``[2, H, pages·n, D]`` -- K, V), the pages concatenated along the token axis."""
+    Returns (metadata -- K offsets, K scales ``[H, pages·nc, D]``, V offsets, V scales, the same or per channel
+    ``[H, pages·n, ceil(D/C)]`` --, codes ``[2, H, pages·n, D]`` -- K, V --, the residual codes ``[2, H, S, D]``
+    of the S sink tokens of a page that holds any (then decoded on its own), else None), the pages concatenated
+    along the token axis."""
     buf = _rows(raws, lay, where)
     pages, n, H, D = buf.shape[0], lay.tokens, kv_heads, head_dim
     nc = -(-n // scheme.chunk)
     np_dtype = _META_NP[scheme.meta_dtype]
-    m = np.ascontiguousarray(buf[:, :4 * lay.meta_size]).view(np_dtype)
-    m = m.astype(np_dtype.newbyteorder("="), copy=False).reshape(pages, 4, H, nc, D)
-    _check_metadata(m, where)
-    meta = torch.from_numpy(np.ascontiguousarray(m.transpose(1, 2, 0, 3, 4)).reshape(4, H, pages * nc, D))
-    codes = _codes(buf, record_parts(lay)["key_anchor"], lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
+    key_shape = (H, nc, D)
+    value_shape = (H, n, -(-D // scheme.chunk)) if scheme.value_axis == "channel" else key_shape
+    meta_end = 2 * (lay.meta_size + lay.value_meta)
+    m = np.ascontiguousarray(buf[:, :meta_end]).view(np_dtype).astype(np_dtype.newbyteorder("="), copy=False)
+    ks = 2 * lay.meta_size // np_dtype.itemsize
+    key_meta = m[:, :ks].reshape(pages, 2, *key_shape)
+    value_meta = m[:, ks:].reshape(pages, 2, *value_shape)
+    _check_metadata(key_meta.reshape(pages, 2, -1), where)
+    _check_metadata(value_meta.reshape(pages, 2, -1), where, first=2)
+    meta = [torch.from_numpy(np.ascontiguousarray(part[:, j].transpose(1, 0, 2, 3)).reshape(H, -1, shape[2]))
+            .to(META_TORCH_DTYPE[scheme.meta_dtype]) for part, shape in ((key_meta, key_shape),
+                                                                         (value_meta, value_shape)) for j in (0, 1)]
+    codes = _codes(buf, meta_end, lay, scheme.anchor_bits, H * n * D, where, ("key_anchor", "value_anchor"))
     codes = codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
-    return meta.to(META_TORCH_DTYPE[scheme.meta_dtype]), codes
+    sinks = None
+    if lay.sinks:  # a page with sink tokens is decoded on its own
+        sink_lay = RecordLayout(lay.sinks, 0, lay.sink_size, 0)
+        sinks = _codes(buf, meta_end + 2 * lay.codes_size, sink_lay, scheme.residual_bits, H * lay.sinks * D, where,
+                       ("key_sinks", "value_sinks")).view(2, H, lay.sinks, D)
+    return meta, codes, sinks
 
 
 def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_heads: int, head_dim: int,
@@ -203,9 +229,14 @@ def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_he
 def record_parts(lay: RecordLayout) -> dict[str, int]:
     """Where each part of a raw record starts (bytes from the record's first byte), in record order."""
     if lay.meta_arrays:
-        m, k = lay.meta_size, 4 * lay.meta_size
-        return {"key_offset": 0, "key_scale": m, "value_offset": 2 * m, "value_scale": 3 * m, "key_anchor": k,
-                "value_anchor": k + lay.codes_size}
+        m, v = lay.meta_size, lay.value_meta
+        k = 2 * (m + v)
+        parts = {"key_offset": 0, "key_scale": m, "value_offset": 2 * m, "value_scale": 2 * m + v, "key_anchor": k,
+                 "value_anchor": k + lay.codes_size}
+        if lay.sinks:
+            s = k + 2 * lay.codes_size
+            parts.update(key_sinks=s, value_sinks=s + lay.sink_size)
+        return parts
     return {"key_residual": 0, "value_residual": lay.codes_size}
 
 
@@ -221,7 +252,9 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     entry (:func:`lynxkv.quant.dequantize_pages`: nothing is unpacked, permuted or concatenated first).
     ``where(i)`` names page ``i`` in errors (``"layer 3 page 1"``; the segment is put before it). The checks of
     :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
-    and scales, scales >= 0."""
+    and scales, scales >= 0. Format 1.2: values per channel take the entry's channel-axis pass; from the anchor
+    alone, a page holding sink tokens is then decoded again through :func:`decode_anchor_records` (its sinks
+    decode from the full code, their residual in the anchor record)."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
@@ -230,7 +263,8 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         count = kv_heads * n * head_dim
         parts = {}
         for kind, buf, at, bits in segments:
-            lay = (anchor_record_layout if kind == "anchor" else residual_record_layout)(scheme, kv_heads, head_dim, n)
+            lay = (anchor_record_layout(scheme, kv_heads, head_dim, n, max(0, min(scheme.sink_tokens, t0 + n) - t0))
+                   if kind == "anchor" else residual_record_layout(scheme, kv_heads, head_dim, n))
             place = f"{kind} {where(i)}"
             if at[i] + lay.raw_length > len(buf):
                 raise FormatError(f"`page.raw_length` {place}: expected {lay.raw_length} bytes, got "
@@ -245,19 +279,51 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         for j, which in enumerate(("key", "value")):
             rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
                             parts.get(f"{which}_residual", 0), t0, n))
-    for j in range(2):
-        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads):
-            for i, (t0, n) in enumerate(tokens):  # name the page and the field
+    for j, which in enumerate(("key", "value")):
+        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads,
+                                        axis=scheme.axis(which)):
+            if scheme.extended:  # decode_anchor_records names the page and the field
+                _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme, kv_heads, head_dim, out,
+                                 where, threads)
+            for i, (t0, n) in enumerate(tokens) if not scheme.extended else ():  # name the page and the field
                 meta = anchor_record_layout(scheme, kv_heads, head_dim, n).meta_size // scheme.meta_bytes
                 m = np.frombuffer(anchor, _META_NP[scheme.meta_dtype], 4 * meta, anchor_at[i])
                 _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta),
                                 f"anchor {where(i)}")
             raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
                               where=f"anchor {where(0)}")
+    sinks = [i for i, (t0, n) in enumerate(tokens) if t0 < scheme.sink_tokens and n] if residual is None else []
+    if sinks:
+        _dequantize_each(anchor, [anchor_at[i] for i in sinks], None, None, [tokens[i] for i in sinks], scheme,
+                         kv_heads, head_dim, out, lambda k: where(sinks[k]), threads)
 
 
-def anchor_page(meta: torch.Tensor, codes: torch.Tensor) -> AnchorPage:
-    return AnchorPage(meta[0], meta[1], meta[2], meta[3], codes[0], codes[1])
+def _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
+                     out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str], threads: int | None) -> None:
+    """:func:`dequantize_records` one page at a time through the decoded records (any scheme)."""
+    H, D = kv_heads, head_dim
+    for i, (t0, n) in enumerate(tokens):
+        sinks = max(0, min(scheme.sink_tokens, t0 + n) - t0)
+        lay = anchor_record_layout(scheme, H, D, n, sinks)
+        place = f"anchor {where(i)}"
+        meta, codes, sink_codes = decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay,
+                                                        scheme, H, D, place)
+        if residual is None:
+            resid = torch.zeros_like(codes)
+            if sink_codes is not None:  # the anchor carries the sink tokens' residual
+                resid[:, :, :sinks] = sink_codes
+        else:
+            rlay = residual_record_layout(scheme, H, D, n)
+            resid = decode_residual_records([residual[residual_at[i]:residual_at[i] + rlay.raw_length]], rlay, scheme,
+                                            H, D, f"residual {where(i)}")
+        for j, which in enumerate(("key", "value")):
+            enc = EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], scheme.axis(which), sinks)
+            dequantize(enc, scheme, anchor_only=residual is None, out=out[j][:, t0:t0 + n], threads=threads)
+
+
+def anchor_page(meta: list[torch.Tensor], codes: torch.Tensor, sinks: torch.Tensor | None) -> AnchorPage:
+    return AnchorPage(meta[0], meta[1], meta[2], meta[3], codes[0], codes[1],
+                      *((None, None) if sinks is None else (sinks[0], sinks[1])))
 
 
 def residual_page(codes: torch.Tensor) -> ResidualPage:

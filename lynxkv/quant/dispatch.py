@@ -1,7 +1,8 @@
 """The quantizer entry: one place that chooses the implementation, by device and scheme.
 
 - CUDA tensors stay on the GPU: the Triton kernels where they support the scheme (:mod:`lynxkv.kernels`:
-  the linear compander; decoding needs the 4+4 split and packed codes), else the torch reference on the GPU.
+  encoding: the linear compander, along tokens (values per channel as their transpose); decoding: any 4+4
+  scheme through the reference's level table, sink tokens included), else the torch reference on the GPU.
 - CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) when numba imports, else the
   reference.
 
@@ -14,6 +15,7 @@ the ``.lynx`` page records (spec/FORMAT.md, "Packing") straight from the tensor 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -38,73 +40,108 @@ def _fast_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and fast.available()
 
 
-def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
-    """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16) on its device: anchor and residual codes, metadata."""
+def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key") -> EncodedTensor:
+    """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
+    device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``)."""
+    return reference.quantize(x, scheme, kind, along_tokens=_token_quantizer(x, scheme))
+
+
+def _token_quantizer(x: torch.Tensor, scheme: Scheme):
+    """The implementation of the token-axis encoding for ``x``'s device (None: the reference)."""
     if x.is_cuda:
         kernels = _triton()
-        if kernels is not None and kernels[0].supports(scheme):
-            return kernels[0].quantize_triton(x, scheme)
-        return reference.quantize(x, scheme)
-    if _fast_cpu(x):
-        return fast.quantize(x, scheme)
-    return reference.quantize(x, scheme)
+        return kernels[0].quantize_triton if kernels is not None and kernels[0].supports(scheme) else None
+    return fast.quantize if _fast_cpu(x) else None
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """``[H, T, D]`` in ``dtype`` from anchor + residual, or from the anchor alone; into ``out`` when given (a
-    preallocated tensor of that shape, e.g. a slice of a whole cache, written in place). ``threads`` caps the CPU
-    worker threads (e.g. 1 beside a model that is decoding)."""
-    if _fast_cpu(enc.anchor) and (out is None or out.device.type == "cpu"):
-        return fast.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype,
-                               out=out, threads=threads)
-    res = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype)
-    return res if out is None else _into(out, res)
+    """``[H, T, D]`` in ``dtype`` from anchor + residual, or from the anchor alone (and the residual of the
+    ``enc.sinks`` leading tokens); into ``out`` when given (a preallocated tensor of that shape, e.g. a slice of a
+    whole cache, written in place). ``threads`` caps the CPU worker threads (e.g. 1 beside a model that is
+    decoding)."""
+    if enc.anchor.is_cuda and _triton() is not None and _triton()[1].supports(scheme) and fast.packable(scheme,
+                                                                                                     enc.shape[2]):
+        y = out if out is not None else torch.empty(enc.shape, dtype=dtype, device=enc.anchor.device)
+        if y.stride(-1) == 1 and y.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a, r = pack.pack_bits(enc.anchor, 4), pack.pack_bits(enc.residual, 4)
+            _triton()[1].decode(a.view(1, -1), r.view(1, -1), enc.offset.contiguous().unsqueeze(0),
+                                enc.scale.contiguous().unsqueeze(0), scheme, y.unsqueeze(0),
+                                kind="value" if enc.axis == "channel" else "key", anchor_only=anchor_only,
+                                sinks=enc.sinks)
+            return y
+    if not (_fast_cpu(enc.anchor) and (out is None or out.device.type == "cpu")):
+        res = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype)
+        return res if out is None else _into(out, res)
+    if out is None:
+        out = torch.empty(enc.shape, dtype=dtype)
+    _fast_dequantize(enc, scheme, anchor_only, out, threads)
+    if anchor_only and enc.sinks:  # then the sink tokens again, from the full code
+        _fast_dequantize(enc.tokens(0, enc.sinks, scheme.chunk), scheme, False, out[:, :enc.sinks], threads)
+    return out
 
 
-def quantize_packed(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fast_dequantize(enc: EncodedTensor, scheme: Scheme, anchor_only: bool, out: torch.Tensor,
+                     threads: int | None) -> torch.Tensor:
+    """The fast CPU path, which decodes groups along tokens: a channel-axis tensor as its transpose."""
+    if enc.axis == "channel":
+        t = EncodedTensor(*(m.transpose(1, 2) for m in (enc.anchor, enc.residual, enc.offset, enc.scale)))
+        fast.dequantize(t, scheme, anchor_only=anchor_only, out=out.transpose(1, 2), threads=threads)
+        return out
+    return fast.dequantize(enc, scheme, anchor_only=anchor_only, out=out, threads=threads)
+
+
+def quantize_packed(x: torch.Tensor, scheme: Scheme,
+                    kind: str = "key") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(anchor_bytes, residual_bytes, offset, scale)`` of ``x`` ``[H, T, D]``: the codes packed over the
     ``[H, T, D]`` flattening (``pack_bits`` of :func:`quantize`'s anchor and residual), on ``x``'s device. For
     a 4+4 split and an even head_dim, token ``t``'s bytes are ``[h, t, :]`` of the ``[H, T, D/2]`` view, so a
     page record is a slice."""
     h, t, d = x.shape if x.dim() == 3 else (0, 0, 0)
-    if x.is_cuda:
+    if scheme.axis(kind) == "channel":
+        pass  # the fused paths group along tokens: quantize, then pack
+    elif x.is_cuda:
         kernels = _triton()
         if kernels is not None and kernels[0].supports(scheme) and fast.packable(scheme, d):
             a, r, o, s = kernels[0].encode(x.unsqueeze(0), scheme, pack=True)
             return a[0], r[0], o[0], s[0]
     elif _fast_cpu(x) and x.dim() == 3 and fast.packable(scheme, d):
         return fast.quantize_packed(x, scheme)
-    enc = quantize(x, scheme)
+    enc = quantize(x, scheme, kind)
     return (pack_bits(enc.anchor, scheme.anchor_bits), pack_bits(enc.residual, scheme.residual_bits), enc.offset,
             enc.scale)
 
 
 def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
-                      shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+                      shape: tuple[int, int, int], scheme: Scheme, *, kind: str = "key",
+                      dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                      threads: int | None = None) -> torch.Tensor:
     """The inverse of :func:`quantize_packed`: ``[H, T, D]`` from packed anchor bytes (+ residual bytes, or
-    ``None`` for the anchor alone) and the metadata, into ``out`` when given."""
+    ``None`` for the anchor alone: every token, sink tokens too, from its anchor code) and the metadata, into
+    ``out`` when given. (The sink tokens' full code from the anchor is :func:`dequantize`'s, which sees the
+    residual of the sinks in its :class:`EncodedTensor`.)"""
     h, t, d = shape
     dtype = dtype if out is None else out.dtype
+    axis = scheme.axis(kind)
     if anchor.is_cuda:
         kernels = _triton()
         if kernels is not None and kernels[1].supports(scheme) and fast.packable(scheme, d):
             y = out if out is not None else torch.empty(shape, dtype=dtype, device=anchor.device)
             kernels[1].decode(anchor.reshape(1, -1), None if residual is None else residual.reshape(1, -1),
-                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0))
+                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0), kind=kind)
             return y
-    elif _fast_cpu(anchor) and fast.packable(scheme, d):
+    elif axis == "token" and _fast_cpu(anchor) and fast.packable(scheme, d):  # the fused CPU path: along tokens
         return fast.dequantize_packed(anchor, residual, offset, scale, shape, scheme, dtype=dtype, out=out,
                                       threads=threads)
     n = h * t * d
     a = unpack_bits(anchor, scheme.anchor_bits, n).view(shape)
     r = torch.zeros_like(a) if residual is None else unpack_bits(residual, scheme.residual_bits, n).view(shape)
-    return dequantize(EncodedTensor(a, r, offset, scale), scheme, anchor_only=residual is None, dtype=dtype, out=out,
-                      threads=threads)
+    return dequantize(EncodedTensor(a, r, offset, scale, axis), scheme, anchor_only=residual is None, dtype=dtype,
+                      out=out, threads=threads)
 
 
-def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None) -> int:
+def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None,
+                     axis: str = "token") -> int:
     """Dequantize pages of bit-packed codes held in byte buffers (e.g. ``.lynx`` page records) straight into
     ``out`` ``[H, T, D]`` (written in place, any strides).
 
@@ -114,16 +151,19 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     ``anchor_at``, its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor alone). Returns
     metadata problem flags: 1 an offset is not finite, 2 a scale is not finite, 4 a scale is negative (the
     caller decides; the values written for such a page are what the arithmetic gives). The fast CPU path
-    decodes the 4+4 split in one compiled pass; other splits and devices unpack each page first."""
+    decodes the 4+4 split in one compiled pass; other splits and devices unpack each page first. ``axis``: the
+    groups run along tokens (keys, and the values of a format-1.0 scheme) or along the channels of each token
+    (``"channel"``: values per channel, metadata ``[H, n, ceil(D/C)]``). Sink tokens are the caller's: every
+    token decodes from the codes given."""
     h, t, d = out.shape
     if _fast_cpu(out) and fast.packable(scheme, d):
-        return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads)
+        return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads, axis=axis)
     meta_np = np.dtype("<f4" if scheme.meta_dtype == "fp32" else "<f2")
     flags = 0
     for o_at, s_at, a_at, r_at, t0, n in (tuple(int(v) for v in row) for row in pages):
-        nc = -(-n // scheme.chunk)
-        meta = [torch.from_numpy(np.frombuffer(anchor, meta_np, h * nc * d, at).astype(meta_np.newbyteorder("=")))
-                .view(h, nc, d) for at in (o_at, s_at)]
+        shape = (h, n, -(-d // scheme.chunk)) if axis == "channel" else (h, -(-n // scheme.chunk), d)
+        meta = [torch.from_numpy(np.frombuffer(anchor, meta_np, math.prod(shape), at).astype(meta_np.newbyteorder("=")))
+                .view(shape) for at in (o_at, s_at)]
         flags |= (0 if bool(torch.isfinite(meta[0]).all()) else 1) | (0 if bool(torch.isfinite(meta[1]).all()) else 2)
         flags |= 4 if bool((meta[1] < 0).any()) else 0
         count = h * n * d
@@ -131,7 +171,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
                  unpack_bits(torch.from_numpy(np.frombuffer(buf, np.uint8, (count * bits + 7) // 8, at).copy()), bits,
                              count).view(h, n, d)
                  for buf, at, bits in ((anchor, a_at, scheme.anchor_bits), (residual, r_at, scheme.residual_bits))]
-        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1]), scheme, anchor_only=residual is None,
+        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1], axis), scheme, anchor_only=residual is None,
                    out=out[:, t0:t0 + n], threads=threads)
     return flags
 

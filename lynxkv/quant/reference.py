@@ -34,6 +34,11 @@ level itself: the centre of its residual sub-grid, and for a = 0 and a = A the c
 ``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * fp32(expm1(|ẑ| * c) / alpha)`` (float64 inside),
 ``x̂ = o + s * û``.
 
+Keys always run along tokens as above. Values with ``value_axis = "channel"`` (format 1.2) are the same
+encoding applied to the transpose ``[H, D, T]``: groups of C consecutive channels of one token, metadata
+``[H, T, ceil(D/C)]``; the codes stay in ``[H, T, D]`` order. With ``sink_tokens`` S the first S tokens decode
+from the full code also when only the anchor is given (the anchor carries their residual).
+
 The α-law step runs in float64 and is rounded once to fp32: two correct-to-an-ulp ``log1p`` implementations
 (vectorised and scalar, CPU and GPU) then agree on the fp32 ``z`` except in vanishingly rare double-rounding
 cases, so the codes are reproducible across implementations.
@@ -41,8 +46,10 @@ cases, so the codes are reproducible across implementations.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -58,27 +65,32 @@ class EncodedTensor:
 
     anchor: torch.Tensor  # uint8 [H, T, D], values in [0, A]
     residual: torch.Tensor  # uint8 [H, T, D], values in [0, R-1]
-    offset: torch.Tensor  # meta dtype [H, ceil(T/C), D]
-    scale: torch.Tensor  # meta dtype [H, ceil(T/C), D], >= 0
+    offset: torch.Tensor  # meta dtype: axis "token" [H, ceil(T/C), D]; axis "channel" [H, T, ceil(D/C)]
+    scale: torch.Tensor  # meta dtype, the shape of offset, >= 0
+    axis: str = "token"  # the axis the groups run along (Scheme.axis)
+    sinks: int = 0  # leading tokens decoded from the full code also from the anchor alone (their residual is real)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.anchor.shape)  # type: ignore[return-value]
 
+    def _with(self, anchor, residual, offset, scale, sinks: int) -> "EncodedTensor":
+        return EncodedTensor(anchor, residual, offset, scale, self.axis, sinks)
+
     def to(self, device: str | torch.device) -> "EncodedTensor":
-        return EncodedTensor(*(t.to(device) for t in (self.anchor, self.residual, self.offset, self.scale)))
+        return self._with(*(t.to(device) for t in (self.anchor, self.residual, self.offset, self.scale)), self.sinks)
 
     def tokens(self, start: int, stop: int, chunk: int) -> "EncodedTensor":
-        """The tokens ``[start, stop)`` (``start`` a multiple of ``chunk``), with their metadata rows."""
-        if start % chunk:
-            raise SchemeError(f"slice start {start} is not a multiple of chunk {chunk}")
-        c0, c1 = start // chunk, -(-stop // chunk)
-        return EncodedTensor(
-            self.anchor[:, start:stop],
-            self.residual[:, start:stop],
-            self.offset[:, c0:c1],
-            self.scale[:, c0:c1],
-        )
+        """The tokens ``[start, stop)`` (for groups along tokens ``start`` a multiple of ``chunk``), with their
+        metadata rows."""
+        if self.axis == "token":
+            if start % chunk:
+                raise SchemeError(f"slice start {start} is not a multiple of chunk {chunk}")
+            m0, m1 = start // chunk, -(-stop // chunk)
+        else:
+            m0, m1 = start, stop
+        return self._with(self.anchor[:, start:stop], self.residual[:, start:stop], self.offset[:, m0:m1],
+                          self.scale[:, m0:m1], max(0, min(self.sinks, stop) - start))
 
 
 def _check_input(x: torch.Tensor) -> None:
@@ -149,8 +161,29 @@ def chunk_meta(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Ten
     return offset, scale
 
 
-def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
-    """Quantize ``x`` ``[H, T, D]`` (any float dtype) with ``scheme``; chunks run along the token axis."""
+TokenQuantizer = Callable[[torch.Tensor, Scheme], EncodedTensor]
+
+
+def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *,
+             along_tokens: TokenQuantizer | None = None) -> EncodedTensor:
+    """Quantize ``x`` ``[H, T, D]`` (any float dtype), the keys (``kind="key"``) or the values of one layer, with
+    ``scheme``: groups along ``scheme.axis(kind)``, the first ``scheme.sink_tokens`` tokens marked as sinks.
+
+    ``along_tokens(x, scheme)`` is the implementation of the token-axis encoding (default: this module's); a
+    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule."""
+    _check_input(x)
+    encode = along_tokens or quantize_tokens
+    if scheme.axis(kind) == "channel":
+        enc = encode(x.transpose(1, 2).contiguous(), scheme)  # [H, D, T]: chunks of C channels per token
+        enc = EncodedTensor(*(t.transpose(1, 2).contiguous() for t in (enc.anchor, enc.residual, enc.offset,
+                                                                         enc.scale)), axis="channel")
+    else:
+        enc = encode(x, scheme)
+    return dataclasses.replace(enc, sinks=min(scheme.sink_tokens, x.shape[1]))
+
+
+def quantize_tokens(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
+    """The encoding of spec/FORMAT.md §9.2: chunks run along the token axis of ``x`` ``[H, T, D]``."""
     _check_input(x)
     h, t, d = x.shape
     meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
@@ -159,13 +192,18 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
         empty_codes = torch.empty((h, 0, d), dtype=torch.uint8, device=x.device)
         return EncodedTensor(empty_codes, empty_codes.clone(), empty_meta, empty_meta.clone())
     offset, scale = chunk_meta(x, scheme)
-    c = scheme.chunk
-    o = offset.float().repeat_interleave(c, dim=1)[:, :t]  # [H, T, D]
-    s = scale.float().repeat_interleave(c, dim=1)[:, :t]
+    o, s = spread(offset, scheme.chunk, "token", t, d), spread(scale, scheme.chunk, "token", t, d)
     diff = x.float() - o
     u = torch.where(s > 0, diff / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(diff))
     a, r = codes_of_u(u, scheme)
     return EncodedTensor(a.contiguous(), r.contiguous(), offset.contiguous(), scale.contiguous())
+
+
+def spread(meta: torch.Tensor, chunk: int, axis: str, t: int, d: int) -> torch.Tensor:
+    """Per-group metadata as fp32 ``[H, T, D]``, one value per element."""
+    if axis == "token":
+        return meta.float().repeat_interleave(chunk, dim=1)[:, :t]
+    return meta.float().repeat_interleave(chunk, dim=2)[:, :, :d]
 
 
 def codes_of_u(u: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,14 +244,17 @@ def dequantize(
     anchor_only: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Reconstruct ``[H, T, D]`` from anchor + residual (full) or from the anchor alone."""
+    """Reconstruct ``[H, T, D]`` from anchor + residual (full) or from the anchor alone (and the residual of the
+    ``enc.sinks`` leading tokens)."""
     h, t, d = enc.anchor.shape
     if t == 0:
         return torch.empty((h, 0, d), dtype=dtype, device=enc.anchor.device)
     uhat = expanded_levels(enc.anchor, None if anchor_only else enc.residual, scheme)
-    chunk = scheme.chunk
-    o = enc.offset.float().repeat_interleave(chunk, dim=1)[:, :t]
-    s = enc.scale.float().repeat_interleave(chunk, dim=1)[:, :t]
+    if anchor_only and enc.sinks:
+        n = enc.sinks
+        uhat[:, :n] = expanded_levels(enc.anchor[:, :n], enc.residual[:, :n], scheme)
+    o = spread(enc.offset, scheme.chunk, enc.axis, t, d)
+    s = spread(enc.scale, scheme.chunk, enc.axis, t, d)
     return (o + s * uhat).to(dtype)
 
 
@@ -246,7 +287,16 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     linear bound in z units (a top-level anchor may carry a residual just above z = 1). A slack of
     ``2^-20·(|o| + s)`` covers fp32 rounding.
     """
-    _, t, _ = enc.anchor.shape
+    _, t, d = enc.anchor.shape
+    o = spread(enc.offset, scheme.chunk, enc.axis, t, d)
+    s = spread(enc.scale, scheme.chunk, enc.axis, t, d)
+    step = torch.full((1, t, 1), _step(scheme, anchor_only), device=o.device)
+    if anchor_only and enc.sinks:
+        step[:, :enc.sinks] = _step(scheme, False)  # the sinks decode from the full code
+    return s * step + 2.0**-20 * (o.abs() + s)
+
+
+def _step(scheme: Scheme, anchor_only: bool) -> float:
     A = float(scheme.anchor_steps)
     R = float(scheme.residual_levels)
     if scheme.grid == "uniform":
@@ -257,9 +307,7 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     if scheme.compander == "alpha":
         c = math.log1p(scheme.alpha)
         step *= c * math.exp(c * (1.0 + step)) / scheme.alpha
-    o = enc.offset.float().repeat_interleave(scheme.chunk, dim=1)[:, :t]
-    s = enc.scale.float().repeat_interleave(scheme.chunk, dim=1)[:, :t]
-    return s * step + 2.0**-20 * (o.abs() + s)
+    return step
 
 
 def join_code(anchor: torch.Tensor, residual: torch.Tensor, scheme: Scheme) -> torch.Tensor:

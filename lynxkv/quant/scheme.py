@@ -9,7 +9,11 @@ A scheme fixes everything the decoder needs to turn codes back into values (spec
 - ``grid``: ``nested`` (the anchor levels include the chunk's extremes, the residual places the value inside
   the anchor's cell) or ``uniform`` (a plain 255-step grid whose high bits are the anchor, decoded at the middle
   of its bin: Lynx's Algorithm 1);
-- ``meta_dtype``: the storage dtype of the per-chunk offset and scale (``fp16`` or ``fp32``).
+- ``meta_dtype``: the storage dtype of the per-chunk offset and scale (``fp16`` or ``fp32``);
+- ``value_axis``: how the values are grouped: ``token`` (chunks of C tokens per channel, like the keys) or
+  ``channel`` (groups of C channels of one token: KIVI's value axis; format 1.2). Keys always run along tokens;
+- ``sink_tokens`` S: the first S tokens of the cache are decoded from the full code also from the anchor alone
+  (the anchor records of their pages carry their residual too: attention sinks, format 1.2).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ COMPANDERS = ("linear", "alpha")
 CENTRINGS = ("midrange", "mean")
 META_DTYPES = ("fp16", "fp32")
 GRIDS = ("nested", "uniform")
+VALUE_AXES = ("token", "channel")
 CODE_BITS = 8
 
 MAX_CHUNK = 1024
 MAX_PAGE = 65536
+MAX_SINK_TOKENS = 65536
 MAX_ALPHA = 65504.0
 #: Below this the α-law is the linear code to within fp32 rounding of ``log1p(α|u|)/log1p(α)`` (and a subnormal
 #: α underflows ``α|u|`` to 0, mapping every value to the chunk centre): use the linear compander instead.
@@ -45,6 +51,8 @@ class Scheme:
     residual_bits: int = 4
     meta_dtype: str = "fp16"
     grid: str = "nested"
+    value_axis: str = "token"
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.compander not in COMPANDERS:
@@ -53,6 +61,8 @@ class Scheme:
             raise SchemeError(f"centring: expected one of {CENTRINGS}, got {self.centring!r}")
         if self.grid not in GRIDS:
             raise SchemeError(f"grid: expected one of {GRIDS}, got {self.grid!r}")
+        if self.value_axis not in VALUE_AXES:
+            raise SchemeError(f"value_axis: expected one of {VALUE_AXES}, got {self.value_axis!r}")
         if self.meta_dtype not in META_DTYPES:
             raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.compander == "alpha":
@@ -73,6 +83,17 @@ class Scheme:
             raise SchemeError(
                 f"anchor_bits + residual_bits: expected {CODE_BITS}, got {self.anchor_bits}+{self.residual_bits}"
             )
+        if not (isinstance(self.sink_tokens, int) and 0 <= self.sink_tokens <= MAX_SINK_TOKENS):
+            raise SchemeError(f"sink_tokens: expected 0 <= sink_tokens <= {MAX_SINK_TOKENS}, got {self.sink_tokens}")
+
+    def axis(self, kind: str) -> str:
+        """The axis the groups of ``kind`` (``"key"`` or ``"value"``) run along: ``token`` or ``channel``."""
+        return self.value_axis if kind == "value" else "token"
+
+    @property
+    def extended(self) -> bool:
+        """True when a field of format 1.2 differs from its 1.0 meaning (values per channel, sink tokens)."""
+        return self.value_axis != "token" or self.sink_tokens != 0
 
     # Derived constants of the code (spec/FORMAT.md, "Quantizer"). -----------------------------------------
     @property
@@ -94,15 +115,20 @@ class Scheme:
     def meta_bytes(self) -> int:
         return 2 if self.meta_dtype == "fp16" else 4
 
-    def bits_per_element(self, *, anchor_only: bool = False, tokens: int | None = None) -> float:
-        """Payload plus metadata bits per element (page/chunk padding of a short tail included when
-        ``tokens`` is given)."""
+    def bits_per_element(self, *, anchor_only: bool = False, tokens: int | None = None,
+                         head_dim: int | None = None) -> float:
+        """Payload plus metadata bits per element, keys and values averaged: chunk padding of a short tail
+        (``tokens``) and of a head_dim that is not a multiple of C (``head_dim``, for values per channel)
+        included when given, and the sink tokens' residual that the anchor carries (with ``tokens``; both
+        files together hold it twice)."""
         meta = 2 * self.meta_bytes * 8
-        if tokens is None:
-            meta_per_el = meta / self.chunk
-        else:
-            meta_per_el = meta * math.ceil(tokens / self.chunk) / max(tokens, 1)
-        return (self.anchor_bits if anchor_only else CODE_BITS) + meta_per_el
+
+        def per_group(n: int | None) -> float:
+            return meta / self.chunk if n is None else meta * math.ceil(n / self.chunk) / max(n, 1)
+
+        value_meta = per_group(head_dim if self.value_axis == "channel" else tokens)
+        sinks = 0.0 if tokens is None else self.residual_bits * min(self.sink_tokens, tokens) / max(tokens, 1)
+        return (self.anchor_bits if anchor_only else CODE_BITS) + (per_group(tokens) + value_meta) / 2 + sinks
 
     def replace(self, **changes) -> "Scheme":
         return dataclasses.replace(self, **changes)
@@ -110,9 +136,11 @@ class Scheme:
     def describe(self) -> str:
         comp = "linear" if self.compander == "linear" else f"alpha={self.alpha:g}"
         grid = "" if self.grid == "nested" else f", {self.grid} grid"
+        values = "" if self.value_axis == "token" else f", V per {self.value_axis}"
+        sinks = f", {self.sink_tokens} sink tokens" if self.sink_tokens else ""
         return (
             f"{comp}, {self.centring}{grid}, C={self.chunk}, P={self.page}, "
-            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}"
+            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}{values}{sinks}"
         )
 
     def to_dict(self) -> dict:
@@ -128,9 +156,11 @@ def _is_pow2(n: int) -> bool:
 #: gives the same codes on every device, and the fastest encode.
 LINEAR = Scheme()
 
-#: The default: the same grid with a mild α-law compander (α = 1), chosen by `lynxkv eval` for the best
-#: anchor-only draft quality at 5 bits (README, "Choosing the default scheme").
-DEFAULT = LINEAR.replace(compander="alpha", alpha=1.0)
+#: The default: the same grid with a mild α-law compander (α = 1), the values grouped per token over channels
+#: (KIVI's axis) and the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone;
+#: chosen by measured anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default
+#: scheme"; format 1.2).
+DEFAULT = LINEAR.replace(compander="alpha", alpha=1.0, value_axis="channel", sink_tokens=4)
 
 #: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
 #: uniform 8-bit grid whose high nibble is the anchor.

@@ -40,7 +40,7 @@ def split_kv(kv: KVPairs, scheme: Scheme) -> tuple[KVPairs, KVPairs]:
     """(anchor-only KV, full-code KV), both fp32 ``[H, T, D]`` per layer, through the reference quantizer."""
     anchor_kv, full_kv = [], []
     for k, v in kv:
-        ek, ev = quantize(k, scheme), quantize(v, scheme)
+        ek, ev = quantize(k, scheme), quantize(v, scheme, "value")
         anchor_kv.append((dequantize(ek, scheme, anchor_only=True), dequantize(ev, scheme, anchor_only=True)))
         full_kv.append((dequantize(ek, scheme), dequantize(ev, scheme)))
     return anchor_kv, full_kv

@@ -9,7 +9,8 @@ page against the checksum stored with the object it came from. Nothing is copied
 :class:`JoinedSegment` turns a byte range of a joined segment into ranged reads of the parts' objects.
 
 Pages are joined, never re-cut: every part but the last must hold whole pages (``tokens`` a multiple of the
-scheme's page), and all parts must share shape, dtype, scheme and model fingerprint (:func:`join_problem`).
+scheme's page), all parts must share shape, dtype, scheme and model fingerprint, and only a joined cache's start
+may hold sink tokens, so the schemes have none (:func:`join_problem`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def join_problem(before: AnchorHeader, h: AnchorHeader) -> str | None:
             return f"its {name} ({getattr(h, name)}) differs from the part before it ({getattr(before, name)})"
     if before.tokens % before.scheme.page:
         return f"the part before it ends inside a page ({before.tokens} tokens, pages of {before.scheme.page})"
+    if h.scheme.sink_tokens:
+        return f"it starts with {h.scheme.sink_tokens} sink tokens, which only a cache's start may hold"
     return None
 
 

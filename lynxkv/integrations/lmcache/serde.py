@@ -4,7 +4,12 @@ Importing this module registers the serde type ``"lynx"`` (``register_serde_fact
 use it (``"serde": {"type": "lynx", "kv_heads": 8}``); the stored object is then a valid ``.lynx`` file that
 ``lynxkv inspect``/``verify``/``decode`` read, at ~9 bits per element instead of 16. Options: ``kv_heads`` (how
 the chunk's ``kv_heads*head_dim`` channels split into heads; 1 keeps them as one head, which quantizes
-identically), ``scheme`` (a lynxkv scheme name, default ``default``), ``max_workers``.
+identically), ``layout`` (how the chunk tensor holds K and V, :class:`~lynxkv.integrations.lmcache.chunk.ChunkLayout`:
+``kv``, the default, for LMCache's split-K/V objects; ``vllm-cpu-vec:B`` for vLLM's CPU build with KV block size
+``B``, whose objects LMCache gathers as ``[layers, tokens, kv_heads * 2 * head_dim]`` blocks of that backend's raw
+memory: the lynx object is then a cache of the model's layers, heads and head dim), ``scheme`` (a lynxkv scheme
+name, default ``default``; stored without sink tokens, :func:`~lynxkv.integrations.lmcache.chunk.chunk_scheme`),
+``max_workers``.
 
 A deserialize failure fails LMCache's whole load batch; the lynx tier (``adapter.py``) therefore checks every CRC
 per chunk before it reports a hit, so that a corrupted object is a miss for that chunk only.
@@ -18,7 +23,8 @@ from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Seri
 from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
 
 from lynxkv.errors import InputError
-from lynxkv.integrations.lmcache.chunk import decode_chunk, encode_chunk, max_chunk_bytes
+from lynxkv.integrations.lmcache.chunk import (ChunkLayout, chunk_scheme, decode_chunk, encode_chunk,
+                                              max_chunk_bytes, parse_layout)
 from lynxkv.quant.scheme import Scheme, get_scheme
 from lynxkv.stream.lmcache_source import key_cache_id
 
@@ -26,12 +32,12 @@ SERDE_TYPE = "lynx"
 
 
 class LynxSerializer(Serializer):
-    def __init__(self, kv_heads: int = 1, scheme: Scheme | None = None):
-        self.kv_heads, self.scheme = kv_heads, scheme or get_scheme()
+    def __init__(self, kv_heads: int = 1, scheme: Scheme | None = None, layout: ChunkLayout = ChunkLayout()):
+        self.kv_heads, self.scheme, self.layout = kv_heads, chunk_scheme(scheme or get_scheme()), layout
 
     def serialize(self, src, dst, key: ObjectKey) -> int:
         data = encode_chunk(src.tensor, kv_heads=self.kv_heads, scheme=self.scheme, model_name=key.model_name,
-                            cache_id=key_cache_id(key))
+                            cache_id=key_cache_id(key), layout=self.layout)
         buf = memoryview(dst.byte_array).cast("B")
         if len(data) > len(buf):
             raise InputError(f"lynx serde: {len(data)} bytes do not fit the {len(buf)}-byte buffer")
@@ -41,7 +47,7 @@ class LynxSerializer(Serializer):
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         if len(layout_desc.shapes) != 1:
             raise InputError(f"lynx serde: expected one KV tensor per chunk, got {len(layout_desc.shapes)}")
-        return max_chunk_bytes(tuple(layout_desc.shapes[0]), self.scheme)
+        return max_chunk_bytes(tuple(layout_desc.shapes[0]), self.scheme, kv_heads=self.kv_heads, layout=self.layout)
 
 
 class LynxDeserializer(Deserializer):
@@ -51,7 +57,8 @@ class LynxDeserializer(Deserializer):
 
 def create_lynx_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     scheme = get_scheme(str(kwargs.get("scheme", "default")))
-    return AsyncSerdeProcessor(LynxSerializer(int(kwargs.get("kv_heads", 1)), scheme), LynxDeserializer(),
+    layout = parse_layout(str(kwargs.get("layout", "kv")))
+    return AsyncSerdeProcessor(LynxSerializer(int(kwargs.get("kv_heads", 1)), scheme, layout), LynxDeserializer(),
                                max_workers=int(kwargs.get("max_workers", 1)))
 
 
