@@ -81,8 +81,13 @@ def test_compare_runs_all_baselines(tiny_cache, capsys):
     assert cmp["judge"]["tt_lynx_s"] is None  # fewer than 64 tokens: no TT64 verdict is made up
 
 
-def test_compare_repeats_every_method_and_judges_on_medians(tiny_cache, capsys):
+def test_compare_repeats_every_method_and_judges_on_medians(tiny_cache, capsys, monkeypatch):
+    import io
     import statistics
+
+    from rich.console import Console
+
+    import lynxkv.cli.run as run_cli
 
     model_dir, path, _, _ = tiny_cache
     code, out, err = _run(capsys, path, "--model", model_dir, "-n", "64", "--ignore-eos", "--bandwidth", "8MB/s",
@@ -104,9 +109,12 @@ def test_compare_repeats_every_method_and_judges_on_medians(tiny_cache, capsys):
     assert [r["tt_lynx_s"] for r in j["rounds"]] == [r["tt64_s"] for r in rows["lynx"]["runs"]]
     assert isinstance(j["beats_full_by_0.6_delta"], bool)
 
-    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "64", "--ignore-eos", "--bandwidth", "8MB/s",
-                          "--compare", "--repeats", "2")
+    shown = io.StringIO()  # a wide console of its own: the shared one's width may be set by another test
+    monkeypatch.setattr(run_cli, "out", Console(file=shown, width=300))
+    code, _, err = _run(capsys, path, "--model", model_dir, "-n", "64", "--ignore-eos", "--bandwidth", "8MB/s",
+                        "--compare", "--repeats", "2")
     assert code == 0, err
+    out = shown.getvalue()
     words = " ".join(out.split())  # a table's title wraps at the table's width
     assert "medians of 2 interleaved runs" in words and "TT64 per run" in out and "medians of 2 runs" in words
     code, _, err = _run(capsys, path, "--model", model_dir, "--repeats", "2")
