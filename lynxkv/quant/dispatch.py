@@ -43,15 +43,18 @@ def _fast_cpu(t: torch.Tensor) -> bool:
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key") -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
     device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``)."""
-    return reference.quantize(x, scheme, kind, along_tokens=_token_quantizer(x, scheme))
+    return reference.quantize(x, scheme, kind, along_tokens=_token_quantizer(x, scheme, scheme.axis(kind)))
 
 
-def _token_quantizer(x: torch.Tensor, scheme: Scheme):
-    """The implementation of the token-axis encoding for ``x``'s device (None: the reference)."""
+def _token_quantizer(x: torch.Tensor, scheme: Scheme, axis: str):
+    """The implementation of the token-axis encoding for ``x``'s device (None: the reference). For a channel-axis
+    tensor the fast CPU path writes its codes in the order they are transposed back to."""
     if x.is_cuda:
         kernels = _triton()
         return kernels[0].quantize_triton if kernels is not None and kernels[0].supports(scheme) else None
-    return fast.quantize if _fast_cpu(x) else None
+    if not _fast_cpu(x):
+        return None
+    return functools.partial(fast.quantize, transposed_codes=True) if axis == "channel" else fast.quantize
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,

@@ -249,13 +249,14 @@ if numba is not None:
 
     @_jit
     def _encode_kernel(x, x0, sh, st, T, D, C, nc, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb, margin,
-                       thr, codes, off, shift, rb, packed, a_out, r_out):
+                       thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t, out_d):
         """Metadata and codes of units ``[u0, u1)`` (a unit is one (head, chunk)); returns problem flags:
         1 = the input is not finite, 2 = a centre overflows the metadata dtype, 4 = a scale does.
 
         ``offset``/``scale`` ``[H·nc·D]`` (fp32, or fp16 as uint16 bits) are written from the chunk's max and
         min (midrange centring), or read (``meta_given``: the reference computed them). Codes go out packed
-        4+4 (``packed``; ``[H·T·D/2]`` bytes each) or as anchor and residual bytes (``[H·T·D]`` each)."""
+        4+4 (``packed``; ``[H·T·D/2]`` bytes each) or as anchor and residual bytes, element ``(h, t, d)`` at
+        ``h·out_h + t·out_t + d·out_d`` (``[H·T·D]`` each; ``(T·D, D, 1)``: C order)."""
         mx = np.empty(D, np.float32)
         mn = np.empty(D, np.float32)
         bad = np.empty(D, np.float32)
@@ -345,18 +346,23 @@ if numba is not None:
                         if row_codes[d] & 0x100 or unit_margin >= 1:
                             row_codes[d] = _exact_code(_load(x, row + np.uint64(d)), o[d], s[d], thr, codes, off,
                                                        shift)
-                el = np.uint64((h * T + t) * D)
                 if packed:
-                    p = el >> np.uint64(1)
+                    p = np.uint64((h * T + t) * D) >> np.uint64(1)
                     for j in range(D >> 1):
                         lo = row_codes[2 * j]
                         hi = row_codes[2 * j + 1]
                         a_out[p + np.uint64(j)] = np.uint8((lo >> 4) | (hi & 0xF0))
                         r_out[p + np.uint64(j)] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
-                else:
+                elif out_d == 1:
+                    el = np.uint64(h * out_h + t * out_t)
                     for d in range(D):
                         a_out[el + np.uint64(d)] = np.uint8(row_codes[d] >> rb)
                         r_out[el + np.uint64(d)] = np.uint8(row_codes[d] & mask)
+                else:  # codes of a channel-axis encoding, stored in the original [H, T, D] order
+                    el = np.uint64(h * out_h + t * out_t)
+                    for d in range(D):
+                        a_out[el + np.uint64(d * out_d)] = np.uint8(row_codes[d] >> rb)
+                        r_out[el + np.uint64(d * out_d)] = np.uint8(row_codes[d] & mask)
         return flags
 
     @functools.partial(numba.njit, inline="always", error_model="numpy")
@@ -540,8 +546,10 @@ def _meta_np(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.float16 else flat.numpy()
 
 
-def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """``(anchor, residual, offset, scale)`` with flat code buffers; ``meta`` given: those offsets and scales."""
+def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tensor, torch.Tensor] | None = None,
+           transposed: bool = False):
+    """``(anchor, residual, offset, scale)`` with flat code buffers; ``meta`` given: those offsets and scales;
+    ``transposed`` (unpacked codes only): the buffers hold the codes in ``[H, D, T]`` order."""
     x = _input(x)
     h, t, d = x.shape
     c = scheme.chunk
@@ -568,7 +576,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     for f in _parallel(
         _encode_kernel, h * nc, (buf, x0, sh, st, t, d, c, nc),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
-         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy()),
+         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), *((t * d, 1, t) if transposed else (t * d, d, 1))),
     ):
         flags |= f
     if flags & 1:
@@ -627,12 +635,16 @@ def packable(scheme: Scheme, head_dim: int) -> bool:
     return scheme.anchor_bits == 4 and head_dim % 2 == 0
 
 
-def quantize(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
-    """:func:`lynxkv.quant.reference.quantize`, bit for bit (CPU tensors)."""
+def quantize(x: torch.Tensor, scheme: Scheme, *, transposed_codes: bool = False) -> EncodedTensor:
+    """:func:`lynxkv.quant.reference.quantize_tokens`, bit for bit (CPU tensors). ``transposed_codes``: the codes
+    are ``[H, T, D]`` views of ``[H, D, T]`` memory, so that a channel-axis encoding (this one of the transposed
+    values) transposes them back to C order without a copy."""
     h, t, d = _input(x).shape
     if t == 0 or d == 0 or h == 0:
-        return reference.quantize(x, scheme)
-    a, r, offset, scale = _codes(x, scheme, packed=False)
+        return reference.quantize_tokens(x, scheme)
+    a, r, offset, scale = _codes(x, scheme, packed=False, transposed=transposed_codes)
+    if transposed_codes:
+        return EncodedTensor(a.view(h, d, t).transpose(1, 2), r.view(h, d, t).transpose(1, 2), offset, scale)
     return EncodedTensor(a.view(h, t, d), r.view(h, t, d), offset, scale)
 
 
