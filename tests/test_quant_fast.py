@@ -262,7 +262,7 @@ def _page_records(enc, scheme, page):
     for t0 in range(0, t, page):
         p = enc.tokens(t0, min(t0 + page, t), scheme.chunk)
         at, r_at = len(anchor), len(residual)
-        offsets, scales = (m.contiguous().view(torch.uint8).numpy().tobytes() for m in (p.offset, p.scale))
+        offsets, scales = (m.numpy().tobytes() for m in (p.offset, p.scale))  # C order, little-endian here
         codes = ref_pack_bits(p.anchor, scheme.anchor_bits).numpy().tobytes()
         anchor += offsets + scales + codes + b"\x07"
         residual += ref_pack_bits(p.residual, scheme.residual_bits).numpy().tobytes() + b"\x05"
@@ -321,3 +321,19 @@ def test_dequantize_pages_flags_and_bounds():
         entry.dequantize_pages(anchor[:-10], residual, rows, scheme, out=out)
     with pytest.raises(InputError, match="outside"):
         entry.dequantize_pages(anchor, residual, [(*rows[1][:4], 40, 32)], scheme, out=out)
+
+
+@pytest.mark.parametrize("anchor_only", [False, True], ids=["full", "anchor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(3, 257, 64), (2, 33, 40), (1, 3, 4)], ids=["T257", "D40", "tiny"])
+def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
+    """Values grouped per token over channels (format 1.2): metadata [H, n, ceil(D/C)] per page, decoded in the
+    same compiled pass as the reference decodes the whole tensor (sink tokens are the caller's, so none here)."""
+    scheme = get_scheme("default", sink_tokens=0)
+    assert scheme.axis("value") == "channel"
+    enc = reference.quantize(kv_like(shape, torch.float32, seed=5), scheme, "value")
+    ref = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
+    anchor, residual, rows = _page_records(enc, scheme, 64)
+    out = torch.full(shape, float("nan"), dtype=dtype)
+    assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, axis="channel") == 0
+    assert_equal_values(ref, out, "values per channel")

@@ -10,10 +10,13 @@ Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endia
 
 Residual record: K residual codes packed | V residual codes packed. Anchor-only decoding therefore needs only
 anchor records. :func:`check_and_decompress` checks the CRC-32 of the stored bytes first, then decompresses with
-the output bounded by the raw length the shape implies; one decoder per record layout
-(:func:`decode_anchor_records`, :func:`decode_residual_records`) then splits one page, or all full pages of a
-layer at once. Encoding goes through :func:`encode_anchor_record` / :func:`encode_residual_record`; these and the
-decoders are the only places where the format calls the quantizer's packing.
+the output bounded by the raw length the shape implies. :func:`record_parts` says where each part of a record
+lies; :func:`dequantize_records` (what ``load_kv`` and the progressive reader use) hands those places to the
+quantizer entry, which dequantizes the codes straight from the record bytes into the output tensors, while
+:func:`decode_anchor_records` / :func:`decode_residual_records` split records into code and metadata tensors (one
+page, or all full pages of a layer at once) for callers that want the codes themselves. Encoding goes through
+:func:`encode_anchor_record` / :func:`encode_residual_record`; these and the decoders are the only places where
+the format calls the quantizer.
 """
 
 from __future__ import annotations
@@ -249,12 +252,9 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     entry (:func:`lynxkv.quant.dequantize_pages`: nothing is unpacked, permuted or concatenated first).
     ``where(i)`` names page ``i`` in errors (``"layer 3 page 1"``; the segment is put before it). The checks of
     :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
-    and scales, scales >= 0. Schemes of format 1.2 (values per channel, sink tokens) decode page by page through
-    :func:`decode_anchor_records` and :func:`lynxkv.quant.dequantize` instead."""
-    if scheme.extended:
-        _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme, kv_heads, head_dim, out, where,
-                         threads)
-        return
+    and scales, scales >= 0. Format 1.2: values per channel take the entry's channel-axis pass; from the anchor
+    alone, a page holding sink tokens is then decoded again through :func:`decode_anchor_records` (its sinks
+    decode from the full code, their residual in the anchor record)."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
@@ -263,7 +263,8 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         count = kv_heads * n * head_dim
         parts = {}
         for kind, buf, at, bits in segments:
-            lay = (anchor_record_layout if kind == "anchor" else residual_record_layout)(scheme, kv_heads, head_dim, n)
+            lay = (anchor_record_layout(scheme, kv_heads, head_dim, n, max(0, min(scheme.sink_tokens, t0 + n) - t0))
+                   if kind == "anchor" else residual_record_layout(scheme, kv_heads, head_dim, n))
             place = f"{kind} {where(i)}"
             if at[i] + lay.raw_length > len(buf):
                 raise FormatError(f"`page.raw_length` {place}: expected {lay.raw_length} bytes, got "
@@ -278,15 +279,23 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         for j, which in enumerate(("key", "value")):
             rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
                             parts.get(f"{which}_residual", 0), t0, n))
-    for j in range(2):
-        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads):
-            for i, (t0, n) in enumerate(tokens):  # name the page and the field
+    for j, which in enumerate(("key", "value")):
+        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads,
+                                        axis=scheme.axis(which)):
+            if scheme.extended:  # decode_anchor_records names the page and the field
+                _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme, kv_heads, head_dim, out,
+                                 where, threads)
+            for i, (t0, n) in enumerate(tokens) if not scheme.extended else ():  # name the page and the field
                 meta = anchor_record_layout(scheme, kv_heads, head_dim, n).meta_size // scheme.meta_bytes
                 m = np.frombuffer(anchor, _META_NP[scheme.meta_dtype], 4 * meta, anchor_at[i])
                 _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta),
                                 f"anchor {where(i)}")
             raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
                               where=f"anchor {where(0)}")
+    sinks = [i for i, (t0, n) in enumerate(tokens) if t0 < scheme.sink_tokens and n] if residual is None else []
+    if sinks:
+        _dequantize_each(anchor, [anchor_at[i] for i in sinks], None, None, [tokens[i] for i in sinks], scheme,
+                         kv_heads, head_dim, out, lambda k: where(sinks[k]), threads)
 
 
 def _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,

@@ -15,6 +15,7 @@ the ``.lynx`` page records (spec/FORMAT.md, "Packing") straight from the tensor 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -139,7 +140,8 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
                       out=out, threads=threads)
 
 
-def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None) -> int:
+def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None,
+                     axis: str = "token") -> int:
     """Dequantize pages of bit-packed codes held in byte buffers (e.g. ``.lynx`` page records) straight into
     ``out`` ``[H, T, D]`` (written in place, any strides).
 
@@ -149,18 +151,19 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     ``anchor_at``, its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor alone). Returns
     metadata problem flags: 1 an offset is not finite, 2 a scale is not finite, 4 a scale is negative (the
     caller decides; the values written for such a page are what the arithmetic gives). The fast CPU path
-    decodes the 4+4 split in one compiled pass; other splits and devices unpack each page first. Groups along
-    tokens only, without sink tokens (keys, and the values of a format-1.0 scheme): values per channel and sink
-    tokens go through :func:`dequantize`."""
+    decodes the 4+4 split in one compiled pass; other splits and devices unpack each page first. ``axis``: the
+    groups run along tokens (keys, and the values of a format-1.0 scheme) or along the channels of each token
+    (``"channel"``: values per channel, metadata ``[H, n, ceil(D/C)]``). Sink tokens are the caller's: every
+    token decodes from the codes given."""
     h, t, d = out.shape
     if _fast_cpu(out) and fast.packable(scheme, d):
-        return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads)
+        return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads, axis=axis)
     meta_np = np.dtype("<f4" if scheme.meta_dtype == "fp32" else "<f2")
     flags = 0
     for o_at, s_at, a_at, r_at, t0, n in (tuple(int(v) for v in row) for row in pages):
-        nc = -(-n // scheme.chunk)
-        meta = [torch.from_numpy(np.frombuffer(anchor, meta_np, h * nc * d, at).astype(meta_np.newbyteorder("=")))
-                .view(h, nc, d) for at in (o_at, s_at)]
+        shape = (h, n, -(-d // scheme.chunk)) if axis == "channel" else (h, -(-n // scheme.chunk), d)
+        meta = [torch.from_numpy(np.frombuffer(anchor, meta_np, math.prod(shape), at).astype(meta_np.newbyteorder("=")))
+                .view(shape) for at in (o_at, s_at)]
         flags |= (0 if bool(torch.isfinite(meta[0]).all()) else 1) | (0 if bool(torch.isfinite(meta[1]).all()) else 2)
         flags |= 4 if bool((meta[1] < 0).any()) else 0
         count = h * n * d
@@ -168,7 +171,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
                  unpack_bits(torch.from_numpy(np.frombuffer(buf, np.uint8, (count * bits + 7) // 8, at).copy()), bits,
                              count).view(h, n, d)
                  for buf, at, bits in ((anchor, a_at, scheme.anchor_bits), (residual, r_at, scheme.residual_bits))]
-        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1]), scheme, anchor_only=residual is None,
+        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1], axis), scheme, anchor_only=residual is None,
                    out=out[:, t0:t0 + n], threads=threads)
     return flags
 

@@ -371,8 +371,8 @@ if numba is not None:
         return _f16_widen(np.uint16(bits)), bits
 
     @_jit
-    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, H, C, u0, u1, levels, y, sh,
-                       st, sd):
+    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, H, C, u0, u1, levels,
+                       y, sh, st, sd):
         """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16); returns
         metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a scale is negative.
 
@@ -382,7 +382,10 @@ if numba is not None:
         offset in ``y`` of its first element, ``rows``, ``cols`` and its first unit (a unit is one (head, chunk)
         of one page; units are numbered page after page). Codes are packed 4+4 (``packed``: two per byte, the
         first in the low nibble; ``cols`` even) or one byte each; ``anchor_only`` indexes ``levels`` by the
-        anchor. Element (h, t, d) of a page goes to ``y[y0 + h·sh + t·st + d·sd]``: any strided view."""
+        anchor. Element (h, t, d) of a page goes to ``y[y0 + h·sh + t·st + d·sd]``: any strided view.
+
+        ``per_row``: the groups run along each row instead (values per channel, format 1.2): the metadata is
+        ``[H, rows, ceil(cols/C)]`` and a unit is one (head, row)."""
         cmax = 0
         for p in range(pages.shape[0]):
             cmax = max(cmax, pages[p, 6])
@@ -396,26 +399,28 @@ if numba is not None:
         for p in range(pages.shape[0]):
             rows = pages[p, 5]
             cols = pages[p, 6]
-            nc = (rows + C - 1) // C
+            nc = rows if per_row else (rows + C - 1) // C
+            groups = (cols + C - 1) // C
             first = pages[p, 7]
             lo = max(u0, first)
             hi = min(u1, first + H * nc)
             for unit in range(lo, hi):
                 h = (unit - first) // nc
                 c = unit - first - h * nc
-                m = (h * nc + c) * cols * mb
-                for d in range(cols):
-                    ov, ob = _meta_at(o_buf, pages[p, 0] + m + d * mb, wide)
-                    sv, sb = _meta_at(s_buf, pages[p, 1] + m + d * mb, wide)
+                m = ((h * nc + c) * groups if per_row else (h * nc + c) * cols) * mb
+                for g in range(groups if per_row else cols):  # per row: one value per group of C channels
+                    ov, ob = _meta_at(o_buf, pages[p, 0] + m + g * mb, wide)
+                    sv, sb = _meta_at(s_buf, pages[p, 1] + m + g * mb, wide)
                     if (ob & exponent) == exponent:
                         flags |= 1
                     if (sb & exponent) == exponent:
                         flags |= 2
                     if (sb & sign) != 0 and sb != sign:  # -0.0 is zero, not negative
                         flags |= 4
-                    o[d] = ov
-                    s[d] = sv
-                for t in range(c * C, min(rows, c * C + C)):
+                    for d in range(g * C, min(cols, g * C + C)) if per_row else range(g, g + 1):
+                        o[d] = ov
+                        s[d] = sv
+                for t in range(c, c + 1) if per_row else range(c * C, min(rows, c * C + C)):
                     el = np.uint64((h * rows + t) * cols)
                     if packed:
                         ar = a_buf[np.uint64(pages[p, 2]) + (el >> np.uint64(1)):]
@@ -658,7 +663,7 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], packed: bool, scheme: Scheme,
-                  out: torch.Tensor, threads: int | None) -> int:
+                  out: torch.Tensor, threads: int | None, per_row: bool = False) -> int:
     """Run :func:`_decode_kernel` over ``pages`` (rows of its table without the last column, the first unit,
     which is added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
     non-negative strides; fp32 and bf16 are written in place, other dtypes through an fp32 tensor of the same
@@ -672,13 +677,13 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     table, units = [], 0
     for row in pages:
         table.append((*row, units))
-        units += h * -(-row[5] // c)
+        units += h * (row[5] if per_row else -(-row[5] // c))
     buf, _, sh, st, sd = _flat(y)
     flags = 0
     for f in _parallel(
         _decode_kernel, units,
         (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
-         scheme.residual_bits, scheme.meta_dtype == "fp32", h, c),
+         scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
     ):
         flags |= f
@@ -728,7 +733,8 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads)
 
 
-def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None) -> int:
+def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None,
+                     axis: str = "token") -> int:
     """Dequantize pages of packed 4+4 codes held in byte buffers straight into ``out`` ``[H, T, D]`` (a CPU
     tensor, any strides; needs :func:`packable`), without unpacking or concatenating anything first.
 
@@ -737,7 +743,8 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     dtype) start at bytes ``offset_at`` and ``scale_at`` of ``anchor``, its packed anchor codes (``[H, n, D]``
     flattened) at ``anchor_at``; its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor
     alone). Returns metadata problem flags (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
-    negative); the values written for such a page are what the arithmetic gives."""
+    negative); the values written for such a page are what the arithmetic gives. ``axis="channel"``: the groups
+    run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``."""
     h, t, d = out.shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
@@ -750,7 +757,8 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     c, mb, st = scheme.chunk, scheme.meta_bytes, out.stride(1)
     table = []
     for o_at, s_at, a_at, r_at, t0, n in pages:
-        meta, codes = h * -(-n // c) * d * mb, h * n * d // 2
+        meta = h * (n * -(-d // c) if axis == "channel" else -(-n // c) * d) * mb
+        codes = h * n * d // 2
         if (min(o_at, s_at, a_at, r_at, t0, n) < 0 or t0 + n > t or max(o_at, s_at) + meta > a_size
                 or a_at + codes > a_size or (r_buf is not None and r_at + codes > r_size)):
             raise InputError(f"pages: page {(o_at, s_at, a_at, r_at, t0, n)} lies outside its buffers or outside out")
@@ -758,7 +766,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
             table.append((o_at, s_at, a_at, r_at, t0 * st, n, d))
     if not table:
         return 0
-    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads)
+    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel")
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:
