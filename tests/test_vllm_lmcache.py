@@ -1,9 +1,11 @@
 """vLLM (CPU build) -> LMCacheMPConnector -> ``lmcache server`` with the lynx tier -> server restart -> a second
-vLLM reuses the stored prefix, and `lmcache://` reads it anchor first. ``make test-vllm`` (its own venv, marker ``vllm``; about 5 minutes on 2 cores).
+vLLM reuses the stored prefix; `lmcache://` reads it anchor first as the model's own layers and `lynxkv run` drafts
+on it. ``make test-vllm`` (its own venv, marker ``vllm``; about 5-10 minutes on 2 cores).
 
-The first engine finds nothing and stores the prompt's two 256-token chunks through the lynx serde and tier; the
-server is restarted (nothing in its memory), and a second engine, a fresh process, retrieves both chunks from the
-lynx tier. Greedy output tokens are identical with and without the stored prefix."""
+The first engine finds nothing and stores the prompt's two 256-token chunks through the lynx serde (layout
+``vllm-cpu-vec:32``: the engine's 32-token CPU attention blocks) and tier; the server is restarted (nothing in its
+memory), and a second engine, a fresh process, retrieves both chunks from the lynx tier. Greedy output tokens are
+identical with and without the stored prefix."""
 
 from __future__ import annotations
 
@@ -31,20 +33,24 @@ def _free_port() -> int:
 
 
 def _tiny_llama(path) -> None:
+    """2 layers x 2 KV heads x 32 head dim, saved with a word-level tokenizer (vLLM skips it; `lynxkv run` loads
+    it)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runner_helpers import save_tiny_model_dir
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    save_tiny_model_dir(LlamaForCausalLM(cfg).eval(), path)
 
 
 class Server:
     def __init__(self, tmp, port: int, http_port: int, n: int):
         spec = {"type": "plugin", "module_path": "lynxkv.integrations.lmcache.adapter", "class_name": "LynxL2Adapter",
                 "adapter_params": {"anchor_path": str(tmp / "hot"), "residual_path": str(tmp / "cold")},
-                "serde": {"type": "lynx", "kv_heads": 2}}
+                "serde": {"type": "lynx", "kv_heads": 2, "layout": "vllm-cpu-vec:32"}}
         self.log_path = tmp / f"server{n}.log"
         self.log = open(self.log_path, "w")
         exe = os.path.join(os.path.dirname(sys.executable), "lmcache")
@@ -74,6 +80,13 @@ def _generate(model, port: int, out) -> list[int]:
     subprocess.run([sys.executable, os.path.join(HERE, "vllm_prefix_engine.py"), str(model), str(port), str(out)],
                    check=True, timeout=600, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())["tokens"]
+
+
+def _json_of(cmd) -> dict:
+    """The JSON document a command prints last on stdout."""
+    p = subprocess.run(cmd, timeout=600, env=ENV, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout[p.stdout.index("{"):])
 
 
 def test_a_second_vllm_reuses_the_prefix_from_the_lynx_tier_after_a_server_restart(tmp_path):
@@ -107,7 +120,8 @@ def test_a_second_vllm_reuses_the_prefix_from_the_lynx_tier_after_a_server_resta
         assert verify_file(str(tmp_path / "hot" / a), allow_locations=(str(tmp_path / "cold"),)) == []
 
     # the lynx runner's view of the same store: the prompt's ids address the engine's objects (LMCache's keys),
-    # loaded anchor first as one cache of the two chunks, bit-exact to each object's own full code
+    # loaded anchor first as one cache of the two chunks, bit-exact to each object's own full code, whose layers,
+    # heads and head dim are the model's: its K and V are the model's own, to the code's precision
     import torch
 
     from lynxkv.cache import open_cache
@@ -123,7 +137,40 @@ def test_a_second_vllm_reuses_the_prefix_from_the_lynx_tier_after_a_server_resta
     parts = []
     for name in names:
         with open_cache(str(tmp_path / "hot" / name), residual=str(tmp_path / "cold" / (name + "r"))) as c:
+            assert (c.header.layers, c.header.kv_heads, c.header.head_dim) == (2, 2, 32)
             parts.append(c.load_kv(dtype=torch.float32))
     for layer, (k, v) in enumerate(full):
         assert torch.equal(k, torch.cat([p[layer][0] for p in parts], 1))
         assert torch.equal(v, torch.cat([p[layer][1] for p in parts], 1))
+
+    # lynxkv's runner half needs transformers' ``cache=`` argument (5.2x), and vLLM pins transformers < 5.20: it
+    # runs on the same store from the LMCache venv (`make test-vllm` builds both). There the load's K and V are the
+    # model's own (to the code's precision), and `lynxkv run` drafts on the engine's store (anchors first on a
+    # 1 Mbit/s link, the residuals ~0.5 s later), continues the whole prompt and gives plain decoding's tokens on
+    # the full code
+    py = os.path.join(os.path.dirname(HERE), ".venv-lmcache", "bin", "python")
+    ref = _json_of([py, "-c", REFERENCE, str(model), url, HERE])
+    assert ref["max_error"] < 0.05, ref
+    doc = _json_of([py, "-m", "lynxkv", "run", url, "-n", "16", "--ignore-eos", "--bandwidth", "1Mbps", "--json"])
+    assert doc["token_ids"] == ref["want"] and doc["verified"] is True and doc["prompt_token_ids"] == PROMPT
+    s = doc["stats"]
+    assert s["drafted"] > 0 and s["anchor_ready_s"] <= s["residual_ready_s"]
+    print(f"vLLM greedy {without}\nlynxkv run {doc['token_ids']}\nstats {json.dumps(s)}", file=sys.stderr)
+
+
+REFERENCE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+from transformers import AutoModelForCausalLM
+from lynxkv.hf import prefill
+from lynxkv.speculative import decode_plain
+from lynxkv.stream import open_progressive
+from vllm_prefix_engine import PROMPT
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+with open_progressive(sys.argv[2]) as load:
+    full = load.residual.result(timeout=120)
+exact, _ = prefill(model, torch.tensor(PROMPT[:512]))
+err = max(float((a - b).abs().max()) for pair, ref in zip(full, exact) for a, b in zip(pair, ref))
+want = decode_plain(model, full, PROMPT[:512], 16, new_token_ids=PROMPT[512:])
+print(json.dumps({"max_error": err, "want": want}))
+"""
