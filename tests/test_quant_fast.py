@@ -337,3 +337,15 @@ def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
     out = torch.full(shape, float("nan"), dtype=dtype)
     assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, axis="channel") == 0
     assert_equal_values(ref, out, "values per channel")
+
+
+@pytest.mark.parametrize("split", [(4, 4), (5, 3)])
+def test_anchor_only_values_per_channel_need_no_residual(split):
+    """The entry decodes a channel-axis tensor from its anchor alone when no residual codes are held at all (a
+    progressive reader before the residual arrives), equal to the reference's anchor-only decode."""
+    scheme = dataclasses.replace(get_scheme("default"), anchor_bits=split[0], residual_bits=split[1])
+    assert scheme.value_axis == "channel"
+    enc = dataclasses.replace(entry.quantize(torch.randn(2, 70, 40), scheme, "value"), sinks=0)
+    want = reference.dequantize(enc, scheme, anchor_only=True)
+    got = entry.dequantize(dataclasses.replace(enc, residual=None), scheme, anchor_only=True)
+    assert torch.equal(got, want)

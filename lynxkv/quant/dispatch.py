@@ -88,7 +88,8 @@ def _fast_dequantize(enc: EncodedTensor, scheme: Scheme, anchor_only: bool, out:
                      threads: int | None) -> torch.Tensor:
     """The fast CPU path, which decodes groups along tokens: a channel-axis tensor as its transpose."""
     if enc.axis == "channel":
-        t = EncodedTensor(*(m.transpose(1, 2) for m in (enc.anchor, enc.residual, enc.offset, enc.scale)))
+        t = EncodedTensor(*(None if m is None else m.transpose(1, 2)  # residual None: the anchor alone
+                            for m in (enc.anchor, enc.residual, enc.offset, enc.scale)))
         fast.dequantize(t, scheme, anchor_only=anchor_only, out=out.transpose(1, 2), threads=threads)
         return out
     return fast.dequantize(enc, scheme, anchor_only=anchor_only, out=out, threads=threads)
