@@ -11,7 +11,7 @@ median taken:
 - against ``zstd-1`` compress / decompress of the raw BF16 bytes (python-zstandard, one thread, its
   defaults), ``zstd-1`` decompress of the anchor file's bytes, and ``safetensors`` save as a reference point.
 
-Ratios (targets of issue 9): save_cache / zstd-1 compress >= 1.0, full load / zstd-1 decompress >= 2.0,
+Ratios and their targets: save_cache / zstd-1 compress >= 1.0, full load / zstd-1 decompress >= 2.0,
 anchor-only load / zstd-1 decompress >= 3.0, progressive to anchor-ready / zstd-1 decompress of the anchor's
 bytes >= 2.0; each is time(zstd) / time(lynxkv), so above 1 means lynxkv is faster. Throughputs are GB/s of
 BF16 KV (bytes of the BF16 cache / wall seconds). Files go to ``--tmp`` (page cache; no fsync is timed beyond
