@@ -433,3 +433,19 @@ def test_malformed_requests_get_a_400_and_log_one_line_each(tmp_path, capsys):
     _, err = capsys.readouterr()
     assert "Traceback" not in err and not any("Traceback" in m or "\n" in m for m in logged), (err, logged)
     assert any("Error handling request" in m for m in logged), logged  # reported, as one line
+
+
+@pytest.mark.parametrize("field", ["key_scale", "value_offset", "value_scale"])
+@pytest.mark.parametrize("anchor_only", [False, True])
+def test_non_finite_metadata_of_a_format_1_2_cache_is_named(tmp_path, field, anchor_only):
+    """Values per channel and sink tokens (format 1.2): a NaN in one page's metadata fails the load naming the
+    field, the layer and the page, whole or anchor-only (the compiled pass flags it, the record decoder names it)."""
+    scheme = Scheme(chunk=4, page=8, value_axis="channel", sink_tokens=2)
+    enc = encode_kv(kv(), scheme)
+    kind, part = field.split("_")
+    # page 1 of layer 1: key chunk 2 (tokens 8-11) of channel 1, or token 9's one value group
+    getattr(enc.layers[1][0 if kind == "key" else 1], part)[(0, 2, 1) if kind == "key" else (0, 9, 0)] = float("nan")
+    _write(tmp_path, build_files(enc, residual_location="c.lynxr"))
+    with open_cache(tmp_path / "c.lynx") as cache, pytest.raises(LynxError) as err:
+        cache.load_kv(anchor_only=anchor_only)
+    assert f"`{field}`" in str(err.value) and "layer 1 page 1" in str(err.value), str(err.value)

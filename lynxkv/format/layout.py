@@ -155,9 +155,14 @@ def anchor_record_layout(scheme: Scheme, kv_heads: int, head_dim: int, n: int, s
                         sinks, packed_size(kv_heads * sinks * head_dim, scheme.residual_bits))
 
 
+def sinks_in(scheme: Scheme, t0: int, n: int) -> int:
+    """Sink tokens among the tokens ``[t0, t0 + n)``: the first ``sink_tokens`` tokens of the cache."""
+    return max(0, min(scheme.sink_tokens, t0 + n) - t0)
+
+
 def page_sinks(scheme: Scheme, tokens: int, p: int) -> int:
-    """Sink tokens held by page ``p``: the first ``sink_tokens`` tokens of the cache (usually all in page 0)."""
-    return max(0, min(scheme.sink_tokens, tokens, (p + 1) * scheme.page) - p * scheme.page)
+    """Sink tokens held by page ``p`` (usually all in page 0)."""
+    return sinks_in(scheme, p * scheme.page, page_tokens(tokens, scheme.page, p))
 
 
 def residual_record_layout(scheme: Scheme, kv_heads: int, head_dim: int, n: int) -> RecordLayout:

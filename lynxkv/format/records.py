@@ -29,7 +29,7 @@ import torch
 
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, crc32, residual_record_layout
+from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, crc32, residual_record_layout, sinks_in
 from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize, dequantize_pages, pack_bits, unpack_bits
 from lynxkv.quant.scheme import Scheme
 
@@ -253,8 +253,8 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     ``where(i)`` names page ``i`` in errors (``"layer 3 page 1"``; the segment is put before it). The checks of
     :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
     and scales, scales >= 0. Format 1.2: values per channel take the entry's channel-axis pass; from the anchor
-    alone, a page holding sink tokens is then decoded again through :func:`decode_anchor_records` (its sinks
-    decode from the full code, their residual in the anchor record)."""
+    alone, the sink tokens of a page holding any are then decoded again from the full code (their residual is in
+    the anchor record, split out by :func:`decode_anchor_records`)."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
@@ -263,7 +263,7 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         count = kv_heads * n * head_dim
         parts = {}
         for kind, buf, at, bits in segments:
-            lay = (anchor_record_layout(scheme, kv_heads, head_dim, n, max(0, min(scheme.sink_tokens, t0 + n) - t0))
+            lay = (anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, t0, n))
                    if kind == "anchor" else residual_record_layout(scheme, kv_heads, head_dim, n))
             place = f"{kind} {where(i)}"
             if at[i] + lay.raw_length > len(buf):
@@ -282,43 +282,34 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     for j, which in enumerate(("key", "value")):
         if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads,
                                         axis=scheme.axis(which)):
-            if scheme.extended:  # decode_anchor_records names the page and the field
-                _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme, kv_heads, head_dim, out,
-                                 where, threads)
-            for i, (t0, n) in enumerate(tokens) if not scheme.extended else ():  # name the page and the field
-                meta = anchor_record_layout(scheme, kv_heads, head_dim, n).meta_size // scheme.meta_bytes
-                m = np.frombuffer(anchor, _META_NP[scheme.meta_dtype], 4 * meta, anchor_at[i])
-                _check_metadata(m.astype(m.dtype.newbyteorder("="), copy=False).reshape(1, 4, meta),
-                                f"anchor {where(i)}")
+            for i, (t0, n) in enumerate(tokens):  # decode_anchor_records names the page and the field
+                lay = anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, t0, n))
+                decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay, scheme, kv_heads,
+                                      head_dim, f"anchor {where(i)}")
             raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
                               where=f"anchor {where(0)}")
     sinks = [i for i, (t0, n) in enumerate(tokens) if t0 < scheme.sink_tokens and n] if residual is None else []
     if sinks:
-        _dequantize_each(anchor, [anchor_at[i] for i in sinks], None, None, [tokens[i] for i in sinks], scheme,
-                         kv_heads, head_dim, out, lambda k: where(sinks[k]), threads)
+        _sinks_from_full_code(anchor, [anchor_at[i] for i in sinks], [tokens[i] for i in sinks], scheme, kv_heads,
+                              head_dim, out, lambda k: where(sinks[k]), threads)
 
 
-def _dequantize_each(anchor, anchor_at, residual, residual_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
-                     out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str], threads: int | None) -> None:
-    """:func:`dequantize_records` one page at a time through the decoded records (any scheme)."""
+def _sinks_from_full_code(anchor, anchor_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
+                          out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
+                          threads: int | None) -> None:
+    """The sink tokens of pages already decoded from the anchor alone, again from the full code: their residual
+    codes are in the anchor record (any scheme)."""
     H, D = kv_heads, head_dim
     for i, (t0, n) in enumerate(tokens):
-        sinks = max(0, min(scheme.sink_tokens, t0 + n) - t0)
+        sinks = sinks_in(scheme, t0, n)
         lay = anchor_record_layout(scheme, H, D, n, sinks)
-        place = f"anchor {where(i)}"
         meta, codes, sink_codes = decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay,
-                                                        scheme, H, D, place)
-        if residual is None:
-            resid = torch.zeros_like(codes)
-            if sink_codes is not None:  # the anchor carries the sink tokens' residual
-                resid[:, :, :sinks] = sink_codes
-        else:
-            rlay = residual_record_layout(scheme, H, D, n)
-            resid = decode_residual_records([residual[residual_at[i]:residual_at[i] + rlay.raw_length]], rlay, scheme,
-                                            H, D, f"residual {where(i)}")
+                                                        scheme, H, D, f"anchor {where(i)}")
+        resid = torch.zeros_like(codes)
+        resid[:, :, :sinks] = sink_codes
         for j, which in enumerate(("key", "value")):
-            enc = EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], scheme.axis(which), sinks)
-            dequantize(enc, scheme, anchor_only=residual is None, out=out[j][:, t0:t0 + n], threads=threads)
+            enc = EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], scheme.axis(which))
+            dequantize(enc.tokens(0, sinks, scheme.chunk), scheme, out=out[j][:, t0:t0 + sinks], threads=threads)
 
 
 def anchor_page(meta: list[torch.Tensor], codes: torch.Tensor, sinks: torch.Tensor | None) -> AnchorPage:
