@@ -54,6 +54,7 @@ from lynxkv.format.records import (
     decode_anchor_records,
     decode_residual_records,
     dequantize_records,
+    join_records,
     residual_page,
 )
 
@@ -334,9 +335,7 @@ class PageReader:
             for p, (e, a) in enumerate(zip(entries, at)):
                 check_and_decompress(view[a:a + e.stored_length], e, _where(index.name, layer, p))
             return data, at
-        raws = [self.raw(kind, layer, p) for p in range(len(entries))]
-        at = [sum(len(r) for r in raws[:p]) for p in range(len(raws))]
-        return b"".join(raws), at
+        return join_records([self.raw(kind, layer, p) for p in range(len(entries))])
 
     def dequantize_layers(self, out: list[tuple[torch.Tensor, torch.Tensor]], *, anchor_only: bool = False,
                           threads: int | None = None) -> None:

@@ -226,6 +226,15 @@ def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_he
     return codes.view(pages, 2, H, n, D).permute(1, 2, 0, 3, 4).reshape(2, H, pages * n, D)
 
 
+def join_records(raws: Sequence[bytes]) -> tuple[bytes, list[int]]:
+    """Raw records in one buffer (no copy for one) and where each starts in it: what
+    :func:`dequantize_records` takes."""
+    at = [0]
+    for raw in raws[:-1]:
+        at.append(at[-1] + len(raw))
+    return (raws[0] if len(raws) == 1 else b"".join(raws)), at[:len(raws)]
+
+
 def record_parts(lay: RecordLayout) -> dict[str, int]:
     """Where each part of a raw record starts (bytes from the record's first byte), in record order."""
     if lay.meta_arrays:

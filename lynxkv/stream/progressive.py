@@ -54,7 +54,7 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
 from lynxkv.format.reader import PageReader
-from lynxkv.format.records import dequantize_records
+from lynxkv.format.records import dequantize_records, join_records
 from lynxkv.kv import KVPairs
 from lynxkv.loading import LoadTimeline
 from lynxkv.storage import RetryPolicy
@@ -462,15 +462,8 @@ class ProgressiveLoad:
         drafts: they take one worker thread."""
         h = self.header
         s = h.scheme
-
-        def joined(raws: list) -> tuple[bytes, list[int]]:
-            at = [0]
-            for raw in raws[:-1]:
-                at.append(at[-1] + len(raw))
-            return (raws[0] if len(raws) == 1 else b"".join(raws)), at
-
-        anchor, anchor_at = joined(anchors)
-        residual, residual_at = (None, None) if residuals is None else joined(residuals)
+        anchor, anchor_at = join_records(anchors)
+        residual, residual_at = (None, None) if residuals is None else join_records(residuals)
         dequantize_records(anchor, anchor_at, residual, residual_at,
                            [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages], s, h.kv_heads,
                            h.head_dim, self._kv_out[0 if residuals is None else 1][layer],
