@@ -49,14 +49,14 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from lynxkv.errors import FormatError, InputError, LynxError, ResidualUnavailable
+from lynxkv.errors import FormatError, InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.storage import RetryPolicy, read_all
+from lynxkv.storage import has_protocol, read_all
 from lynxkv.stream.buffer import StreamBuffer
 from lynxkv.stream.joined import (JoinedCache, JoinedSegment, Part, join_caches, join_problem, joined_cache_id,
                                   read_part)
 from lynxkv.stream.link import ANCHOR, RESIDUAL
-from lynxkv.stream.transport import TRANSPORTS, RangeStream, Transfer
+from lynxkv.stream.transport import TRANSPORTS, StorageTransport, Transfer
 
 SCHEME = "lmcache"
 EXTRA = 'pip install "lynxkv[lmcache]"'
@@ -93,7 +93,7 @@ def is_lmcache_source(source) -> bool:
 
 
 def _join(base: str, name: str) -> str:
-    return posixpath.join(base, name) if "://" in base else os.path.join(base, name)
+    return posixpath.join(base, name) if has_protocol(base) else os.path.join(base, name)
 
 
 def object_paths(key, anchor_path: str, residual_path: str) -> tuple[str, str]:
@@ -238,12 +238,11 @@ def stored_prefix(keys: list, addr: StoreAddress, *, allow=(), storage_options: 
 
 
 # ------------------------------------------------------------------------------------------ the transport
-class LMCacheTransport:
-    """The :class:`~lynxkv.stream.transport.Transport` of ``lmcache://`` sources (see the module docstring)."""
+class LMCacheTransport(StorageTransport):
+    """The :class:`~lynxkv.stream.transport.Transport` of ``lmcache://`` sources (see the module docstring): the
+    storage transport's block streams, priority and retries, over the joined cache's segments."""
 
-    def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None,
-                 storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
-                 retry: RetryPolicy | None = None, fetch_hook=None, allow_locations=()):
+    def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None, **options):
         addr = parse_address(url)
         if residual is not None and addr.residual_path is not None and residual != addr.residual_path:
             raise InputError("lmcache URL: residual_path= and --residual name two different places")
@@ -251,29 +250,17 @@ class LMCacheTransport:
             addr = dataclasses.replace(addr, residual_path=residual)
         if not lmcache_available():
             raise InputError(f"lmcache:// sources need LMCache, which is not installed: {EXTRA}")
-        self.url, self.address, self.transfer = url, addr, transfer
-        self.storage_options = storage_options
-        self.inflight, self.block_size = inflight, block_size
-        self.retry = retry or RetryPolicy()
-        self.fetch_hook = fetch_hook
-        self.allow_locations = tuple(allow_locations)
-        self.residual_url: str | None = addr.residual_path
-        self.anchor_size: int | None = None
+        super().__init__(url, transfer, **options)
+        self.address = addr
+        self.residual_url = addr.residual_path
         self.joined: JoinedCache | None = None
-        self._residual_buf: StreamBuffer | None = None
 
     def _pump(self, seg: JoinedSegment, stream: int, name: str) -> StreamBuffer:
         t = self.transfer
-        fetch = lambda a, b: seg.fetch(a, b, self.storage_options)  # noqa: E731
-        if self.fetch_hook is not None:
-            fetch = self.fetch_hook(name, fetch)
-        src = RangeStream(f"{SCHEME}:{self.address.model} {name}", 0, seg.size, stream=stream, segment=name,
-                          link=t.link, fetch=fetch, block_size=self.block_size, inflight=self.inflight,
-                          retry=self.retry, on_retry=t.on_retry,
-                          yield_to=(lambda: not t.anchor_fetched.is_set()) if stream == RESIDUAL else None)
-        t.add_closer(src.close)
         buf = t.buffer(seg.size, name)
-        t.pump(src, buf, stream, name, charge_link=False)
+        t.pump(self._blocks(f"{SCHEME}:{self.address.model} {name}", 0, seg.size, stream, name,
+                            fetch=lambda a, b: seg.fetch(a, b, self.storage_options)),
+               buf, stream, name, charge_link=False)
         return buf
 
     def open_anchor(self) -> StreamBuffer:
@@ -302,13 +289,6 @@ class LMCacheTransport:
     def open_residual(self, header) -> StreamBuffer:
         self._residual_buf = self._pump(self.joined.residual, RESIDUAL, "residual")
         return self._residual_buf
-
-    def abandon_residual(self, exc: BaseException) -> None:
-        if self._residual_buf is not None:
-            self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
-
-    def close(self) -> None:
-        self.transfer.close()
 
 
 TRANSPORTS[SCHEME] = LMCacheTransport

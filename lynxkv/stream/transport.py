@@ -260,10 +260,11 @@ class StorageTransport:
         self._size = 0
         self._residual_buf: StreamBuffer | None = None
 
-    def _blocks(self, url: str, start: int, end: int, stream: int, name: str, *, link: bool = True) -> RangeStream:
-        fetch = None
+    def _blocks(self, url: str, start: int, end: int, stream: int, name: str, *, link: bool = True,
+                fetch: Fetch | None = None) -> RangeStream:
+        """Bytes ``[start, end)`` of ``url`` in blocks (or of ``fetch``, ``url`` then only naming the bytes)."""
         if self.fetch_hook is not None:
-            fetch = self.fetch_hook(name, lambda a, b: read_range(url, a, b, self.storage_options))
+            fetch = self.fetch_hook(name, fetch or (lambda a, b: read_range(url, a, b, self.storage_options)))
         t = self.transfer
         src = RangeStream(url, start, end, stream=stream, segment=name, link=t.link if link else None, fetch=fetch,
                           block_size=self.block_size, inflight=self.inflight, retry=self.retry,
