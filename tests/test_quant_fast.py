@@ -85,6 +85,33 @@ def test_quantize_is_bit_identical(scheme, shape, dtype):
     assert torch.equal(off, ref.offset) and torch.equal(sc, ref.scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("scheme", SCHEMES.values(), ids=SCHEMES.keys())
+def test_values_per_channel_are_bit_identical(scheme, shape, dtype):
+    """The compiled pass over groups of C channels of each token (read in place, codes in [H, T, D] order) gives
+    the reference's encoding of the transpose: codes, metadata [H, T, ceil(D/C)] and packed bytes."""
+    scheme = scheme.replace(value_axis="channel")
+    x = kv_like(shape, dtype, seed=11)
+    x[:, :, 1:3] = x[:, :, 1:2]  # a constant pair of channels
+    ref = reference.quantize(x, scheme, "value")
+    assert ref.axis == "channel"
+    got = entry.quantize(x, scheme, "value")
+    assert got.axis == "channel" and got.anchor.is_contiguous()
+    assert_same(ref, got, f"{scheme.describe()} {shape} {dtype}")
+    if fast.packable(scheme, shape[2]):
+        ap, rp, off, sc = entry.quantize_packed(x, scheme, "value")
+        assert torch.equal(ap, ref_pack_bits(ref.anchor, 4)) and torch.equal(rp, ref_pack_bits(ref.residual, 4))
+        assert torch.equal(off, ref.offset) and torch.equal(sc, ref.scale)
+
+
+def test_values_per_channel_read_a_strided_slice_in_place():
+    scheme = SCHEMES["default"]
+    big = kv_like((3, 90, 64), torch.bfloat16, seed=2)
+    x = big[:, 7:80]  # [H, T, D] with a token stride of D and a head stride of 90·D
+    assert_same(reference.quantize(x.contiguous(), scheme, "value"), entry.quantize(x, scheme, "value"), "slice")
+
+
 @pytest.mark.parametrize("anchor_only", [False, True], ids=["full", "anchor"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -159,6 +186,7 @@ def test_quantize_property(h, t, d, chunk, centring, meta, dtype, spread, alpha,
     ref = reference.quantize(x, scheme)
     assert_same(ref, fast.quantize(x, scheme), "hypothesis")
     assert_equal_values(reference.dequantize(ref, scheme), fast.dequantize(ref, scheme), "hypothesis decode")
+    assert_same(reference.quantize(x, scheme, "value"), entry.quantize(x, scheme, "value"), "hypothesis values")
 
 
 def test_constant_and_signed_zero_chunks():
@@ -167,6 +195,13 @@ def test_constant_and_signed_zero_chunks():
     x[0] = -0.0
     x[1, :, 1] = 3.25
     assert_same(reference.quantize(x, scheme), fast.quantize(x, scheme), "constant")
+    for centring in ("midrange", "mean"):  # groups along channels: all-zero groups keep their first zero's sign
+        values = get_scheme("default", chunk=2, page=2, centring=centring)
+        z = torch.zeros((1, 3, 6))
+        z[0, 0, 0::2] = -0.0  # groups (-0, +0): the offset of a running max/min is -0
+        z[0, 1, 1::2] = -0.0  # groups (+0, -0): +0
+        z[0, 2, 4:] = torch.tensor([-0.0, 5.0])
+        assert_same(reference.quantize(z, values, "value"), entry.quantize(z, values, "value"), centring)
 
 
 def test_tiny_fp32_scales_take_the_exact_pass():
@@ -192,8 +227,10 @@ def test_workers_do_not_change_the_result(monkeypatch):
 def test_non_finite_input_is_an_input_error(bad, scheme):
     x = torch.randn(2, 40, 4)
     x[1, 37, 2] = bad
-    with pytest.raises(InputError, match="inf or NaN"):
-        entry.quantize(x, scheme)
+    for kind in ("key", "value"):
+        for t in (x, x.bfloat16()):
+            with pytest.raises(InputError, match="inf or NaN"):
+                entry.quantize(t, scheme, kind)
 
 
 def test_overflowing_metadata_is_an_input_error():
@@ -232,7 +269,7 @@ def test_dequantize_rejects_a_wrong_out_shape():
                                     get_scheme("linear").replace(value_axis="channel", sink_tokens=40)],
                          ids=["default", "mean-C4-P8", "linear-S40"])
 def test_values_per_channel_and_sink_tokens_are_bit_identical(scheme, shape, dtype):
-    """Values grouped per channel (the transpose through the token-axis kernels) and the sink tokens decoded
+    """Values grouped per channel (the compiled pass over channel groups) and the sink tokens decoded
     from the full code give the reference's codes and values, written in place into a strided slice."""
     x = kv_like(shape, dtype, seed=3)
     for kind in ("key", "value"):

@@ -43,18 +43,12 @@ def _fast_cpu(t: torch.Tensor) -> bool:
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key") -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
     device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``)."""
-    return reference.quantize(x, scheme, kind, along_tokens=_token_quantizer(x, scheme, scheme.axis(kind)))
-
-
-def _token_quantizer(x: torch.Tensor, scheme: Scheme, axis: str):
-    """The implementation of the token-axis encoding for ``x``'s device (None: the reference). For a channel-axis
-    tensor the fast CPU path writes its codes in the order they are transposed back to."""
-    if x.is_cuda:
-        kernels = _triton()
-        return kernels[0].quantize_triton if kernels is not None and kernels[0].supports(scheme) else None
-    if not _fast_cpu(x):
-        return None
-    return functools.partial(fast.quantize, transposed_codes=True) if axis == "channel" else fast.quantize
+    if _fast_cpu(x):  # one compiled pass along either axis, the values per channel read in place
+        return reference.quantize(x, scheme, kind, along_tokens=fast.quantize,
+                                  along_channels=functools.partial(fast.quantize, axis="channel"))
+    kernels = _triton() if x.is_cuda else None
+    triton = kernels[0].quantize_triton if kernels is not None and kernels[0].supports(scheme) else None
+    return reference.quantize(x, scheme, kind, along_tokens=triton)  # Triton along tokens, or the reference
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
@@ -102,15 +96,14 @@ def quantize_packed(x: torch.Tensor, scheme: Scheme,
     a 4+4 split and an even head_dim, token ``t``'s bytes are ``[h, t, :]`` of the ``[H, T, D/2]`` view, so a
     page record is a slice."""
     h, t, d = x.shape if x.dim() == 3 else (0, 0, 0)
-    if scheme.axis(kind) == "channel":
-        pass  # the fused paths group along tokens: quantize, then pack
-    elif x.is_cuda:
+    if x.is_cuda:
         kernels = _triton()
-        if kernels is not None and kernels[0].supports(scheme) and fast.packable(scheme, d):
+        if (scheme.axis(kind) == "token" and kernels is not None and kernels[0].supports(scheme)
+                and fast.packable(scheme, d)):  # Triton's fused path groups along tokens
             a, r, o, s = kernels[0].encode(x.unsqueeze(0), scheme, pack=True)
             return a[0], r[0], o[0], s[0]
     elif _fast_cpu(x) and x.dim() == 3 and fast.packable(scheme, d):
-        return fast.quantize_packed(x, scheme)
+        return fast.quantize_packed(x, scheme, axis=scheme.axis(kind))
     enc = quantize(x, scheme, kind)
     return (pack_bits(enc.anchor, scheme.anchor_bits), pack_bits(enc.residual, scheme.residual_bits), enc.offset,
             enc.scale)

@@ -15,18 +15,21 @@ Why it is exact:
   No compander is evaluated per element: the α-law default costs what the linear scheme costs.
   ``benchmarks/check_code_identity.py`` compares the table with the reference over every fp32 ``u`` in
   ``[-1, 1]``; the tests check the neighbourhood of every threshold.
-- **Metadata from the chunk's range.** Rounding is monotone and symmetric, so
-  ``max_i |fl(x_i - o)| = max(fl(max - o), fl(o - min))``: one pass finds each chunk's max and min, the
-  reference's rounding of offset and scale runs on those small tensors. (``mean`` centring takes the
-  reference's pinned tree sum.)
+- **Metadata from the group's range.** Rounding is monotone and symmetric, so
+  ``max_i |fl(x_i - o)| = max(fl(max - o), fl(o - min))``: the pass that reads a unit finds each group's max and
+  min (a group: C tokens of one channel, or for values per channel C channels of one token, read in place), the
+  reference's rounding of offset and scale runs on those. The max and min are taken over integer order keys
+  (they vectorise); a group of zeros keeps its first zero's sign, as the reference's running max and min do.
+  (``mean`` centring takes the reference's pinned tree sum.)
 - **Decoding through a level table.** The reference decodes ``x̂ = o + s·û(code)``; ``û`` of all 256 codes (or
   of every anchor) is computed once by the reference itself, so ``fl(o + fl(s·levels[code]))`` is the
   reference's value bit for bit, rounded to bf16 (nearest even) or kept in fp32 in the same loop.
 
 The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``, default the torch intra-op
-thread count, at most 8), each worker on a contiguous span of (head, chunk) rows. Inputs and outputs may be
-strided views whose last axis is contiguous (a slice of a larger cache is written in place). numba is a
-dependency of lynxkv; where it does not import, :func:`available` is false and the entry
+thread count, at most 8), each worker on a contiguous span of units ((head, chunk), or (head, token) for values
+per channel). Inputs and outputs may be strided views whose last axis is contiguous (a slice of a larger cache is
+written in place). numba is a dependency of lynxkv; where it does not import, :func:`available` is false and the
+entry
 (:mod:`lynxkv.quant.dispatch`) uses the reference.
 """
 
@@ -247,122 +250,237 @@ if numba is not None:
         e = np.int32(codes[b])
         return (e >> 8) if k >= thr[b] else (e & 0xFF)
 
-    @_jit
-    def _encode_kernel(x, x0, sh, st, T, D, C, nc, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb, margin,
-                       thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t, out_d):
-        """Metadata and codes of units ``[u0, u1)`` (a unit is one (head, chunk)); returns problem flags:
-        1 = the input is not finite, 2 = a centre overflows the metadata dtype, 4 = a scale does.
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _z_alpha(u, alpha, inv_c):
+        """The first pass's α-law ``z ≈ sign(u)·log(1 + α|u|)/c`` (``inv_c`` = 1/c)."""
+        mag = _log_f32(np.float32(1.0) + np.abs(u) * alpha) * inv_c
+        return _bits_f32(_f32_bits(mag) | (_f32_bits(u) & np.int32(-2147483648)))  # the sign of u
 
-        ``offset``/``scale`` ``[H·nc·D]`` (fp32, or fp16 as uint16 bits) are written from the chunk's max and
-        min (midrange centring), or read (``meta_given``: the reference computed them). Codes go out packed
-        4+4 (``packed``; ``[H·T·D/2]`` bytes each) or as anchor and residual bytes, element ``(h, t, d)`` at
-        ``h·out_h + t·out_t + d·out_d`` (``[H·T·D]`` each; ``(T·D, D, 1)``: C order)."""
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _order_key(v):
+        """fp32 ``v`` as an int32 that orders like ``v`` (the key of the module docstring): integer max and min
+        vectorise, where float ones with their NaN rules do not; NaN keys lie beyond ±inf."""
+        b = _f32_bits(v)
+        return np.int32(b ^ ((b >> 31) & np.int32(0x7FFFFFFF)))
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _key_value(k):
+        """The inverse of :func:`_order_key`."""
+        return _bits_f32(np.int32(k ^ ((k >> 31) & np.int32(0x7FFFFFFF))))
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _abs_bits(v):
+        """``|v|`` as int32 bits: at least ``_INF_BITS`` exactly for inf and NaN."""
+        return np.int32(_f32_bits(v) & np.int32(0x7FFFFFFF))
+
+    _INF_BITS = np.int32(0x7F800000)
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _range_meta(offset, scale, m, hi, lo, flags):
+        """Midrange offset and scale of a group with maximum ``hi`` and minimum ``lo``, stored at element ``m`` of
+        ``offset``/``scale``; returns them as fp32 and ``flags`` with 2 (centre) / 4 (scale) for an overflow."""
+        od = _meta_put(offset, m, (hi + lo) * np.float32(0.5), False)
+        if not np.isfinite(od):
+            flags |= 2
+        sd = _meta_put(scale, m, max(hi - od, od - lo), True)
+        if not np.isfinite(sd):
+            flags |= 4
+        return od, sd, flags
+
+    @_jit
+    def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb,
+                       margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
+        """Metadata and codes of units ``[u0, u1)``; returns problem flags: 1 = the input is not finite, 2 = a
+        centre overflows the metadata dtype, 4 = a scale does.
+
+        Groups along tokens (keys): a unit is one (head, chunk of C tokens), the groups its D channels, metadata
+        ``[H·nc·D]``. ``per_row`` (values per channel, format 1.2): a unit is one (head, token) row, the groups
+        its runs of C channels, metadata ``[H·T·ceil(D/C)]``. ``offset``/``scale`` (fp32, or fp16 as uint16 bits)
+        are written from each group's max and min (midrange centring), or read (``meta_given``: the reference
+        computed them). Codes go out packed 4+4 (``packed``; pairs along D, ``[H·T·D/2]`` bytes each) or as
+        anchor and residual bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``.
+
+        Each unit is read from ``x`` once, into an fp32 buffer (with the order keys' range for the groups along
+        tokens); the codes come from that buffer. Indices are unsigned (no negative-index wraparound code, which
+        keeps the loops vectorised) and the integer temporaries int32 (an int64 one halves the vector width)."""
+        G = (D + C - 1) // C
+        y = np.empty(D if per_row else C * D, np.float32)  # the unit's values, fp32, rows of D
+        kmx = np.empty(D, np.int32)  # along tokens: per channel, the order keys' max and min and the |x| bits' max
+        kmn = np.empty(D, np.int32)
+        amax = np.empty(D, np.int32)
         mx = np.empty(D, np.float32)
         mn = np.empty(D, np.float32)
-        bad = np.empty(D, np.float32)
-        cmax = np.empty(D, np.int32)  # exact codes of each channel's max and min: every chunk has them, and
-        cmin = np.empty(D, np.int32)  # they sit on code boundaries (u = ±1), so the fp32 pass would flag them
-        o = np.empty(D, np.float32)
+        cmax = np.empty(D, np.int32)  # exact codes of each group's max and min: every group has them, and they sit
+        cmin = np.empty(D, np.int32)  # on code boundaries (u = ±1), so the fp32 pass would flag them
+        o = np.empty(D, np.float32)  # per channel along tokens, per group per row
         s = np.empty(D, np.float32)
         inv = np.empty(D, np.float32)
-        row_codes = np.empty(D, np.int32)
+        zb = np.empty(D, np.float32)
+        rc = np.empty(D, np.int32)
         mask = (1 << rb) - 1
+        gshift = 0  # o[d >> gshift] is element d's offset: C = 2^gshift per row, 1 along tokens
+        while per_row and (1 << gshift) < C:
+            gshift += 1
         flags = 0
         for unit in range(u0, u1):
-            h = unit // nc
-            c = unit - h * nc
-            m = unit * D
-            t0 = c * C
-            t1 = min(T, t0 + C)
-            if meta_given:
-                for d in range(D):
-                    o[d] = _meta_get(offset, m + d)
-                    s[d] = _meta_get(scale, m + d)
+            if per_row:
+                h = unit // T
+                t0 = unit - h * T
+                n = 1
             else:
-                base = np.uint64(x0 + h * sh + t0 * st)
-                for d in range(D):  # channel by channel: the running max, min and check stay in registers
-                    v = _load(x, base + np.uint64(d))
-                    hi_v = v
-                    lo_v = v
-                    nonfinite = v - v  # NaN for inf or NaN, else 0
-                    for t in range(1, t1 - t0):
-                        v = _load(x, base + np.uint64(t * st + d))
-                        hi_v = v if v > hi_v else hi_v
-                        lo_v = v if v < lo_v else lo_v
-                        nonfinite += v - v
-                    mx[d] = hi_v
-                    mn[d] = lo_v
-                    bad[d] = nonfinite
-                for d in range(D):
-                    if bad[d] != 0:
-                        flags |= 1
-                    od = _meta_put(offset, m + d, (mx[d] + mn[d]) * np.float32(0.5), False)
-                    if not np.isfinite(od):
-                        flags |= 2
-                    sd = _meta_put(scale, m + d, max(mx[d] - od, od - mn[d]), True)
-                    if not np.isfinite(sd):
-                        flags |= 4
-                    o[d] = od
-                    s[d] = sd
-            tiny = False
+                h = unit // nc
+                t0 = (unit - h * nc) * C
+                n = min(T - t0, C)
+            base = np.uint64(x0 + h * sh + t0 * st)
+            # The unit in fp32 (and, along tokens, each channel's order-key range and largest |x| bits).
+            stats = not (per_row or meta_given)
             for d in range(D):
-                s[d] = s[d] if s[d] > 0 else np.float32(1.0)  # s = 0 only where x - o = 0: u = 0 as specified
-                inv[d] = np.float32(1.0) / s[d]
-                tiny |= s[d] < np.float32(2.0**-100)  # 1/s may overflow: the exact pass for this unit
-            unit_margin = np.float32(2.0) if tiny else margin
-            hi_margin = np.float32(1.0) - unit_margin
-            if meta_given:  # no max/min known: no element matches a NaN
-                for d in range(D):
-                    mx[d] = np.nan
-                    mn[d] = np.nan
-            else:
-                for d in range(D):
-                    cmax[d] = _exact_code(mx[d], o[d], s[d], thr, codes, off, shift)
-                    cmin[d] = _exact_code(mn[d], o[d], s[d], thr, codes, off, shift)
-            for t in range(t0, t1):
-                row = np.uint64(x0 + h * sh + t * st)  # unsigned indices: no negative-index wraparound checks
-                # First pass, every element, vectorised and without the table: u ≈ (x - o)·(1/s),
-                # z ≈ log(1 + α|u|)/c (α = 0: z = u), code = floor((z + 1)·gk + gb), bit 8 set near a boundary.
-                flagged = np.int32(0x100) if unit_margin >= 1 else np.int32(0)
-                if alpha > 0:  # two loops rather than a branch inside one: each vectorises
+                v = _load(x, base + np.uint64(d))
+                y[d] = v
+                if stats:
+                    kmx[d] = _order_key(v)
+                    kmn[d] = kmx[d]
+                    amax[d] = _abs_bits(v)
+            for t in range(1, n):
+                row = base + np.uint64(t * st)
+                r0 = np.uint64(t * D)
+                if stats:
                     for d in range(D):
-                        xv = _load(x, row + np.uint64(d))
-                        u = (xv - o[d]) * inv[d]
-                        mag = _log_f32(np.float32(1.0) + np.abs(u) * alpha) * inv_c
-                        z = _bits_f32(_f32_bits(mag) | (_f32_bits(u) & np.int32(-2147483648)))  # the sign of u
-                        code = _approx_code(z, gk, gb, unit_margin, hi_margin)
-                        code = _pick(xv, mx[d], mn[d], cmax[d], cmin[d], code)
-                        row_codes[d] = code
-                        flagged = np.int32(flagged | code)  # an int32 reduction: an int64 one stops vectorisation
+                        v = _load(x, row + np.uint64(d))
+                        y[r0 + np.uint64(d)] = v
+                        k = _order_key(v)
+                        kmx[d] = max(kmx[d], k)
+                        kmn[d] = min(kmn[d], k)
+                        amax[d] = max(amax[d], _abs_bits(v))
                 else:
                     for d in range(D):
-                        xv = _load(x, row + np.uint64(d))
-                        code = _approx_code((xv - o[d]) * inv[d], gk, gb, unit_margin, hi_margin)
-                        code = _pick(xv, mx[d], mn[d], cmax[d], cmin[d], code)
-                        row_codes[d] = code
+                        y[r0 + np.uint64(d)] = _load(x, row + np.uint64(d))
+            tiny = False
+            if per_row:  # metadata and first-pass codes group by group
+                for g in range(G):
+                    g0 = np.uint64(g * C)
+                    size = min(D, g * C + C) - g * C
+                    m = unit * G + g
+                    if meta_given:
+                        od = _meta_get(offset, m)
+                        sd = _meta_get(scale, m)
+                        hi = np.float32(np.nan)  # no max/min known: no element matches a NaN
+                        lo = hi
+                    else:
+                        khi = _order_key(y[g0])
+                        klo = khi
+                        am = np.int32(0)
+                        for j in range(size):
+                            v = y[g0 + np.uint64(j)]
+                            k = _order_key(v)
+                            khi = max(khi, k)
+                            klo = min(klo, k)
+                            am = max(am, _abs_bits(v))
+                        if am >= _INF_BITS:
+                            flags |= 1
+                        hi = _key_value(khi)
+                        lo = _key_value(klo)
+                        if hi == 0 and lo == 0:  # all zeros: the first one's sign, as a running max/min keeps
+                            hi = y[g0]
+                            lo = hi
+                        od, sd, flags = _range_meta(offset, scale, m, hi, lo, flags)
+                    sd = sd if sd > 0 else np.float32(1.0)  # s = 0 only where x - o = 0: u = 0 as specified
+                    tiny |= sd < np.float32(2.0**-100)  # 1/s may overflow: the exact pass for this row
+                    o[g] = od
+                    s[g] = sd
+                    iv = np.float32(1.0) / sd
+                    ch = np.int32(0)
+                    cl = np.int32(0)
+                    if not meta_given:
+                        ch = np.int32(_exact_code(hi, od, sd, thr, codes, off, shift))
+                        cl = np.int32(_exact_code(lo, od, sd, thr, codes, off, shift))
+                    if alpha > 0:  # the log in a loop of its own: two short dependency chains pipeline better
+                        for j in range(size):
+                            zb[g0 + np.uint64(j)] = _z_alpha((y[g0 + np.uint64(j)] - od) * iv, alpha, inv_c)
+                    else:
+                        for j in range(size):
+                            zb[g0 + np.uint64(j)] = (y[g0 + np.uint64(j)] - od) * iv
+                    for j in range(size):
+                        rc[g0 + np.uint64(j)] = _pick(y[g0 + np.uint64(j)], hi, lo, ch, cl,
+                                                      _approx_code(zb[g0 + np.uint64(j)], gk, gb, margin,
+                                                                   np.float32(1.0) - margin))
+            else:
+                m = unit * D
+                for d in range(D):
+                    if meta_given:
+                        od = _meta_get(offset, m + d)
+                        sd = _meta_get(scale, m + d)
+                        hi = np.float32(np.nan)
+                        lo = hi
+                    else:
+                        if amax[d] >= _INF_BITS:
+                            flags |= 1
+                        hi = _key_value(kmx[d])
+                        lo = _key_value(kmn[d])
+                        if hi == 0 and lo == 0:
+                            hi = y[d]
+                            lo = hi
+                        od, sd, flags = _range_meta(offset, scale, m + d, hi, lo, flags)
+                    mx[d] = hi
+                    mn[d] = lo
+                    o[d] = od
+                    sd = sd if sd > 0 else np.float32(1.0)
+                    s[d] = sd
+                    inv[d] = np.float32(1.0) / sd
+                    tiny |= sd < np.float32(2.0**-100)
+                for d in range(D):
+                    cmax[d] = np.int32(_exact_code(mx[d], o[d], s[d], thr, codes, off, shift)) if not meta_given else 0
+                    cmin[d] = np.int32(_exact_code(mn[d], o[d], s[d], thr, codes, off, shift)) if not meta_given else 0
+            unit_margin = np.float32(2.0) if tiny else margin
+            hi_margin = np.float32(1.0) - unit_margin
+            for t in range(n):
+                r0 = np.uint64(t * D)
+                flagged = np.int32(0)
+                if per_row:  # the first pass ran group by group above
+                    for d in range(D):
+                        flagged = np.int32(flagged | rc[d])  # an int32 reduction: an int64 one stops vectorisation
+                else:
+                    # First pass, every element, vectorised and without the table: u ≈ (x - o)·(1/s),
+                    # z ≈ log(1 + α|u|)/c (α = 0: z = u), code = floor((z + 1)·gk + gb), bit 8 set near a boundary.
+                    if alpha > 0:
+                        for d in range(D):
+                            zb[d] = _z_alpha((y[r0 + np.uint64(d)] - o[d]) * inv[d], alpha, inv_c)
+                    else:
+                        for d in range(D):
+                            zb[d] = (y[r0 + np.uint64(d)] - o[d]) * inv[d]
+                    for d in range(D):
+                        code = _pick(y[r0 + np.uint64(d)], mx[d], mn[d], cmax[d], cmin[d],
+                                     _approx_code(zb[d], gk, gb, unit_margin, hi_margin))
+                        rc[d] = code
                         flagged = np.int32(flagged | code)
-                if flagged & 0x100:  # second pass, flagged elements: the exact u = fl((x - o)/s) and the table
+                # Second pass, flagged elements: the exact u = fl((x - o)/s) and the table.
+                if unit_margin >= 1:
                     for d in range(D):
-                        if row_codes[d] & 0x100 or unit_margin >= 1:
-                            row_codes[d] = _exact_code(_load(x, row + np.uint64(d)), o[d], s[d], thr, codes, off,
-                                                       shift)
+                        rc[d] = _exact_code(y[r0 + np.uint64(d)], o[d >> gshift], s[d >> gshift], thr, codes, off,
+                                            shift)
+                elif flagged & 0x100:
+                    for b0 in range(0, D, 16):  # blocks of 16: a flagged element is rare, a flagged row is not
+                        b1 = min(D, b0 + 16)
+                        block = np.int32(0)
+                        for d in range(b0, b1):
+                            block = np.int32(block | rc[d])
+                        if block & 0x100:
+                            for d in range(b0, b1):
+                                if rc[d] & 0x100:
+                                    rc[d] = _exact_code(y[r0 + np.uint64(d)], o[d >> gshift], s[d >> gshift], thr,
+                                                        codes, off, shift)
+                el = np.uint64(h * out_h + (t0 + t) * out_t)
                 if packed:
-                    p = np.uint64((h * T + t) * D) >> np.uint64(1)
+                    p = el >> np.uint64(1)
                     for j in range(D >> 1):
-                        lo = row_codes[2 * j]
-                        hi = row_codes[2 * j + 1]
-                        a_out[p + np.uint64(j)] = np.uint8((lo >> 4) | (hi & 0xF0))
-                        r_out[p + np.uint64(j)] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
-                elif out_d == 1:
-                    el = np.uint64(h * out_h + t * out_t)
+                        lo_code = rc[2 * j]
+                        hi_code = rc[2 * j + 1]
+                        a_out[p + np.uint64(j)] = np.uint8((lo_code >> 4) | (hi_code & 0xF0))
+                        r_out[p + np.uint64(j)] = np.uint8((lo_code & 0x0F) | ((hi_code & 0x0F) << 4))
+                else:
                     for d in range(D):
-                        a_out[el + np.uint64(d)] = np.uint8(row_codes[d] >> rb)
-                        r_out[el + np.uint64(d)] = np.uint8(row_codes[d] & mask)
-                else:  # codes of a channel-axis encoding, stored in the original [H, T, D] order
-                    el = np.uint64(h * out_h + t * out_t)
-                    for d in range(D):
-                        a_out[el + np.uint64(d * out_d)] = np.uint8(row_codes[d] >> rb)
-                        r_out[el + np.uint64(d * out_d)] = np.uint8(row_codes[d] & mask)
+                        a_out[el + np.uint64(d)] = np.uint8(rc[d] >> rb)
+                        r_out[el + np.uint64(d)] = np.uint8(rc[d] & mask)
         return flags
 
     @functools.partial(numba.njit, inline="always", error_model="numpy")
@@ -547,13 +665,16 @@ def _meta_np(t: torch.Tensor) -> np.ndarray:
 
 
 def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tensor, torch.Tensor] | None = None,
-           transposed: bool = False):
-    """``(anchor, residual, offset, scale)`` with flat code buffers; ``meta`` given: those offsets and scales;
-    ``transposed`` (unpacked codes only): the buffers hold the codes in ``[H, D, T]`` order."""
+           axis: str = "token"):
+    """``(anchor, residual, offset, scale)`` with flat code buffers in ``[H, T, D]`` order; groups along
+    ``axis`` (``"token"``: metadata ``[H, ceil(T/C), D]``; ``"channel"``: ``[H, T, ceil(D/C)]``); ``meta``
+    given: those offsets and scales."""
     x = _input(x)
     h, t, d = x.shape
     c = scheme.chunk
     nc = -(-t // c)
+    per_row = axis == "channel"
+    meta_shape = (h, t, -(-d // c)) if per_row else (h, nc, d)
     meta_dtype = META_TORCH_DTYPE[scheme.meta_dtype]
     meta_given = meta is not None or scheme.centring == "mean"
     if meta is not None:
@@ -561,10 +682,14 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     elif meta_given:  # the pinned tree sum of the mean: the reference's
         if not bool(torch.isfinite(x).all()):
             raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
-        offset, scale = reference.chunk_meta(x, scheme)
+        if per_row:
+            offset, scale = (m.transpose(1, 2).contiguous()
+                             for m in reference.chunk_meta(x.transpose(1, 2).contiguous(), scheme))
+        else:
+            offset, scale = reference.chunk_meta(x, scheme)
     else:
-        offset = torch.empty((h, nc, d), dtype=meta_dtype)
-        scale = torch.empty((h, nc, d), dtype=meta_dtype)
+        offset = torch.empty(meta_shape, dtype=meta_dtype)
+        scale = torch.empty(meta_shape, dtype=meta_dtype)
     thr, codes, off = code_table(scheme)
     alpha, inv_c, gk, gb, margin = _approximation(scheme)
     n = h * t * d
@@ -574,9 +699,9 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     buf, x0, sh, st, _ = _flat(x)  # _input: the last axis is contiguous
     flags = 0
     for f in _parallel(
-        _encode_kernel, h * nc, (buf, x0, sh, st, t, d, c, nc),
+        _encode_kernel, h * t if per_row else h * nc, (buf, x0, sh, st, t, d, c, nc, per_row),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
-         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), *((t * d, 1, t) if transposed else (t * d, d, 1))),
+         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d),
     ):
         flags |= f
     if flags & 1:
@@ -635,30 +760,33 @@ def packable(scheme: Scheme, head_dim: int) -> bool:
     return scheme.anchor_bits == 4 and head_dim % 2 == 0
 
 
-def quantize(x: torch.Tensor, scheme: Scheme, *, transposed_codes: bool = False) -> EncodedTensor:
-    """:func:`lynxkv.quant.reference.quantize_tokens`, bit for bit (CPU tensors). ``transposed_codes``: the codes
-    are ``[H, T, D]`` views of ``[H, D, T]`` memory, so that a channel-axis encoding (this one of the transposed
-    values) transposes them back to C order without a copy."""
+def quantize(x: torch.Tensor, scheme: Scheme, *, axis: str = "token") -> EncodedTensor:
+    """:func:`lynxkv.quant.reference.quantize_tokens` (``axis="token"``) or the reference's encoding of values per
+    channel (``axis="channel"``: groups of C channels of one token, read in place, no transposed copy), bit for
+    bit (CPU tensors; no sink tokens marked: :func:`lynxkv.quant.reference.quantize` does that)."""
     h, t, d = _input(x).shape
     if t == 0 or d == 0 or h == 0:
+        if axis == "channel":
+            enc = reference.quantize_tokens(x.transpose(1, 2), scheme)
+            return EncodedTensor(*(m.transpose(1, 2).contiguous() for m in (enc.anchor, enc.residual, enc.offset,
+                                                                             enc.scale)), axis="channel")
         return reference.quantize_tokens(x, scheme)
-    a, r, offset, scale = _codes(x, scheme, packed=False, transposed=transposed_codes)
-    if transposed_codes:
-        return EncodedTensor(a.view(h, d, t).transpose(1, 2), r.view(h, d, t).transpose(1, 2), offset, scale)
-    return EncodedTensor(a.view(h, t, d), r.view(h, t, d), offset, scale)
+    a, r, offset, scale = _codes(x, scheme, packed=False, axis=axis)
+    return EncodedTensor(a.view(h, t, d), r.view(h, t, d), offset, scale, axis)
 
 
-def quantize_packed(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_packed(x: torch.Tensor, scheme: Scheme, *,
+                    axis: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(anchor_bytes, residual_bytes, offset, scale)``: the packed codes equal ``pack_bits`` of the reference's
-    anchor and residual over the ``[H, T, D]`` flattening (needs :func:`packable`)."""
+    anchor and residual over the ``[H, T, D]`` flattening (needs :func:`packable`), groups along ``axis``."""
     h, t, d = _input(x).shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
                          f"{scheme.anchor_bits}+{scheme.residual_bits} and head_dim {d}")
     if t == 0 or h == 0:
-        enc = reference.quantize(x, scheme)
+        enc = quantize(x, scheme, axis=axis)
         return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), enc.offset, enc.scale
-    return _codes(x, scheme, packed=True)
+    return _codes(x, scheme, packed=True, axis=axis)
 
 
 def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -166,17 +166,21 @@ TokenQuantizer = Callable[[torch.Tensor, Scheme], EncodedTensor]
 
 
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *,
-             along_tokens: TokenQuantizer | None = None) -> EncodedTensor:
+             along_tokens: TokenQuantizer | None = None,
+             along_channels: TokenQuantizer | None = None) -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (any float dtype), the keys (``kind="key"``) or the values of one layer, with
     ``scheme``: groups along ``scheme.axis(kind)``, the first ``scheme.sink_tokens`` tokens marked as sinks.
 
     ``along_tokens(x, scheme)`` is the implementation of the token-axis encoding (default: this module's); a
-    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule. Each
+    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule, unless
+    ``along_channels(x, scheme)`` encodes it in place (the fast CPU path: its codes equal this rule's). Each
     implementation refuses inf and NaN itself (this module's before it computes, the compiled ones in their
     metadata pass), so the input is read for that once."""
     _check_input(x, finite=False)
     encode = along_tokens or quantize_tokens
-    if scheme.axis(kind) == "channel":
+    if scheme.axis(kind) == "channel" and along_channels is not None:
+        enc = along_channels(x, scheme)
+    elif scheme.axis(kind) == "channel":
         enc = encode(x.transpose(1, 2).contiguous(), scheme)  # [H, D, T]: chunks of C channels per token
         enc = EncodedTensor(*(t.transpose(1, 2).contiguous() for t in (enc.anchor, enc.residual, enc.offset,
                                                                          enc.scale)), axis="channel")
