@@ -419,7 +419,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
         built = build_files(enc, cache_id=cache_id, single_file=True, zstd=zstd)
         old = residual_file_of(path)
-        write_atomic(path, built.anchor)
+        write_atomic(path, built.anchor_parts)
         if old is not None:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
                 remove(old)
@@ -435,8 +435,8 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             rpath = _fresh_residual_name(rpath, cache_id)
         location = residual_location or record_location(path, rpath)
         built = build_files(enc, cache_id=cache_id, zstd=zstd, residual_location=location)
-        write_atomic(rpath, built.residual)  # first: an anchor never points at a missing residual
-        write_atomic(path, built.anchor)
+        write_atomic(rpath, built.residual_parts)  # first: an anchor never points at a missing residual
+        write_atomic(path, built.anchor_parts)
         orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
         for stale in ([old] if old is not None else []) + orphans:
             if not same_object(stale, rpath):

@@ -1,9 +1,9 @@
 """Writing ``.lynx`` v1: page records -> sections -> the bytes of the files.
 
 :func:`build_files` turns an encoded cache (:class:`EncodedKV`, e.g. :class:`lynxkv.cache.EncodedCache`) into the
-exact bytes of the anchor file and (unless ``single_file``) the residual file; it is deterministic given
-``cache_id`` (the golden examples of spec/FORMAT.md rely on that). Putting the bytes anywhere is the storage
-layer's job (:func:`lynxkv.storage.write_atomic`).
+exact bytes of the anchor file and (unless ``single_file``) the residual file, as their parts in order (never
+joined on the way to a file); it is deterministic given ``cache_id`` (the golden examples of spec/FORMAT.md rely
+on that). Putting the bytes anywhere is the storage layer's job (:func:`lynxkv.storage.write_atomic`).
 """
 
 from __future__ import annotations
@@ -53,9 +53,21 @@ class EncodedKV(Protocol):
 
 @dataclass(frozen=True)
 class BuiltFiles:
-    anchor: bytes  # the anchor file (with the residual section inline when single_file)
-    residual: bytes | None  # the residual file, or None for a single file
+    """The files of a cache as their parts in order (header and index, then each stored page): a writer puts the
+    parts one after the other (:func:`lynxkv.storage.write_atomic` takes the tuple) without joining them."""
+
+    anchor_parts: tuple[bytes, ...]  # the anchor file (with the residual section inline when single_file)
+    residual_parts: tuple[bytes, ...] | None  # the residual file, or None for a single file
     header: AnchorHeader
+
+    @property
+    def anchor(self) -> bytes:
+        """The anchor file's bytes, joined."""
+        return b"".join(self.anchor_parts)
+
+    @property
+    def residual(self) -> bytes | None:
+        return None if self.residual_parts is None else b"".join(self.residual_parts)
 
 
 def _section(records: list[bytes], lead: int, zstd: bool) -> tuple[list[PageEntry], list[bytes]]:
@@ -126,8 +138,8 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
                           names, c.FLAG_BATCH_DIM if enc.batch_dim else 0, properties=properties)
     framed = frame_sections(fields, a_entries, r_entries, single_file=single_file,
                             residual_location=residual_location)
-    residual = b"".join([framed.residual_lead, *r_stored])
-    anchor = b"".join([framed.anchor_lead, *a_stored] + ([residual] if single_file else []))
+    residual = (framed.residual_lead, *r_stored)
+    anchor = (framed.anchor_lead, *a_stored, *(residual if single_file else ()))
     return BuiltFiles(anchor, None if single_file else residual, framed.header)
 
 

@@ -29,8 +29,7 @@ The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``
 thread count, at most 8), each worker on a contiguous span of units ((head, chunk), or (head, token) for values
 per channel). Inputs and outputs may be strided views whose last axis is contiguous (a slice of a larger cache is
 written in place). numba is a dependency of lynxkv; where it does not import, :func:`available` is false and the
-entry
-(:mod:`lynxkv.quant.dispatch`) uses the reference.
+entry (:mod:`lynxkv.quant.dispatch`) uses the reference.
 """
 
 from __future__ import annotations

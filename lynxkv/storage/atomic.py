@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import zlib
 from collections.abc import Iterator
 
 from lynxkv.errors import InputError, LynxError
@@ -73,8 +72,6 @@ class AtomicWriter:
 
     def __init__(self, url: str | os.PathLike, storage_options: dict | None = None, *, make_dirs: bool = False):
         self.url = os.fspath(url)
-        self.bytes_written = 0
-        self.crc32 = 0
         self._done = False
         self._f = None
         if is_local(self.url):
@@ -105,8 +102,7 @@ class AtomicWriter:
             self._parts = []
 
     def write(self, data) -> None:
-        self.crc32 = zlib.crc32(data, self.crc32)
-        self.bytes_written += len(data)
+        """Append ``data`` (any bytes-like object; written as it is, not copied first)."""
         if self._f is not None:
             try:
                 self._f.write(data)
@@ -173,9 +169,11 @@ def _storage_error(url: str, exc: BaseException) -> LynxError:
 
 def write_atomic(url: str | os.PathLike, data, storage_options: dict | None = None, *,
                  make_dirs: bool = False) -> None:
-    """Write ``data`` to ``url`` atomically (see :class:`AtomicWriter`)."""
+    """Write ``data`` to ``url`` atomically (see :class:`AtomicWriter`): a bytes-like object, or a list or tuple
+    of them written one after the other (the parts of a file, never joined into one object locally)."""
     with AtomicWriter(url, storage_options, make_dirs=make_dirs) as w:
-        w.write(data)
+        for part in data if isinstance(data, (list, tuple)) else (data,):
+            w.write(part)
 
 
 @contextlib.contextmanager
