@@ -20,7 +20,7 @@ from lynxkv.quant.scheme import get_scheme
 pytestmark = pytest.mark.skipif(not fast.available(), reason="numba does not import: the entry uses the reference")
 
 SCHEMES = {
-    "default": get_scheme("default"),  # alpha = 1
+    "default": get_scheme("default"),  # alpha = 0.5, keys Hadamard-rotated
     "linear": get_scheme("linear"),
     "mean": get_scheme("linear", centring="mean"),
     "fp32meta": get_scheme("default", meta_dtype="fp32"),
@@ -76,8 +76,8 @@ def assert_equal_values(ref, got, where=""):
 @pytest.mark.parametrize("scheme", SCHEMES.values(), ids=SCHEMES.keys())
 def test_quantize_is_bit_identical(scheme, shape, dtype):
     x = kv_like(shape, dtype)
-    ref = reference.quantize(x, scheme)
-    assert_same(ref, fast.quantize(x, scheme), f"{scheme.describe()} {shape} {dtype}")
+    assert_same(reference.quantize_tokens(x, scheme), fast.quantize(x, scheme), f"{scheme.describe()} {shape} {dtype}")
+    ref = reference.quantize(x, scheme)  # the keys: rotated first where the scheme says so
     assert_same(ref, entry.quantize(x, scheme), "entry")
     ap, rp, off, sc = entry.quantize_packed(x, scheme)
     assert torch.equal(ap, ref_pack_bits(ref.anchor, scheme.anchor_bits))
@@ -156,7 +156,7 @@ def test_quantize_property(h, t, d, chunk, centring, meta, dtype, spread, alpha,
     scheme = get_scheme("default", chunk=chunk, page=chunk * 4, centring=centring, meta_dtype=meta, alpha=alpha)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn((h, t, d), generator=g) * spread + torch.randn(d, generator=g) * spread).to(dtype)
-    ref = reference.quantize(x, scheme)
+    ref = reference.quantize_tokens(x, scheme)
     assert_same(ref, fast.quantize(x, scheme), "hypothesis")
     assert_equal_values(reference.dequantize(ref, scheme), fast.dequantize(ref, scheme), "hypothesis decode")
 
@@ -166,20 +166,20 @@ def test_constant_and_signed_zero_chunks():
     x = torch.zeros((2, 45, 4))
     x[0] = -0.0
     x[1, :, 1] = 3.25
-    assert_same(reference.quantize(x, scheme), fast.quantize(x, scheme), "constant")
+    assert_same(reference.quantize_tokens(x, scheme), fast.quantize(x, scheme), "constant")
 
 
 def test_tiny_fp32_scales_take_the_exact_pass():
     """fp32 metadata can hold a scale whose reciprocal overflows: those chunks are coded exactly."""
     scheme = get_scheme("default", meta_dtype="fp32")
     x = torch.randn(1, 64, 8) * 1e-40
-    assert_same(reference.quantize(x, scheme), fast.quantize(x, scheme), "subnormal")
+    assert_same(reference.quantize_tokens(x, scheme), fast.quantize(x, scheme), "subnormal")
 
 
 def test_workers_do_not_change_the_result(monkeypatch):
     scheme = SCHEMES["default"]
     x = kv_like((3, 700, 8), torch.bfloat16, seed=3)
-    ref = reference.quantize(x, scheme)
+    ref = reference.quantize_tokens(x, scheme)
     for workers in ("1", "2", "3", "8"):
         monkeypatch.setenv("LYNXKV_CPU_THREADS", workers)
         assert_same(ref, fast.quantize(x, scheme), f"workers={workers}")
@@ -335,7 +335,7 @@ def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
     ref = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
     anchor, residual, rows = _page_records(enc, scheme, 64)
     out = torch.full(shape, float("nan"), dtype=dtype)
-    assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, axis="channel") == 0
+    assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, kind="value") == 0
     assert_equal_values(ref, out, "values per channel")
 
 

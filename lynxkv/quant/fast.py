@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.quant import reference
+from lynxkv.quant import reference, rotation
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
@@ -376,9 +376,23 @@ if numba is not None:
         bits = np.int32(buf[at]) | (np.int32(buf[at + 1]) << 8)
         return _f16_widen(np.uint16(bits)), bits
 
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _butterfly(v, n, block):
+        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels
+        (:func:`lynxkv.quant.rotation.butterfly`: stages h = 1, 2, …, block/2; pairs (i, i+h), i mod 2h < h)."""
+        h = 1
+        while h < block:
+            for i0 in range(0, n, 2 * h):
+                for i in range(i0, i0 + h):
+                    a = v[i]
+                    b = v[i + h]
+                    v[i] = a + b
+                    v[i + h] = a - b
+            h *= 2
+
     @_jit
-    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, H, C, u0, u1, levels,
-                       y, sh, st, sd):
+    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C,
+                       u0, u1, levels, y, sh, st, sd):
         """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16); returns
         metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a scale is negative.
 
@@ -391,7 +405,12 @@ if numba is not None:
         anchor. Element (h, t, d) of a page goes to ``y[y0 + h·sh + t·st + d·sd]``: any strided view.
 
         ``per_row``: the groups run along each row instead (values per channel, format 1.2): the metadata is
-        ``[H, rows, ceil(cols/C)]`` and a unit is one (head, row)."""
+        ``[H, rows, ceil(cols/C)]`` and a unit is one (head, row).
+
+        ``block`` > 1: the codes are of Hadamard-rotated rows (keys, format 1.3); each decoded fp32 row is rotated
+        back in place before it is stored: the butterfly of :mod:`lynxkv.quant.rotation` within blocks of
+        ``block`` channels (stages h = 1, 2, …, block/2, exactly rounded fp32 additions), then times ``back``
+        (2^-(m-k), exact)."""
         cmax = 0
         for p in range(pages.shape[0]):
             cmax = max(cmax, pages[p, 6])
@@ -399,6 +418,7 @@ if numba is not None:
         s = np.empty(cmax, np.float32)
         f = np.empty(cmax, np.float32)
         mb = 4 if wide else 2
+        rotated = block > 1
         exponent = np.int32(0x7F800000) if wide else np.int32(0x7C00)
         sign = np.int32(-2147483648) if wide else np.int32(0x8000)
         flags = 0
@@ -452,7 +472,18 @@ if numba is not None:
                             for d in range(cols):
                                 f[d] = levels[(np.uint32(ar[d]) << np.uint32(rb)) | np.uint32(rr[d])]
                     row = np.uint64(pages[p, 4] + h * sh + t * st)
-                    if sd == 1:
+                    if rotated:  # x̂ = butterfly(o + s·û)·back, in fp32, before the cast
+                        for d in range(cols):
+                            f[d] = o[d] + s[d] * f[d]
+                        _butterfly(f, cols, block)
+                        if sd == 1:
+                            yr = y[row:row + np.uint64(cols)]
+                            for d in range(cols):
+                                _store(yr, d, f[d] * back)
+                        else:
+                            for d in range(cols):
+                                _store(y, row + np.uint64(d * sd), f[d] * back)
+                    elif sd == 1:
                         yr = y[row:row + np.uint64(cols)]
                         for d in range(cols):
                             _store(yr, d, o[d] + s[d] * f[d])
@@ -675,17 +706,18 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], packed: bool, scheme: Scheme,
-                  out: torch.Tensor, threads: int | None, per_row: bool = False) -> int:
+                  out: torch.Tensor, threads: int | None, per_row: bool = False, rotated: bool = False) -> int:
     """Run :func:`_decode_kernel` over ``pages`` (rows of its table without the last column, the first unit,
     which is added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
     non-negative strides; fp32 and bf16 are written in place, other dtypes through an fp32 tensor of the same
-    strides); returns the metadata problem flags. Python work per call is kept small: the progressive reader
-    calls this once per page."""
+    strides); returns the metadata problem flags. ``rotated``: rows of Hadamard-rotated keys, rotated back in the
+    same pass. Python work per call is kept small: the progressive reader calls this once per page."""
     anchor_only = r_buf is None
     direct = out.dtype in (torch.float32, torch.bfloat16)
     y = out if direct else torch.empty_strided(out.shape, out.stride(), dtype=torch.float32)
     c = scheme.chunk
     h = out.shape[0]
+    block, back = (rotation.block_size(out.shape[2]), rotation.shifts(out.shape[2])[1]) if rotated else (1, 0)
     table, units = [], 0
     for row in pages:
         table.append((*row, units))
@@ -695,7 +727,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     for f in _parallel(
         _decode_kernel, units,
         (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
-         scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, h, c),
+         scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
     ):
         flags |= f
@@ -704,7 +736,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     return flags
 
 
-def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads):
+def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads, rotated: bool):
     h, t, d = shape
     out = _out(out, shape, dtype)
     if out.numel() == 0:
@@ -714,26 +746,30 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
         raise InputError(f"offset/scale: expected shape {(h, nc, d)}, got {tuple(offset.shape)}/{tuple(scale.shape)}")
     pages = [(0, 0, 0, 0, 0, t, d)]  # the whole tensor as one page
     _decode_pages(_bytes(offset), _bytes(scale), _bytes(a), None if r is None else _bytes(r), pages, packed, scheme,
-                  out, threads)
+                  out, threads, rotated=rotated)
     return out
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """:func:`lynxkv.quant.reference.dequantize`, bit for bit, optionally into a preallocated ``out`` (any CPU
-    float tensor of the shape with a contiguous last axis is written in place; other layouts are copied)."""
+    """:func:`lynxkv.quant.reference.dequantize` of groups along tokens, bit for bit (rotated keys rotated back
+    in the same pass), optionally into a preallocated ``out`` (any CPU float tensor of the shape with a contiguous
+    last axis is written in place; other layouts are copied). The sink tokens are the caller's: every token
+    decodes from the codes given."""
     shape = tuple(enc.anchor.shape)
     n = enc.anchor.numel()
     if not anchor_only and (enc.residual is None or enc.residual.numel() != n):
         raise InputError(f"residual: expected {n} codes, got {0 if enc.residual is None else enc.residual.numel()}")
     return _decode(enc.anchor, None if anchor_only else enc.residual, False, enc.offset, enc.scale, shape, scheme,
-                   dtype, out, threads)
+                   dtype, out, threads, enc.rotated)
 
 
 def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                       shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``."""
+                      out: torch.Tensor | None = None, threads: int | None = None,
+                      rotated: bool = False) -> torch.Tensor:
+    """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``
+    (``rotated``: of Hadamard-rotated keys, rotated back)."""
     h, t, d = shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
@@ -742,11 +778,11 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     for name, buf in (("anchor", anchor), ("residual", residual)):
         if buf is not None and buf.numel() != need:
             raise InputError(f"{name} payload: expected {need} bytes for shape {tuple(shape)}, got {buf.numel()}")
-    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads)
+    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads, rotated)
 
 
 def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None,
-                     axis: str = "token") -> int:
+                     axis: str = "token", rotated: bool = False) -> int:
     """Dequantize pages of packed 4+4 codes held in byte buffers straight into ``out`` ``[H, T, D]`` (a CPU
     tensor, any strides; needs :func:`packable`), without unpacking or concatenating anything first.
 
@@ -756,7 +792,8 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     flattened) at ``anchor_at``; its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor
     alone). Returns metadata problem flags (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
     negative); the values written for such a page are what the arithmetic gives. ``axis="channel"``: the groups
-    run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``."""
+    run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``.
+    ``rotated``: the codes are of Hadamard-rotated keys (format 1.3), rotated back in the same pass."""
     h, t, d = out.shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
@@ -778,7 +815,10 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
             table.append((o_at, s_at, a_at, r_at, t0 * st, n, d))
     if not table:
         return 0
-    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel")
+    if rotated and axis == "channel":
+        raise InputError("pages: rotated codes have their groups along tokens (keys), not per channel")
+    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel",
+                         rotated=rotated)
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:
