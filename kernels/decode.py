@@ -13,7 +13,9 @@ decodes as the reference does:
     anchor only:  x = o + s * levels[256 + a]      (the first SINKS tokens: from the full code)
 
 in fp32, then one rounding to the output dtype. Compiled without FMA contraction (``enable_fp_fusion=False``)
-this is the reference's value bit for bit. Not supported: splits other than 4+4, an odd head_dim,
+this is the reference's value bit for bit. Rotated keys (format 1.3) are decoded to fp32, rotated back on the
+same device by :func:`lynxkv.quant.rotation.unrotate` (exactly rounded fp32 additions and power-of-two
+scalings: the same bits on every device), then cast. Not supported: splits other than 4+4, an odd head_dim,
 head_dim > 1024.
 """
 
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lynxkv.errors import InputError
+from lynxkv.quant import rotation
 from lynxkv.quant.reference import expanded_levels, split_code
 from lynxkv.quant.scheme import Scheme
 
@@ -113,6 +116,7 @@ def decode(
     kind: str = "key",
     anchor_only: bool | None = None,
     sinks: int = 0,
+    rotated: bool | None = None,
 ) -> torch.Tensor:
     """Decode into ``out`` ``[B, H, T, D]`` (bf16/fp16/fp32, head_dim contiguous) in one launch.
 
@@ -120,9 +124,11 @@ def decode(
     :func:`lynxkv.kernels.encode.encode`, or ``[B, H, T, ceil(D/C)]`` for values grouped per channel
     (``kind="value"`` of such a scheme). ``anchor_only`` (default: ``residual is None``) decodes from the anchor
     alone, except the first ``sinks`` tokens, which then need ``residual`` (only their bytes are read).
-    Returns ``out``.
+    ``rotated`` (default: ``scheme.rotated(kind)``): the codes are of Hadamard-rotated keys, rotated back in fp32
+    before the cast. Returns ``out``.
     """
     anchor_only = residual is None if anchor_only is None else anchor_only
+    rotated = scheme.rotated(kind) if rotated is None else rotated
     if not supports(scheme):
         raise InputError("the Triton decode supports only the 4+4 split; use the reference")
     if out.dim() != 4 or out.dtype not in _OUT_DTYPES or out.stride(-1) != 1:
@@ -152,15 +158,18 @@ def decode(
     if out.numel() == 0:
         return out
     half_d = triton.next_power_of_2(d // 2)
+    target = torch.empty(out.shape, dtype=torch.float32, device=out.device) if rotated else out  # ŷ, then x̂
     _decode_kernel[(bsz * h, nc)](
-        anchor, anchor if residual is None else residual, offset, scale, level_table(scheme, out.device), out,
+        anchor, anchor if residual is None else residual, offset, scale, level_table(scheme, out.device), target,
         h, t, d, nc, g, d // 2, min(sinks, t) if anchor_only else 0,
-        out.stride(0), out.stride(1), out.stride(2),
+        target.stride(0), target.stride(1), target.stride(2),
         CHUNK=c, HALF_D=half_d, BLOCK_D=2 * half_d, ANCHOR_ONLY=anchor_only, CHANNEL_META=channel,
         R=scheme.residual_levels,
         num_warps=4 if c * half_d >= 512 else 1,
         **_launch_options(),
     )
+    if rotated:
+        out.copy_(rotation.unrotate(target))
     return out
 
 

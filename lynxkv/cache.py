@@ -134,6 +134,7 @@ class CacheInfo:
     residual_payload_bytes: int
     bits_per_element: dict = field(default_factory=dict)
     properties: dict = field(default_factory=dict)  # text key/value pairs (format 1.1), e.g. lynxkv.model
+    format_version: str = ""  # the version the anchor header declares, e.g. "1.3" (keys rotated)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -164,7 +165,7 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
                      h.cache_id.hex(), h.names or None, h.batch_dim,
                      res.location if res and res.placement == c.PLACEMENT_EXTERNAL else None,
                      bool(res and res.placement == c.PLACEMENT_INLINE), anchor_bytes, residual_bytes,
-                     index.stored_bytes, res_payload, bits, dict(h.properties))
+                     index.stored_bytes, res_payload, bits, dict(h.properties), f"{c.VERSION_MAJOR}.{h.version_minor}")
 
 
 MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
@@ -276,7 +277,7 @@ class LynxCache:
             else:
                 resid = self._reader.layer(c.SEGMENT_RESIDUAL, layer)[1]
             n = min(h.scheme.sink_tokens, h.tokens)
-            layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1], "token", n),
+            layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1], "token", n, h.scheme.rotated("key")),
                            EncodedTensor(codes[1], resid[1], meta[2], meta[3], h.scheme.value_axis, n)))
         return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
                             list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim,

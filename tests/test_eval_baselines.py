@@ -9,6 +9,7 @@ from lynxkv.errors import InputError
 from lynxkv.eval import baselines
 from lynxkv.eval.baselines import bits_kv, roundtrip_kv
 from lynxkv.eval.metrics import vnmse_global
+from lynxkv.quant.scheme import get_scheme
 
 
 def kv_like(seed: int = 0, h: int = 2, t: int = 256, d: int = 64) -> torch.Tensor:
@@ -24,7 +25,7 @@ def test_registry_holds_every_required_codec():
     names = set(baselines.registry())
     required = {
         "fp32", "bf16", "fp8-e4m3", "int8-tensor", "int4-tensor", "int8-g64", "int4-g64", "kivi4", "kivi2",
-        "lynx-default", "lynx-default-anchor", "lynx-paper", "lynx-paper-anchor",
+        "lynx-default", "lynx-default-anchor", "lynx-1.2", "lynx-1.2-anchor", "lynx-paper", "lynx-paper-anchor",
         "lynx-3+5", "lynx-3+5-anchor", "lynx-5+3", "lynx-5+3-anchor", "lynx-6+2", "lynx-6+2-anchor",
     }  # fmt: skip
     assert required <= names
@@ -108,7 +109,12 @@ def test_sweep_and_selection():
     for name in ("default", "linear", "alpha=255", "C=16", "C=64", "P=128", "P=512", "split=6+2"):
         assert name in sweep and f"{name}-anchor" in sweep
     assert sweep["C=64"].scheme.chunk == 64 and sweep["alpha=10"].scheme.alpha == 10.0
-    assert sweep["linear"].scheme.compander == "linear" and sweep["default"].scheme.alpha == 1.0
+    assert sweep["linear"].scheme.compander == "linear" and sweep["default"].scheme.alpha == 0.5
+    assert sweep["default"].scheme.key_rotation == "hadamard" and sweep["keys=none"].scheme.key_rotation == "none"
+    assert sweep["keys=none"].scheme.replace(key_rotation="hadamard") == sweep["default"].scheme
+    assert sweep["alpha=1"].scheme.alpha == 1.0 and sweep["alpha=1"].scheme.key_rotation == "hadamard"
+    old = baselines.registry()["lynx-1.2-anchor"]  # the format-1.2 default, kept by name
+    assert old.anchor_only and old.scheme == get_scheme("default", alpha=1.0, key_rotation="none")
     chosen = baselines.select("bf16, lynx-default-anchor")
     assert [c.name for c in chosen] == ["bf16", "lynx-default-anchor"]
     with pytest.raises(InputError, match="nope"):

@@ -92,6 +92,34 @@ def test_the_1_2_example_is_what_the_writer_writes_and_decodes_its_sink_from_the
         assert cache.read_anchor_page(0, 1).key_sinks is None
 
 
+SCHEME_1_3 = Scheme(chunk=2, page=2, key_rotation="hadamard")
+
+
+def test_the_1_3_example_is_what_the_writer_writes_and_rotates_its_keys_back():
+    enc = encode_kv([(K, V)], SCHEME_1_3, prompt_token_ids=[1, 2, 3])
+    data = build_files(enc, cache_id=bytes(range(16)), single_file=True).anchor
+    assert data == example("anchor-1.3"), "1.3 anchor file differs from spec/FORMAT.md §11"
+    assert data[10] == 3 and data[12] == 4  # version_minor, flags: KEY_ROTATION
+    rotated = torch.stack([K[..., 0] + K[..., 1], K[..., 0] - K[..., 1]], dim=-1)  # b = 2, k = 0
+    with open_cache(data) as cache:
+        assert cache.verify() == [] and cache.info.scheme == SCHEME_1_3 and cache.info.format_version == "1.3"
+        page = cache.read_anchor_page(0, 0)
+        assert page.key_anchor.tolist() == [[[15, 0], [0, 15]]]  # the codes of the rotated rows
+        assert page.key_offset.tolist() == [[[0.25, 0.25]]] and page.key_scale.tolist() == [[[0.75, 1.25]]]
+        (k, v), = cache.load_kv()
+        assert torch.equal(k, dequantize(quantize(K, SCHEME_1_3), SCHEME_1_3)) and torch.equal(v, V)
+        y = dequantize(quantize(rotated, SCHEME), SCHEME)  # the rotated rows as a plain scheme decodes them
+        assert torch.equal(k, torch.stack([y[..., 0] + y[..., 1], y[..., 0] - y[..., 1]], dim=-1) * 0.5)
+        (ka, va), = cache.load_kv(anchor_only=True)
+        assert torch.equal(ka, K) and torch.equal(va, V)
+
+
+def test_minor_3_and_the_flag_only_for_rotated_keys():
+    for scheme, minor in ((SCHEME, 0), (SCHEME_1_2, 2), (SCHEME_1_3, 3), (SCHEME_1_2.replace(key_rotation="hadamard"), 3)):
+        data = build_files(encode_kv([(K, V)], scheme), cache_id=bytes(16), single_file=True).anchor
+        assert (data[10], data[12] & 4) == (minor, 4 if minor == 3 else 0), scheme.describe()
+
+
 INVALID = [(attrs, data) for attrs, data in hex_blocks() if "invalid" in attrs]
 
 

@@ -20,7 +20,7 @@ from lynxkv.quant.scheme import get_scheme
 pytestmark = pytest.mark.skipif(not fast.available(), reason="numba does not import: the entry uses the reference")
 
 SCHEMES = {
-    "default": get_scheme("default"),  # alpha = 1
+    "default": get_scheme("default"),  # alpha = 0.5, keys Hadamard-rotated
     "linear": get_scheme("linear"),
     "mean": get_scheme("linear", centring="mean"),
     "fp32meta": get_scheme("default", meta_dtype="fp32"),
@@ -76,13 +76,45 @@ def assert_equal_values(ref, got, where=""):
 @pytest.mark.parametrize("scheme", SCHEMES.values(), ids=SCHEMES.keys())
 def test_quantize_is_bit_identical(scheme, shape, dtype):
     x = kv_like(shape, dtype)
-    ref = reference.quantize(x, scheme)
-    assert_same(ref, fast.quantize(x, scheme), f"{scheme.describe()} {shape} {dtype}")
+    assert_same(reference.quantize_tokens(x, scheme), fast.quantize(x, scheme), f"{scheme.describe()} {shape} {dtype}")
+    ref = reference.quantize(x, scheme)  # the keys: rotated first where the scheme says so
     assert_same(ref, entry.quantize(x, scheme), "entry")
     ap, rp, off, sc = entry.quantize_packed(x, scheme)
     assert torch.equal(ap, ref_pack_bits(ref.anchor, scheme.anchor_bits))
     assert torch.equal(rp, ref_pack_bits(ref.residual, scheme.residual_bits))
     assert torch.equal(off, ref.offset) and torch.equal(sc, ref.scale)
+
+
+@pytest.mark.parametrize("meta", ["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [128, 96, 80, 6, 1], ids=["D128", "D96-b32", "D80-b16", "D6-b2", "D1"])
+def test_rotated_keys_are_rotated_inside_the_encode_pass(monkeypatch, d, dtype, meta):
+    """Keys of a rotating scheme: the compiled pass rotates each (head, chunk) block itself, with the rotation
+    module's butterfly order and power-of-two scale, and gives the reference's codes and metadata (huge, tiny,
+    subnormal and signed-zero rows; a strided slice; a short last chunk); the torch rotation is not called."""
+    scheme = get_scheme("default", meta_dtype=meta)
+    assert scheme.rotated("key")
+    g = torch.Generator().manual_seed(d)
+    top = 2 if meta == "fp16" else 6  # the rotated sums must fit the metadata dtype
+    big = torch.randn(2, 75, d, generator=g) * 10 ** torch.randint(-5, top, (1, 1, d), generator=g).float()
+    big[0, 3] = 2.0**-140
+    big[1, 5] = torch.tensor([-0.0 if i % 2 else 0.0 for i in range(d)])
+    big[1, 6:9] = 1.0 + torch.arange(d) * 2.0**-23
+    x = big.to(dtype)[:, 2:73]
+    ref = reference.quantize(x.contiguous(), scheme)
+    from lynxkv.quant import rotation
+
+    def not_called(_):
+        raise AssertionError("the keys went through a separate rotation pass")
+
+    monkeypatch.setattr(rotation, "rotate", not_called)
+    got = entry.quantize(x, scheme)
+    assert got.rotated and ref.rotated
+    assert_same(ref, got, f"rotated D={d} {dtype}")
+    if fast.packable(scheme, d):
+        ap, rp, off, sc = entry.quantize_packed(x, scheme)
+        assert torch.equal(ap, ref_pack_bits(ref.anchor, 4)) and torch.equal(rp, ref_pack_bits(ref.residual, 4))
+        assert torch.equal(off, ref.offset) and torch.equal(sc, ref.scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -183,7 +215,7 @@ def test_quantize_property(h, t, d, chunk, centring, meta, dtype, spread, alpha,
     scheme = get_scheme("default", chunk=chunk, page=chunk * 4, centring=centring, meta_dtype=meta, alpha=alpha)
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn((h, t, d), generator=g) * spread + torch.randn(d, generator=g) * spread).to(dtype)
-    ref = reference.quantize(x, scheme)
+    ref = reference.quantize_tokens(x, scheme)
     assert_same(ref, fast.quantize(x, scheme), "hypothesis")
     assert_equal_values(reference.dequantize(ref, scheme), fast.dequantize(ref, scheme), "hypothesis decode")
     assert_same(reference.quantize(x, scheme, "value"), entry.quantize(x, scheme, "value"), "hypothesis values")
@@ -194,7 +226,7 @@ def test_constant_and_signed_zero_chunks():
     x = torch.zeros((2, 45, 4))
     x[0] = -0.0
     x[1, :, 1] = 3.25
-    assert_same(reference.quantize(x, scheme), fast.quantize(x, scheme), "constant")
+    assert_same(reference.quantize_tokens(x, scheme), fast.quantize(x, scheme), "constant")
     for centring in ("midrange", "mean"):  # groups along channels: all-zero groups keep their first zero's sign
         values = get_scheme("default", chunk=2, page=2, centring=centring)
         z = torch.zeros((1, 3, 6))
@@ -208,13 +240,13 @@ def test_tiny_fp32_scales_take_the_exact_pass():
     """fp32 metadata can hold a scale whose reciprocal overflows: those chunks are coded exactly."""
     scheme = get_scheme("default", meta_dtype="fp32")
     x = torch.randn(1, 64, 8) * 1e-40
-    assert_same(reference.quantize(x, scheme), fast.quantize(x, scheme), "subnormal")
+    assert_same(reference.quantize_tokens(x, scheme), fast.quantize(x, scheme), "subnormal")
 
 
 def test_workers_do_not_change_the_result(monkeypatch):
     scheme = SCHEMES["default"]
     x = kv_like((3, 700, 8), torch.bfloat16, seed=3)
-    ref = reference.quantize(x, scheme)
+    ref = reference.quantize_tokens(x, scheme)
     for workers in ("1", "2", "3", "8"):
         monkeypatch.setenv("LYNXKV_CPU_THREADS", workers)
         assert_same(ref, fast.quantize(x, scheme), f"workers={workers}")
@@ -372,7 +404,7 @@ def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
     ref = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
     anchor, residual, rows = _page_records(enc, scheme, 64)
     out = torch.full(shape, float("nan"), dtype=dtype)
-    assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, axis="channel") == 0
+    assert entry.dequantize_pages(anchor, None if anchor_only else residual, rows, scheme, out=out, kind="value") == 0
     assert_equal_values(ref, out, "values per channel")
 
 

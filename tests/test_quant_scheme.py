@@ -22,26 +22,38 @@ def test_bad_alpha_is_one_clear_error(alpha):
         get_scheme("default", alpha=alpha)
 
 
+@pytest.mark.parametrize("rotation", ["Hadamard", "", "hadamard ", 1])
+def test_bad_key_rotation_is_one_clear_error(rotation):
+    with pytest.raises(SchemeError, match=r"^key_rotation: expected one of \('none', 'hadamard'\)"):
+        get_scheme("default", key_rotation=rotation)
+
+
 @st.composite
 def cli_schemes(draw):
-    """What ``lynxkv encode --scheme S --page P --chunk C --alpha A --anchor-bits B`` accepts."""
+    """What ``lynxkv encode --scheme S --page P --chunk C --alpha A --anchor-bits B --key-rotation R`` accepts."""
     name = draw(st.sampled_from(sorted(PRESETS)))
     chunk = draw(st.sampled_from([None, 1, 4, 16, 32, 64, 128]))
     page = draw(st.sampled_from([None, 64, 256, 512]))
     alpha = draw(st.one_of(st.none(), st.floats(math.log(MIN_ALPHA), math.log(MAX_ALPHA)).map(math.exp)))
     anchor_bits = draw(st.sampled_from([None, 1, 3, 4, 5, 7]))
+    key_rotation = draw(st.sampled_from([None, "none", "hadamard"]))
     try:
-        return get_scheme(name, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
+        return get_scheme(name, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits,
+                          key_rotation=key_rotation)
     except SchemeError:  # rejected with one error line: not a scheme the CLI accepts
         assume(False)
 
 
 @settings(max_examples=60, deadline=None)
 @given(scheme=cli_schemes(), seed=st.integers(0, 2**31 - 1), spread=st.sampled_from([1e-3, 1.0, 50.0]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), tokens=st.integers(1, 90))
-def test_every_accepted_scheme_round_trips_within_its_bound(scheme, seed, spread, dtype, tokens):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), tokens=st.integers(1, 90),
+       head_dim=st.sampled_from([1, 6, 16, 80, 96]))
+def test_every_accepted_scheme_round_trips_within_its_bound(scheme, seed, spread, dtype, tokens, head_dim):
+    """Keys, rotated or not (head_dim 80 and 96: blocks of 16 and 32 channels; 1: the identity)."""
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn((2, tokens, 6), generator=g) * spread + torch.randn(6, generator=g) * spread).to(dtype)
+    x = (torch.randn((2, tokens, head_dim), generator=g) * spread
+         + torch.randn(head_dim, generator=g) * spread).to(dtype)
+    x[:, :, 0] *= 30  # an outlier channel, which the rotation spreads over its block
     enc = quantize(x, scheme)
     for anchor_only in (False, True):
         err = (dequantize(enc, scheme, anchor_only=anchor_only) - x.float()).abs()

@@ -43,6 +43,8 @@ def encode(
     chunk: Optional[int] = typer.Option(None, help="Tokens per metadata chunk (C)."),
     alpha: Optional[float] = typer.Option(None, help="α of the α-law compander (switches it on)."),
     anchor_bits: Optional[int] = typer.Option(None, help="Bits of the 8-bit code kept in the anchor."),
+    key_rotation: Optional[str] = typer.Option(None, "--key-rotation", help="Rotate the keys along head_dim "
+                                               "before quantization: none or hadamard (the default's)."),
     single_file: bool = typer.Option(False, "--single-file", help="Anchor and residual in one file."),
     zstd: bool = typer.Option(False, "--zstd", help="zstd-compress each page where it pays."),
     force: bool = typer.Option(False, "--force", help="Replace existing output files."),
@@ -53,7 +55,7 @@ def encode(
     from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
-    sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits)
+    sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits, key_rotation=key_rotation)
     if input is not None and model is not None:
         raise InputError("give either a KV dump file or --model, not both")
     if input is not None and prompt_file is not None:

@@ -13,6 +13,7 @@ VERSION_MAJOR = 1
 VERSION_MINOR = 0  # what a writer writes unless a later minor's feature is used:
 MINOR_PROPERTIES = 1  # 1.1: the properties string
 MINOR_SCHEME = 2  # 1.2: the scheme fields value_axis and sink_tokens (reserved, i.e. zero, before)
+MINOR_KEY_ROTATION = 3  # 1.3: the flag KEY_ROTATION (the keys are Hadamard-rotated before quantization)
 
 # -- anchor header: fixed part (spec table "Anchor header") --------------------------------------------------
 ANCHOR_FIXED_STRUCT = (
@@ -151,7 +152,9 @@ PAGE_ENTRY_SIZE = 8 + 4 + 4 + 1 + 3 + 4  # 24
 # -- flags ---------------------------------------------------------------------------------------------------
 FLAG_BATCH_DIM = 1 << 0  # the input tensors had a leading batch dimension of 1
 FLAG_PROPERTIES = 1 << 1  # 1.1: the header ends with a properties string of properties_length bytes
-KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES
+FLAG_KEY_ROTATION = 1 << 2  # 1.3: the keys are rotated along head_dim before quantization (spec §9)
+KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES | FLAG_KEY_ROTATION
+ANCHOR_FLAG_MINORS = {FLAG_KEY_ROTATION: MINOR_KEY_ROTATION}  # a flag a reader rejects in a file of an earlier minor
 KNOWN_RESIDUAL_FLAGS = 0
 
 # -- enumerations --------------------------------------------------------------------------------------------

@@ -201,6 +201,7 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     names = "\n".join(h.names).encode("utf-8")
     properties = pack_properties(h.properties)
     flags = (h.flags | c.FLAG_PROPERTIES) if properties else (h.flags & ~c.FLAG_PROPERTIES)
+    flags = (flags | c.FLAG_KEY_ROTATION) if s.keys_rotated else (flags & ~c.FLAG_KEY_ROTATION)
     var = b"".join(
         _SEGMENT.pack(seg.kind, seg.placement, len(loc), seg.page_count, seg.offset, seg.length,
                       seg.index_crc32, 0)
@@ -209,7 +210,8 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
-    minor = max(h.version_minor, c.MINOR_SCHEME if s.extended else c.MINOR_PROPERTIES if properties else 0)
+    minor = max(h.version_minor, c.MINOR_KEY_ROTATION if s.keys_rotated else c.MINOR_SCHEME if s.extended
+                else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
         c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
@@ -266,8 +268,9 @@ def _is_text(value) -> bool:
 
 
 def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_header: int,
-                  file_size: int | None, what: str) -> tuple[int, int, int]:
-    """magic -> version -> flags -> header_length; returns (minor, flags, header_length)."""
+                  file_size: int | None, what: str, flag_minors: dict | None = None) -> tuple[int, int, int]:
+    """magic -> version -> flags -> header_length; returns (minor, flags, header_length). ``flag_minors``: the
+    flag bits a later minor version introduced and that minor (a bit is unknown, so rejected, before it)."""
     if len(buf) < PREFIX_SIZE:
         raise _err("magic", f"{what} byte 0", f"a header of at least {PREFIX_SIZE} bytes", f"{len(buf)} bytes")
     got_magic = bytes(buf[0:8])
@@ -278,6 +281,10 @@ def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_head
         raise _err("version_major", f"{what} byte 8", c.VERSION_MAJOR, major)
     if flags & ~known_flags:
         raise _err("flags", f"{what} byte 12", f"only bits {known_flags:#x}", f"{flags:#x}")
+    for bit, since in (flag_minors or {}).items():
+        if flags & bit and minor < since:
+            raise _err("flags", f"{what} byte 12", f"bit {bit.bit_length() - 1} clear in a version 1.{minor} file "
+                       f"(it is a 1.{since} flag)", f"{flags:#x}")
     if not (min_header <= length <= max_header) or length % c.HEADER_ALIGN:
         raise _err("header_length", f"{what} byte 16",
                    f"a multiple of {c.HEADER_ALIGN} in [{min_header}, {max_header}]", length)
@@ -297,10 +304,14 @@ def _check_header_crc(buf, length: int, what: str) -> None:
                    f"{stored_crc:#010x}", checksum=True)
 
 
+def _check_anchor_prefix(buf, file_size: int | None) -> tuple[int, int, int]:
+    return _check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
+                         c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, "anchor", c.ANCHOR_FLAG_MINORS)
+
+
 def anchor_header_length(prefix, file_size: int | None = None) -> int:
     """Check the first :data:`PREFIX_SIZE` bytes of an anchor file; return ``header_length``."""
-    return _check_prefix(prefix, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
-                         c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, "anchor")[2]
+    return _check_anchor_prefix(prefix, file_size)[2]
 
 
 def _cap(name: str, value: int, cap: int, offsets: dict, what: str, low: int = 0) -> None:
@@ -311,8 +322,7 @@ def _cap(name: str, value: int, cap: int, offsets: dict, what: str, low: int = 0
 def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     """Parse and validate an anchor header from ``buf`` (at least ``header_length`` bytes)."""
     what = "anchor"
-    minor, flags, length = _check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
-                                         c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, what)
+    minor, flags, length = _check_anchor_prefix(buf, file_size)
     _check_header_crc(buf, length, what)
     (_, _, _, _, _, sink_tokens, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
      anchor_bits, residual_bits, grid, value_axis, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
@@ -347,7 +357,8 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
         scheme = Scheme(compander=decoded["compander"], alpha=alpha, centring=decoded["centring"], chunk=chunk,
                         page=page, anchor_bits=anchor_bits, residual_bits=residual_bits,
                         meta_dtype=decoded["meta_dtype"], grid=decoded["grid"], value_axis=decoded["value_axis"],
-                        sink_tokens=sink_tokens)
+                        sink_tokens=sink_tokens,
+                        key_rotation="hadamard" if flags & c.FLAG_KEY_ROTATION else "none")
     except SchemeError as exc:
         raise FormatError(f"`scheme` at {what} bytes 20-23, 41-63: {exc}", field="scheme",
                           where=f"{what} byte 41") from None

@@ -289,8 +289,7 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
             rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
                             parts.get(f"{which}_residual", 0), t0, n))
     for j, which in enumerate(("key", "value")):
-        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads,
-                                        axis=scheme.axis(which)):
+        if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads, kind=which):
             for i, (t0, n) in enumerate(tokens):  # decode_anchor_records names the page and the field
                 lay = anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, t0, n))
                 decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay, scheme, kv_heads,
@@ -317,7 +316,8 @@ def _sinks_from_full_code(anchor, anchor_at, tokens, scheme: Scheme, kv_heads: i
         resid = torch.zeros_like(codes)
         resid[:, :, :sinks] = sink_codes
         for j, which in enumerate(("key", "value")):
-            enc = EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], scheme.axis(which))
+            enc = EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], scheme.axis(which),
+                                rotated=scheme.rotated(which))
             dequantize(enc.tokens(0, sinks, scheme.chunk), scheme, out=out[j][:, t0:t0 + sinks], threads=threads)
 
 

@@ -87,9 +87,11 @@ def _page_records(enc: EncodedKV) -> tuple[list[bytes], list[bytes]]:
     anchors, residuals = [], []
     sinks = min(s.sink_tokens, enc.tokens)
     for keys, values in enc.layers:  # layer-major streaming order
-        if (keys.axis, keys.sinks, values.axis, values.sinks) != ("token", sinks, s.value_axis, sinks):
-            raise InputError(f"encoded tensors (axes {keys.axis}/{values.axis}, {keys.sinks} sink tokens) do not "
-                             f"match the scheme ({s.describe()}): quantize with lynxkv.quant.quantize(x, scheme, kind)")
+        if ((keys.axis, keys.sinks, keys.rotated, values.axis, values.sinks, values.rotated)
+                != ("token", sinks, s.rotated("key"), s.value_axis, sinks, s.rotated("value"))):
+            raise InputError(f"encoded tensors (axes {keys.axis}/{values.axis}, {keys.sinks} sink tokens, rotated "
+                             f"{keys.rotated}/{values.rotated}) do not match the scheme ({s.describe()}): quantize "
+                             "with lynxkv.quant.quantize(x, scheme, kind)")
         for p in range(enc.pages_per_layer):
             start, stop = p * s.page, min((p + 1) * s.page, enc.tokens)
             k, v = keys.tokens(start, stop, s.chunk), values.tokens(start, stop, s.chunk)

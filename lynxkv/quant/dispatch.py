@@ -43,9 +43,8 @@ def _fast_cpu(t: torch.Tensor) -> bool:
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key") -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
     device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``)."""
-    if _fast_cpu(x):  # one compiled pass along either axis, the values per channel read in place
-        return reference.quantize(x, scheme, kind, along_tokens=fast.quantize,
-                                  along_channels=functools.partial(fast.quantize, axis="channel"))
+    if _fast_cpu(x):  # one compiled pass along either axis: values per channel read in place, keys rotated in it
+        return reference.quantize(x, scheme, kind, encoder=fast.quantize)
     kernels = _triton() if x.is_cuda else None
     triton = kernels[0].quantize_triton if kernels is not None and kernels[0].supports(scheme) else None
     return reference.quantize(x, scheme, kind, along_tokens=triton)  # Triton along tokens, or the reference
@@ -65,7 +64,7 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
             _triton()[1].decode(a.view(1, -1), r.view(1, -1), enc.offset.contiguous().unsqueeze(0),
                                 enc.scale.contiguous().unsqueeze(0), scheme, y.unsqueeze(0),
                                 kind="value" if enc.axis == "channel" else "key", anchor_only=anchor_only,
-                                sinks=enc.sinks)
+                                sinks=enc.sinks, rotated=enc.rotated)
             return y
     if not (_fast_cpu(enc.anchor) and (out is None or out.device.type == "cpu")):
         res = reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype if out is None else out.dtype)
@@ -80,7 +79,10 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
 
 def _fast_dequantize(enc: EncodedTensor, scheme: Scheme, anchor_only: bool, out: torch.Tensor,
                      threads: int | None) -> torch.Tensor:
-    """The fast CPU path, which decodes groups along tokens: a channel-axis tensor as its transpose."""
+    """The fast CPU path, which decodes groups along tokens (rotated keys rotated back in the same pass): a
+    channel-axis tensor as its transpose."""
+    if enc.axis == "channel" and enc.rotated:  # no scheme rotates its values: the reference, not a second kernel
+        return _into(out, reference.dequantize(enc, scheme, anchor_only=anchor_only, dtype=out.dtype))
     if enc.axis == "channel":
         t = EncodedTensor(*(None if m is None else m.transpose(1, 2)  # residual None: the anchor alone
                             for m in (enc.anchor, enc.residual, enc.offset, enc.scale)))
@@ -98,12 +100,12 @@ def quantize_packed(x: torch.Tensor, scheme: Scheme,
     h, t, d = x.shape if x.dim() == 3 else (0, 0, 0)
     if x.is_cuda:
         kernels = _triton()
-        if (scheme.axis(kind) == "token" and kernels is not None and kernels[0].supports(scheme)
-                and fast.packable(scheme, d)):  # Triton's fused path groups along tokens
+        if (scheme.axis(kind) == "token" and not scheme.rotated(kind) and kernels is not None
+                and kernels[0].supports(scheme) and fast.packable(scheme, d)):  # Triton's fused path: unrotated keys
             a, r, o, s = kernels[0].encode(x.unsqueeze(0), scheme, pack=True)
             return a[0], r[0], o[0], s[0]
     elif _fast_cpu(x) and x.dim() == 3 and fast.packable(scheme, d):
-        return fast.quantize_packed(x, scheme, axis=scheme.axis(kind))
+        return fast.quantize_packed(x, scheme, axis=scheme.axis(kind), rotated=scheme.rotated(kind))
     enc = quantize(x, scheme, kind)
     return (pack_bits(enc.anchor, scheme.anchor_bits), pack_bits(enc.residual, scheme.residual_bits), enc.offset,
             enc.scale)
@@ -116,29 +118,30 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     """The inverse of :func:`quantize_packed`: ``[H, T, D]`` from packed anchor bytes (+ residual bytes, or
     ``None`` for the anchor alone: every token, sink tokens too, from its anchor code) and the metadata, into
     ``out`` when given. (The sink tokens' full code from the anchor is :func:`dequantize`'s, which sees the
-    residual of the sinks in its :class:`EncodedTensor`.)"""
+    residual of the sinks in its :class:`EncodedTensor`.) Keys of a rotating scheme are rotated back."""
     h, t, d = shape
     dtype = dtype if out is None else out.dtype
-    axis = scheme.axis(kind)
+    axis, rotated = scheme.axis(kind), scheme.rotated(kind)
     if anchor.is_cuda:
         kernels = _triton()
         if kernels is not None and kernels[1].supports(scheme) and fast.packable(scheme, d):
             y = out if out is not None else torch.empty(shape, dtype=dtype, device=anchor.device)
             kernels[1].decode(anchor.reshape(1, -1), None if residual is None else residual.reshape(1, -1),
-                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0), kind=kind)
+                              offset.unsqueeze(0), scale.unsqueeze(0), scheme, y.unsqueeze(0), kind=kind,
+                              rotated=rotated)
             return y
     elif axis == "token" and _fast_cpu(anchor) and fast.packable(scheme, d):  # the fused CPU path: along tokens
         return fast.dequantize_packed(anchor, residual, offset, scale, shape, scheme, dtype=dtype, out=out,
-                                      threads=threads)
+                                      threads=threads, rotated=rotated)
     n = h * t * d
     a = unpack_bits(anchor, scheme.anchor_bits, n).view(shape)
     r = torch.zeros_like(a) if residual is None else unpack_bits(residual, scheme.residual_bits, n).view(shape)
-    return dequantize(EncodedTensor(a, r, offset, scale, axis), scheme, anchor_only=residual is None, dtype=dtype,
-                      out=out, threads=threads)
+    return dequantize(EncodedTensor(a, r, offset, scale, axis, rotated=rotated), scheme, anchor_only=residual is None,
+                      dtype=dtype, out=out, threads=threads)
 
 
 def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None,
-                     axis: str = "token") -> int:
+                     kind: str = "key") -> int:
     """Dequantize pages of bit-packed codes held in byte buffers (e.g. ``.lynx`` page records) straight into
     ``out`` ``[H, T, D]`` (written in place, any strides).
 
@@ -148,13 +151,16 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     ``anchor_at``, its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor alone). Returns
     metadata problem flags: 1 an offset is not finite, 2 a scale is not finite, 4 a scale is negative (the
     caller decides; the values written for such a page are what the arithmetic gives). The fast CPU path
-    decodes the 4+4 split in one compiled pass; other splits and devices unpack each page first. ``axis``: the
-    groups run along tokens (keys, and the values of a format-1.0 scheme) or along the channels of each token
-    (``"channel"``: values per channel, metadata ``[H, n, ceil(D/C)]``). Sink tokens are the caller's: every
-    token decodes from the codes given."""
+    decodes the 4+4 split in one compiled pass (the rotated keys of format 1.3 rotated back in it); other splits
+    and devices unpack each page first. ``kind`` (``"key"`` or ``"value"``) fixes, through the scheme, the axis
+    the groups run along (``scheme.axis``: along tokens, or along the channels of each token for values per
+    channel, metadata ``[H, n, ceil(D/C)]``) and whether the rows are rotated (``scheme.rotated``). Sink tokens
+    are the caller's: every token decodes from the codes given."""
     h, t, d = out.shape
+    axis, rotated = scheme.axis(kind), scheme.rotated(kind)
     if _fast_cpu(out) and fast.packable(scheme, d):
-        return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads, axis=axis)
+        return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads, axis=axis,
+                                     rotated=rotated)
     meta_np = np.dtype("<f4" if scheme.meta_dtype == "fp32" else "<f2")
     flags = 0
     for o_at, s_at, a_at, r_at, t0, n in (tuple(int(v) for v in row) for row in pages):
@@ -168,8 +174,8 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
                  unpack_bits(torch.from_numpy(np.frombuffer(buf, np.uint8, (count * bits + 7) // 8, at).copy()), bits,
                              count).view(h, n, d)
                  for buf, at, bits in ((anchor, a_at, scheme.anchor_bits), (residual, r_at, scheme.residual_bits))]
-        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1], axis), scheme, anchor_only=residual is None,
-                   out=out[:, t0:t0 + n], threads=threads)
+        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1], axis, rotated=rotated), scheme,
+                   anchor_only=residual is None, out=out[:, t0:t0 + n], threads=threads)
     return flags
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.quant import reference
+from lynxkv.quant import reference, rotation
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
@@ -287,8 +287,8 @@ if numba is not None:
         return od, sd, flags
 
     @_jit
-    def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, u0, u1, meta_given, offset, scale, alpha, inv_c, gk, gb,
-                       margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
+    def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
+                       alpha, inv_c, gk, gb, margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
         """Metadata and codes of units ``[u0, u1)``; returns problem flags: 1 = the input is not finite, 2 = a
         centre overflows the metadata dtype, 4 = a scale does.
 
@@ -298,6 +298,10 @@ if numba is not None:
         are written from each group's max and min (midrange centring), or read (``meta_given``: the reference
         computed them). Codes go out packed 4+4 (``packed``; pairs along D, ``[H·T·D/2]`` bytes each) or as
         anchor and residual bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``.
+
+        ``block`` > 1 (keys of format 1.3, along tokens): each row is rotated in that buffer first, exactly as
+        :func:`lynxkv.quant.rotation.rotate` does (:func:`_butterfly` within blocks of ``block`` channels, then
+        times ``rotation_scale`` = 2^-k unless it is 1), and the rotated rows are encoded.
 
         Each unit is read from ``x`` once, into an fp32 buffer (with the order keys' range for the groups along
         tokens); the codes come from that buffer. Indices are unsigned (no negative-index wraparound code, which
@@ -331,19 +335,21 @@ if numba is not None:
                 t0 = (unit - h * nc) * C
                 n = min(T - t0, C)
             base = np.uint64(x0 + h * sh + t0 * st)
-            # The unit in fp32 (and, along tokens, each channel's order-key range and largest |x| bits).
+            # The unit in fp32, rotated where asked (and, along tokens, each channel's order-key range and largest
+            # |x| bits: in the loop that reads x unless the rows are rotated first).
             stats = not (per_row or meta_given)
+            fused = stats and block == 1
             for d in range(D):
                 v = _load(x, base + np.uint64(d))
                 y[d] = v
-                if stats:
+                if fused:
                     kmx[d] = _order_key(v)
-                    kmn[d] = kmx[d]
+                    kmn[d] = _order_key(v)
                     amax[d] = _abs_bits(v)
             for t in range(1, n):
                 row = base + np.uint64(t * st)
                 r0 = np.uint64(t * D)
-                if stats:
+                if fused:
                     for d in range(D):
                         v = _load(x, row + np.uint64(d))
                         y[r0 + np.uint64(d)] = v
@@ -354,6 +360,24 @@ if numba is not None:
                 else:
                     for d in range(D):
                         y[r0 + np.uint64(d)] = _load(x, row + np.uint64(d))
+            if block > 1:  # blocks divide D, so the butterfly of the n·D buffer is the butterfly of each row
+                _butterfly(y, n * D, block)
+                if rotation_scale != 1:
+                    for i in range(n * D):
+                        y[i] = y[i] * rotation_scale
+                if stats:
+                    for d in range(D):
+                        kmx[d] = _order_key(y[d])
+                        kmn[d] = _order_key(y[d])
+                        amax[d] = _abs_bits(y[d])
+                    for t in range(1, n):
+                        r0 = np.uint64(t * D)
+                        for d in range(D):
+                            v = y[r0 + np.uint64(d)]
+                            k = _order_key(v)
+                            kmx[d] = max(kmx[d], k)
+                            kmn[d] = min(kmn[d], k)
+                            amax[d] = max(amax[d], _abs_bits(v))
             tiny = False
             if per_row:  # metadata and first-pass codes group by group
                 for g in range(G):
@@ -460,10 +484,10 @@ if numba is not None:
                 elif flagged & 0x100:
                     for b0 in range(0, D, 16):  # blocks of 16: a flagged element is rare, a flagged row is not
                         b1 = min(D, b0 + 16)
-                        block = np.int32(0)
+                        bits = np.int32(0)
                         for d in range(b0, b1):
-                            block = np.int32(block | rc[d])
-                        if block & 0x100:
+                            bits = np.int32(bits | rc[d])
+                        if bits & 0x100:
                             for d in range(b0, b1):
                                 if rc[d] & 0x100:
                                     rc[d] = _exact_code(y[r0 + np.uint64(d)], o[d >> gshift], s[d >> gshift], thr,
@@ -493,9 +517,23 @@ if numba is not None:
         bits = np.int32(buf[at]) | (np.int32(buf[at + 1]) << 8)
         return _f16_widen(np.uint16(bits)), bits
 
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _butterfly(v, n, block):
+        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels
+        (:func:`lynxkv.quant.rotation.butterfly`: stages h = 1, 2, …, block/2; pairs (i, i+h), i mod 2h < h)."""
+        h = 1
+        while h < block:
+            for i0 in range(0, n, 2 * h):
+                for i in range(i0, i0 + h):
+                    a = v[i]
+                    b = v[i + h]
+                    v[i] = a + b
+                    v[i + h] = a - b
+            h *= 2
+
     @_jit
-    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, H, C, u0, u1, levels,
-                       y, sh, st, sd):
+    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C,
+                       u0, u1, levels, y, sh, st, sd):
         """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16); returns
         metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a scale is negative.
 
@@ -508,7 +546,12 @@ if numba is not None:
         anchor. Element (h, t, d) of a page goes to ``y[y0 + h·sh + t·st + d·sd]``: any strided view.
 
         ``per_row``: the groups run along each row instead (values per channel, format 1.2): the metadata is
-        ``[H, rows, ceil(cols/C)]`` and a unit is one (head, row)."""
+        ``[H, rows, ceil(cols/C)]`` and a unit is one (head, row).
+
+        ``block`` > 1: the codes are of Hadamard-rotated rows (keys, format 1.3); each decoded fp32 row is rotated
+        back in place before it is stored: the butterfly of :mod:`lynxkv.quant.rotation` within blocks of
+        ``block`` channels (stages h = 1, 2, …, block/2, exactly rounded fp32 additions), then times ``back``
+        (2^-(m-k), exact)."""
         cmax = 0
         for p in range(pages.shape[0]):
             cmax = max(cmax, pages[p, 6])
@@ -516,6 +559,7 @@ if numba is not None:
         s = np.empty(cmax, np.float32)
         f = np.empty(cmax, np.float32)
         mb = 4 if wide else 2
+        rotated = block > 1
         exponent = np.int32(0x7F800000) if wide else np.int32(0x7C00)
         sign = np.int32(-2147483648) if wide else np.int32(0x8000)
         flags = 0
@@ -569,7 +613,18 @@ if numba is not None:
                             for d in range(cols):
                                 f[d] = levels[(np.uint32(ar[d]) << np.uint32(rb)) | np.uint32(rr[d])]
                     row = np.uint64(pages[p, 4] + h * sh + t * st)
-                    if sd == 1:
+                    if rotated:  # x̂ = butterfly(o + s·û)·back, in fp32, before the cast
+                        for d in range(cols):
+                            f[d] = o[d] + s[d] * f[d]
+                        _butterfly(f, cols, block)
+                        if sd == 1:
+                            yr = y[row:row + np.uint64(cols)]
+                            for d in range(cols):
+                                _store(yr, d, f[d] * back)
+                        else:
+                            for d in range(cols):
+                                _store(y, row + np.uint64(d * sd), f[d] * back)
+                    elif sd == 1:
                         yr = y[row:row + np.uint64(cols)]
                         for d in range(cols):
                             _store(yr, d, o[d] + s[d] * f[d])
@@ -664,12 +719,16 @@ def _meta_np(t: torch.Tensor) -> np.ndarray:
 
 
 def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tensor, torch.Tensor] | None = None,
-           axis: str = "token"):
+           axis: str = "token", rotated: bool = False):
     """``(anchor, residual, offset, scale)`` with flat code buffers in ``[H, T, D]`` order; groups along
     ``axis`` (``"token"``: metadata ``[H, ceil(T/C), D]``; ``"channel"``: ``[H, T, ceil(D/C)]``); ``meta``
-    given: those offsets and scales."""
+    given: those offsets and scales; ``rotated``: of the Hadamard-rotated rows (rotated inside the pass along
+    tokens; by :func:`lynxkv.quant.rotation.rotate` first otherwise, where the metadata is the reference's)."""
     x = _input(x)
     h, t, d = x.shape
+    source = x
+    if rotated and (axis == "channel" or meta is not None or scheme.centring == "mean"):
+        x, rotated = rotation.rotate(x), False
     c = scheme.chunk
     nc = -(-t // c)
     per_row = axis == "channel"
@@ -697,13 +756,17 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     r_out = torch.empty(size, dtype=torch.uint8)
     buf, x0, sh, st, _ = _flat(x)  # _input: the last axis is contiguous
     flags = 0
+    block, back = (rotation.block_size(d), rotation.shifts(d)[0]) if rotated else (1, 0)
     for f in _parallel(
-        _encode_kernel, h * t if per_row else h * nc, (buf, x0, sh, st, t, d, c, nc, per_row),
+        _encode_kernel, h * t if per_row else h * nc,
+        (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-back)),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
          scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d),
     ):
         flags |= f
     if flags & 1:
+        if block > 1 and bool(torch.isfinite(source).all()):
+            raise rotation.overflow_error()
         raise InputError("tensor holds inf or NaN values; only finite KV caches can be quantized")
     if flags & 2:
         raise InputError(f"chunk centre overflows the {scheme.meta_dtype} metadata; values are too large")
@@ -759,33 +822,38 @@ def packable(scheme: Scheme, head_dim: int) -> bool:
     return scheme.anchor_bits == 4 and head_dim % 2 == 0
 
 
-def quantize(x: torch.Tensor, scheme: Scheme, *, axis: str = "token") -> EncodedTensor:
+def quantize(x: torch.Tensor, scheme: Scheme, axis: str = "token", rotated: bool = False) -> EncodedTensor:
     """:func:`lynxkv.quant.reference.quantize_tokens` (``axis="token"``) or the reference's encoding of values per
-    channel (``axis="channel"``: groups of C channels of one token, read in place, no transposed copy), bit for
-    bit (CPU tensors; no sink tokens marked: :func:`lynxkv.quant.reference.quantize` does that)."""
+    channel (``axis="channel"``: groups of C channels of one token, read in place, no transposed copy), of the
+    Hadamard-rotated rows where ``rotated`` (keys of format 1.3: rotated inside the same pass), bit for bit (CPU
+    tensors; no sink tokens or rotation marked: :func:`lynxkv.quant.reference.quantize`, whose ``encoder`` this
+    is, does that)."""
     h, t, d = _input(x).shape
+    if rotated and (t == 0 or d == 0 or h == 0):
+        x = rotation.rotate(x)
     if t == 0 or d == 0 or h == 0:
         if axis == "channel":
             enc = reference.quantize_tokens(x.transpose(1, 2), scheme)
             return EncodedTensor(*(m.transpose(1, 2).contiguous() for m in (enc.anchor, enc.residual, enc.offset,
                                                                              enc.scale)), axis="channel")
         return reference.quantize_tokens(x, scheme)
-    a, r, offset, scale = _codes(x, scheme, packed=False, axis=axis)
+    a, r, offset, scale = _codes(x, scheme, packed=False, axis=axis, rotated=rotated)
     return EncodedTensor(a.view(h, t, d), r.view(h, t, d), offset, scale, axis)
 
 
-def quantize_packed(x: torch.Tensor, scheme: Scheme, *,
-                    axis: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_packed(x: torch.Tensor, scheme: Scheme, *, axis: str = "token",
+                    rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(anchor_bytes, residual_bytes, offset, scale)``: the packed codes equal ``pack_bits`` of the reference's
-    anchor and residual over the ``[H, T, D]`` flattening (needs :func:`packable`), groups along ``axis``."""
+    anchor and residual over the ``[H, T, D]`` flattening (needs :func:`packable`), groups along ``axis``, the
+    rows rotated where ``rotated``."""
     h, t, d = _input(x).shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
                          f"{scheme.anchor_bits}+{scheme.residual_bits} and head_dim {d}")
     if t == 0 or h == 0:
-        enc = quantize(x, scheme, axis=axis)
+        enc = quantize(x, scheme, axis, rotated)
         return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), enc.offset, enc.scale
-    return _codes(x, scheme, packed=True, axis=axis)
+    return _codes(x, scheme, packed=True, axis=axis, rotated=rotated)
 
 
 def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -802,17 +870,18 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], packed: bool, scheme: Scheme,
-                  out: torch.Tensor, threads: int | None, per_row: bool = False) -> int:
+                  out: torch.Tensor, threads: int | None, per_row: bool = False, rotated: bool = False) -> int:
     """Run :func:`_decode_kernel` over ``pages`` (rows of its table without the last column, the first unit,
     which is added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
     non-negative strides; fp32 and bf16 are written in place, other dtypes through an fp32 tensor of the same
-    strides); returns the metadata problem flags. Python work per call is kept small: the progressive reader
-    calls this once per page."""
+    strides); returns the metadata problem flags. ``rotated``: rows of Hadamard-rotated keys, rotated back in the
+    same pass. Python work per call is kept small: the progressive reader calls this once per page."""
     anchor_only = r_buf is None
     direct = out.dtype in (torch.float32, torch.bfloat16)
     y = out if direct else torch.empty_strided(out.shape, out.stride(), dtype=torch.float32)
     c = scheme.chunk
     h = out.shape[0]
+    block, back = (rotation.block_size(out.shape[2]), rotation.shifts(out.shape[2])[1]) if rotated else (1, 0)
     table, units = [], 0
     for row in pages:
         table.append((*row, units))
@@ -822,7 +891,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     for f in _parallel(
         _decode_kernel, units,
         (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
-         scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, h, c),
+         scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
     ):
         flags |= f
@@ -831,7 +900,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     return flags
 
 
-def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads):
+def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out, threads, rotated: bool):
     h, t, d = shape
     out = _out(out, shape, dtype)
     if out.numel() == 0:
@@ -841,26 +910,30 @@ def _decode(a, r, packed: bool, offset, scale, shape, scheme: Scheme, dtype, out
         raise InputError(f"offset/scale: expected shape {(h, nc, d)}, got {tuple(offset.shape)}/{tuple(scale.shape)}")
     pages = [(0, 0, 0, 0, 0, t, d)]  # the whole tensor as one page
     _decode_pages(_bytes(offset), _bytes(scale), _bytes(a), None if r is None else _bytes(r), pages, packed, scheme,
-                  out, threads)
+                  out, threads, rotated=rotated)
     return out
 
 
 def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False, dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """:func:`lynxkv.quant.reference.dequantize`, bit for bit, optionally into a preallocated ``out`` (any CPU
-    float tensor of the shape with a contiguous last axis is written in place; other layouts are copied)."""
+    """:func:`lynxkv.quant.reference.dequantize` of groups along tokens, bit for bit (rotated keys rotated back
+    in the same pass), optionally into a preallocated ``out`` (any CPU float tensor of the shape with a contiguous
+    last axis is written in place; other layouts are copied). The sink tokens are the caller's: every token
+    decodes from the codes given."""
     shape = tuple(enc.anchor.shape)
     n = enc.anchor.numel()
     if not anchor_only and (enc.residual is None or enc.residual.numel() != n):
         raise InputError(f"residual: expected {n} codes, got {0 if enc.residual is None else enc.residual.numel()}")
     return _decode(enc.anchor, None if anchor_only else enc.residual, False, enc.offset, enc.scale, shape, scheme,
-                   dtype, out, threads)
+                   dtype, out, threads, enc.rotated)
 
 
 def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offset: torch.Tensor, scale: torch.Tensor,
                       shape: tuple[int, int, int], scheme: Scheme, *, dtype: torch.dtype = torch.float32,
-                      out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
-    """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``."""
+                      out: torch.Tensor | None = None, threads: int | None = None,
+                      rotated: bool = False) -> torch.Tensor:
+    """Unpack and dequantize packed 4+4 bytes (``residual`` None: from the anchor alone) into ``[H, T, D]``
+    (``rotated``: of Hadamard-rotated keys, rotated back)."""
     h, t, d = shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
@@ -869,11 +942,11 @@ def dequantize_packed(anchor: torch.Tensor, residual: torch.Tensor | None, offse
     for name, buf in (("anchor", anchor), ("residual", residual)):
         if buf is not None and buf.numel() != need:
             raise InputError(f"{name} payload: expected {need} bytes for shape {tuple(shape)}, got {buf.numel()}")
-    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads)
+    return _decode(anchor, residual, True, offset, scale, shape, scheme, dtype, out, threads, rotated)
 
 
 def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, threads: int | None = None,
-                     axis: str = "token") -> int:
+                     axis: str = "token", rotated: bool = False) -> int:
     """Dequantize pages of packed 4+4 codes held in byte buffers straight into ``out`` ``[H, T, D]`` (a CPU
     tensor, any strides; needs :func:`packable`), without unpacking or concatenating anything first.
 
@@ -883,7 +956,8 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     flattened) at ``anchor_at``; its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor
     alone). Returns metadata problem flags (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
     negative); the values written for such a page are what the arithmetic gives. ``axis="channel"``: the groups
-    run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``."""
+    run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``.
+    ``rotated``: the codes are of Hadamard-rotated keys (format 1.3), rotated back in the same pass."""
     h, t, d = out.shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
@@ -905,7 +979,10 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
             table.append((o_at, s_at, a_at, r_at, t0 * st, n, d))
     if not table:
         return 0
-    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel")
+    if rotated and axis == "channel":
+        raise InputError("pages: rotated codes have their groups along tokens (keys), not per channel")
+    return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel",
+                         rotated=rotated)
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:

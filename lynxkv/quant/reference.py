@@ -37,7 +37,10 @@ level itself: the centre of its residual sub-grid, and for a = 0 and a = A the c
 Keys always run along tokens as above. Values with ``value_axis = "channel"`` (format 1.2) are the same
 encoding applied to the transpose ``[H, D, T]``: groups of C consecutive channels of one token, metadata
 ``[H, T, ceil(D/C)]``; the codes stay in ``[H, T, D]`` order. With ``sink_tokens`` S the first S tokens decode
-from the full code also when only the anchor is given (the anchor carries their residual).
+from the full code also when only the anchor is given (the anchor carries their residual). With
+``key_rotation = "hadamard"`` (format 1.3) the keys are rotated along head_dim first (:func:`lynxkv.quant.rotation
+.rotate`: everything above applies to the rotated keys ``y``) and rotated back after decoding, in fp32, before
+the cast to the requested dtype (:func:`lynxkv.quant.rotation.unrotate`).
 
 The α-law step runs in float64 and is rounded once to fp32: two correct-to-an-ulp ``log1p`` implementations
 (vectorised and scalar, CPU and GPU) then agree on the fp32 ``z`` except in vanishingly rare double-rounding
@@ -54,6 +57,7 @@ from typing import Callable
 import torch
 
 from lynxkv.errors import InputError, SchemeError
+from lynxkv.quant import rotation
 from lynxkv.quant.scheme import Scheme
 
 META_TORCH_DTYPE = {"fp16": torch.float16, "fp32": torch.float32}
@@ -69,13 +73,14 @@ class EncodedTensor:
     scale: torch.Tensor  # meta dtype, the shape of offset, >= 0
     axis: str = "token"  # the axis the groups run along (Scheme.axis)
     sinks: int = 0  # leading tokens decoded from the full code also from the anchor alone (their residual is real)
+    rotated: bool = False  # the codes are of the Hadamard-rotated rows (Scheme.rotated): decoding rotates back
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.anchor.shape)  # type: ignore[return-value]
 
     def _with(self, anchor, residual, offset, scale, sinks: int) -> "EncodedTensor":
-        return EncodedTensor(anchor, residual, offset, scale, self.axis, sinks)
+        return EncodedTensor(anchor, residual, offset, scale, self.axis, sinks, self.rotated)
 
     def to(self, device: str | torch.device) -> "EncodedTensor":
         return self._with(*(t.to(device) for t in (self.anchor, self.residual, self.offset, self.scale)), self.sinks)
@@ -165,28 +170,40 @@ def chunk_meta(x: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Ten
 TokenQuantizer = Callable[[torch.Tensor, Scheme], EncodedTensor]
 
 
+Encoder = Callable[[torch.Tensor, Scheme, str, bool], EncodedTensor]
+
+
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *,
-             along_tokens: TokenQuantizer | None = None,
-             along_channels: TokenQuantizer | None = None) -> EncodedTensor:
+             along_tokens: TokenQuantizer | None = None, encoder: Encoder | None = None) -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (any float dtype), the keys (``kind="key"``) or the values of one layer, with
-    ``scheme``: groups along ``scheme.axis(kind)``, the first ``scheme.sink_tokens`` tokens marked as sinks.
+    ``scheme``: groups along ``scheme.axis(kind)``, the first ``scheme.sink_tokens`` tokens marked as sinks, the
+    rows rotated first where ``scheme.rotated(kind)`` (:func:`lynxkv.quant.rotation.rotate`).
 
     ``along_tokens(x, scheme)`` is the implementation of the token-axis encoding (default: this module's); a
-    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule, unless
-    ``along_channels(x, scheme)`` encodes it in place (the fast CPU path: its codes equal this rule's). Each
-    implementation refuses inf and NaN itself (this module's before it computes, the compiled ones in their
-    metadata pass), so the input is read for that once."""
+    channel-axis tensor is that encoding of the transpose and rotated rows are that encoding of the rotation, so
+    every implementation shares these rules, unless ``encoder(x, scheme, axis, rotated)`` does the whole
+    encoding itself (the fast CPU path: values per channel read in place, keys rotated inside its pass; its codes
+    equal these rules'). Each implementation refuses inf and NaN itself (this module's before it computes, the
+    compiled ones in their metadata pass), so the input is read for that once."""
     _check_input(x, finite=False)
-    encode = along_tokens or quantize_tokens
-    if scheme.axis(kind) == "channel" and along_channels is not None:
-        enc = along_channels(x, scheme)
-    elif scheme.axis(kind) == "channel":
-        enc = encode(x.transpose(1, 2).contiguous(), scheme)  # [H, D, T]: chunks of C channels per token
-        enc = EncodedTensor(*(t.transpose(1, 2).contiguous() for t in (enc.anchor, enc.residual, enc.offset,
-                                                                         enc.scale)), axis="channel")
-    else:
-        enc = encode(x, scheme)
-    return dataclasses.replace(enc, sinks=min(scheme.sink_tokens, x.shape[1]))
+    axis, rotated = scheme.axis(kind), scheme.rotated(kind)
+    try:
+        if encoder is not None:
+            enc = encoder(x, scheme, axis, rotated)
+        else:
+            encode = along_tokens or quantize_tokens
+            y = rotation.rotate(x) if rotated else x
+            if axis == "channel":
+                enc = encode(y.transpose(1, 2).contiguous(), scheme)  # [H, D, T]: chunks of C channels per token
+                enc = EncodedTensor(*(t.transpose(1, 2).contiguous() for t in (enc.anchor, enc.residual, enc.offset,
+                                                                                 enc.scale)), axis="channel")
+            else:
+                enc = encode(y, scheme)
+    except InputError:
+        if rotated and bool(torch.isfinite(x).all()) and not bool(torch.isfinite(rotation.rotate(x)).all()):
+            raise rotation.overflow_error() from None
+        raise
+    return dataclasses.replace(enc, sinks=min(scheme.sink_tokens, x.shape[1]), rotated=rotated)
 
 
 def quantize_tokens(x: torch.Tensor, scheme: Scheme) -> EncodedTensor:
@@ -252,7 +269,7 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Reconstruct ``[H, T, D]`` from anchor + residual (full) or from the anchor alone (and the residual of the
-    ``enc.sinks`` leading tokens)."""
+    ``enc.sinks`` leading tokens); rows of rotated codes (``enc.rotated``) are rotated back in fp32, then cast."""
     h, t, d = enc.anchor.shape
     if t == 0:
         return torch.empty((h, 0, d), dtype=dtype, device=enc.anchor.device)
@@ -262,7 +279,8 @@ def dequantize(
         uhat[:, :n] = expanded_levels(enc.anchor[:, :n], enc.residual[:, :n], scheme)
     o = spread(enc.offset, scheme.chunk, enc.axis, t, d)
     s = spread(enc.scale, scheme.chunk, enc.axis, t, d)
-    return (o + s * uhat).to(dtype)
+    y = o + s * uhat
+    return (rotation.unrotate(y) if enc.rotated else y).to(dtype)
 
 
 def expanded_levels(anchor: torch.Tensor, residual: torch.Tensor | None, scheme: Scheme) -> torch.Tensor:
@@ -293,14 +311,31 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     of the expander over the reachable ``|ẑ| <= 1 + step``, ``c·exp(c·(1 + step))/α``, where ``step`` is the
     linear bound in z units (a top-level anchor may carry a residual just above z = 1). A slack of
     ``2^-20·(|o| + s)`` covers fp32 rounding.
+
+    Rotated keys (``enc.rotated``): with ``e`` that bound of the rotated rows and ``ŷ`` their fp32 decoding, the
+    bound of element ``i`` of a block of ``b = 2^m`` channels is ``2^(k-m)·Σe + (m+1)·2^-23·2^k·Σ(|ŷ| + e) +
+    2^-126``, the sums over the block (spec/FORMAT.md §9.4 derives it): the butterfly's entries are ±1 and its
+    fp32 rounding, in the encoder's and the decoder's, is ``m`` relative roundings deep.
     """
-    _, t, d = enc.anchor.shape
+    h, t, d = enc.anchor.shape
     o = spread(enc.offset, scheme.chunk, enc.axis, t, d)
     s = spread(enc.scale, scheme.chunk, enc.axis, t, d)
     step = torch.full((1, t, 1), _step(scheme, anchor_only), device=o.device)
     if anchor_only and enc.sinks:
         step[:, :enc.sinks] = _step(scheme, False)  # the sinks decode from the full code
-    return s * step + 2.0**-20 * (o.abs() + s)
+    bound = s * step + 2.0**-20 * (o.abs() + s)
+    if not enc.rotated:
+        return bound
+    k, back = rotation.shifts(d)
+    b, m = rotation.block_size(d), k + back
+    yhat = dequantize(dataclasses.replace(enc, rotated=False), scheme, anchor_only=anchor_only)
+
+    def block_sums(v: torch.Tensor) -> torch.Tensor:  # float64, each element the sum over its block
+        return v.double().view(h, t, d // b, b).sum(-1, keepdim=True).expand(h, t, d // b, b).reshape(h, t, d)
+
+    e_sum, y_sum = block_sums(bound), block_sums(yhat.abs())
+    rotated = 2.0 ** (k - m) * e_sum + (m + 1) * 2.0**-23 * 2.0**k * (y_sum + e_sum) + 2.0**-126
+    return rotated.float()
 
 
 def _step(scheme: Scheme, anchor_only: bool) -> float:

@@ -13,7 +13,10 @@ A scheme fixes everything the decoder needs to turn codes back into values (spec
 - ``value_axis``: how the values are grouped: ``token`` (chunks of C tokens per channel, like the keys) or
   ``channel`` (groups of C channels of one token: KIVI's value axis; format 1.2). Keys always run along tokens;
 - ``sink_tokens`` S: the first S tokens of the cache are decoded from the full code also from the anchor alone
-  (the anchor records of their pages carry their residual too: attention sinks, format 1.2).
+  (the anchor records of their pages carry their residual too: attention sinks, format 1.2);
+- ``key_rotation``: ``none`` or ``hadamard``: the keys are rotated along head_dim by an orthonormal
+  Walsh–Hadamard matrix before they are quantized and rotated back after decoding (:mod:`lynxkv.quant.rotation`,
+  format 1.3). Values are not rotated.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from lynxkv.errors import SchemeError
+from lynxkv.quant.rotation import HADAMARD, ROTATIONS
 
 COMPANDERS = ("linear", "alpha")
 CENTRINGS = ("midrange", "mean")
@@ -53,6 +57,7 @@ class Scheme:
     grid: str = "nested"
     value_axis: str = "token"
     sink_tokens: int = 0
+    key_rotation: str = "none"
 
     def __post_init__(self) -> None:
         if self.compander not in COMPANDERS:
@@ -63,6 +68,8 @@ class Scheme:
             raise SchemeError(f"grid: expected one of {GRIDS}, got {self.grid!r}")
         if self.value_axis not in VALUE_AXES:
             raise SchemeError(f"value_axis: expected one of {VALUE_AXES}, got {self.value_axis!r}")
+        if self.key_rotation not in ROTATIONS:
+            raise SchemeError(f"key_rotation: expected one of {ROTATIONS}, got {self.key_rotation!r}")
         if self.meta_dtype not in META_DTYPES:
             raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.compander == "alpha":
@@ -90,10 +97,20 @@ class Scheme:
         """The axis the groups of ``kind`` (``"key"`` or ``"value"``) run along: ``token`` or ``channel``."""
         return self.value_axis if kind == "value" else "token"
 
+    def rotated(self, kind: str) -> bool:
+        """Whether ``kind`` (``"key"`` or ``"value"``) is rotated before it is quantized (the keys, with
+        ``key_rotation = "hadamard"``)."""
+        return kind == "key" and self.key_rotation == HADAMARD
+
     @property
     def extended(self) -> bool:
         """True when a field of format 1.2 differs from its 1.0 meaning (values per channel, sink tokens)."""
         return self.value_axis != "token" or self.sink_tokens != 0
+
+    @property
+    def keys_rotated(self) -> bool:
+        """True when the keys are rotated: a format 1.3 feature (its header flag keeps older readers out)."""
+        return self.key_rotation != "none"
 
     # Derived constants of the code (spec/FORMAT.md, "Quantizer"). -----------------------------------------
     @property
@@ -138,9 +155,10 @@ class Scheme:
         grid = "" if self.grid == "nested" else f", {self.grid} grid"
         values = "" if self.value_axis == "token" else f", V per {self.value_axis}"
         sinks = f", {self.sink_tokens} sink tokens" if self.sink_tokens else ""
+        rotation = f", K {self.key_rotation}-rotated" if self.keys_rotated else ""
         return (
             f"{comp}, {self.centring}{grid}, C={self.chunk}, P={self.page}, "
-            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}{values}{sinks}"
+            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}{values}{sinks}{rotation}"
         )
 
     def to_dict(self) -> dict:
@@ -156,11 +174,11 @@ def _is_pow2(n: int) -> bool:
 #: gives the same codes on every device, and the fastest encode.
 LINEAR = Scheme()
 
-#: The default: the same grid with a mild α-law compander (α = 1), the values grouped per token over channels
-#: (KIVI's axis) and the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone;
-#: chosen by measured anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default
-#: scheme"; format 1.2).
-DEFAULT = LINEAR.replace(compander="alpha", alpha=1.0, value_axis="channel", sink_tokens=4)
+#: The default: the same grid with a mild α-law compander (α = 0.5), the keys rotated by a per-head Walsh–Hadamard
+#: matrix along head_dim before they are quantized, the values grouped per token over channels (KIVI's axis) and
+#: the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone; chosen by measured
+#: anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default scheme"; format 1.3).
+DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard")
 
 #: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
 #: uniform 8-bit grid whose high nibble is the anchor.
