@@ -300,14 +300,15 @@ if numba is not None:
         anchor and residual bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``.
 
         ``block`` > 1 (keys of format 1.3, along tokens): each row is rotated in that buffer first, exactly as
-        :func:`lynxkv.quant.rotation.rotate` does (:func:`_butterfly` within blocks of ``block`` channels, then
-        times ``rotation_scale`` = 2^-k unless it is 1), and the rotated rows are encoded.
+        :func:`lynxkv.quant.rotation.rotate` does (the butterfly of :func:`_butterfly` within blocks of ``block``
+        channels, then times ``rotation_scale`` = 2^-k unless it is 1), and the rotated rows are encoded.
 
         Each unit is read from ``x`` once, into an fp32 buffer (with the order keys' range for the groups along
         tokens); the codes come from that buffer. Indices are unsigned (no negative-index wraparound code, which
         keeps the loops vectorised) and the integer temporaries int32 (an int64 one halves the vector width)."""
         G = (D + C - 1) // C
         y = np.empty(D if per_row else C * D, np.float32)  # the unit's values, fp32, rows of D
+        yt = np.empty(C * D if block > 1 else 0, np.float32)  # the same, channel-major, for the rotation
         kmx = np.empty(D, np.int32)  # along tokens: per channel, the order keys' max and min and the |x| bits' max
         kmn = np.empty(D, np.int32)
         amax = np.empty(D, np.int32)
@@ -360,11 +361,34 @@ if numba is not None:
                 else:
                     for d in range(D):
                         y[r0 + np.uint64(d)] = _load(x, row + np.uint64(d))
-            if block > 1:  # blocks divide D, so the butterfly of the n·D buffer is the butterfly of each row
-                _butterfly(y, n * D, block)
-                if rotation_scale != 1:
-                    for i in range(n * D):
-                        y[i] = y[i] * rotation_scale
+            if block > 1:
+                # The butterfly of every row at once, channel-major (yt[d·n + t]): each pair (i, i + h) of a stage
+                # is then two contiguous runs of n values, the stage one vectorised loop per pair; the operations
+                # and their order per row are _butterfly's.
+                for t in range(n):
+                    r0 = np.uint64(t * D)
+                    for d in range(D):
+                        yt[np.uint64(d * n + t)] = y[r0 + np.uint64(d)]
+                h2 = 1
+                while h2 < block:
+                    for i0 in range(0, D, 2 * h2):
+                        for i in range(i0, i0 + h2):
+                            p0 = np.uint64(i * n)
+                            p1 = np.uint64((i + h2) * n)
+                            for t in range(n):
+                                a = yt[p0 + np.uint64(t)]
+                                b = yt[p1 + np.uint64(t)]
+                                yt[p0 + np.uint64(t)] = a + b
+                                yt[p1 + np.uint64(t)] = a - b
+                    h2 *= 2
+                for t in range(n):
+                    r0 = np.uint64(t * D)
+                    if rotation_scale != 1:
+                        for d in range(D):
+                            y[r0 + np.uint64(d)] = yt[np.uint64(d * n + t)] * rotation_scale
+                    else:
+                        for d in range(D):
+                            y[r0 + np.uint64(d)] = yt[np.uint64(d * n + t)]
                 if stats:
                     for d in range(D):
                         kmx[d] = _order_key(y[d])
