@@ -377,17 +377,35 @@ if numba is not None:
         return _f16_widen(np.uint16(bits)), bits
 
     @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _butterfly_halves(lo, hi, h):
+        """One butterfly stage of one group of 2h channels: ``(lo, hi) <- (lo + hi, lo - hi)`` over its two
+        contiguous halves (separate views, so the loop vectorises)."""
+        for i in range(h):
+            a = lo[i]
+            b = hi[i]
+            lo[i] = a + b
+            hi[i] = a - b
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
     def _butterfly(v, n, block):
-        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels
-        (:func:`lynxkv.quant.rotation.butterfly`: stages h = 1, 2, …, block/2; pairs (i, i+h), i mod 2h < h)."""
+        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels:
+        :func:`lynxkv.quant.rotation.butterfly`'s operations on the same operands (stages h = 1, 2, …, block/2;
+        pairs (i, i+h), i mod 2h < h), so the same bits. The stages h = 1, 2, 4 of each group of 8 channels run
+        in registers, the later ones over contiguous halves."""
         h = 1
+        if block >= 8:
+            for g in range(0, n, 8):
+                x0, x1, x2, x3, x4, x5, x6, x7 = v[g], v[g + 1], v[g + 2], v[g + 3], v[g + 4], v[g + 5], v[g + 6], v[g + 7]
+                a0, a1, a2, a3 = x0 + x1, x0 - x1, x2 + x3, x2 - x3  # h = 1
+                a4, a5, a6, a7 = x4 + x5, x4 - x5, x6 + x7, x6 - x7
+                b0, b1, b2, b3 = a0 + a2, a1 + a3, a0 - a2, a1 - a3  # h = 2
+                b4, b5, b6, b7 = a4 + a6, a5 + a7, a4 - a6, a5 - a7
+                v[g], v[g + 1], v[g + 2], v[g + 3] = b0 + b4, b1 + b5, b2 + b6, b3 + b7  # h = 4
+                v[g + 4], v[g + 5], v[g + 6], v[g + 7] = b0 - b4, b1 - b5, b2 - b6, b3 - b7
+            h = 8
         while h < block:
             for i0 in range(0, n, 2 * h):
-                for i in range(i0, i0 + h):
-                    a = v[i]
-                    b = v[i + h]
-                    v[i] = a + b
-                    v[i + h] = a - b
+                _butterfly_halves(v[i0:i0 + h], v[i0 + h:i0 + 2 * h], h)
             h *= 2
 
     @_jit
