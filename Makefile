@@ -52,7 +52,7 @@ $(VLLM_VENV)/bin/vllm: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 
-test-vllm: $(VLLM_VENV)/bin/vllm $(LMCACHE_VENV)/bin/lmcache
+test-vllm: $(VLLM_VENV)/bin/vllm
 	LMCACHE_TRACK_USAGE=false VLLM_NO_USAGE_STATS=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m vllm
 
 clean-venv:

@@ -114,3 +114,28 @@ def kv_to_cache_batched(k):
     from transformers import DynamicCache
 
     return DynamicCache(ddp_cache_data=[(k, k)])
+
+
+class _PastKeyValuesModel(torch.nn.Module):
+    """A model whose forward names its cache ``past_key_values`` (transformers < 5.20), and swallows other
+    keywords as those models' ``**kwargs`` do."""
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False, **kwargs):
+        from types import SimpleNamespace
+
+        k = torch.ones(1, 1, input_ids.shape[1], 2)
+        past_key_values.update(k, k, 0)
+        return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 3))
+
+
+def test_forward_passes_the_cache_under_either_argument_name(model):
+    from transformers import DynamicCache
+
+    from lynxkv.hf import forward
+
+    old, cache = _PastKeyValuesModel(), DynamicCache()
+    forward(old, torch.tensor([[1, 2, 3]]), cache)
+    assert cache.get_seq_length() == 3  # a `cache=` keyword would have been swallowed and the cache left empty
+    ids = prompt_ids(model.config.vocab_size, 5)
+    kv, _ = prefill(model, torch.tensor(ids))
+    assert kv[0][0].shape[1] == 5

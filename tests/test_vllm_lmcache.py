@@ -143,12 +143,11 @@ def test_a_second_vllm_reuses_the_prefix_from_the_lynx_tier_after_a_server_resta
         assert torch.equal(k, torch.cat([p[layer][0] for p in parts], 1))
         assert torch.equal(v, torch.cat([p[layer][1] for p in parts], 1))
 
-    # lynxkv's runner half needs transformers' ``cache=`` argument (5.2x), and vLLM pins transformers < 5.20: it
-    # runs on the same store from the LMCache venv (`make test-vllm` builds both). There the load's K and V are the
-    # model's own (to the code's precision), and `lynxkv run` drafts on the engine's store (anchors first on a
-    # 1 Mbit/s link, the residuals ~0.5 s later), continues the whole prompt and gives plain decoding's tokens on
-    # the full code
-    py = os.path.join(os.path.dirname(HERE), ".venv-lmcache", "bin", "python")
+    # lynxkv's runner half, in fresh processes beside vLLM's transformers (< 5.20: lynxkv.hf.forward names the
+    # cache as that version does): the load's K and V are the model's own (to the code's precision), and
+    # `lynxkv run` drafts on the engine's store (anchors first on a 1 Mbit/s link, the residuals ~0.5 s later),
+    # continues the whole prompt and gives plain decoding's tokens on the full code
+    py = sys.executable
     ref = _json_of([py, "-c", REFERENCE, str(model), url, HERE])
     assert ref["max_error"] < 0.05, ref
     doc = _json_of([py, "-m", "lynxkv", "run", url, "-n", "16", "--ignore-eos", "--bandwidth", "1Mbps", "--json"])

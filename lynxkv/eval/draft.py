@@ -6,8 +6,8 @@ draft-and-verify window). The reference tokens are the greedy continuation on th
 token at a time; a single forward of the same W inputs on an approximate cache then gives, position by
 position, what decoding on that cache would draft after the same history (teacher forcing).
 
-Runs in fp32 (bf16 forwards flip argmaxes by themselves; DESIGN.md). transformers 5.x: the cache is passed as
-``cache=`` and grows in place, so every forward gets a freshly built cache.
+Runs in fp32 (bf16 forwards flip argmaxes by themselves; DESIGN.md). A transformers cache grows in place
+(:func:`lynxkv.hf.forward`), so every forward gets a freshly built cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.hf import kv_to_cache, prefill
+from lynxkv.hf import forward, kv_to_cache, prefill
 from lynxkv.kv import KVPairs
 
 
@@ -88,7 +88,7 @@ def captured_queries(model: torch.nn.Module):
 def forward_logits(model: torch.nn.Module, kv: KVPairs, inputs: torch.Tensor) -> torch.Tensor:
     """One forward of ``inputs`` ``[W]`` on a fresh cache built from ``kv``: logits ``[W, V]`` in fp32."""
     cache = kv_to_cache(kv, dtype=model.dtype)
-    out = model(input_ids=inputs.reshape(1, -1), cache=cache, use_cache=True)
+    out = forward(model, inputs.reshape(1, -1), cache)
     return out.logits[0].float()
 
 
@@ -99,8 +99,7 @@ def greedy(model: torch.nn.Module, kv: KVPairs, first: int, steps: int) -> torch
     token = torch.tensor([[first]])
     out_tokens = []
     for _ in range(steps):
-        out = model(input_ids=token, cache=cache, use_cache=True)
-        cache = out.cache
+        out = forward(model, token, cache)
         nxt = int(out.logits[0, -1].argmax())
         out_tokens.append(nxt)
         token = torch.tensor([[nxt]])

@@ -4,7 +4,7 @@ Nothing below this package imports it: the format, storage and quantizer layers 
 """
 
 from lynxkv.hf.convert import kv_to_cache, to_dynamic_cache
-from lynxkv.hf.prefill import continuation_ids, prefill
+from lynxkv.hf.prefill import continuation_ids, forward, prefill
 from lynxkv.kv import cache_to_kv
 
-__all__ = ["cache_to_kv", "continuation_ids", "kv_to_cache", "prefill", "to_dynamic_cache"]
+__all__ = ["cache_to_kv", "continuation_ids", "forward", "kv_to_cache", "prefill", "to_dynamic_cache"]

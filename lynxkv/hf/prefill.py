@@ -7,6 +7,9 @@ window, so the logits are the model's own, and the stored cache always holds exa
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from lynxkv.errors import InputError
@@ -26,7 +29,7 @@ def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs,
     if ids.shape[1] == 0:
         raise InputError("the prompt is empty")
     cache = DynamicCache()
-    out = model(input_ids=ids, cache=cache, use_cache=True)
+    out = forward(model, ids, cache)
     kv = cache_to_kv(cache)
     for i, (k, _) in enumerate(kv):
         if k.shape[1] != ids.shape[1]:
@@ -73,3 +76,16 @@ def encode_model(model: str | None, output, scheme, *, prompt: str | None = None
     return save_cache(output, kv, scheme, residual_path=residual, single_file=single_file, zstd=zstd,
                       prompt_token_ids=ids.tolist(), model_fingerprint=loaded.fingerprint,
                       properties=model_properties(loaded))
+
+
+def forward(model: "torch.nn.Module", input_ids: torch.Tensor, cache):
+    """``model(input_ids, cache)`` with ``use_cache``: ``cache`` grows in place. The cache argument is named
+    ``cache`` from transformers 5.20 and ``past_key_values`` before (a 5.19 model ignores ``cache=`` silently and
+    would decode without the prompt)."""
+    return model(input_ids=input_ids, use_cache=True, **{_cache_argument(type(model)): cache})
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"

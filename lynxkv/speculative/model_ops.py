@@ -20,6 +20,7 @@ import torch
 
 from lynxkv.errors import InputError
 from lynxkv.hf.convert import kv_to_cache
+from lynxkv.hf.prefill import forward
 from lynxkv.hf.models import kv_shape
 from lynxkv.kv import KVPairs
 
@@ -70,7 +71,7 @@ def forward_tokens(model, cache, tokens: list[int]) -> torch.Tensor:
     Row j predicts the token that follows ``tokens[j]``.
     """
     ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, n]
-    out = model(input_ids=ids, cache=cache, use_cache=True)
+    out = forward(model, ids, cache)
     return out.logits[0].float()  # [n, V]
 
 
