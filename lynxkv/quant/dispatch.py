@@ -46,7 +46,9 @@ def _fast_cpu(t: torch.Tensor) -> bool:
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key") -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
     device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``)."""
-    return reference.quantize(x, scheme, kind, along_tokens=_token_quantizer(x, scheme, scheme.axis(kind)))
+    rotate = fast.rotate if _fast_cpu(x) and scheme.rotated(kind) else None  # else the torch rotation
+    return reference.quantize(x, scheme, kind, along_tokens=_token_quantizer(x, scheme, scheme.axis(kind)),
+                              rotate=rotate)
 
 
 def _token_quantizer(x: torch.Tensor, scheme: Scheme, axis: str):

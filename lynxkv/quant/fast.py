@@ -22,6 +22,9 @@ Why it is exact:
 - **Decoding through a level table.** The reference decodes ``x̂ = o + s·û(code)``; ``û`` of all 256 codes (or
   of every anchor) is computed once by the reference itself, so ``fl(o + fl(s·levels[code]))`` is the
   reference's value bit for bit, rounded to bf16 (nearest even) or kept in fp32 in the same loop.
+- **Rotated keys** (format 1.3): the Walsh–Hadamard butterfly of :mod:`lynxkv.quant.rotation`, the same fp32
+  additions on the same operands (so the same bits), runs per row in the decode pass (after ``o + s·û``, before
+  the cast) and in :func:`rotate`, the compiled encode-side rotation the entry uses on a CPU.
 
 The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``, default the torch intra-op
 thread count, at most 8), each worker on a contiguous span of (head, chunk) rows. Inputs and outputs may be
@@ -511,6 +514,21 @@ if numba is not None:
         return flags
 
     @_jit
+    def _rotate_kernel(x, x0, sh, st, T, D, block, scale, y, r0, r1):
+        """Rows ``[r0, r1)`` (row = h·T + t) of ``x`` (fp32, or bf16 bits; element (h, t, d) at
+        ``x0 + h·sh + t·st + d``) rotated: ``butterfly(row)·scale`` in fp32 into ``y`` ``[H·T·D]`` (C order)."""
+        v = np.empty(D, np.float32)
+        for row in range(r0, r1):
+            h = row // T
+            base = np.uint64(x0 + h * sh + (row - h * T) * st)
+            for d in range(D):
+                v[d] = _load(x, base + np.uint64(d))
+            _butterfly(v, D, block)
+            out = y[np.uint64(row) * np.uint64(D):np.uint64(row + 1) * np.uint64(D)]
+            for d in range(D):
+                out[d] = v[d] * scale
+
+    @_jit
     def _pack4_kernel(v, out, i0, i1):
         for i in range(i0, i1):
             out[i] = np.uint8((v[2 * i] & 0x0F) | ((v[2 * i + 1] & 0x0F) << 4))
@@ -837,6 +855,21 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
         raise InputError("pages: rotated codes have their groups along tokens (keys), not per channel")
     return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel",
                          rotated=rotated)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """:func:`lynxkv.quant.rotation.rotate` of ``x`` ``[H, T, D]`` (a CPU float tensor), bit for bit, in one
+    compiled pass over the rows: fp32 ``[H, T, D]``."""
+    x = _input(x)
+    h, t, d = x.shape
+    y = torch.empty((h, t, d), dtype=torch.float32)
+    if y.numel() == 0 or rotation.block_size(d) == 1:
+        return y.copy_(x)
+    k, _ = rotation.shifts(d)
+    buf, x0, sh, st, _ = _flat(x)
+    _parallel(_rotate_kernel, h * t, (buf, x0, sh, st, t, d, rotation.block_size(d), np.float32(2.0**-k),
+                                      y.view(-1).numpy()), (), min_units=64)
+    return y
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:

@@ -171,19 +171,21 @@ TokenQuantizer = Callable[[torch.Tensor, Scheme], EncodedTensor]
 
 
 def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *,
-             along_tokens: TokenQuantizer | None = None) -> EncodedTensor:
+             along_tokens: TokenQuantizer | None = None,
+             rotate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (any float dtype), the keys (``kind="key"``) or the values of one layer, with
     ``scheme``: groups along ``scheme.axis(kind)``, the first ``scheme.sink_tokens`` tokens marked as sinks, the
     rows rotated first where ``scheme.rotated(kind)`` (:func:`lynxkv.quant.rotation.rotate`).
 
     ``along_tokens(x, scheme)`` is the implementation of the token-axis encoding (default: this module's); a
-    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule. Each
+    channel-axis tensor is that encoding of the transpose, so every implementation shares this one rule;
+    ``rotate`` likewise implements :func:`lynxkv.quant.rotation.rotate` (its default), bit for bit. Each
     implementation refuses inf and NaN itself (this module's before it computes, the compiled ones in their
     metadata pass), so the input is read for that once."""
     _check_input(x, finite=False)
     encode = along_tokens or quantize_tokens
     rotated = scheme.rotated(kind)
-    y = rotation.rotate(x) if rotated else x
+    y = (rotate or rotation.rotate)(x) if rotated else x
     try:
         if scheme.axis(kind) == "channel":
             enc = encode(y.transpose(1, 2).contiguous(), scheme)  # [H, D, T]: chunks of C channels per token
