@@ -216,7 +216,8 @@ def bench_reference(cache: Cache, row: Row, repeats: int, scheme) -> None:
     def decode(encs):
         for a, r, o, s, shape in encs:
             n = shape[0] * shape[1] * shape[2]
-            e = EncodedTensor(unpack_bits(a, 4, n).view(shape), unpack_bits(r, 4, n).view(shape), o, s)
+            e = EncodedTensor(unpack_bits(a, 4, n).view(shape), unpack_bits(r, 4, n).view(shape), o, s,
+                              rotated=scheme.rotated("key"))  # every tensor is quantized as keys here
             dequantize(e, scheme, dtype=torch.bfloat16)
 
     for _ in range(repeats):

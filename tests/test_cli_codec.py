@@ -61,6 +61,24 @@ def test_inspect_json_has_stable_keys(tmp_path, capsys):
     assert "prompt_token_ids" not in d  # a dump carries none
 
 
+@pytest.mark.parametrize("argv, rotation, version", [([], "hadamard", "1.3"),
+                                                     (["--key-rotation", "none", "--alpha", "1"], "none", "1.2"),
+                                                     (["--scheme", "linear", "--key-rotation", "hadamard"],
+                                                      "hadamard", "1.3")],
+                         ids=["default", "the-1.2-default", "linear-rotated"])
+def test_key_rotation_override_is_in_the_file(tmp_path, capsys, argv, rotation, version):
+    src = tmp_path / "kv.safetensors"
+    tensors = _dump(src, layers=1, d=16)
+    assert run(capsys, "encode", src, "-o", tmp_path / "c.lynx", *argv)[0] == 0
+    d = json.loads(run(capsys, "inspect", tmp_path / "c.lynx", "--json")[1])
+    assert d["scheme"]["key_rotation"] == rotation and d["format_version"] == version
+    assert run(capsys, "decode", tmp_path / "c.lynx", "-o", tmp_path / "back.safetensors")[0] == 0
+    with safe_open(tmp_path / "back.safetensors", "pt") as f:  # the keys come back in their own domain
+        k = f.get_tensor("layers.0.key").float()
+    want = tensors["layers.0.key"].float()
+    assert float((k - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
 def test_verify_reports_corruption_with_page_and_exit_code(tmp_path, capsys):
     src = tmp_path / "kv.safetensors"
     _dump(src)
@@ -99,11 +117,13 @@ def test_existing_output_is_never_overwritten(tmp_path, capsys):
         (["encode", "{src}", "--model", "smollm2", "-o", "x.lynx"], 1, "either a KV dump file or --model, not both"),
         (["encode", "{src}", "-o", "x.lynx", "--chunk", "24"], 1, "chunk"),
         (["encode", "{src}", "-o", "x.lynx", "--scheme", "nope"], 1, "unknown preset"),
+        (["encode", "{src}", "-o", "x.lynx", "--key-rotation", "walsh"], 1, "key_rotation: expected one of"),
         (["decode", "{src}", "-o", "y.safetensors"], 1, "magic"),
         (["decode", "x.lynx", "-o", "y.safetensors", "--dtype", "int3"], 1, "--dtype"),
         (["encode", "--bogus"], 2, "No such option"),
     ],
-    ids=["missing-input", "dump-and-model", "bad-chunk", "bad-scheme", "not-a-lynx-file", "bad-dtype", "bad-flag"],
+    ids=["missing-input", "dump-and-model", "bad-chunk", "bad-scheme", "bad-key-rotation", "not-a-lynx-file",
+         "bad-dtype", "bad-flag"],
 )
 def test_bad_input_is_one_clear_error(tmp_path, capsys, monkeypatch, argv, code, message):
     monkeypatch.chdir(tmp_path)

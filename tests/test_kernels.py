@@ -269,3 +269,30 @@ def test_decode_is_the_reference_bit_for_bit(scheme, shape, dtype, device):
                         pytest.fail(f"{kind} anchor_only={anchor_only}: " + first_mismatches("values", want, got))
                 else:  # the interpreter's fp32 -> bf16 conversion is not round-to-nearest-even: one bf16 step
                     assert bool(((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs()).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 96, 80], ids=["D64", "D128", "D96-b32", "D80-b16"])
+def test_decode_rotates_keys_back_as_the_reference(d, dtype, device):
+    """Rotated keys (format 1.3; blocks of 32 and 16 channels for D = 96 and 80) from bf16 inputs with outlier
+    channels and adversarial magnitudes: the full code and the anchor alone with sink tokens, written into a
+    poisoned slice, are the reference's values bit for bit (the rotation back is fp32 before the cast)."""
+    scheme = get_scheme("default")  # keys rotated, 4 sink tokens
+    x = kv_like((1, 2, 45, d), torch.bfloat16, seed=d)[0]
+    x[0, 5] = torch.tensor([(-1.0) ** i * 2.0**12 for i in range(d)])  # sums that cancel exactly
+    x[1, 7] = 2.0**-120  # tiny: subnormal intermediates
+    enc = quantize(x, scheme)
+    assert enc.rotated and enc.sinks == 4
+    a, r = pack_bits(enc.anchor, 4).to(device), pack_bits(enc.residual, 4).to(device)
+    for anchor_only in (False, True):
+        want = dequantize(enc, scheme, anchor_only=anchor_only, dtype=dtype)
+        cache = torch.full((2, 48, d), float("nan"), dtype=dtype, device=device)
+        kdecode.decode(a.view(1, -1), r.view(1, -1), enc.offset.to(device).unsqueeze(0),
+                       enc.scale.to(device).unsqueeze(0), scheme, cache[:, 1:46].unsqueeze(0), kind="key",
+                       anchor_only=anchor_only, sinks=enc.sinks)
+        assert bool(cache[:, 0].isnan().all()) and bool(cache[:, -2:].isnan().all()), "wrote outside out"
+        got = cache[:, 1:46].cpu()
+        if not torch.equal(want.view(torch.int16) if dtype == torch.bfloat16 else want,
+                           got.view(torch.int16) if dtype == torch.bfloat16 else got):
+            pytest.fail(f"anchor_only={anchor_only}: " + first_mismatches("values", want, got))

@@ -77,6 +77,10 @@ def test_parts_that_do_not_join_are_refused(tmp_path):
     c2, = _save_chunks(tmp_path / "l", _kv(256, 1), [256], scheme=lynxkv.get_scheme("linear"))
     with pytest.raises(InputError, match="scheme"):
         join_caches([c1, c2], residual_location="x.lynxr")
+    (tmp_path / "r").mkdir()  # the same scheme but for the key rotation
+    r2, = _save_chunks(tmp_path / "r", _kv(256, 1), [256], scheme=SCHEME.replace(key_rotation="none"))
+    with pytest.raises(InputError, match="scheme"):
+        join_caches([c1, r2], residual_location="x.lynxr")
     (tmp_path / "s").mkdir()
     s1, s2 = _save_chunks(tmp_path / "s", kv, [256, 256], scheme=lynxkv.DEFAULT)  # 4 sink tokens in each
     with pytest.raises(InputError, match="sink tokens"):

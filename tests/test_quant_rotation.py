@@ -69,6 +69,17 @@ def test_rotation_is_orthonormal_and_its_inverse_exact_on_integers(d):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not fast.available(), reason="numba does not import")
+@pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
+def test_compiled_rotation_is_the_reference_bit_for_bit(d):
+    rows = adversarial_rows(d, seed=d)
+    x = torch.cat([rows, kv_like(1, 30, d, seed=d)[0]]).view(1, -1, d)
+    for dtype in (torch.float32, torch.bfloat16):
+        xt = x.to(dtype)
+        for view in (xt, xt[:, 2:-3]):  # a token slice: strided rows
+            assert torch.equal(fast.rotate(view).view(torch.int32), rotation.rotate(view).view(torch.int32)), dtype
+
+
 def test_bf16_input_is_widened_exactly_before_the_rotation():
     x = adversarial_rows(64, seed=3).to(torch.bfloat16).view(1, 5, 64)
     assert torch.equal(rotation.rotate(x), rotation.rotate(x.float()))

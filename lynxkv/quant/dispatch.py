@@ -5,6 +5,10 @@
   scheme through the reference's level table, sink tokens included), else the torch reference on the GPU.
 - CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) when numba imports, else the
   reference.
+- Rotated keys (format 1.3): the compiled CPU encode rotates each block of keys inside its pass; elsewhere
+  :func:`quantize` rotates them (:mod:`lynxkv.quant.rotation`, through the reference's one rule) before the
+  token-axis encoding runs; the decoders rotate them back (the compiled CPU decode in its own pass, Triton through
+  the torch rotation on the GPU).
 
 Every choice gives the reference's codes, metadata and decoded values bit for bit (the tests hold the fast
 path and the kernels to :mod:`lynxkv.quant.reference`; a GPU's float64 ``log1p`` may differ from the CPU's by an

@@ -24,6 +24,9 @@ Why it is exact:
 - **Decoding through a level table.** The reference decodes ``x̂ = o + s·û(code)``; ``û`` of all 256 codes (or
   of every anchor) is computed once by the reference itself, so ``fl(o + fl(s·levels[code]))`` is the
   reference's value bit for bit, rounded to bf16 (nearest even) or kept in fp32 in the same loop.
+- **Rotated keys** (format 1.3): the Walsh–Hadamard butterfly of :mod:`lynxkv.quant.rotation`, the same fp32
+  additions on the same operands (so the same bits), runs per row in the decode pass (after ``o + s·û``, before
+  the cast) and in :func:`rotate`, the compiled encode-side rotation the entry uses on a CPU.
 
 The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``, default the torch intra-op
 thread count, at most 8), each worker on a contiguous span of units ((head, chunk), or (head, token) for values
@@ -542,17 +545,35 @@ if numba is not None:
         return _f16_widen(np.uint16(bits)), bits
 
     @functools.partial(numba.njit, inline="always", error_model="numpy")
+    def _butterfly_halves(lo, hi, h):
+        """One butterfly stage of one group of 2h channels: ``(lo, hi) <- (lo + hi, lo - hi)`` over its two
+        contiguous halves (separate views, so the loop vectorises)."""
+        for i in range(h):
+            a = lo[i]
+            b = hi[i]
+            lo[i] = a + b
+            hi[i] = a - b
+
+    @functools.partial(numba.njit, inline="always", error_model="numpy")
     def _butterfly(v, n, block):
-        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels
-        (:func:`lynxkv.quant.rotation.butterfly`: stages h = 1, 2, …, block/2; pairs (i, i+h), i mod 2h < h)."""
+        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels:
+        :func:`lynxkv.quant.rotation.butterfly`'s operations on the same operands (stages h = 1, 2, …, block/2;
+        pairs (i, i+h), i mod 2h < h), so the same bits. The stages h = 1, 2, 4 of each group of 8 channels run
+        in registers, the later ones over contiguous halves."""
         h = 1
+        if block >= 8:
+            for g in range(0, n, 8):
+                x0, x1, x2, x3, x4, x5, x6, x7 = v[g], v[g + 1], v[g + 2], v[g + 3], v[g + 4], v[g + 5], v[g + 6], v[g + 7]
+                a0, a1, a2, a3 = x0 + x1, x0 - x1, x2 + x3, x2 - x3  # h = 1
+                a4, a5, a6, a7 = x4 + x5, x4 - x5, x6 + x7, x6 - x7
+                b0, b1, b2, b3 = a0 + a2, a1 + a3, a0 - a2, a1 - a3  # h = 2
+                b4, b5, b6, b7 = a4 + a6, a5 + a7, a4 - a6, a5 - a7
+                v[g], v[g + 1], v[g + 2], v[g + 3] = b0 + b4, b1 + b5, b2 + b6, b3 + b7  # h = 4
+                v[g + 4], v[g + 5], v[g + 6], v[g + 7] = b0 - b4, b1 - b5, b2 - b6, b3 - b7
+            h = 8
         while h < block:
             for i0 in range(0, n, 2 * h):
-                for i in range(i0, i0 + h):
-                    a = v[i]
-                    b = v[i + h]
-                    v[i] = a + b
-                    v[i + h] = a - b
+                _butterfly_halves(v[i0:i0 + h], v[i0 + h:i0 + 2 * h], h)
             h *= 2
 
     @_jit
@@ -658,6 +679,21 @@ if numba is not None:
         return flags
 
     @_jit
+    def _rotate_kernel(x, x0, sh, st, T, D, block, scale, y, r0, r1):
+        """Rows ``[r0, r1)`` (row = h·T + t) of ``x`` (fp32, or bf16 bits; element (h, t, d) at
+        ``x0 + h·sh + t·st + d``) rotated: ``butterfly(row)·scale`` in fp32 into ``y`` ``[H·T·D]`` (C order)."""
+        v = np.empty(D, np.float32)
+        for row in range(r0, r1):
+            h = row // T
+            base = np.uint64(x0 + h * sh + (row - h * T) * st)
+            for d in range(D):
+                v[d] = _load(x, base + np.uint64(d))
+            _butterfly(v, D, block)
+            out = y[np.uint64(row) * np.uint64(D):np.uint64(row + 1) * np.uint64(D)]
+            for d in range(D):
+                out[d] = v[d] * scale
+
+    @_jit
     def _pack4_kernel(v, out, i0, i1):
         for i in range(i0, i1):
             out[i] = np.uint8((v[2 * i] & 0x0F) | ((v[2 * i + 1] & 0x0F) << 4))
@@ -752,7 +788,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     h, t, d = x.shape
     source = x
     if rotated and (axis == "channel" or meta is not None or scheme.centring == "mean"):
-        x, rotated = rotation.rotate(x), False
+        x, rotated = rotate(x), False  # the metadata is the reference's: the rotation in a pass of its own
     c = scheme.chunk
     nc = -(-t // c)
     per_row = axis == "channel"
@@ -854,7 +890,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, axis: str = "token", rotated: bool
     is, does that)."""
     h, t, d = _input(x).shape
     if rotated and (t == 0 or d == 0 or h == 0):
-        x = rotation.rotate(x)
+        x = rotate(x)
     if t == 0 or d == 0 or h == 0:
         if axis == "channel":
             enc = reference.quantize_tokens(x.transpose(1, 2), scheme)
@@ -1007,6 +1043,21 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
         raise InputError("pages: rotated codes have their groups along tokens (keys), not per channel")
     return _decode_pages(a_buf, a_buf, a_buf, r_buf, table, True, scheme, out, threads, per_row=axis == "channel",
                          rotated=rotated)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """:func:`lynxkv.quant.rotation.rotate` of ``x`` ``[H, T, D]`` (a CPU float tensor), bit for bit, in one
+    compiled pass over the rows: fp32 ``[H, T, D]``."""
+    x = _input(x)
+    h, t, d = x.shape
+    y = torch.empty((h, t, d), dtype=torch.float32)
+    if y.numel() == 0 or rotation.block_size(d) == 1:
+        return y.copy_(x)
+    k, _ = rotation.shifts(d)
+    buf, x0, sh, st, _ = _flat(x)
+    _parallel(_rotate_kernel, h * t, (buf, x0, sh, st, t, d, rotation.block_size(d), np.float32(2.0**-k),
+                                      y.view(-1).numpy()), (), min_units=64)
+    return y
 
 
 def pack4(values: torch.Tensor) -> torch.Tensor:
