@@ -120,10 +120,11 @@ def test_fast_decode_rotates_back_bit_for_bit(d, dtype):
             assert torch.equal(packed.view(torch.uint8), want0.view(torch.uint8)), (d, anchor_only, "packed")
 
 
-@pytest.mark.parametrize("d", [64, 96, 80], ids=["D64", "D96", "D80"])
+@pytest.mark.parametrize("d", [64, 96, 80, 5], ids=["D64", "D96", "D80", "D5-b1"])
 def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
     """``load_kv`` (full and anchor-only) and the progressive reader give the reference's bf16 values of the
-    file's own codes; the file is format 1.3 and a non-rotating scheme's file is not."""
+    file's own codes; the file is format 1.3 and a non-rotating scheme's file is not. An odd head_dim (blocks of
+    one channel: the identity) still sets the flag and takes the unpacked page path."""
     kv = [(kv_like(2, 300, d, seed=i).to(torch.bfloat16), kv_like(2, 300, d, seed=10 + i).to(torch.bfloat16))
           for i in range(2)]
     save_cache(tmp_path / "r.lynx", kv, ROTATED)
