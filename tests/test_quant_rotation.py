@@ -5,6 +5,8 @@ with the reference on rotated keys, anchor-only with sink tokens and bf16 output
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +55,36 @@ def test_butterfly_is_the_spec_arithmetic(d):
     for r, g in zip(rows.tolist(), got):
         want = torch.tensor(spec_butterfly(r, b), dtype=torch.float32)
         assert torch.equal(g.view(torch.int32), want.view(torch.int32)), (d, r[:4])
+
+
+def spec_rotation_vector() -> dict[str, torch.Tensor]:
+    """The worked row of spec/FORMAT.md §9.2 (```fp32 example=rotation-d4```): name -> fp32 ``[4]``."""
+    text = (Path(__file__).resolve().parents[1] / "spec" / "FORMAT.md").read_text(encoding="utf-8")
+    body = re.search(r"```fp32 example=rotation-d4\n(.*?)```", text, re.S).group(1)
+    rows = {}
+    for line in body.strip().splitlines():
+        name, words = line.split(":", 1)
+        bits = [int(w, 16) for w in words.split()]
+        rows[name.strip()] = torch.tensor([b - (1 << 32) if b >> 31 else b for b in bits], dtype=torch.int32).view(
+            torch.float32)
+    return rows
+
+
+def test_the_spec_worked_row_pins_the_stage_order_and_the_scalings():
+    v = spec_rotation_vector()
+    assert set(v) == {"x", "butterfly", "y", "rotated-back"}
+    x = v["x"].view(1, 1, 4)
+    pairs = [(rotation.butterfly(v["x"]), v["butterfly"]), (rotation.rotate(x), v["y"]),
+             (rotation.unrotate(v["y"]), v["rotated-back"]),
+             (torch.tensor(spec_butterfly(v["x"].tolist(), 4)), v["butterfly"])]
+    if fast.available():
+        pairs.append((fast.rotate(x), v["y"]))
+    for got, want in pairs:
+        assert torch.equal(got.reshape(4).view(torch.int32), want.view(torch.int32)), (got, want)
+    a = v["x"]  # the stages in the other order (h = 2, then h = 1) round the first sum the other way
+    a = torch.stack([a[0] + a[2], a[1] + a[3], a[0] - a[2], a[1] - a[3]])
+    a = torch.stack([a[0] + a[1], a[0] - a[1], a[2] + a[3], a[2] - a[3]])
+    assert float(a[0]) == 1 + 2.0**-23 != float(v["butterfly"][0])
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
