@@ -277,8 +277,8 @@ class LynxCache:
             else:
                 resid = self._reader.layer(c.SEGMENT_RESIDUAL, layer)[1]
             n = min(h.scheme.sink_tokens, h.tokens)
-            layers.append((EncodedTensor(codes[0], resid[0], meta[0], meta[1], "token", n, h.scheme.rotated("key")),
-                           EncodedTensor(codes[1], resid[1], meta[2], meta[3], h.scheme.value_axis, n)))
+            layers.append(tuple(EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], h.scheme.axis(kind), n,
+                                              h.scheme.rotated(kind)) for j, kind in enumerate(("key", "value"))))
         return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
                             list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim,
                             dict(h.properties) or None)

@@ -15,17 +15,19 @@ from lynxkv.format import constants as c
 from lynxkv.storage import BytesSource
 from lynxkv.format.verify import verify_cache
 from lynxkv.format.writer import build_files
-from lynxkv.quant.scheme import Scheme
+from lynxkv.quant.scheme import Scheme, get_scheme
 
 SCHEME = Scheme(chunk=4, page=8)
+#: Format 1.3 with every later feature: keys rotated (flag KEY_ROTATION), values per channel, 4 sink tokens.
+SCHEME_1_3 = get_scheme("default", chunk=4, page=8)
 FINGERPRINT = "00112233445566778899aabbccddeeff"
 
 
-def small_cache(seed: int = 0, *, zstd: bool = False, single: bool = False, tokens: int = 11):
+def small_cache(seed: int = 0, *, zstd: bool = False, single: bool = False, tokens: int = 11, scheme=SCHEME):
     """2 layers x 2 pages (8 + 3 tokens), 1 head, head_dim 2: a few hundred bytes in all."""
     g = torch.Generator().manual_seed(seed)
     kv = [(torch.randn(1, tokens, 2, generator=g), torch.randn(1, tokens, 2, generator=g)) for _ in range(2)]
-    enc = encode_kv(kv, SCHEME, prompt_token_ids=[1, 2, 3], model_fingerprint=FINGERPRINT,
+    enc = encode_kv(kv, scheme, prompt_token_ids=[1, 2, 3], model_fingerprint=FINGERPRINT,
                     names=["k0", "v0", "k1", "v1"])
     return build_files(enc, cache_id=bytes([seed]) * 16, zstd=zstd, single_file=single, residual_location="c.lynxr")
 
@@ -256,8 +258,10 @@ def test_every_single_byte_corruption_and_truncation_is_reported(target, zstd):
     _check_every_byte(built.anchor, built.residual, target)
 
 
-def test_every_single_byte_corruption_of_a_single_file_is_reported():
-    built = small_cache(single=True)
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3], ids=["1.0", "1.3"])
+def test_every_single_byte_corruption_of_a_single_file_is_reported(scheme):
+    built = small_cache(single=True, scheme=scheme)
+    assert built.anchor[10] == (3 if scheme is SCHEME_1_3 else 0)
     assert verify_cache(BytesSource(built.anchor), lambda: None) == []
     _check_every_byte(built.anchor, None, "anchor")
 
@@ -287,10 +291,11 @@ def _exercise(a: bytes, r: bytes | None) -> None:
         pass
 
 
-def test_fuzz_reader_raises_only_lynx_errors():
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3], ids=["1.0", "1.3"])
+def test_fuzz_reader_raises_only_lynx_errors(scheme):
     rng = random.Random(1234)
-    built = small_cache(zstd=True, tokens=40)
-    single = small_cache(single=True).anchor
+    built = small_cache(zstd=True, tokens=40, scheme=scheme)
+    single = small_cache(single=True, scheme=scheme).anchor
     for _ in range(400):
         kind = rng.randrange(5)
         if kind == 0:  # random bytes, sometimes with a valid magic in front

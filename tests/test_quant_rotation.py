@@ -5,6 +5,8 @@ with the reference on rotated keys, anchor-only with sink tokens and bf16 output
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +55,36 @@ def test_butterfly_is_the_spec_arithmetic(d):
     for r, g in zip(rows.tolist(), got):
         want = torch.tensor(spec_butterfly(r, b), dtype=torch.float32)
         assert torch.equal(g.view(torch.int32), want.view(torch.int32)), (d, r[:4])
+
+
+def spec_rotation_vector() -> dict[str, torch.Tensor]:
+    """The worked row of spec/FORMAT.md §9.2 (```fp32 example=rotation-d4```): name -> fp32 ``[4]``."""
+    text = (Path(__file__).resolve().parents[1] / "spec" / "FORMAT.md").read_text(encoding="utf-8")
+    body = re.search(r"```fp32 example=rotation-d4\n(.*?)```", text, re.S).group(1)
+    rows = {}
+    for line in body.strip().splitlines():
+        name, words = line.split(":", 1)
+        bits = [int(w, 16) for w in words.split()]
+        rows[name.strip()] = torch.tensor([b - (1 << 32) if b >> 31 else b for b in bits], dtype=torch.int32).view(
+            torch.float32)
+    return rows
+
+
+def test_the_spec_worked_row_pins_the_stage_order_and_the_scalings():
+    v = spec_rotation_vector()
+    assert set(v) == {"x", "butterfly", "y", "rotated-back"}
+    x = v["x"].view(1, 1, 4)
+    pairs = [(rotation.butterfly(v["x"]), v["butterfly"]), (rotation.rotate(x), v["y"]),
+             (rotation.unrotate(v["y"]), v["rotated-back"]),
+             (torch.tensor(spec_butterfly(v["x"].tolist(), 4)), v["butterfly"])]
+    if fast.available():
+        pairs.append((fast.rotate(x), v["y"]))
+    for got, want in pairs:
+        assert torch.equal(got.reshape(4).view(torch.int32), want.view(torch.int32)), (got, want)
+    a = v["x"]  # the stages in the other order (h = 2, then h = 1) round the first sum the other way
+    a = torch.stack([a[0] + a[2], a[1] + a[3], a[0] - a[2], a[1] - a[3]])
+    a = torch.stack([a[0] + a[1], a[0] - a[1], a[2] + a[3], a[2] - a[3]])
+    assert float(a[0]) == 1 + 2.0**-23 != float(v["butterfly"][0])
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
@@ -120,10 +152,11 @@ def test_fast_decode_rotates_back_bit_for_bit(d, dtype):
             assert torch.equal(packed.view(torch.uint8), want0.view(torch.uint8)), (d, anchor_only, "packed")
 
 
-@pytest.mark.parametrize("d", [64, 96, 80], ids=["D64", "D96", "D80"])
+@pytest.mark.parametrize("d", [64, 96, 80, 5], ids=["D64", "D96", "D80", "D5-b1"])
 def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
     """``load_kv`` (full and anchor-only) and the progressive reader give the reference's bf16 values of the
-    file's own codes; the file is format 1.3 and a non-rotating scheme's file is not."""
+    file's own codes; the file is format 1.3 and a non-rotating scheme's file is not. An odd head_dim (blocks of
+    one channel: the identity) still sets the flag and takes the unpacked page path."""
     kv = [(kv_like(2, 300, d, seed=i).to(torch.bfloat16), kv_like(2, 300, d, seed=10 + i).to(torch.bfloat16))
           for i in range(2)]
     save_cache(tmp_path / "r.lynx", kv, ROTATED)
@@ -155,3 +188,18 @@ def test_finite_keys_whose_rotation_overflows_are_one_clear_error():
     with pytest.raises(InputError, match="inf or NaN"):
         entry.quantize(torch.full((1, 2, 4), float("nan")), scheme)
     entry.quantize(x, scheme, "value")  # values are not rotated
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
+def test_error_bound_holds_on_adversarial_rows(d):
+    """error_bound of rotated keys (spec/FORMAT.md §9.4) on rows whose butterflies round: cancelling sums of
+    2^40-sized values, subnormal sums, ties; per token (C = 1: each row its own metadata) and per chunk."""
+    x = torch.stack([adversarial_rows(d, seed) for seed in range(4)]).view(2, 10, d)
+    for scheme in (ROTATED.replace(meta_dtype="fp32"), ROTATED.replace(meta_dtype="fp32", chunk=1, page=1)):
+        enc = entry.quantize(x, scheme)
+        for anchor_only in (False, True):
+            err = (entry.dequantize(enc, scheme, anchor_only=anchor_only) - x).abs()
+            bound = reference.error_bound(enc, scheme, anchor_only=anchor_only)
+            worst = int(torch.argmax(err - bound))
+            assert bool((err <= bound).all()), (scheme.chunk, anchor_only, float(err.flatten()[worst]),
+                                                float(bound.flatten()[worst]))

@@ -201,7 +201,7 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     names = "\n".join(h.names).encode("utf-8")
     properties = pack_properties(h.properties)
     flags = (h.flags | c.FLAG_PROPERTIES) if properties else (h.flags & ~c.FLAG_PROPERTIES)
-    flags = (flags | c.FLAG_KEY_ROTATION) if s.keys_rotated else (flags & ~c.FLAG_KEY_ROTATION)
+    flags = (flags | c.FLAG_KEY_ROTATION) if s.rotated("key") else (flags & ~c.FLAG_KEY_ROTATION)
     var = b"".join(
         _SEGMENT.pack(seg.kind, seg.placement, len(loc), seg.page_count, seg.offset, seg.length,
                       seg.index_crc32, 0)
@@ -210,7 +210,7 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
-    minor = max(h.version_minor, c.MINOR_KEY_ROTATION if s.keys_rotated else c.MINOR_SCHEME if s.extended
+    minor = max(h.version_minor, c.MINOR_KEY_ROTATION if s.rotated("key") else c.MINOR_SCHEME if s.extended
                 else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
         c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,

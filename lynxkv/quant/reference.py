@@ -334,8 +334,7 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
         return v.double().view(h, t, d // b, b).sum(-1, keepdim=True).expand(h, t, d // b, b).reshape(h, t, d)
 
     e_sum, y_sum = block_sums(bound), block_sums(yhat.abs())
-    rotated = 2.0 ** (k - m) * e_sum + (m + 1) * 2.0**-23 * 2.0**k * (y_sum + e_sum) + 2.0**-126
-    return rotated.float()
+    return (2.0 ** (k - m) * e_sum + (m + 1) * 2.0**-23 * 2.0**k * (y_sum + e_sum) + 2.0**-126).float()
 
 
 def _step(scheme: Scheme, anchor_only: bool) -> float:

@@ -28,11 +28,6 @@ import torch
 
 from lynxkv.errors import InputError
 
-HADAMARD = "hadamard"
-NONE = "none"
-ROTATIONS = (NONE, HADAMARD)
-
-
 def block_size(head_dim: int) -> int:
     """``b``: the largest power of two that divides ``head_dim`` (1 for an odd head_dim: the identity)."""
     return head_dim & -head_dim if head_dim > 0 else 1

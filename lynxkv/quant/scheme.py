@@ -26,13 +26,13 @@ import math
 from dataclasses import dataclass
 
 from lynxkv.errors import SchemeError
-from lynxkv.quant.rotation import HADAMARD, ROTATIONS
 
 COMPANDERS = ("linear", "alpha")
 CENTRINGS = ("midrange", "mean")
 META_DTYPES = ("fp16", "fp32")
 GRIDS = ("nested", "uniform")
 VALUE_AXES = ("token", "channel")
+KEY_ROTATIONS = ("none", "hadamard")  # 1.3: hadamard is lynxkv.quant.rotation
 CODE_BITS = 8
 
 MAX_CHUNK = 1024
@@ -68,8 +68,8 @@ class Scheme:
             raise SchemeError(f"grid: expected one of {GRIDS}, got {self.grid!r}")
         if self.value_axis not in VALUE_AXES:
             raise SchemeError(f"value_axis: expected one of {VALUE_AXES}, got {self.value_axis!r}")
-        if self.key_rotation not in ROTATIONS:
-            raise SchemeError(f"key_rotation: expected one of {ROTATIONS}, got {self.key_rotation!r}")
+        if self.key_rotation not in KEY_ROTATIONS:
+            raise SchemeError(f"key_rotation: expected one of {KEY_ROTATIONS}, got {self.key_rotation!r}")
         if self.meta_dtype not in META_DTYPES:
             raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.compander == "alpha":
@@ -100,17 +100,12 @@ class Scheme:
     def rotated(self, kind: str) -> bool:
         """Whether ``kind`` (``"key"`` or ``"value"``) is rotated before it is quantized (the keys, with
         ``key_rotation = "hadamard"``)."""
-        return kind == "key" and self.key_rotation == HADAMARD
+        return kind == "key" and self.key_rotation == "hadamard"
 
     @property
     def extended(self) -> bool:
         """True when a field of format 1.2 differs from its 1.0 meaning (values per channel, sink tokens)."""
         return self.value_axis != "token" or self.sink_tokens != 0
-
-    @property
-    def keys_rotated(self) -> bool:
-        """True when the keys are rotated: a format 1.3 feature (its header flag keeps older readers out)."""
-        return self.key_rotation != "none"
 
     # Derived constants of the code (spec/FORMAT.md, "Quantizer"). -----------------------------------------
     @property
@@ -155,7 +150,7 @@ class Scheme:
         grid = "" if self.grid == "nested" else f", {self.grid} grid"
         values = "" if self.value_axis == "token" else f", V per {self.value_axis}"
         sinks = f", {self.sink_tokens} sink tokens" if self.sink_tokens else ""
-        rotation = f", K {self.key_rotation}-rotated" if self.keys_rotated else ""
+        rotation = f", K {self.key_rotation}-rotated" if self.rotated("key") else ""
         return (
             f"{comp}, {self.centring}{grid}, C={self.chunk}, P={self.page}, "
             f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}{values}{sinks}{rotation}"
