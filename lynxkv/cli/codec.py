@@ -12,6 +12,7 @@ from rich.table import Table
 from lynxkv.cli.app import app
 from lynxkv.cli.console import err, escape, model_label, out, parse_dtype, print_json, progress_step, read_text
 from lynxkv.errors import InputError
+from lynxkv.quant.scheme import PRESETS
 from lynxkv.storage import has_protocol
 from lynxkv.stream.units import format_bytes
 
@@ -38,7 +39,7 @@ def encode(
     dtype: str = typer.Option("fp32", "--dtype", help="The model's dtype for the prefill, fp32, bf16 or fp16 (the "
                               "cache stores the KV in it)."),
     tokens: int = typer.Option(1000, min=1, help="Length of the built-in prompt, in tokens."),
-    scheme: str = typer.Option("default", help="Scheme preset: default, paper, paper-a1."),
+    scheme: str = typer.Option("default", help=f"Scheme preset: {', '.join(PRESETS)}."),
     page: Optional[int] = typer.Option(None, help="Tokens per page (P)."),
     chunk: Optional[int] = typer.Option(None, help="Tokens per metadata chunk (C)."),
     alpha: Optional[float] = typer.Option(None, help="α of the α-law compander (switches it on)."),
