@@ -816,10 +816,10 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     r_out = torch.empty(size, dtype=torch.uint8)
     buf, x0, sh, st, _ = _flat(x)  # _input: the last axis is contiguous
     flags = 0
-    block, back = (rotation.block_size(d), rotation.shifts(d)[0]) if rotated else (1, 0)
+    block, k = (rotation.block_size(d), rotation.shifts(d)[0]) if rotated else (1, 0)  # encode: times 2^-k
     for f in _parallel(
         _encode_kernel, h * t if per_row else h * nc,
-        (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-back)),
+        (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-k)),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
          scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d),
     ):

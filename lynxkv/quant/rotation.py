@@ -28,6 +28,7 @@ import torch
 
 from lynxkv.errors import InputError
 
+
 def block_size(head_dim: int) -> int:
     """``b``: the largest power of two that divides ``head_dim`` (1 for an odd head_dim: the identity)."""
     return head_dim & -head_dim if head_dim > 0 else 1
