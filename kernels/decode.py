@@ -21,6 +21,8 @@ head_dim > 1024.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -97,8 +99,10 @@ def supports(scheme: Scheme) -> bool:
     return scheme.anchor_bits == 4
 
 
-def level_table(scheme: Scheme, device) -> torch.Tensor:
-    """The fp32 ``û`` of every full code, then of every anchor code, by the reference (``[256 + 2**a_b]``)."""
+@functools.lru_cache(maxsize=32)
+def level_table(scheme: Scheme, device: torch.device) -> torch.Tensor:
+    """The fp32 ``û`` of every full code, then of every anchor code, by the reference (``[256 + 2**a_b]``), on
+    ``device``; built once per scheme and device (every decode call of a load reads it; nothing writes it)."""
     codes = torch.arange(FULL_LEVELS, dtype=torch.int32).to(torch.uint8)
     full = expanded_levels(*split_code(codes, scheme), scheme)
     anchor = expanded_levels(torch.arange(1 << scheme.anchor_bits, dtype=torch.uint8), None, scheme)
