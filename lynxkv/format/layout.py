@@ -561,18 +561,16 @@ def decoded_bytes(h: AnchorHeader, element_bytes: int) -> int:
     return 2 * h.layers * h.kv_heads * h.tokens * h.head_dim * element_bytes
 
 
-def record_layout(h: AnchorHeader, kind: int, page: int) -> RecordLayout:
-    """The record layout of page ``page`` of every layer of segment ``kind`` (the anchor's with the page's sink
-    tokens)."""
-    n = page_tokens(h.tokens, h.scheme.page, page)
-    if kind == c.SEGMENT_ANCHOR:
-        return anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, page))
-    return residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
-
-
 def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:
     """The raw record length of every page of a segment, in streaming order (layer-major)."""
-    per_page = [record_layout(h, kind, p).raw_length for p in range(h.pages_per_layer)]
+    per_page = []
+    for p in range(h.pages_per_layer):
+        n = page_tokens(h.tokens, h.scheme.page, p)
+        if kind == c.SEGMENT_ANCHOR:
+            lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, p))
+        else:
+            lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
+        per_page.append(lay.raw_length)
     if any(r > c.MAX_PAGE_RAW for r in per_page):
         raise _err("page", "anchor byte 52", f"pages of at most {c.MAX_PAGE_RAW} bytes", max(per_page))
     return per_page * h.layers

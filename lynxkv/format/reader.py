@@ -33,16 +33,17 @@ from lynxkv.format.layout import (
     PageEntry,
     ResidualHeader,
     anchor_header_length,
+    anchor_record_layout,
+    page_sinks,
     check_residual_matches,
     crc32,
     inline_end,
-    page_sinks,
     page_tokens,
     parse_anchor_header,
     parse_index,
     parse_residual_header,
     raw_lengths,
-    record_layout,
+    residual_record_layout,
 )
 from lynxkv.quant import META_TORCH_DTYPE
 from lynxkv.format.records import (
@@ -207,12 +208,20 @@ def _where(segment: str, layer: int, page: int) -> str:
     return f"{segment} layer {layer} page {page}"
 
 
+def _record_layout(h: AnchorHeader, kind: int, page: int):
+    """The record layout of ``page`` (every page of a layer has the same index entry size rule)."""
+    n = page_tokens(h.tokens, h.scheme.page, page)
+    if kind == c.SEGMENT_ANCHOR:
+        return anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, page))
+    return residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
+
+
 def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int,
                 page: int) -> AnchorPage | ResidualPage:
     """Decode the record of (``layer``, ``page``) of segment ``kind`` from its stored bytes (CRC checked first)."""
     where = _where(c.SEGMENT_KINDS[kind], layer, page)
     raw = check_and_decompress(stored, entry, where)
-    lay = record_layout(h, kind, page)
+    lay = _record_layout(h, kind, page)
     if kind == c.SEGMENT_ANCHOR:
         return anchor_page(*decode_anchor_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
     return residual_page(decode_residual_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
@@ -368,7 +377,7 @@ class PageReader:
         if batch:
             groups.append(batch)
         groups.sort()
-        parts = [decode([self.raw(kind, layer, p) for p in g], record_layout(h, kind, g[0]), s, H, D,
+        parts = [decode([self.raw(kind, layer, p) for p in g], _record_layout(h, kind, g[0]), s, H, D,
                         _where(c.SEGMENT_KINDS[kind], layer, g[0])) for g in groups]
         if anchor:
             held = [p[2] for p in parts if p[2] is not None]
