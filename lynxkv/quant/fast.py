@@ -37,7 +37,9 @@ entry (:mod:`lynxkv.quant.dispatch`) uses the reference.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -719,6 +721,50 @@ if numba is not None:
             out[2 * i + 1] = b >> 4
 
 
+# ----------------------------------------------------------------------------------------------- the C decode
+def _native_library():
+    """``lynx_decode_pages`` of the compiled decode (``lynxkv/quant/_native.c``, built by ``pip install``), or
+    None where it was not built or ``LYNXKV_NATIVE=0``: then the numba kernel above decodes (the same bits)."""
+    if os.environ.get("LYNXKV_NATIVE", "1") == "0":
+        return None
+    spec = importlib.util.find_spec("lynxkv.quant._native")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError:  # pragma: no cover - a broken build; the numba kernel stays in charge
+        return None
+    fn = lib.lynx_decode_pages
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, ctypes.c_float, i64, i64, i64, i64, p, p, i32,
+                   i64, i64, i64]
+    fn.restype = i64
+    lib.lynx_vector_rows.restype = i32
+    return lib
+
+
+_NATIVE = _native_library()
+
+
+def native() -> str | None:
+    """Which compiled decode runs: ``"avx2"``, ``"scalar"`` (the C loops without vectors), or None (numba)."""
+    if _NATIVE is None:
+        return None
+    return "avx2" if _NATIVE.lynx_vector_rows() else "scalar"
+
+
+def _native_decode(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C,
+                   u0, u1, levels, y, sh, st, sd):
+    """:func:`_decode_kernel`'s arguments and result, computed by ``lynx_decode_pages`` (the GIL is released)."""
+    flags = _NATIVE.lynx_decode_pages(
+        o_buf.ctypes.data, s_buf.ctypes.data, a_buf.ctypes.data, r_buf.ctypes.data, pages.ctypes.data,
+        pages.shape[0], packed, anchor_only, rb, wide, per_row, block, back, H, C, u0, u1, levels.ctypes.data,
+        y.ctypes.data, int(y.dtype == np.uint16), sh, st, sd)
+    if flags < 0:
+        raise MemoryError("lynxkv: the decode's row buffer could not be allocated")
+    return flags
+
+
 # ----------------------------------------------------------------------------------------------- threads
 _POOL: ThreadPoolExecutor | None = None
 
@@ -949,7 +995,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     buf, _, sh, st, sd = _flat(y)
     flags = 0
     for f in _parallel(
-        _decode_kernel, units,
+        _decode_kernel if _NATIVE is None else _native_decode, units,
         (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
          scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
