@@ -59,11 +59,14 @@ from lynxkv.format.records import (
 )
 
 
-def _read_exact(src, offset: int, length: int, field: str, what: str) -> bytes:
+def _read_exact(src, offset: int, length: int, field: str, what: str, in_place: bool = False) -> bytes:
+    """``length`` bytes at ``offset`` or a FormatError naming the field; ``in_place``: a view of a memory-mapped
+    file's bytes where the source has one (no copy), else a copy."""
     if offset + length > src.size:
         raise FormatError(f"`{field}` at {what} byte {offset}: expected {length} bytes, the file ends at {src.size} "
                           "(truncated)", field=field, where=f"{what} byte {offset}")
-    data = src.read(offset, length)
+    view = getattr(src, "view", None) if in_place else None
+    data = view(offset, length) if view else src.read(offset, length)
     if len(data) != length:
         raise FormatError(f"`{field}` at {what} byte {offset}: expected {length} bytes, read {len(data)}",
                           field=field, where=f"{what} byte {offset}")
@@ -316,8 +319,8 @@ class PageReader:
 
     def layer_records(self, kind: int, layer: int) -> tuple[bytes, list[int]]:
         """The raw records of one layer's pages (each CRC-32 checked, decompressed) in one buffer, and where each
-        starts in it. A layer's pages are contiguous in the file: without zstd this is one read, and the
-        records are checked in place."""
+        starts in it. A layer's pages are contiguous in the file: without zstd this is one read (of a local file,
+        a view of its mapping, not a copy), and the records are checked in place."""
         src, index = self.source(kind), self.index(kind)
         entries = [index.entry(layer, p) for p in range(index.pages_per_layer)]
         if not entries:
@@ -330,7 +333,7 @@ class PageReader:
             pos += e.stored_length
         else:
             data = _read_exact(src, index.base + entries[0].offset, pos - entries[0].offset, "page",
-                               _where(index.name, layer, 0))
+                               _where(index.name, layer, 0), in_place=True)
             view = memoryview(data)
             for p, (e, a) in enumerate(zip(entries, at)):
                 check_and_decompress(view[a:a + e.stored_length], e, _where(index.name, layer, p))

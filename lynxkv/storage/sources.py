@@ -35,6 +35,10 @@ class BytesSource:
     def read(self, offset: int, length: int) -> bytes:
         return bytes(self._data[offset:offset + length])
 
+    def view(self, offset: int, length: int) -> memoryview:
+        """The bytes in place, without a copy."""
+        return self._data[offset:offset + length]
+
     def close(self) -> None:
         pass
 
@@ -69,9 +73,19 @@ class FileSource:
             return b""
         return self._mm[offset:offset + length]
 
+    def view(self, offset: int, length: int) -> memoryview:
+        """The bytes ``[offset, offset + length)`` (clipped to the file) in place, without a copy: what a whole
+        layer's load reads (the mapping stays valid while a view is held, even past :meth:`close`)."""
+        if self._mm is None:
+            return memoryview(b"")
+        return memoryview(self._mm)[offset:offset + length]
+
     def close(self) -> None:
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still held: the mapping goes with the last one
+                pass
             self._mm = None
         self._f.close()
 
