@@ -45,7 +45,6 @@ import socket
 import threading
 import time
 import urllib.parse
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +52,7 @@ from aiohttp import web
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
+from lynxkv.format.layout import crc32
 from lynxkv.stream.link import ANCHOR, RESIDUAL, TokenBucket
 
 QUANTUM = 64 << 10  # bytes per grant: 2.6 ms at 200 Mbit/s, so a residual chunk delays an anchor by little
@@ -157,8 +157,8 @@ def load_served_cache(cache: str, residual: str | None = None, *, allow=()) -> S
         check_crcs(anchor, res_bytes)
     except LynxError as exc:
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
-    res = Resource("residual", res_path, res_bytes, zlib.crc32(res_bytes)) if res_bytes is not None else None
-    return ServedCache(Resource("anchor", name, anchor, zlib.crc32(anchor)), res, relocated)
+    res = Resource("residual", res_path, res_bytes, crc32(res_bytes)) if res_bytes is not None else None
+    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, relocated)
 
 
 # ---------------------------------------------------------------------------------------------------- egress

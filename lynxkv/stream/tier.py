@@ -22,7 +22,7 @@ from typing import Callable
 
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader, pack_anchor_header
+from lynxkv.format.layout import AnchorHeader, crc32, pack_anchor_header
 from lynxkv.format.reader import PageReader
 from lynxkv.storage import (
     BytesSource,
@@ -105,15 +105,13 @@ def _read(url: str, segment: str, progress: Progress | None, block: int = 8 << 2
 
 def _publish(url: str, data: bytes, check: Callable[[bytes], object]) -> int:
     """Write ``data`` to ``url`` atomically, read it back and check it; return its CRC-32."""
-    import zlib
-
     write_atomic(url, data, make_dirs=True)
     back = read_range(url, 0, size_of(url))
     if back != data:
         raise InputError(f"{url}: the copy reads back as {len(back)} bytes that differ from the {len(data)} "
                          "bytes written")
     check(back)
-    return zlib.crc32(data)
+    return crc32(data)
 
 
 def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = None, keep: bool = False,
