@@ -20,6 +20,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,6 +165,42 @@ AVX2 static inline __m256i bf16x16(__m256 x0, __m256 x1) {
 /* o + s·level of 16 elements at channel d. */
 #define AFFINE(f, d) _mm256_add_ps(_mm256_load_ps(o + (d)), _mm256_mul_ps(_mm256_load_ps(s + (d)), (f)))
 
+/* The butterfly of one row held in nv vectors, within blocks of `block` channels (stages h = 1, 2, 4 inside each
+ * vector, then h = 8, 16, ... across vectors h / 8 apart). */
+AVX2 static inline void butterfly_avx2(__m256 *f, int64_t nv, int64_t block) {
+    const __m256 neg1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN));
+    const __m256 neg2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN));
+    const __m256 neg4 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
+    for (int64_t k = 0; k < nv; k++) {
+        __m256 v = f[k];
+        v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0xB1), neg1); /* h = 1: lanes (1, 0, 3, 2) */
+        if (block > 2) v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0x4E), neg2); /* h = 2: (2, 3, 0, 1) */
+        if (block > 4) v = STAGE_IN_REGISTER(v, _mm256_permute2f128_ps(v, v, 0x01), neg4); /* h = 4 */
+        f[k] = v;
+    }
+    for (int64_t h = 1; h < block / 8; h *= 2) /* h = 8, 16, ...: whole vectors, h / 8 apart */
+        for (int64_t k0 = 0; k0 < nv; k0 += 2 * h)
+            for (int64_t k = k0; k < k0 + h; k++) {
+                __m256 a = f[k], b = f[k + h];
+                f[k] = _mm256_add_ps(a, b);
+                f[k + h] = _mm256_sub_ps(a, b);
+            }
+}
+
+/* The encode's rotation of n rows of D channels in place (D % 8 == 0, D <= 512): the butterfly, then times
+ * `scale` unless it is 1. */
+AVX2 static void rotate_rows_avx2(float *y, int64_t n, int64_t D, int64_t block, float scale) {
+    __m256 f[64];
+    int64_t nv = D / 8;
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t t = 0; t < n; t++) {
+        float *row = y + t * D;
+        for (int64_t k = 0; k < nv; k++) f[k] = _mm256_loadu_ps(row + 8 * k);
+        butterfly_avx2(f, nv, block);
+        for (int64_t k = 0; k < nv; k++) _mm256_storeu_ps(row + 8 * k, scale != 1.0f ? _mm256_mul_ps(f[k], sc) : f[k]);
+    }
+}
+
 /* One row of packed 4+4 codes (rr NULL: the anchor alone), cols % 16 == 0, written contiguously (sd == 1). */
 AVX2 static void row_avx2(const uint8_t *ar, const uint8_t *rr, int64_t cols, const float *levels, const float *o,
                           const float *s, int64_t block, float back, void *y, int y_bf16, int64_t row, __m256 *f) {
@@ -201,23 +238,7 @@ AVX2 static void row_avx2(const uint8_t *ar, const uint8_t *rr, int64_t cols, co
     }
     if (!rotated) return;
     int64_t nv = cols / 8;
-    const __m256 neg1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN));
-    const __m256 neg2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN));
-    const __m256 neg4 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
-    for (int64_t k = 0; k < nv; k++) {
-        __m256 v = f[k];
-        v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0xB1), neg1); /* h = 1: lanes (1, 0, 3, 2) */
-        if (block > 2) v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0x4E), neg2); /* h = 2: (2, 3, 0, 1) */
-        if (block > 4) v = STAGE_IN_REGISTER(v, _mm256_permute2f128_ps(v, v, 0x01), neg4); /* h = 4 */
-        f[k] = v;
-    }
-    for (int64_t h = 1; h < block / 8; h *= 2) /* h = 8, 16, ...: whole vectors, h / 8 apart */
-        for (int64_t k0 = 0; k0 < nv; k0 += 2 * h)
-            for (int64_t k = k0; k < k0 + h; k++) {
-                __m256 a = f[k], b = f[k + h];
-                f[k] = _mm256_add_ps(a, b);
-                f[k + h] = _mm256_sub_ps(a, b);
-            }
+    butterfly_avx2(f, nv, block);
     const __m256 bk = _mm256_set1_ps(back);
     for (int64_t k = 0; k < nv; k += 2) {
         __m256 a = _mm256_mul_ps(f[k], bk), b = _mm256_mul_ps(f[k + 1], bk);
@@ -326,6 +347,306 @@ int64_t lynx_decode_pages(const uint8_t *o_buf, const uint8_t *s_buf, const uint
                 }
 #endif
                 row_scalar(ar, rr, cols, packed, anchor_only, rb, levels, o, s, block, back, y, y_bf16, row, sd, f);
+            }
+        }
+    }
+    free(mem);
+    return flags;
+}
+
+/* ------------------------------------------------------------------------------------------------ encode
+ * The codes and metadata of lynxkv.quant.fast's numba encode kernel, computed the same way: the same fp32
+ * operations on the same operands for the metadata and for the exact pass, and the same first pass (so the same
+ * elements take the exact pass). The module docstring of lynxkv.quant.fast says why the codes are the
+ * reference's. Loops are written for the compiler's vectoriser (no branches on the element path); the function
+ * is compiled for AVX2 and for the baseline, picked at load time where the toolchain supports that. */
+
+/* fp32 to fp16 bits, round to nearest even (overflow gives inf), as LLVM's fptrunc and torch do. */
+static inline uint32_t f16_round(float v) {
+    uint32_t b = f32_bits(v), sign = (b >> 16) & 0x8000u, a = b & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7E00u | ((a >> 13) & 0x3FFu); /* NaN stays NaN */
+    if (a >= 0x477FF000u) return sign | 0x7C00u;                        /* rounds to >= 65520: inf */
+    if (a >= 0x38800000u) return sign | ((a + 0xC8000FFFu + ((a >> 13) & 1u)) >> 13); /* normal: rebias, round */
+    float t = bits_f32(a) * 16777216.0f;                                /* subnormal: units of 2^-24, exact */
+    return sign | (uint32_t)((t + 8388608.0f) - 8388608.0f);            /* round to an integer, nearest even */
+}
+
+/* Store v in the metadata dtype at i, return the stored value: nearest, or (up, v >= 0) the smallest >= v. */
+static inline float meta_put(void *buf, int f16, int64_t i, float v, int up) {
+    if (!f16) {
+        ((float *)buf)[i] = v;
+        return v;
+    }
+    uint32_t nearest = f16_round(v);
+    uint16_t stored = (uint16_t)(nearest + (uint32_t)(up && f16_widen(nearest) < v));
+    ((uint16_t *)buf)[i] = stored;
+    return f16_widen(stored);
+}
+
+static inline float meta_get(const void *buf, int f16, int64_t i) {
+    return f16 ? f16_widen(((const uint16_t *)buf)[i]) : ((const float *)buf)[i];
+}
+
+static inline int32_t order_key(float v) {
+    int32_t b = (int32_t)f32_bits(v);
+    return b ^ ((b >> 31) & 0x7FFFFFFF);
+}
+
+static inline float key_value(int32_t k) { return bits_f32((uint32_t)(k ^ ((k >> 31) & 0x7FFFFFFF))); }
+
+static inline int32_t abs_bits(float v) { return (int32_t)(f32_bits(v) & 0x7FFFFFFFu); }
+
+typedef struct {
+    const int32_t *thr;
+    const uint16_t *codes;
+    int64_t off;
+    int shift;
+} CodeTable;
+
+/* The reference's code of x: the exact u = fl((x - o) / s), its order key, the threshold table. */
+static inline int32_t exact_code(float x, float o, float s, const CodeTable *t) {
+    int32_t k = order_key((x - o) / s);
+    int64_t b = (int64_t)(k >> t->shift) + t->off;
+    int32_t e = t->codes[b];
+    return k >= t->thr[b] ? e >> 8 : e & 0xFF;
+}
+
+/* log(y) for y >= 1 within 2^-19 max(1, log y): lynxkv.quant.fast.LOG_POLY in the kernel's order. */
+static inline float log_f32(float y, const float *P) {
+    int32_t bits = (int32_t)f32_bits(y);
+    int32_t k = (bits - 0x3F3504F3) >> 23;
+    float f = bits_f32((uint32_t)(bits - (k << 23))) - 1.0f;
+    float f2 = f * f;
+    float p = ((P[0] + P[1] * f) + f2 * (P[2] + P[3] * f)) + (f2 * f2) * (P[4] + P[5] * f);
+    return ((f - 0.5f * f2) + (f2 * f) * p) + (float)k * 0.6931471805599453f;
+}
+
+static inline float z_alpha(float u, float alpha, float inv_c, const float *P) {
+    float mag = log_f32(1.0f + fabsf(u) * alpha, P) * inv_c;
+    return bits_f32(f32_bits(mag) | (f32_bits(u) & 0x80000000u));
+}
+
+/* floor(g) of g = (z + 1) gk + gb >= 0, bit 8 set where g is within margin of an integer. */
+static inline int32_t approx_code(float z, float gk, float gb, float margin, float hi) {
+    float g = (z + 1.0f) * gk + gb;
+    int32_t code = (int32_t)g;
+    float frac = g - (float)code;
+    return code | ((int32_t)((frac < margin) | (frac > hi)) << 8);
+}
+
+/* cmax where x is the group's max, cmin where it is its min, else code (masks, not branches). */
+static inline int32_t pick(float x, float mx, float mn, int32_t cmax, int32_t cmin, int32_t code) {
+    int32_t is_max = -(int32_t)(x == mx);
+    int32_t is_min = -(int32_t)(x == mn) & ~is_max;
+    return (cmax & is_max) | (cmin & is_min) | (code & ~(is_max | is_min));
+}
+
+static inline float load_x(const void *x, int bf16, uint64_t i) {
+    return bf16 ? bits_f32((uint32_t)((const uint16_t *)x)[i] << 16) : ((const float *)x)[i];
+}
+
+/* Midrange offset and scale of a group with max hi and min lo, stored at m; flags 2 / 4 on an overflow. */
+static inline void range_meta(void *offset, void *scale, int f16, int64_t m, float hi, float lo, float *od,
+                              float *sd, int64_t *flags) {
+    *od = meta_put(offset, f16, m, (hi + lo) * 0.5f, 0);
+    if (!isfinite(*od)) *flags |= 2;
+    float a = hi - *od, b = *od - lo;
+    *sd = meta_put(scale, f16, m, a >= b ? a : b, 1);
+    if (!isfinite(*sd)) *flags |= 4;
+}
+
+#if defined(LYNX_X86) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
+
+/* Units [u0, u1) (see lynxkv.quant.fast._encode_kernel for every argument); returns its problem flags (1: the
+ * input is not finite, 2: a centre overflows the metadata dtype, 4: a scale does), or -1 when the buffers
+ * cannot be allocated. x holds fp32, or bf16 as uint16 bits (x_bf16); offset/scale fp32, or fp16 bits (meta_f16);
+ * P the six LOG_POLY coefficients in fp32. */
+CLONES int64_t lynx_encode_units(const void *x, int32_t x_bf16, int64_t x0, int64_t sh, int64_t st, int64_t T,
+                                 int64_t D, int64_t C, int64_t nc, int32_t per_row, int64_t block,
+                                 float rotation_scale, int64_t u0, int64_t u1, int32_t meta_given, void *offset,
+                                 void *scale, int32_t meta_f16, float alpha, float inv_c, float gk, float gb,
+                                 float margin, const float *P, const int32_t *thr, const uint16_t *codes,
+                                 int64_t off, int32_t shift, int32_t rb, int32_t packed, uint8_t *a_out,
+                                 uint8_t *r_out, int64_t out_h, int64_t out_t) {
+    const CodeTable table = {thr, codes, off, shift};
+    int64_t G = (D + C - 1) / C, ny = per_row ? D : C * D;
+    size_t floats = (size_t)(ny + 8 * D), ints = (size_t)(6 * D);
+    float *mem = malloc(floats * sizeof(float) + ints * sizeof(int32_t));
+    if (!mem) return -1;
+    float *y = mem, *mx = y + ny, *mn = mx + D, *o = mn + D, *s = o + D, *inv = s + D, *zb = inv + D;
+    float *spare = zb + D; /* one row for the butterfly */
+    (void)spare;
+    int32_t *kmx = (int32_t *)(mem + floats), *kmn = kmx + D, *amax = kmn + D, *cmax = amax + D, *cmin = cmax + D,
+            *rc = cmin + D;
+    int32_t mask = (1 << rb) - 1;
+    int gshift = 0; /* o[d >> gshift] is element d's offset: C = 2^gshift per row, 1 along tokens */
+    while (per_row && (1 << gshift) < C) gshift++;
+    int64_t flags = 0;
+    for (int64_t unit = u0; unit < u1; unit++) {
+        int64_t h, t0, n;
+        if (per_row) {
+            h = unit / T;
+            t0 = unit - h * T;
+            n = 1;
+        } else {
+            h = unit / nc;
+            t0 = (unit - h * nc) * C;
+            n = T - t0 < C ? T - t0 : C;
+        }
+        uint64_t base = (uint64_t)(x0 + h * sh + t0 * st);
+        int stats = !(per_row || meta_given), fused = stats && block == 1;
+        for (int64_t t = 0; t < n; t++) { /* the unit in fp32 */
+            uint64_t row = base + (uint64_t)(t * st);
+            float *yr = y + t * D;
+            for (int64_t d = 0; d < D; d++) yr[d] = load_x(x, x_bf16, row + (uint64_t)d);
+        }
+        if (block > 1) { /* rotate each row: the butterfly, then times 2^-k */
+#ifdef LYNX_X86
+            if (block >= 8 && D % 8 == 0 && D <= 512 && have_avx2()) {
+                rotate_rows_avx2(y, n, D, block, rotation_scale);
+            } else
+#endif
+            for (int64_t t = 0; t < n; t++) {
+                float *v = y + t * D;
+                butterfly_scalar(v, D, block);
+                if (rotation_scale != 1.0f)
+                    for (int64_t d = 0; d < D; d++) v[d] = v[d] * rotation_scale;
+            }
+        }
+        if (stats || fused) { /* along tokens: per channel the order keys' max and min, the largest |x| bits */
+            for (int64_t d = 0; d < D; d++) {
+                kmx[d] = kmn[d] = order_key(y[d]);
+                amax[d] = abs_bits(y[d]);
+            }
+            for (int64_t t = 1; t < n; t++) {
+                const float *yr = y + t * D;
+                for (int64_t d = 0; d < D; d++) {
+                    int32_t k = order_key(yr[d]), a = abs_bits(yr[d]);
+                    kmx[d] = kmx[d] > k ? kmx[d] : k;
+                    kmn[d] = kmn[d] < k ? kmn[d] : k;
+                    amax[d] = amax[d] > a ? amax[d] : a;
+                }
+            }
+        }
+        int tiny = 0;
+        if (per_row) { /* metadata and first-pass codes group by group */
+            for (int64_t g = 0; g < G; g++) {
+                int64_t g0 = g * C, size = (D < g0 + C ? D : g0 + C) - g0, m = unit * G + g;
+                float od, sd, hi, lo;
+                if (meta_given) {
+                    od = meta_get(offset, meta_f16, m);
+                    sd = meta_get(scale, meta_f16, m);
+                    hi = lo = NAN; /* no max/min known: no element matches a NaN */
+                } else {
+                    int32_t khi = order_key(y[g0]), klo = khi, am = 0;
+                    for (int64_t j = 0; j < size; j++) {
+                        int32_t k = order_key(y[g0 + j]), a = abs_bits(y[g0 + j]);
+                        khi = khi > k ? khi : k;
+                        klo = klo < k ? klo : k;
+                        am = am > a ? am : a;
+                    }
+                    if (am >= 0x7F800000) flags |= 1;
+                    hi = key_value(khi);
+                    lo = key_value(klo);
+                    if (hi == 0 && lo == 0) hi = lo = y[g0]; /* all zeros: the first one's sign */
+                    range_meta(offset, scale, meta_f16, m, hi, lo, &od, &sd, &flags);
+                }
+                sd = sd > 0 ? sd : 1.0f; /* s = 0 only where x - o = 0: u = 0 as specified */
+                tiny |= sd < 0x1p-100f;  /* 1/s may overflow: the exact pass for this row */
+                o[g] = od;
+                s[g] = sd;
+                float iv = 1.0f / sd;
+                int32_t ch = 0, cl = 0;
+                if (!meta_given) {
+                    ch = exact_code(hi, od, sd, &table);
+                    cl = exact_code(lo, od, sd, &table);
+                }
+                if (alpha > 0)
+                    for (int64_t j = 0; j < size; j++) zb[g0 + j] = z_alpha((y[g0 + j] - od) * iv, alpha, inv_c, P);
+                else
+                    for (int64_t j = 0; j < size; j++) zb[g0 + j] = (y[g0 + j] - od) * iv;
+                for (int64_t j = 0; j < size; j++)
+                    rc[g0 + j] = pick(y[g0 + j], hi, lo, ch, cl, approx_code(zb[g0 + j], gk, gb, margin, 1.0f - margin));
+            }
+        } else {
+            int64_t m = unit * D;
+            for (int64_t d = 0; d < D; d++) {
+                float od, sd, hi, lo;
+                if (meta_given) {
+                    od = meta_get(offset, meta_f16, m + d);
+                    sd = meta_get(scale, meta_f16, m + d);
+                    hi = lo = NAN;
+                } else {
+                    if (amax[d] >= 0x7F800000) flags |= 1;
+                    hi = key_value(kmx[d]);
+                    lo = key_value(kmn[d]);
+                    if (hi == 0 && lo == 0) hi = lo = y[d];
+                    range_meta(offset, scale, meta_f16, m + d, hi, lo, &od, &sd, &flags);
+                }
+                mx[d] = hi;
+                mn[d] = lo;
+                o[d] = od;
+                sd = sd > 0 ? sd : 1.0f;
+                s[d] = sd;
+                inv[d] = 1.0f / sd;
+                tiny |= sd < 0x1p-100f;
+            }
+            for (int64_t d = 0; d < D; d++) {
+                cmax[d] = meta_given ? 0 : exact_code(mx[d], o[d], s[d], &table);
+                cmin[d] = meta_given ? 0 : exact_code(mn[d], o[d], s[d], &table);
+            }
+        }
+        float unit_margin = tiny ? 2.0f : margin, hi_margin = 1.0f - unit_margin;
+        for (int64_t t = 0; t < n; t++) {
+            const float *yr = y + t * D;
+            int32_t flagged = 0;
+            if (per_row) {
+                for (int64_t d = 0; d < D; d++) flagged |= rc[d];
+            } else { /* first pass, every element, without the table */
+                if (alpha > 0)
+                    for (int64_t d = 0; d < D; d++) zb[d] = z_alpha((yr[d] - o[d]) * inv[d], alpha, inv_c, P);
+                else
+                    for (int64_t d = 0; d < D; d++) zb[d] = (yr[d] - o[d]) * inv[d];
+                for (int64_t d = 0; d < D; d++) {
+                    int32_t code = pick(yr[d], mx[d], mn[d], cmax[d], cmin[d],
+                                        approx_code(zb[d], gk, gb, unit_margin, hi_margin));
+                    rc[d] = code;
+                    flagged |= code;
+                }
+            }
+            /* second pass, flagged elements: the exact u and the table */
+            if (unit_margin >= 1) {
+                for (int64_t d = 0; d < D; d++) rc[d] = exact_code(yr[d], o[d >> gshift], s[d >> gshift], &table);
+            } else if (flagged & 0x100) {
+                for (int64_t b0 = 0; b0 < D; b0 += 16) { /* blocks of 16: a flagged element is rare */
+                    int64_t b1 = D < b0 + 16 ? D : b0 + 16;
+                    int32_t bits = 0;
+                    for (int64_t d = b0; d < b1; d++) bits |= rc[d];
+                    if (bits & 0x100)
+                        for (int64_t d = b0; d < b1; d++)
+                            if (rc[d] & 0x100) rc[d] = exact_code(yr[d], o[d >> gshift], s[d >> gshift], &table);
+                }
+            }
+            uint64_t el = (uint64_t)(h * out_h + (t0 + t) * out_t);
+            if (packed) {
+                uint64_t p = el >> 1;
+                for (int64_t j = 0; j < D / 2; j++) {
+                    int32_t lo_code = rc[2 * j], hi_code = rc[2 * j + 1];
+                    a_out[p + j] = (uint8_t)((lo_code >> 4) | (hi_code & 0xF0));
+                    r_out[p + j] = (uint8_t)((lo_code & 0x0F) | ((hi_code & 0x0F) << 4));
+                }
+            } else {
+                for (int64_t d = 0; d < D; d++) {
+                    a_out[el + d] = (uint8_t)(rc[d] >> rb);
+                    r_out[el + d] = (uint8_t)(rc[d] & mask);
+                }
             }
         }
     }

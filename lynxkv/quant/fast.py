@@ -739,6 +739,11 @@ def _native_library():
     fn.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, ctypes.c_float, i64, i64, i64, i64, p, p, i32,
                    i64, i64, i64]
     fn.restype = i64
+    enc = lib.lynx_encode_units
+    f32 = ctypes.c_float
+    enc.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32, f32, f32,
+                    f32, f32, f32, p, p, p, i64, i32, i32, i32, p, p, i64, i64]
+    enc.restype = i64
     lib.lynx_vector_rows.restype = i32
     return lib
 
@@ -762,6 +767,22 @@ def _native_decode(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, w
         y.ctypes.data, int(y.dtype == np.uint16), sh, st, sd)
     if flags < 0:
         raise MemoryError("lynxkv: the decode's row buffer could not be allocated")
+    return flags
+
+
+_LOG_POLY_F32 = np.array(LOG_POLY, dtype=np.float32)
+
+
+def _native_encode(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
+                   alpha, inv_c, gk, gb, margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
+    """:func:`_encode_kernel`'s arguments and result, computed by ``lynx_encode_units`` (the GIL is released)."""
+    flags = _NATIVE.lynx_encode_units(
+        x.ctypes.data, int(x.dtype == np.uint16), x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
+        meta_given, offset.ctypes.data, scale.ctypes.data, int(offset.dtype == np.uint16), alpha, inv_c, gk, gb,
+        margin, _LOG_POLY_F32.ctypes.data, thr.ctypes.data, codes.ctypes.data, off, shift, rb, packed,
+        a_out.ctypes.data, r_out.ctypes.data, out_h, out_t)
+    if flags < 0:
+        raise MemoryError("lynxkv: the encode's unit buffers could not be allocated")
     return flags
 
 
@@ -864,7 +885,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     flags = 0
     block, k = (rotation.block_size(d), rotation.shifts(d)[0]) if rotated else (1, 0)  # encode: times 2^-k
     for f in _parallel(
-        _encode_kernel, h * t if per_row else h * nc,
+        _encode_kernel if _NATIVE is None else _native_encode, h * t if per_row else h * nc,
         (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-k)),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
          scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d),
