@@ -1,9 +1,9 @@
-"""The compiled parts of lynxkv, both loaded with ctypes: the CPU decode kernel (``lynxkv/quant/_native.c``) and
-the page checksum (``lynxkv/format/_crc.c``).
+"""The compiled parts of lynxkv, both loaded with ctypes: the CPU quantizer kernels (``lynxkv/quant/_native.c``)
+and the page checksum (``lynxkv/format/_crc.c``).
 
 Everything else is in pyproject.toml. The extensions are optional: where no C compiler is found the install
-goes on, and lynxkv decodes with its numba kernel (``lynxkv.quant.fast``) and checksums with ``zlib.crc32``,
-which give the same results."""
+goes on, and lynxkv quantizes with the torch reference (``lynxkv.quant.reference``, the same bits, much slower)
+and checksums with ``zlib.crc32``."""
 
 from setuptools import Extension, setup
 

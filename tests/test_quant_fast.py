@@ -17,7 +17,8 @@ from lynxkv.quant.pack import pack_bits as ref_pack_bits
 from lynxkv.quant.pack import unpack_bits as ref_unpack_bits
 from lynxkv.quant.scheme import get_scheme
 
-pytestmark = pytest.mark.skipif(not fast.available(), reason="numba does not import: the entry uses the reference")
+pytestmark = pytest.mark.skipif(not fast.available(), reason="the compiled kernels were not built: the entry uses the "
+                                                          "reference")
 
 SCHEMES = {
     "default": get_scheme("default"),  # alpha = 0.5, keys Hadamard-rotated
@@ -54,17 +55,6 @@ def kv_like(shape, dtype, seed=0):
     if t > 4:
         x[:, 1:3] = x[:, 1:2]  # a constant run
     return x.to(dtype)
-
-
-@pytest.fixture(params=["c", "numba"])
-def decoder(request, monkeypatch):
-    """Each decode test runs on both CPU decoders: the C one (lynxkv/quant/_native.c) where it was built, and the
-    numba kernel it stands in for."""
-    if request.param == "c" and fast.native() is None:
-        pytest.skip("the C decode was not built (no compiler at install)")
-    if request.param == "numba":
-        monkeypatch.setattr(fast, "_NATIVE", None)
-    return request.param
 
 
 def assert_same(ref, got, where=""):
@@ -160,7 +150,7 @@ def test_values_per_channel_read_a_strided_slice_in_place():
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("scheme", [SCHEMES[k] for k in ("default", "mean", "5+3", "fp32meta", "paper")],
                          ids=["default", "mean", "5+3", "fp32meta", "paper"])
-def test_dequantize_is_bit_identical(scheme, shape, dtype, anchor_only, decoder):
+def test_dequantize_is_bit_identical(scheme, shape, dtype, anchor_only):
     """The level table holds the reference's own û, so o + s·û is the reference's value in every dtype."""
     x = kv_like(shape, torch.float32, seed=1)
     enc = reference.quantize(x, scheme)
@@ -179,7 +169,7 @@ def test_dequantize_is_bit_identical(scheme, shape, dtype, anchor_only, decoder)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_strided_views_in_and_out(dtype, decoder):
+def test_strided_views_in_and_out(dtype):
     """A page of a larger cache is read and written in place: inputs and outputs may be token slices."""
     scheme = SCHEMES["default"]
     big = kv_like((3, 300, 16), dtype, seed=4)
@@ -311,7 +301,7 @@ def test_dequantize_rejects_a_wrong_out_shape():
 @pytest.mark.parametrize("scheme", [get_scheme("default"), get_scheme("default", centring="mean", chunk=4, page=8),
                                     get_scheme("linear").replace(value_axis="channel", sink_tokens=40)],
                          ids=["default", "mean-C4-P8", "linear-S40"])
-def test_values_per_channel_and_sink_tokens_are_bit_identical(scheme, shape, dtype, decoder):
+def test_values_per_channel_and_sink_tokens_are_bit_identical(scheme, shape, dtype):
     """Values grouped per channel (the compiled pass over channel groups) and the sink tokens decoded
     from the full code give the reference's codes and values, written in place into a strided slice."""
     x = kv_like(shape, dtype, seed=3)
@@ -356,7 +346,7 @@ def _page_records(enc, scheme, page):
 @pytest.mark.parametrize("scheme,shape", [(SCHEMES["default"], (3, 257, 64)), (SCHEMES["fp32meta"], (2, 33, 8)),
                                           (SCHEMES["5+3"], (2, 50, 5)), (SCHEMES["C1"], (1, 3, 4))],
                          ids=["default-T257", "fp32meta", "5+3-odd-D", "C1"])
-def test_dequantize_pages_is_bit_identical(scheme, shape, dtype, anchor_only, layout, decoder):
+def test_dequantize_pages_is_bit_identical(scheme, shape, dtype, anchor_only, layout):
     """Page records in byte buffers decode straight into any view of the output, as the reference decodes the
     whole tensor; nothing outside the view is touched."""
     x = kv_like(shape, torch.float32, seed=3)
@@ -381,7 +371,7 @@ def test_dequantize_pages_is_bit_identical(scheme, shape, dtype, anchor_only, la
         assert torch.isnan(big[:, :5].float()).all() and torch.isnan(big[:, 5 + t:].float()).all()
 
 
-def test_dequantize_pages_flags_and_bounds(decoder):
+def test_dequantize_pages_flags_and_bounds():
     """Bad metadata is reported, not hidden; a page outside its buffers is refused before anything is read."""
     scheme = SCHEMES["default"]
     enc = reference.quantize(kv_like((2, 64, 8), torch.float32), scheme)
@@ -406,7 +396,7 @@ def test_dequantize_pages_flags_and_bounds(decoder):
 @pytest.mark.parametrize("anchor_only", [False, True], ids=["full", "anchor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(3, 257, 64), (2, 33, 40), (1, 3, 4)], ids=["T257", "D40", "tiny"])
-def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only, decoder):
+def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
     """Values grouped per token over channels (format 1.2): metadata [H, n, ceil(D/C)] per page, decoded in the
     same compiled pass as the reference decodes the whole tensor (sink tokens are the caller's, so none here)."""
     scheme = get_scheme("default", sink_tokens=0)
@@ -420,7 +410,7 @@ def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only, decoder)
 
 
 @pytest.mark.parametrize("split", [(4, 4), (5, 3)])
-def test_anchor_only_values_per_channel_need_no_residual(split, decoder):
+def test_anchor_only_values_per_channel_need_no_residual(split):
     """The entry decodes a channel-axis tensor from its anchor alone when no residual codes are held at all (a
     progressive reader before the residual arrives), equal to the reference's anchor-only decode."""
     scheme = dataclasses.replace(get_scheme("default"), anchor_bits=split[0], residual_bits=split[1])
@@ -435,19 +425,20 @@ FP16_SPECIAL = [0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 
                 0x7C01, 0x3555]  # zeros, subnormals, the smallest normal, ±1, ±max, ±inf, NaNs, 1/3
 
 
-@pytest.mark.skipif(fast.native() is None, reason="the C decode was not built (no compiler at install)")
+@pytest.mark.skipif(fast.native() != "avx2", reason="the vector rows do not run on this CPU")
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "bytes"])
 @pytest.mark.parametrize("wide", [False, True], ids=["fp16meta", "fp32meta"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("d,per_row", [(128, False), (96, False), (80, False), (6, False), (40, False), (128, True),
                                        (48, True), (5, True)],
                          ids=["D128", "D96-b32", "D80-b16", "D6-b2", "D40", "D128-rows", "D48-rows", "D5-rows"])
-def test_c_decode_equals_the_numba_kernel(monkeypatch, d, per_row, out_dtype, wide, packed):
-    """The C decode and the numba kernel give the same bits and the same flags on random codes and hostile
-    metadata (subnormal, infinite and NaN offsets and scales, negative and signed-zero scales), in every layout
-    the vector rows take or fall back from: rotated blocks of 128, 32, 16 and 2 channels, head_dim not a multiple
-    of 16, groups along rows, fp32 metadata, unpacked codes and a strided output. NaN results only need to be NaN
-    in both (the payload an IEEE sum keeps depends on the operand order)."""
+def test_vector_rows_equal_the_scalar_rows(d, per_row, out_dtype, wide, packed):
+    """The decode's AVX2 rows and its scalar rows give the same bits and flags on random codes and hostile
+    metadata (subnormal, infinite and NaN offsets and scales, negative and signed-zero scales), in every layout the
+    vector rows take or fall back from: rotated blocks of 128, 32, 16 and 2 channels, head_dim not a multiple of
+    16, groups along rows, fp32 metadata, unpacked codes and a strided output. The flags are those the metadata
+    calls for. NaN results only need to be NaN in both (which NaN an IEEE sum keeps depends on the operand
+    order)."""
     if packed and d % 2:
         pytest.skip("packed codes need an even head_dim")
     scheme = get_scheme("default", meta_dtype="fp32" if wide else "fp16", chunk=4, page=8)
@@ -464,27 +455,29 @@ def test_c_decode_equals_the_numba_kernel(monkeypatch, d, per_row, out_dtype, wi
         special = torch.tensor(FP16_SPECIAL, dtype=torch.int32).to(torch.int16).view(torch.float16)
     pick = torch.randint(0, 2 * n_meta, (2 * n_meta // 5,), generator=g)
     meta[pick] = special[torch.randint(0, special.numel(), pick.shape, generator=g)].to(meta.dtype)
+    o, s = meta[:n_meta].float(), meta[n_meta:].float()
+    want = (1 if bool((~o.isfinite()).any()) else 0) | (2 if bool((~s.isfinite()).any()) else 0) | (
+        4 if bool(((s < 0) & ~s.isnan()).any()) else 0)
     meta_bytes = meta.view(torch.uint8).numpy()
-    codes = torch.randint(0, 256, (code_bytes,), dtype=torch.uint8, generator=g).numpy()
+    codes = torch.randint(0, 256 if packed else 16, (code_bytes,), dtype=torch.uint8, generator=g).numpy()
     resid = torch.randint(0, 256 if packed else 16, (code_bytes,), dtype=torch.uint8, generator=g).numpy()
-    if not packed:
-        codes = codes % 16
     pages = [(0, n_meta * mb, 0, 0, 0, t, d)]
     for anchor_only in (False, True):
         results = []
-        for native in (fast._NATIVE, None):
-            monkeypatch.setattr(fast, "_NATIVE", native)
-            big = torch.full((h, d, t + 3), float("nan"), dtype=out_dtype)
-            outs = [torch.full((h, t, d), float("nan"), dtype=out_dtype), big[:, :, 2:2 + t].transpose(1, 2)]
-            flags = [fast._decode_pages(meta_bytes, meta_bytes, codes, None if anchor_only else resid, pages, packed,
-                                        scheme, out, 2, per_row=per_row, rotated=not per_row and d > 1)
-                     for out in outs]
+        for scalar in (0, 1):
+            fast._NATIVE.lynx_scalar_only(scalar)
+            try:
+                big = torch.full((h, d, t + 3), float("nan"), dtype=out_dtype)
+                outs = [torch.full((h, t, d), float("nan"), dtype=out_dtype), big[:, :, 2:2 + t].transpose(1, 2)]
+                flags = [fast._decode_pages(meta_bytes, meta_bytes, codes, None if anchor_only else resid, pages,
+                                            packed, scheme, out, 2, per_row=per_row, rotated=not per_row and d > 1)
+                         for out in outs]
+            finally:
+                fast._NATIVE.lynx_scalar_only(0)
             results.append((flags, outs))
-        (f_c, out_c), (f_nb, out_nb) = results
-        assert f_c == f_nb and f_c[0] != 0, "the flags differ, or the hostile metadata raised none"
-        for a, b in zip(out_c, out_nb):
-            same = (a.float().isnan() & b.float().isnan()) | (a.view(torch.int16 if a.dtype == torch.bfloat16
-                                                                       else torch.int32)
-                                                              == b.view(torch.int16 if b.dtype == torch.bfloat16
-                                                                        else torch.int32))
+        (f_vec, out_vec), (f_sc, out_sc) = results
+        assert f_vec == f_sc == [want, want] and want != 0
+        bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+        for a, b in zip(out_vec, out_sc):
+            same = (a.float().isnan() & b.float().isnan()) | (a.view(bits) == b.view(bits))
             assert bool(same.all()), f"anchor_only={anchor_only}: {int((~same).sum())} elements differ"

@@ -101,7 +101,7 @@ def test_rotation_is_orthonormal_and_its_inverse_exact_on_integers(d):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not fast.available(), reason="numba does not import")
+@pytest.mark.skipif(not fast.available(), reason="the compiled kernels were not built")
 @pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
 def test_compiled_rotation_is_the_reference_bit_for_bit(d):
     rows = adversarial_rows(d, seed=d)
@@ -128,7 +128,7 @@ def kv_like(h: int, t: int, d: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.skipif(not fast.available(), reason="numba does not import")
+@pytest.mark.skipif(not fast.available(), reason="the compiled kernels were not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
 def test_fast_decode_rotates_back_bit_for_bit(d, dtype):

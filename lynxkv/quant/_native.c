@@ -1,8 +1,7 @@
-/* The fast CPU decode of lynxkv.quant.fast in C: x̂ = o + s·levels[code], rotated back for format 1.3 keys,
- * rounded to bf16 or kept in fp32, for pages of codes held in byte buffers.
- *
- * It computes exactly what lynxkv.quant.fast's numba decode kernel computes, in the same fp32 operations on the
- * same operands, so the same bits (the torch reference is the oracle of both in the tests):
+/* The compiled kernels of lynxkv.quant.fast: the encode (codes and metadata of units of a tensor), the decode
+ * (x̂ = o + s·levels[code], rotated back for format 1.3 keys, rounded to bf16 or kept in fp32, for pages of codes
+ * held in byte buffers), the rotation and 4-bit packing. lynxkv.quant.fast's docstring says why their results are
+ * those of the torch reference (lynxkv.quant.reference, their oracle in the tests) bit for bit. The decode:
  *
  *   - the level of a code from the table the reference built (levels[code], or levels[anchor] alone);
  *   - o + s·level as a product, then a sum (this file is compiled with -ffp-contract=off: no fused multiply-add);
@@ -266,13 +265,15 @@ AVX2 static int64_t meta_f16_avx2(const uint8_t *p, int64_t n, float *out, int64
     return (_mm_movemask_epi8(bad) ? inf_flag : 0) | (_mm_movemask_epi8(negative) ? 4 : 0);
 }
 
+static int scalar_only = 0; /* lynx_scalar_only(1): the tests compare the vector rows with the scalar ones */
+
 static int have_avx2(void) {
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
         known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") ? 1 : 0;
     }
-    return known;
+    return known && !scalar_only;
 }
 #endif
 
@@ -355,11 +356,11 @@ int64_t lynx_decode_pages(const uint8_t *o_buf, const uint8_t *s_buf, const uint
 }
 
 /* ------------------------------------------------------------------------------------------------ encode
- * The codes and metadata of lynxkv.quant.fast's numba encode kernel, computed the same way: the same fp32
- * operations on the same operands for the metadata and for the exact pass, and the same first pass (so the same
- * elements take the exact pass). The module docstring of lynxkv.quant.fast says why the codes are the
- * reference's. Loops are written for the compiler's vectoriser (no branches on the element path); the function
- * is compiled for AVX2 and for the baseline, picked at load time where the toolchain supports that. */
+ * The codes and metadata of units of a tensor: the reference's fp32 operations for the metadata and for the exact
+ * pass; a first pass without the table flags the elements near a code boundary for the exact pass (the module
+ * docstring of lynxkv.quant.fast says why that gives the reference's codes). Loops are written for the compiler's
+ * vectoriser (no branches on the element path); the function is compiled for AVX2 and for the baseline, picked
+ * at load time where the toolchain supports that. */
 
 /* fp32 to fp16 bits, round to nearest even (overflow gives inf), as LLVM's fptrunc and torch do. */
 static inline uint32_t f16_round(float v) {
@@ -652,6 +653,61 @@ CLONES int64_t lynx_encode_units(const void *x, int32_t x_bf16, int64_t x0, int6
     }
     free(mem);
     return flags;
+}
+
+/* ------------------------------------------------------------------------------------------------ rotation, packing */
+
+/* Rows [r0, r1) (row = h T + t) of x (fp32, or bf16 bits; element (h, t, d) at x0 + h sh + t st + d), rotated:
+ * butterfly(row) times `scale`, in fp32 into y [H T D] (C order): lynxkv.quant.rotation.rotate's operations. */
+int64_t lynx_rotate_rows(const void *x, int32_t x_bf16, int64_t x0, int64_t sh, int64_t st, int64_t T, int64_t D,
+                         int64_t block, float scale, float *y, int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; row++) {
+        int64_t h = row / T;
+        uint64_t base = (uint64_t)(x0 + h * sh + (row - h * T) * st);
+        float *out = y + row * D;
+        for (int64_t d = 0; d < D; d++) out[d] = load_x(x, x_bf16, base + (uint64_t)d);
+#ifdef LYNX_X86
+        if (block >= 8 && D % 8 == 0 && D <= 512 && have_avx2()) {
+            rotate_rows_avx2(out, 1, D, block, scale);
+            continue;
+        }
+#endif
+        butterfly_scalar(out, D, block);
+        for (int64_t d = 0; d < D; d++) out[d] = out[d] * scale;
+    }
+    return 0;
+}
+
+/* Rows [r0, r1) (row = h n + t) of a strided [H, n, D] uint8 view (D even), two codes per byte, the first in
+ * the low nibble, into out in C order. */
+int64_t lynx_pack4_rows(const uint8_t *v, int64_t v0, int64_t sh, int64_t st, int64_t n, int64_t D, uint8_t *out,
+                        int64_t r0, int64_t r1) {
+    int64_t half = D / 2;
+    for (int64_t row = r0; row < r1; row++) {
+        int64_t h = row / n;
+        const uint8_t *src = v + v0 + h * sh + (row - h * n) * st;
+        uint8_t *dst = out + row * half;
+        for (int64_t j = 0; j < half; j++) dst[j] = (uint8_t)((src[2 * j] & 0x0F) | ((src[2 * j + 1] & 0x0F) << 4));
+    }
+    return 0;
+}
+
+/* Bytes [i0, i1) of p, each into two values (low nibble first). */
+int64_t lynx_unpack4(const uint8_t *p, uint8_t *out, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+        out[2 * i] = p[i] & 0x0F;
+        out[2 * i + 1] = p[i] >> 4;
+    }
+    return 0;
+}
+
+/* Take the scalar rows even where the vector ones would run (1), or not (0): for the tests, between calls. */
+void lynx_scalar_only(int32_t on) {
+#ifdef LYNX_X86
+    scalar_only = on;
+#else
+    (void)on;
+#endif
 }
 
 /* Whether the vector row kernel runs on this CPU (for the tests and the benchmarks). */

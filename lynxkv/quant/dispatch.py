@@ -3,8 +3,8 @@
 - CUDA tensors stay on the GPU: the Triton kernels where they support the scheme (:mod:`lynxkv.kernels`:
   encoding: the linear compander, along tokens (values per channel as their transpose); decoding: any 4+4
   scheme through the reference's level table, sink tokens included), else the torch reference on the GPU.
-- CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) when numba imports, else the
-  reference.
+- CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) where its C kernels were
+  built, else the reference.
 - Rotated keys (format 1.3): the compiled CPU encode rotates each block of keys inside its pass; elsewhere
   :func:`quantize` rotates them (:mod:`lynxkv.quant.rotation`, through the reference's one rule) before the
   token-axis encoding runs; the decoders rotate them back (the compiled CPU decode in its own pass, Triton through

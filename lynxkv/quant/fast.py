@@ -1,5 +1,6 @@
-"""The fast CPU path: compiled (numba) loops, bit-identical to :mod:`lynxkv.quant.reference` in codes, metadata
-and decoded values, for every scheme.
+"""The fast CPU path: compiled C kernels (``lynxkv/quant/_native.c``, called through ctypes), bit-identical to
+:mod:`lynxkv.quant.reference` in codes, metadata and decoded values, for every scheme. This module builds the
+tables the kernels read, checks and lays out the tensors, and splits the work over threads.
 
 Why it is exact:
 
@@ -25,14 +26,18 @@ Why it is exact:
   of every anchor) is computed once by the reference itself, so ``fl(o + fl(s·levels[code]))`` is the
   reference's value bit for bit, rounded to bf16 (nearest even) or kept in fp32 in the same loop.
 - **Rotated keys** (format 1.3): the Walsh–Hadamard butterfly of :mod:`lynxkv.quant.rotation`, the same fp32
-  additions on the same operands (so the same bits), runs per row in the decode pass (after ``o + s·û``, before
-  the cast) and in :func:`rotate`, the compiled encode-side rotation the entry uses on a CPU.
+  additions on the same operands (so the same bits), runs per row in the encode pass (before the range), in the
+  decode pass (after ``o + s·û``, before the cast) and in :func:`rotate`.
+- **Vectors.** Where the CPU has AVX2 (checked at run time) the rows of the default layout run on 8-lane vectors:
+  lanes do the IEEE operations a scalar loop does, and the kernels are compiled without fused multiply-add, so
+  the bits do not depend on the path; the tests run both against the reference.
 
 The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``, default the torch intra-op
 thread count, at most 8), each worker on a contiguous span of units ((head, chunk), or (head, token) for values
 per channel). Inputs and outputs may be strided views whose last axis is contiguous (a slice of a larger cache is
-written in place). numba is a dependency of lynxkv; where it does not import, :func:`available` is false and the
-entry (:mod:`lynxkv.quant.dispatch`) uses the reference.
+written in place). The kernels are built by ``pip install`` (a C compiler is needed); where they were not built,
+or with ``LYNXKV_NATIVE=0``, :func:`available` is false and the entry (:mod:`lynxkv.quant.dispatch`) uses the
+reference.
 """
 
 from __future__ import annotations
@@ -51,14 +56,6 @@ from lynxkv.quant import reference, rotation
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
-try:  # numba is a declared dependency; a broken or missing install leaves the reference in charge
-    import numba
-    from llvmlite import ir
-    from numba.core import types as nbtypes
-    from numba.extending import intrinsic, overload
-except ImportError:  # pragma: no cover - exercised only without numba
-    numba = None
-
 #: Keys of u = -1.0 and u = +1.0 (see the module docstring).
 KEY_MIN = -1065353217
 KEY_MAX = 1065353216
@@ -73,7 +70,9 @@ LOG_ERROR = 2.0**-19
 
 
 def available() -> bool:
-    return numba is not None
+    """Whether the compiled kernels are here (built by ``pip install`` with a C compiler, not disabled by
+    ``LYNXKV_NATIVE=0``); without them the quantizer entry uses the torch reference."""
+    return _NATIVE is not None
 
 
 # ----------------------------------------------------------------------------------------------- tables
@@ -124,607 +123,10 @@ def level_table(scheme: Scheme, anchor_only: bool) -> np.ndarray:
     return reference.expanded_levels(a, r, scheme).numpy()
 
 
-# ----------------------------------------------------------------------------------------------- kernels
-if numba is not None:
-
-    @intrinsic
-    def _f32_bits(typingctx, v):
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-
-        return nbtypes.int32(nbtypes.float32), codegen
-
-    @intrinsic
-    def _bits_f32(typingctx, v):
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.FloatType())
-
-        return nbtypes.float32(nbtypes.int32), codegen
-
-    @intrinsic
-    def _f16_round(typingctx, v):
-        """fp32 -> fp16 bits, round to nearest even (LLVM ``fptrunc``; overflow gives inf), as torch does."""
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-        return nbtypes.uint16(nbtypes.float32), codegen
-
-    @intrinsic
-    def _f16_widen(typingctx, v):
-        """fp16 bits -> fp32, exact."""
-        def codegen(context, builder, signature, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-        return nbtypes.float32(nbtypes.uint16), codegen
-
-    def _meta_get(buf, i):
-        raise NotImplementedError
-
-    @overload(_meta_get, inline="always")
-    def _meta_get_impl(buf, i):
-        """fp32 value of metadata element ``i`` (fp32, or fp16 stored as uint16 bits)."""
-        if buf.dtype == nbtypes.float32:
-            return lambda buf, i: buf[i]
-        return lambda buf, i: _f16_widen(buf[i])
-
-    def _meta_put(buf, i, v, up):
-        raise NotImplementedError
-
-    @overload(_meta_put, inline="always")
-    def _meta_put_impl(buf, i, v, up):
-        """Store fp32 ``v`` in the metadata dtype and return the stored value as fp32: rounded to nearest even,
-        or (``up``) to the smallest metadata value >= ``v`` (``v >= 0``)."""
-        if buf.dtype == nbtypes.float32:
-            def put_f32(buf, i, v, up):
-                buf[i] = v
-                return v
-            return put_f32
-
-        def put_f16(buf, i, v, up):
-            nearest = _f16_round(v)
-            stored = np.uint16(nearest + (np.uint16(up) & np.uint16(_f16_widen(nearest) < v)))  # no branch
-            buf[i] = stored
-            return _f16_widen(stored)
-        return put_f16
-
-    def _load(buf, i):  # stand-in for typing; the overload below is what compiles
-        raise NotImplementedError
-
-    @overload(_load, inline="always")
-    def _load_impl(buf, i):
-        """fp32 of element ``i``: fp32 as is, bf16 (stored as uint16 bits) widened exactly."""
-        if buf.dtype == nbtypes.float32:
-            return lambda buf, i: buf[i]
-        return lambda buf, i: _bits_f32(np.int32(buf[i]) << 16)
-
-    def _store(buf, i, v):
-        raise NotImplementedError
-
-    @overload(_store, inline="always")
-    def _store_impl(buf, i, v):
-        """Write fp32 ``v``: as is, or rounded to bf16 (nearest even) as uint16 bits."""
-        if buf.dtype == nbtypes.float32:
-            def store_f32(buf, i, v):
-                buf[i] = v
-            return store_f32
-
-        def store_bf16(buf, i, v):
-            b = np.uint32(_f32_bits(v))
-            buf[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-        return store_bf16
-
-    _jit = functools.partial(numba.njit, nogil=True, cache=True, boundscheck=False, error_model="numpy")
-
-    _P = tuple(np.float32(v) for v in LOG_POLY)
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _log_f32(y):
-        """Natural log of ``y >= 1`` in fp32, within ``2^-19·max(1, log y)`` (see :data:`LOG_POLY`): straight-line
-        code with a short dependency chain (Estrin), so it vectorises and pipelines."""
-        bits = _f32_bits(y)
-        k = np.int32(np.int32(bits - np.int32(0x3F3504F3)) >> 23)  # y = 2^k·m, m in [√½, √2)
-        f = _bits_f32(np.int32(bits - np.int32(k << 23))) - np.float32(1.0)
-        f2 = f * f
-        p = (_P[0] + _P[1] * f) + f2 * (_P[2] + _P[3] * f) + (f2 * f2) * (_P[4] + _P[5] * f)
-        return (f - np.float32(0.5) * f2 + f2 * f * p) + np.float32(k) * np.float32(0.6931471805599453)
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _approx_code(z, gk, gb, margin, hi):
-        """``floor(g)`` for ``g = (z + 1)·gk + gb >= 0``, with bit 8 set where ``g`` is within ``margin`` of an
-        integer."""
-        g = (z + np.float32(1.0)) * gk + gb
-        code = np.int32(g)  # truncation is floor for g >= 0
-        frac = g - np.float32(code)
-        return np.int32(code | np.int32(np.int32((frac < margin) | (frac > hi)) << 8))
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _pick(xv, mxd, mnd, cmaxd, cmind, code):
-        """``cmaxd`` where ``xv`` is the channel's max, ``cmind`` where it is the min, else ``code``: masks, not
-        branches, so the loop stays vectorised."""
-        is_max = -np.int32(xv == mxd)
-        is_min = -np.int32(xv == mnd) & ~is_max
-        return np.int32((cmaxd & is_max) | (cmind & is_min) | (code & ~(is_max | is_min)))
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _exact_code(xv, o, s, thr, codes, off, shift):
-        """The reference's code of ``xv``: the exact ``u = fl((x - o)/s)``, its key, the threshold table."""
-        k = _f32_bits((xv - o) / s)
-        k = k ^ ((k >> 31) & 0x7FFFFFFF)
-        b = (k >> shift) + off
-        e = np.int32(codes[b])
-        return (e >> 8) if k >= thr[b] else (e & 0xFF)
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _z_alpha(u, alpha, inv_c):
-        """The first pass's α-law ``z ≈ sign(u)·log(1 + α|u|)/c`` (``inv_c`` = 1/c)."""
-        mag = _log_f32(np.float32(1.0) + np.abs(u) * alpha) * inv_c
-        return _bits_f32(_f32_bits(mag) | (_f32_bits(u) & np.int32(-2147483648)))  # the sign of u
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _order_key(v):
-        """fp32 ``v`` as an int32 that orders like ``v`` (the key of the module docstring): integer max and min
-        vectorise, where float ones with their NaN rules do not; NaN keys lie beyond ±inf."""
-        b = _f32_bits(v)
-        return np.int32(b ^ ((b >> 31) & np.int32(0x7FFFFFFF)))
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _key_value(k):
-        """The inverse of :func:`_order_key`."""
-        return _bits_f32(np.int32(k ^ ((k >> 31) & np.int32(0x7FFFFFFF))))
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _abs_bits(v):
-        """``|v|`` as int32 bits: at least ``_INF_BITS`` exactly for inf and NaN."""
-        return np.int32(_f32_bits(v) & np.int32(0x7FFFFFFF))
-
-    _INF_BITS = np.int32(0x7F800000)
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _range_meta(offset, scale, m, hi, lo, flags):
-        """Midrange offset and scale of a group with maximum ``hi`` and minimum ``lo``, stored at element ``m`` of
-        ``offset``/``scale``; returns them as fp32 and ``flags`` with 2 (centre) / 4 (scale) for an overflow."""
-        od = _meta_put(offset, m, (hi + lo) * np.float32(0.5), False)
-        if not np.isfinite(od):
-            flags |= 2
-        sd = _meta_put(scale, m, max(hi - od, od - lo), True)
-        if not np.isfinite(sd):
-            flags |= 4
-        return od, sd, flags
-
-    @_jit
-    def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
-                       alpha, inv_c, gk, gb, margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
-        """Metadata and codes of units ``[u0, u1)``; returns problem flags: 1 = the input is not finite, 2 = a
-        centre overflows the metadata dtype, 4 = a scale does.
-
-        Groups along tokens (keys): a unit is one (head, chunk of C tokens), the groups its D channels, metadata
-        ``[H·nc·D]``. ``per_row`` (values per channel, format 1.2): a unit is one (head, token) row, the groups
-        its runs of C channels, metadata ``[H·T·ceil(D/C)]``. ``offset``/``scale`` (fp32, or fp16 as uint16 bits)
-        are written from each group's max and min (midrange centring), or read (``meta_given``: the reference
-        computed them). Codes go out packed 4+4 (``packed``; pairs along D, ``[H·T·D/2]`` bytes each) or as
-        anchor and residual bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``.
-
-        ``block`` > 1 (keys of format 1.3, along tokens): each row is rotated in that buffer first, exactly as
-        :func:`lynxkv.quant.rotation.rotate` does (the butterfly of :func:`_butterfly` within blocks of ``block``
-        channels, then times ``rotation_scale`` = 2^-k unless it is 1), and the rotated rows are encoded.
-
-        Each unit is read from ``x`` once, into an fp32 buffer (with the order keys' range for the groups along
-        tokens); the codes come from that buffer. Indices are unsigned (no negative-index wraparound code, which
-        keeps the loops vectorised) and the integer temporaries int32 (an int64 one halves the vector width)."""
-        G = (D + C - 1) // C
-        y = np.empty(D if per_row else C * D, np.float32)  # the unit's values, fp32, rows of D
-        yt = np.empty(C * D if block > 1 else 0, np.float32)  # the same, channel-major, for the rotation
-        kmx = np.empty(D, np.int32)  # along tokens: per channel, the order keys' max and min and the |x| bits' max
-        kmn = np.empty(D, np.int32)
-        amax = np.empty(D, np.int32)
-        mx = np.empty(D, np.float32)
-        mn = np.empty(D, np.float32)
-        cmax = np.empty(D, np.int32)  # exact codes of each group's max and min: every group has them, and they sit
-        cmin = np.empty(D, np.int32)  # on code boundaries (u = ±1), so the fp32 pass would flag them
-        o = np.empty(D, np.float32)  # per channel along tokens, per group per row
-        s = np.empty(D, np.float32)
-        inv = np.empty(D, np.float32)
-        zb = np.empty(D, np.float32)
-        rc = np.empty(D, np.int32)
-        mask = (1 << rb) - 1
-        gshift = 0  # o[d >> gshift] is element d's offset: C = 2^gshift per row, 1 along tokens
-        while per_row and (1 << gshift) < C:
-            gshift += 1
-        flags = 0
-        for unit in range(u0, u1):
-            if per_row:
-                h = unit // T
-                t0 = unit - h * T
-                n = 1
-            else:
-                h = unit // nc
-                t0 = (unit - h * nc) * C
-                n = min(T - t0, C)
-            base = np.uint64(x0 + h * sh + t0 * st)
-            # The unit in fp32, rotated where asked (and, along tokens, each channel's order-key range and largest
-            # |x| bits: in the loop that reads x unless the rows are rotated first).
-            stats = not (per_row or meta_given)
-            fused = stats and block == 1
-            for d in range(D):
-                v = _load(x, base + np.uint64(d))
-                y[d] = v
-                if fused:
-                    kmx[d] = _order_key(v)
-                    kmn[d] = _order_key(v)
-                    amax[d] = _abs_bits(v)
-            for t in range(1, n):
-                row = base + np.uint64(t * st)
-                r0 = np.uint64(t * D)
-                if fused:
-                    for d in range(D):
-                        v = _load(x, row + np.uint64(d))
-                        y[r0 + np.uint64(d)] = v
-                        k = _order_key(v)
-                        kmx[d] = max(kmx[d], k)
-                        kmn[d] = min(kmn[d], k)
-                        amax[d] = max(amax[d], _abs_bits(v))
-                else:
-                    for d in range(D):
-                        y[r0 + np.uint64(d)] = _load(x, row + np.uint64(d))
-            if block > 1:
-                # The butterfly of every row at once, channel-major (yt[d·n + t]): each pair (i, i + h) of a stage
-                # is then two contiguous runs of n values, the stage one vectorised loop per pair; the operations
-                # and their order per row are _butterfly's.
-                for t in range(n):
-                    r0 = np.uint64(t * D)
-                    for d in range(D):
-                        yt[np.uint64(d * n + t)] = y[r0 + np.uint64(d)]
-                h2 = 1
-                while h2 < block:
-                    for i0 in range(0, D, 2 * h2):
-                        for i in range(i0, i0 + h2):
-                            p0 = np.uint64(i * n)
-                            p1 = np.uint64((i + h2) * n)
-                            for t in range(n):
-                                a = yt[p0 + np.uint64(t)]
-                                b = yt[p1 + np.uint64(t)]
-                                yt[p0 + np.uint64(t)] = a + b
-                                yt[p1 + np.uint64(t)] = a - b
-                    h2 *= 2
-                for t in range(n):
-                    r0 = np.uint64(t * D)
-                    if rotation_scale != 1:
-                        for d in range(D):
-                            y[r0 + np.uint64(d)] = yt[np.uint64(d * n + t)] * rotation_scale
-                    else:
-                        for d in range(D):
-                            y[r0 + np.uint64(d)] = yt[np.uint64(d * n + t)]
-                if stats:
-                    for d in range(D):
-                        kmx[d] = _order_key(y[d])
-                        kmn[d] = _order_key(y[d])
-                        amax[d] = _abs_bits(y[d])
-                    for t in range(1, n):
-                        r0 = np.uint64(t * D)
-                        for d in range(D):
-                            v = y[r0 + np.uint64(d)]
-                            k = _order_key(v)
-                            kmx[d] = max(kmx[d], k)
-                            kmn[d] = min(kmn[d], k)
-                            amax[d] = max(amax[d], _abs_bits(v))
-            tiny = False
-            if per_row:  # metadata and first-pass codes group by group
-                for g in range(G):
-                    g0 = np.uint64(g * C)
-                    size = min(D, g * C + C) - g * C
-                    m = unit * G + g
-                    if meta_given:
-                        od = _meta_get(offset, m)
-                        sd = _meta_get(scale, m)
-                        hi = np.float32(np.nan)  # no max/min known: no element matches a NaN
-                        lo = hi
-                    else:
-                        khi = _order_key(y[g0])
-                        klo = khi
-                        am = np.int32(0)
-                        for j in range(size):
-                            v = y[g0 + np.uint64(j)]
-                            k = _order_key(v)
-                            khi = max(khi, k)
-                            klo = min(klo, k)
-                            am = max(am, _abs_bits(v))
-                        if am >= _INF_BITS:
-                            flags |= 1
-                        hi = _key_value(khi)
-                        lo = _key_value(klo)
-                        if hi == 0 and lo == 0:  # all zeros: the first one's sign, as a running max/min keeps
-                            hi = y[g0]
-                            lo = hi
-                        od, sd, flags = _range_meta(offset, scale, m, hi, lo, flags)
-                    sd = sd if sd > 0 else np.float32(1.0)  # s = 0 only where x - o = 0: u = 0 as specified
-                    tiny |= sd < np.float32(2.0**-100)  # 1/s may overflow: the exact pass for this row
-                    o[g] = od
-                    s[g] = sd
-                    iv = np.float32(1.0) / sd
-                    ch = np.int32(0)
-                    cl = np.int32(0)
-                    if not meta_given:
-                        ch = np.int32(_exact_code(hi, od, sd, thr, codes, off, shift))
-                        cl = np.int32(_exact_code(lo, od, sd, thr, codes, off, shift))
-                    if alpha > 0:  # the log in a loop of its own: two short dependency chains pipeline better
-                        for j in range(size):
-                            zb[g0 + np.uint64(j)] = _z_alpha((y[g0 + np.uint64(j)] - od) * iv, alpha, inv_c)
-                    else:
-                        for j in range(size):
-                            zb[g0 + np.uint64(j)] = (y[g0 + np.uint64(j)] - od) * iv
-                    for j in range(size):
-                        rc[g0 + np.uint64(j)] = _pick(y[g0 + np.uint64(j)], hi, lo, ch, cl,
-                                                      _approx_code(zb[g0 + np.uint64(j)], gk, gb, margin,
-                                                                   np.float32(1.0) - margin))
-            else:
-                m = unit * D
-                for d in range(D):
-                    if meta_given:
-                        od = _meta_get(offset, m + d)
-                        sd = _meta_get(scale, m + d)
-                        hi = np.float32(np.nan)
-                        lo = hi
-                    else:
-                        if amax[d] >= _INF_BITS:
-                            flags |= 1
-                        hi = _key_value(kmx[d])
-                        lo = _key_value(kmn[d])
-                        if hi == 0 and lo == 0:
-                            hi = y[d]
-                            lo = hi
-                        od, sd, flags = _range_meta(offset, scale, m + d, hi, lo, flags)
-                    mx[d] = hi
-                    mn[d] = lo
-                    o[d] = od
-                    sd = sd if sd > 0 else np.float32(1.0)
-                    s[d] = sd
-                    inv[d] = np.float32(1.0) / sd
-                    tiny |= sd < np.float32(2.0**-100)
-                for d in range(D):
-                    cmax[d] = np.int32(_exact_code(mx[d], o[d], s[d], thr, codes, off, shift)) if not meta_given else 0
-                    cmin[d] = np.int32(_exact_code(mn[d], o[d], s[d], thr, codes, off, shift)) if not meta_given else 0
-            unit_margin = np.float32(2.0) if tiny else margin
-            hi_margin = np.float32(1.0) - unit_margin
-            for t in range(n):
-                r0 = np.uint64(t * D)
-                flagged = np.int32(0)
-                if per_row:  # the first pass ran group by group above
-                    for d in range(D):
-                        flagged = np.int32(flagged | rc[d])  # an int32 reduction: an int64 one stops vectorisation
-                else:
-                    # First pass, every element, vectorised and without the table: u ≈ (x - o)·(1/s),
-                    # z ≈ log(1 + α|u|)/c (α = 0: z = u), code = floor((z + 1)·gk + gb), bit 8 set near a boundary.
-                    if alpha > 0:
-                        for d in range(D):
-                            zb[d] = _z_alpha((y[r0 + np.uint64(d)] - o[d]) * inv[d], alpha, inv_c)
-                    else:
-                        for d in range(D):
-                            zb[d] = (y[r0 + np.uint64(d)] - o[d]) * inv[d]
-                    for d in range(D):
-                        code = _pick(y[r0 + np.uint64(d)], mx[d], mn[d], cmax[d], cmin[d],
-                                     _approx_code(zb[d], gk, gb, unit_margin, hi_margin))
-                        rc[d] = code
-                        flagged = np.int32(flagged | code)
-                # Second pass, flagged elements: the exact u = fl((x - o)/s) and the table.
-                if unit_margin >= 1:
-                    for d in range(D):
-                        rc[d] = _exact_code(y[r0 + np.uint64(d)], o[d >> gshift], s[d >> gshift], thr, codes, off,
-                                            shift)
-                elif flagged & 0x100:
-                    for b0 in range(0, D, 16):  # blocks of 16: a flagged element is rare, a flagged row is not
-                        b1 = min(D, b0 + 16)
-                        bits = np.int32(0)
-                        for d in range(b0, b1):
-                            bits = np.int32(bits | rc[d])
-                        if bits & 0x100:
-                            for d in range(b0, b1):
-                                if rc[d] & 0x100:
-                                    rc[d] = _exact_code(y[r0 + np.uint64(d)], o[d >> gshift], s[d >> gshift], thr,
-                                                        codes, off, shift)
-                el = np.uint64(h * out_h + (t0 + t) * out_t)
-                if packed:
-                    p = el >> np.uint64(1)
-                    for j in range(D >> 1):
-                        lo_code = rc[2 * j]
-                        hi_code = rc[2 * j + 1]
-                        a_out[p + np.uint64(j)] = np.uint8((lo_code >> 4) | (hi_code & 0xF0))
-                        r_out[p + np.uint64(j)] = np.uint8((lo_code & 0x0F) | ((hi_code & 0x0F) << 4))
-                else:
-                    for d in range(D):
-                        a_out[el + np.uint64(d)] = np.uint8(rc[d] >> rb)
-                        r_out[el + np.uint64(d)] = np.uint8(rc[d] & mask)
-        return flags
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _meta_at(buf, at, wide):
-        """fp32 value and raw bits of the little-endian metadata element at byte ``at`` (fp32 when ``wide``,
-        else fp16): the bytes are read one by one, so a record may start at any byte."""
-        if wide:
-            bits = (np.int32(buf[at]) | (np.int32(buf[at + 1]) << 8) | (np.int32(buf[at + 2]) << 16)
-                    | (np.int32(buf[at + 3]) << 24))
-            return _bits_f32(bits), bits
-        bits = np.int32(buf[at]) | (np.int32(buf[at + 1]) << 8)
-        return _f16_widen(np.uint16(bits)), bits
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _butterfly_halves(lo, hi, h):
-        """One butterfly stage of one group of 2h channels: ``(lo, hi) <- (lo + hi, lo - hi)`` over its two
-        contiguous halves (separate views, so the loop vectorises)."""
-        for i in range(h):
-            a = lo[i]
-            b = hi[i]
-            lo[i] = a + b
-            hi[i] = a - b
-
-    @functools.partial(numba.njit, inline="always", error_model="numpy")
-    def _butterfly(v, n, block):
-        """The unnormalised Walsh–Hadamard butterfly of ``v[:n]`` in place, within blocks of ``block`` channels:
-        :func:`lynxkv.quant.rotation.butterfly`'s operations on the same operands (stages h = 1, 2, …, block/2;
-        pairs (i, i+h), i mod 2h < h), so the same bits. The stages h = 1, 2, 4 of each group of 8 channels run
-        in registers, the later ones over contiguous halves."""
-        h = 1
-        if block >= 8:
-            for g in range(0, n, 8):
-                x0, x1, x2, x3, x4, x5, x6, x7 = v[g], v[g + 1], v[g + 2], v[g + 3], v[g + 4], v[g + 5], v[g + 6], v[g + 7]
-                a0, a1, a2, a3 = x0 + x1, x0 - x1, x2 + x3, x2 - x3  # h = 1
-                a4, a5, a6, a7 = x4 + x5, x4 - x5, x6 + x7, x6 - x7
-                b0, b1, b2, b3 = a0 + a2, a1 + a3, a0 - a2, a1 - a3  # h = 2
-                b4, b5, b6, b7 = a4 + a6, a5 + a7, a4 - a6, a5 - a7
-                v[g], v[g + 1], v[g + 2], v[g + 3] = b0 + b4, b1 + b5, b2 + b6, b3 + b7  # h = 4
-                v[g + 4], v[g + 5], v[g + 6], v[g + 7] = b0 - b4, b1 - b5, b2 - b6, b3 - b7
-            h = 8
-        while h < block:
-            for i0 in range(0, n, 2 * h):
-                _butterfly_halves(v[i0:i0 + h], v[i0 + h:i0 + 2 * h], h)
-            h *= 2
-
-    @_jit
-    def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C,
-                       u0, u1, levels, y, sh, st, sd):
-        """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16); returns
-        metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a scale is negative.
-
-        ``pages`` int64 ``[P, 8]``, one row per page of ``rows x cols`` elements per head: byte offsets of its
-        offsets and scales (``[H, ceil(rows/C), cols]``, little-endian fp16, or fp32 when ``wide``) in
-        ``o_buf``/``s_buf`` and of its codes (``[H, rows, cols]`` row-major) in ``a_buf``/``r_buf``, the element
-        offset in ``y`` of its first element, ``rows``, ``cols`` and its first unit (a unit is one (head, chunk)
-        of one page; units are numbered page after page). Codes are packed 4+4 (``packed``: two per byte, the
-        first in the low nibble; ``cols`` even) or one byte each; ``anchor_only`` indexes ``levels`` by the
-        anchor. Element (h, t, d) of a page goes to ``y[y0 + h·sh + t·st + d·sd]``: any strided view.
-
-        ``per_row``: the groups run along each row instead (values per channel, format 1.2): the metadata is
-        ``[H, rows, ceil(cols/C)]`` and a unit is one (head, row).
-
-        ``block`` > 1: the codes are of Hadamard-rotated rows (keys, format 1.3); each decoded fp32 row is rotated
-        back in place before it is stored: the butterfly of :mod:`lynxkv.quant.rotation` within blocks of
-        ``block`` channels (stages h = 1, 2, …, block/2, exactly rounded fp32 additions), then times ``back``
-        (2^-(m-k), exact)."""
-        cmax = 0
-        for p in range(pages.shape[0]):
-            cmax = max(cmax, pages[p, 6])
-        o = np.empty(cmax, np.float32)
-        s = np.empty(cmax, np.float32)
-        f = np.empty(cmax, np.float32)
-        mb = 4 if wide else 2
-        rotated = block > 1
-        exponent = np.int32(0x7F800000) if wide else np.int32(0x7C00)
-        sign = np.int32(-2147483648) if wide else np.int32(0x8000)
-        flags = 0
-        for p in range(pages.shape[0]):
-            rows = pages[p, 5]
-            cols = pages[p, 6]
-            nc = rows if per_row else (rows + C - 1) // C
-            groups = (cols + C - 1) // C
-            first = pages[p, 7]
-            lo = max(u0, first)
-            hi = min(u1, first + H * nc)
-            for unit in range(lo, hi):
-                h = (unit - first) // nc
-                c = unit - first - h * nc
-                m = ((h * nc + c) * groups if per_row else (h * nc + c) * cols) * mb
-                for g in range(groups if per_row else cols):  # per row: one value per group of C channels
-                    ov, ob = _meta_at(o_buf, pages[p, 0] + m + g * mb, wide)
-                    sv, sb = _meta_at(s_buf, pages[p, 1] + m + g * mb, wide)
-                    if (ob & exponent) == exponent:
-                        flags |= 1
-                    if (sb & exponent) == exponent:
-                        flags |= 2
-                    if (sb & sign) != 0 and sb != sign:  # -0.0 is zero, not negative
-                        flags |= 4
-                    for d in range(g * C, min(cols, g * C + C)) if per_row else range(g, g + 1):
-                        o[d] = ov
-                        s[d] = sv
-                for t in range(c, c + 1) if per_row else range(c * C, min(rows, c * C + C)):
-                    el = np.uint64((h * rows + t) * cols)
-                    if packed:
-                        ar = a_buf[np.uint64(pages[p, 2]) + (el >> np.uint64(1)):]
-                        rr = r_buf[np.uint64(pages[p, 3]) + (el >> np.uint64(1)):]
-                        if anchor_only:
-                            for j in range(cols >> 1):
-                                b = np.uint32(ar[j])
-                                f[2 * j] = levels[b & np.uint32(0xF)]
-                                f[2 * j + 1] = levels[b >> np.uint32(4)]
-                        else:
-                            for j in range(cols >> 1):
-                                b = np.uint32(ar[j])
-                                e = np.uint32(rr[j])
-                                f[2 * j] = levels[((b & np.uint32(0xF)) << np.uint32(4)) | (e & np.uint32(0xF))]
-                                f[2 * j + 1] = levels[(b & np.uint32(0xF0)) | (e >> np.uint32(4))]
-                    else:
-                        ar = a_buf[np.uint64(pages[p, 2]) + el:]
-                        rr = r_buf[np.uint64(pages[p, 3]) + el:]
-                        if anchor_only:
-                            for d in range(cols):
-                                f[d] = levels[np.uint32(ar[d])]
-                        else:
-                            for d in range(cols):
-                                f[d] = levels[(np.uint32(ar[d]) << np.uint32(rb)) | np.uint32(rr[d])]
-                    row = np.uint64(pages[p, 4] + h * sh + t * st)
-                    if rotated:  # x̂ = butterfly(o + s·û)·back, in fp32, before the cast
-                        for d in range(cols):
-                            f[d] = o[d] + s[d] * f[d]
-                        _butterfly(f, cols, block)
-                        if sd == 1:
-                            yr = y[row:row + np.uint64(cols)]
-                            for d in range(cols):
-                                _store(yr, d, f[d] * back)
-                        else:
-                            for d in range(cols):
-                                _store(y, row + np.uint64(d * sd), f[d] * back)
-                    elif sd == 1:
-                        yr = y[row:row + np.uint64(cols)]
-                        for d in range(cols):
-                            _store(yr, d, o[d] + s[d] * f[d])
-                    else:
-                        for d in range(cols):
-                            _store(y, row + np.uint64(d * sd), o[d] + s[d] * f[d])
-        return flags
-
-    @_jit
-    def _rotate_kernel(x, x0, sh, st, T, D, block, scale, y, r0, r1):
-        """Rows ``[r0, r1)`` (row = h·T + t) of ``x`` (fp32, or bf16 bits; element (h, t, d) at
-        ``x0 + h·sh + t·st + d``) rotated: ``butterfly(row)·scale`` in fp32 into ``y`` ``[H·T·D]`` (C order)."""
-        v = np.empty(D, np.float32)
-        for row in range(r0, r1):
-            h = row // T
-            base = np.uint64(x0 + h * sh + (row - h * T) * st)
-            for d in range(D):
-                v[d] = _load(x, base + np.uint64(d))
-            _butterfly(v, D, block)
-            out = y[np.uint64(row) * np.uint64(D):np.uint64(row + 1) * np.uint64(D)]
-            for d in range(D):
-                out[d] = v[d] * scale
-
-    @_jit
-    def _pack4_kernel(v, out, i0, i1):
-        for i in range(i0, i1):
-            out[i] = np.uint8((v[2 * i] & 0x0F) | ((v[2 * i + 1] & 0x0F) << 4))
-
-    @_jit
-    def _pack4_rows_kernel(v, v0, sh, st, n, D, out, r0, r1):
-        """Rows ``[r0, r1)`` (row = h·n + t) of a strided ``[H, n, D]`` view, packed into ``out`` in C order."""
-        half = D >> 1
-        for row in range(r0, r1):
-            h = row // n
-            base = np.uint64(v0 + h * sh + (row - h * n) * st)
-            o = np.uint64(row * half)
-            for j in range(half):
-                lo = v[base + np.uint64(2 * j)]
-                hi = v[base + np.uint64(2 * j + 1)]
-                out[o + np.uint64(j)] = np.uint8((lo & 0x0F) | ((hi & 0x0F) << 4))
-
-    @_jit
-    def _unpack4_kernel(p, out, i0, i1):
-        for i in range(i0, i1):
-            b = p[i]
-            out[2 * i] = b & 0x0F
-            out[2 * i + 1] = b >> 4
-
-
-# ----------------------------------------------------------------------------------------------- the C decode
+# ----------------------------------------------------------------------------------------------- kernels (C)
 def _native_library():
-    """``lynx_decode_pages`` of the compiled decode (``lynxkv/quant/_native.c``, built by ``pip install``), or
-    None where it was not built or ``LYNXKV_NATIVE=0``: then the numba kernel above decodes (the same bits)."""
+    """The compiled kernels (``lynxkv/quant/_native.c``, built by ``pip install``) through ctypes, or None where
+    they were not built or ``LYNXKV_NATIVE=0``: then :func:`available` is false and the entry uses the reference."""
     if os.environ.get("LYNXKV_NATIVE", "1") == "0":
         return None
     spec = importlib.util.find_spec("lynxkv.quant._native")
@@ -732,58 +134,99 @@ def _native_library():
         return None
     try:
         lib = ctypes.CDLL(spec.origin)
-    except OSError:  # pragma: no cover - a broken build; the numba kernel stays in charge
+    except OSError:  # pragma: no cover - a broken build; the reference stays in charge
         return None
-    fn = lib.lynx_decode_pages
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, ctypes.c_float, i64, i64, i64, i64, p, p, i32,
-                   i64, i64, i64]
-    fn.restype = i64
-    enc = lib.lynx_encode_units
-    f32 = ctypes.c_float
-    enc.argtypes = [p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32, f32, f32,
-                    f32, f32, f32, p, p, p, i64, i32, i32, i32, p, p, i64, i64]
-    enc.restype = i64
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "lynx_decode_pages": [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, f32, i64, i64, i64, i64, p, p, i32,
+                              i64, i64, i64],
+        "lynx_encode_units": [p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32, f32,
+                              f32, f32, f32, f32, p, p, p, i64, i32, i32, i32, p, p, i64, i64],
+        "lynx_rotate_rows": [p, i32, i64, i64, i64, i64, i64, i64, f32, p, i64, i64],
+        "lynx_pack4_rows": [p, i64, i64, i64, i64, i64, p, i64, i64],
+        "lynx_unpack4": [p, p, i64, i64],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i64
     lib.lynx_vector_rows.restype = i32
+    lib.lynx_scalar_only.argtypes, lib.lynx_scalar_only.restype = [i32], None
     return lib
 
 
 _NATIVE = _native_library()
+_LOG_POLY_F32 = np.array(LOG_POLY, dtype=np.float32)
 
 
 def native() -> str | None:
-    """Which compiled decode runs: ``"avx2"``, ``"scalar"`` (the C loops without vectors), or None (numba)."""
+    """Which compiled kernels run: ``"avx2"`` (the vector rows), ``"scalar"`` (the C loops without them), or None
+    (not built: the entry uses the reference)."""
     if _NATIVE is None:
         return None
     return "avx2" if _NATIVE.lynx_vector_rows() else "scalar"
 
 
-def _native_decode(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C,
-                   u0, u1, levels, y, sh, st, sd):
-    """:func:`_decode_kernel`'s arguments and result, computed by ``lynx_decode_pages`` (the GIL is released)."""
-    flags = _NATIVE.lynx_decode_pages(
-        o_buf.ctypes.data, s_buf.ctypes.data, a_buf.ctypes.data, r_buf.ctypes.data, pages.ctypes.data,
-        pages.shape[0], packed, anchor_only, rb, wide, per_row, block, back, H, C, u0, u1, levels.ctypes.data,
-        y.ctypes.data, int(y.dtype == np.uint16), sh, st, sd)
-    if flags < 0:
-        raise MemoryError("lynxkv: the decode's row buffer could not be allocated")
-    return flags
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
 
 
-_LOG_POLY_F32 = np.array(LOG_POLY, dtype=np.float32)
-
-
-def _native_encode(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
+def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
                    alpha, inv_c, gk, gb, margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
-    """:func:`_encode_kernel`'s arguments and result, computed by ``lynx_encode_units`` (the GIL is released)."""
+    """Metadata and codes of units ``[u0, u1)`` (``lynx_encode_units``, whose comment documents the arguments);
+    returns problem flags: 1 = the input is not finite, 2 = a centre overflows the metadata dtype, 4 = a scale
+    does.
+
+    Groups along tokens (keys): a unit is one (head, chunk of C tokens), the groups its D channels, metadata
+    ``[H·nc·D]``. ``per_row`` (values per channel, format 1.2): a unit is one (head, token) row, the groups its
+    runs of C channels, metadata ``[H·T·ceil(D/C)]``. ``offset``/``scale`` (fp32, or fp16 as uint16 bits) are
+    written from each group's max and min (midrange centring), or read (``meta_given``: the reference computed
+    them). Codes go out packed 4+4 (``packed``; pairs along D, ``[H·T·D/2]`` bytes each) or as anchor and residual
+    bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``. ``block`` > 1 (keys of format 1.3, along tokens):
+    each row is rotated first (the butterfly within blocks of ``block`` channels, then times ``rotation_scale``)."""
     flags = _NATIVE.lynx_encode_units(
-        x.ctypes.data, int(x.dtype == np.uint16), x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
-        meta_given, offset.ctypes.data, scale.ctypes.data, int(offset.dtype == np.uint16), alpha, inv_c, gk, gb,
-        margin, _LOG_POLY_F32.ctypes.data, thr.ctypes.data, codes.ctypes.data, off, shift, rb, packed,
-        a_out.ctypes.data, r_out.ctypes.data, out_h, out_t)
+        _ptr(x), int(x.dtype == np.uint16), x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
+        meta_given, _ptr(offset), _ptr(scale), int(offset.dtype == np.uint16), alpha, inv_c, gk, gb, margin,
+        _ptr(_LOG_POLY_F32), _ptr(thr), _ptr(codes), off, shift, rb, packed, _ptr(a_out), _ptr(r_out), out_h, out_t)
     if flags < 0:
-        raise MemoryError("lynxkv: the encode's unit buffers could not be allocated")
+        raise MemoryError("the encode's unit buffers could not be allocated")
     return flags
+
+
+def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C, u0,
+                   u1, levels, y, sh, st, sd):
+    """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16) by
+    ``lynx_decode_pages``; returns metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite,
+    4 = a scale is negative.
+
+    ``pages`` int64 ``[P, 8]``, one row per page of ``rows x cols`` elements per head: byte offsets of its offsets
+    and scales (``[H, ceil(rows/C), cols]``, little-endian fp16, or fp32 when ``wide``) in ``o_buf``/``s_buf`` and
+    of its codes (``[H, rows, cols]`` row-major) in ``a_buf``/``r_buf``, the element offset in ``y`` of its first
+    element, ``rows``, ``cols`` and its first unit (a unit is one (head, chunk) of one page; units are numbered
+    page after page). Codes are packed 4+4 (``packed``: two per byte, the first in the low nibble; ``cols`` even)
+    or one byte each; ``anchor_only`` indexes ``levels`` by the anchor. Element (h, t, d) of a page goes to
+    ``y[y0 + h·sh + t·st + d·sd]``: any strided view. ``per_row``: the groups run along each row instead (values
+    per channel), metadata ``[H, rows, ceil(cols/C)]``, a unit one (head, row). ``block`` > 1: the codes are of
+    Hadamard-rotated rows (keys, format 1.3), each decoded fp32 row rotated back (the butterfly, then times
+    ``back``) before it is stored."""
+    flags = _NATIVE.lynx_decode_pages(
+        _ptr(o_buf), _ptr(s_buf), _ptr(a_buf), _ptr(r_buf), _ptr(pages), pages.shape[0], packed, anchor_only, rb,
+        wide, per_row, block, back, H, C, u0, u1, _ptr(levels), _ptr(y), int(y.dtype == np.uint16), sh, st, sd)
+    if flags < 0:
+        raise MemoryError("the decode's row buffer could not be allocated")
+    return flags
+
+
+def _rotate_kernel(x, x0, sh, st, T, D, block, scale, y, r0, r1):
+    return _NATIVE.lynx_rotate_rows(_ptr(x), int(x.dtype == np.uint16), x0, sh, st, T, D, block, scale, _ptr(y), r0,
+                                    r1)
+
+
+def _pack4_rows_kernel(v, v0, sh, st, n, D, out, r0, r1):
+    return _NATIVE.lynx_pack4_rows(_ptr(v), v0, sh, st, n, D, _ptr(out), r0, r1)
+
+
+def _unpack4_kernel(p, out, i0, i1):
+    return _NATIVE.lynx_unpack4(_ptr(p), _ptr(out), i0, i1)
 
 
 # ----------------------------------------------------------------------------------------------- threads
@@ -885,7 +328,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     flags = 0
     block, k = (rotation.block_size(d), rotation.shifts(d)[0]) if rotated else (1, 0)  # encode: times 2^-k
     for f in _parallel(
-        _encode_kernel if _NATIVE is None else _native_encode, h * t if per_row else h * nc,
+        _encode_kernel, h * t if per_row else h * nc,
         (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-k)),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
          scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d),
@@ -1016,7 +459,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     buf, _, sh, st, sd = _flat(y)
     flags = 0
     for f in _parallel(
-        _decode_kernel if _NATIVE is None else _native_decode, units,
+        _decode_kernel, units,
         (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
          scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
@@ -1139,7 +582,9 @@ def pack4(values: torch.Tensor) -> torch.Tensor:
         return out
     flat = values.contiguous().view(-1)
     out = torch.empty(flat.numel() // 2, dtype=torch.uint8)
-    _parallel(_pack4_kernel, out.numel(), (flat.numpy(), out.numpy()), (), min_units=1 << 18)
+    if out.numel():  # rows of one pair
+        _parallel(_pack4_rows_kernel, out.numel(), (flat.numpy(), 0, 0, 2, out.numel(), 2, out.numpy()), (),
+                  min_units=1 << 18)
     return out
 
 
