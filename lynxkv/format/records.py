@@ -308,24 +308,20 @@ def _sinks_from_full_code(anchor, anchor_at, tokens, scheme: Scheme, kv_heads: i
     """The sink tokens of pages already decoded from the anchor alone, again from the full code: their residual
     codes are in the anchor record (any scheme).
 
-    With the 4+4 split (every head's codes start on a byte) each head's sink rows are one page row of the
-    quantizer entry, read in place (its residual the record's ``[H, S, D]`` sink array); other splits unpack the
-    record first."""
+    With the 4+4 split the sink rows of a page are one page row of the quantizer entry, read in place: the first
+    S of the page's n tokens per head, with the record's ``[H, S, D]`` sink array as their residual; other splits
+    unpack the record first."""
     H, D = kv_heads, head_dim
     for i, (t0, n) in enumerate(tokens):
         sinks = sinks_in(scheme, t0, n)
         lay = anchor_record_layout(scheme, H, D, n, sinks)
         if scheme.anchor_bits == scheme.residual_bits == 4 and D % 2 == 0:
             parts = {name: anchor_at[i] + off for name, off in record_parts(lay).items()}
-            for j, which in enumerate(("key", "value")):
-                meta = (n * -(-D // scheme.chunk) if scheme.axis(which) == "channel" else -(-n // scheme.chunk) * D)
-                meta *= scheme.meta_bytes
-                rows = [[(parts[f"{which}_offset"] + hh * meta, parts[f"{which}_scale"] + hh * meta,
-                          parts[f"{which}_anchor"] + hh * n * D // 2, parts[f"{which}_sinks"] + hh * sinks * D // 2,
-                          0, sinks)] for hh in range(H)]
-                for hh in range(H):
-                    dequantize_pages(anchor, anchor, rows[hh], scheme, out=out[j][hh:hh + 1, t0:t0 + sinks],
-                                     threads=1, kind=which)
+            for j, which in enumerate(("key", "value")):  # the first `sinks` of the page's n tokens per head
+                row = (parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
+                       parts[f"{which}_sinks"], 0, sinks, n, sinks)
+                dequantize_pages(anchor, anchor, [row], scheme, out=out[j][:, t0:t0 + sinks], threads=threads,
+                                 kind=which)
             continue
         meta, codes, sink_codes = decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay,
                                                         scheme, H, D, f"anchor {where(i)}")

@@ -29,8 +29,12 @@
 #include <immintrin.h>
 #endif
 
-/* One row of the page table (int64 [P, 8]), in the order lynxkv.quant.fast writes it. */
-enum { PG_OFFSET, PG_SCALE, PG_ANCHOR, PG_RESIDUAL, PG_Y0, PG_ROWS, PG_COLS, PG_FIRST, PG_WIDTH };
+/* One row of the page table (int64 [P, 10]), in the order lynxkv.quant.fast writes it: the byte offsets of the
+ * page's offsets, scales, anchor and residual codes, the element offset of its first output, the rows to decode
+ * and the columns, the rows per head its metadata and anchor codes hold and the rows its residual codes hold
+ * (both at least the rows decoded: the first rows of each head are decoded), its first unit. */
+enum { PG_OFFSET, PG_SCALE, PG_ANCHOR, PG_RESIDUAL, PG_Y0, PG_ROWS, PG_COLS, PG_HELD, PG_RESIDUAL_HELD, PG_FIRST,
+       PG_WIDTH };
 
 static inline float bits_f32(uint32_t b) {
     float f;
@@ -307,14 +311,16 @@ int64_t lynx_decode_pages(const uint8_t *o_buf, const uint8_t *s_buf, const uint
     for (int64_t p = 0; p < npages; p++) {
         const int64_t *pg = pages + p * PG_WIDTH;
         int64_t rows = pg[PG_ROWS], cols = pg[PG_COLS], first = pg[PG_FIRST];
+        int64_t held = pg[PG_HELD], rheld = pg[PG_RESIDUAL_HELD];
         int64_t nc = per_row ? rows : (rows + C - 1) / C, groups = (cols + C - 1) / C;
+        int64_t nc_held = per_row ? held : (held + C - 1) / C; /* metadata rows per head */
         int64_t lo = u0 > first ? u0 : first, hi = u1 < first + H * nc ? u1 : first + H * nc;
 #ifdef LYNX_X86
         int fast = vector && sd == 1 && cols % 16 == 0;
 #endif
         for (int64_t unit = lo; unit < hi; unit++) {
             int64_t h = (unit - first) / nc, c = unit - first - h * nc;
-            int64_t m = (per_row ? (h * nc + c) * groups : (h * nc + c) * cols) * mb;
+            int64_t m = (per_row ? (h * nc_held + c) * groups : (h * nc_held + c) * cols) * mb;
 #ifdef LYNX_X86
             if (fast && !per_row && !wide) { /* keys: one fp16 offset and scale per channel */
                 flags |= meta_f16_avx2(o_buf + pg[PG_OFFSET] + m, cols, o, 1, 0);
@@ -336,10 +342,9 @@ int64_t lynx_decode_pages(const uint8_t *o_buf, const uint8_t *s_buf, const uint
             }
             int64_t t0 = per_row ? c : c * C, t1 = per_row ? c + 1 : (c * C + C < rows ? c * C + C : rows);
             for (int64_t t = t0; t < t1; t++) {
-                uint64_t el = (uint64_t)((h * rows + t) * cols);
-                uint64_t at = packed ? el >> 1 : el;
-                const uint8_t *ar = a_buf + pg[PG_ANCHOR] + at;
-                const uint8_t *rr = anchor_only ? NULL : r_buf + pg[PG_RESIDUAL] + at;
+                uint64_t el = (uint64_t)((h * held + t) * cols), rel = (uint64_t)((h * rheld + t) * cols);
+                const uint8_t *ar = a_buf + pg[PG_ANCHOR] + (packed ? el >> 1 : el);
+                const uint8_t *rr = anchor_only ? NULL : r_buf + pg[PG_RESIDUAL] + (packed ? rel >> 1 : rel);
                 int64_t row = pg[PG_Y0] + h * sh + t * st;
 #ifdef LYNX_X86
                 if (fast) {

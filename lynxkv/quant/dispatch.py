@@ -152,7 +152,9 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     ``pages``: rows ``(offset_at, scale_at, anchor_at, residual_at, t0, n)``: the page holds tokens
     ``[t0, t0 + n)``; its offsets and scales (``[H, ceil(n/C), D]``, little-endian metadata dtype) start at
     bytes ``offset_at`` and ``scale_at`` of ``anchor``, its anchor codes (``pack_bits`` of ``[H, n, D]``) at
-    ``anchor_at``, its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor alone). Returns
+    ``anchor_at``, its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor alone). A row of
+    eight, ``(..., t0, n, held, residual_held)``, decodes the first ``n`` tokens of each head from arrays that
+    hold ``held`` (metadata, anchor codes) and ``residual_held`` (residual codes) tokens per head. Returns
     metadata problem flags: 1 an offset is not finite, 2 a scale is not finite, 4 a scale is negative (the
     caller decides; the values written for such a page are what the arithmetic gives). The fast CPU path
     decodes the 4+4 split in one compiled pass (the rotated keys of format 1.3 rotated back in it); other splits
@@ -167,17 +169,20 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
                                      rotated=rotated)
     meta_np = np.dtype("<f4" if scheme.meta_dtype == "fp32" else "<f2")
     flags = 0
-    for o_at, s_at, a_at, r_at, t0, n in (tuple(int(v) for v in row) for row in pages):
-        shape = (h, n, -(-d // scheme.chunk)) if axis == "channel" else (h, -(-n // scheme.chunk), d)
+    for row in (tuple(int(v) for v in row) for row in pages):
+        o_at, s_at, a_at, r_at, t0, n = row[:6]
+        held, r_held = row[6:] if len(row) == 8 else (n, n)
+        c = scheme.chunk
+        shape = (h, held, -(-d // c)) if axis == "channel" else (h, -(-held // c), d)
         meta = [torch.from_numpy(np.frombuffer(anchor, meta_np, math.prod(shape), at).astype(meta_np.newbyteorder("=")))
-                .view(shape) for at in (o_at, s_at)]
+                .view(shape)[:, :n if axis == "channel" else -(-n // c)].contiguous() for at in (o_at, s_at)]
         flags |= (0 if bool(torch.isfinite(meta[0]).all()) else 1) | (0 if bool(torch.isfinite(meta[1]).all()) else 2)
         flags |= 4 if bool((meta[1] < 0).any()) else 0
-        count = h * n * d
         codes = [None if buf is None else
-                 unpack_bits(torch.from_numpy(np.frombuffer(buf, np.uint8, (count * bits + 7) // 8, at).copy()), bits,
-                             count).view(h, n, d)
-                 for buf, at, bits in ((anchor, a_at, scheme.anchor_bits), (residual, r_at, scheme.residual_bits))]
+                 unpack_bits(torch.from_numpy(np.frombuffer(buf, np.uint8, (h * rows * d * bits + 7) // 8, at).copy()),
+                             bits, h * rows * d).view(h, rows, d)[:, :n].contiguous()
+                 for buf, at, bits, rows in ((anchor, a_at, scheme.anchor_bits, held),
+                                             (residual, r_at, scheme.residual_bits, r_held))]
         dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1], axis, rotated=rotated), scheme,
                    anchor_only=residual is None, out=out[:, t0:t0 + n], threads=threads)
     return flags

@@ -442,7 +442,8 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], packed: bool, scheme: Scheme,
                   out: torch.Tensor, threads: int | None, per_row: bool = False, rotated: bool = False) -> int:
     """Run :func:`_decode_kernel` over ``pages`` (rows of its table without the last column, the first unit,
-    which is added here; element offsets relative to ``out``'s first element) into ``out`` (any CPU tensor with
+    which is added here, and without the rows held by the arrays where they are the rows decoded; element offsets
+    relative to ``out``'s first element) into ``out`` (any CPU tensor with
     non-negative strides; fp32 and bf16 are written in place, other dtypes through an fp32 tensor of the same
     strides); returns the metadata problem flags. ``rotated``: rows of Hadamard-rotated keys, rotated back in the
     same pass. Python work per call is kept small: the progressive reader calls this once per page."""
@@ -453,8 +454,8 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     h = out.shape[0]
     block, back = (rotation.block_size(out.shape[2]), rotation.shifts(out.shape[2])[1]) if rotated else (1, 0)
     table, units = [], 0
-    for row in pages:
-        table.append((*row, units))
+    for row in pages:  # (o, s, a, r, y0, rows, cols[, held, residual held])
+        table.append((*row, units) if len(row) == 9 else (*row, row[5], row[5], units))
         units += h * (row[5] if per_row else -(-row[5] // c))
     buf, _, sh, st, sd = _flat(y)
     flags = 0
@@ -463,6 +464,7 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
         (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
          scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
         (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
+        min_units=max(1, (1 << 16) // ((1 if per_row else c) * out.shape[2] or 1)),  # a thread per 64K elements
     ):
         flags |= f
     if y is not out:
@@ -524,7 +526,9 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     page holds tokens ``[t0, t0 + n)``; its offsets and scales (``[H, ceil(n/C), D]``, little-endian metadata
     dtype) start at bytes ``offset_at`` and ``scale_at`` of ``anchor``, its packed anchor codes (``[H, n, D]``
     flattened) at ``anchor_at``; its residual codes at ``residual_at`` of ``residual`` (``None``: the anchor
-    alone). Returns metadata problem flags (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
+    alone). A row of eight, ``(..., t0, n, held, residual_held)``, decodes the first ``n`` tokens of each head of
+    arrays that hold ``held`` tokens per head (metadata and anchor codes) and ``residual_held`` (residual codes):
+    the sink tokens of a page, whose residual codes the anchor record holds apart. Returns metadata problem flags (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
     negative); the values written for such a page are what the arithmetic gives. ``axis="channel"``: the groups
     run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``.
     ``rotated``: the codes are of Hadamard-rotated keys (format 1.3), rotated back in the same pass."""
@@ -539,14 +543,16 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     a_size, r_size = a_buf.size, 0 if r_buf is None else r_buf.size
     c, mb, st = scheme.chunk, scheme.meta_bytes, out.stride(1)
     table = []
-    for o_at, s_at, a_at, r_at, t0, n in pages:
-        meta = h * (n * -(-d // c) if axis == "channel" else -(-n // c) * d) * mb
-        codes = h * n * d // 2
-        if (min(o_at, s_at, a_at, r_at, t0, n) < 0 or t0 + n > t or max(o_at, s_at) + meta > a_size
-                or a_at + codes > a_size or (r_buf is not None and r_at + codes > r_size)):
-            raise InputError(f"pages: page {(o_at, s_at, a_at, r_at, t0, n)} lies outside its buffers or outside out")
+    for row in pages:
+        o_at, s_at, a_at, r_at, t0, n = row[:6]
+        held, r_held = row[6:] if len(row) == 8 else (n, n)
+        meta = h * (held * -(-d // c) if axis == "channel" else -(-held // c) * d) * mb
+        if (min(o_at, s_at, a_at, r_at, t0, n) < 0 or t0 + n > t or n > min(held, r_held)
+                or max(o_at, s_at) + meta > a_size or a_at + h * held * d // 2 > a_size
+                or (r_buf is not None and r_at + h * r_held * d // 2 > r_size)):
+            raise InputError(f"pages: page {tuple(row)} lies outside its buffers or outside out")
         if n and h and d:
-            table.append((o_at, s_at, a_at, r_at, t0 * st, n, d))
+            table.append((o_at, s_at, a_at, r_at, t0 * st, n, d, held, r_held))
     if not table:
         return 0
     if rotated and axis == "channel":
