@@ -3,7 +3,8 @@
 Through the public API only, in one process, the default scheme, each step repeated (interleaved) and the
 median taken:
 
-- ``save_cache``: quantize + pack + write the anchor and residual files (``lynxkv.save_cache``);
+- ``save_cache``: quantize + pack + write the anchor and residual files, fsync included (``lynxkv.save_cache``;
+  the files are deleted after the timed step, as safetensors' are);
 - ``load_kv``: ``lynxkv.open_cache(path).load_kv()`` (every page read, CRC checked, decoded to BF16);
 - ``load_kv anchor``: ``load_kv(anchor_only=True)``;
 - ``progressive anchor``: ``lynxkv.stream.open_progressive(path)`` until ``wait_anchor()`` returns (no link
@@ -86,6 +87,7 @@ class Steps:
 
     def __init__(self, kv, tmp: Path):
         self.kv, self.tmp, self.n = kv, tmp, 0
+        self.written: list[Path] = []
         self.raw = raw_bytes(kv)
         self.zc = zstandard.ZstdCompressor(level=1)
         self.zd = zstandard.ZstdDecompressor()
@@ -99,8 +101,13 @@ class Steps:
         self.n += 1
         p = self.tmp / f"s{self.n}.lynx"
         lynxkv.save_cache(p, self.kv, lynxkv.DEFAULT)
-        p.unlink()
-        p.with_suffix(".lynxr").unlink()
+        self.written += [p, p.with_suffix(".lynxr")]
+
+    def clean(self):
+        """Remove what the last step wrote (not timed: deleting a file is no part of writing it)."""
+        for p in self.written:
+            p.unlink()
+        self.written = []
 
     def load_kv(self):
         with lynxkv.open_cache(self.path) as cache:
@@ -130,7 +137,7 @@ class Steps:
         self.n += 1
         p = self.tmp / f"s{self.n}.safetensors"
         save_file({f"{i}.{j}": t for i, pair in enumerate(self.kv) for j, t in enumerate(pair)}, str(p))
-        p.unlink()
+        self.written.append(p)
 
 
 STEPS = ("save_cache", "load_kv", "load_anchor", "progressive_anchor", "zstd_compress", "zstd_decompress",
@@ -143,6 +150,7 @@ def measure(name: str, kv, repeats: int, tmp: Path, profile: bool) -> dict:
     load_before = os.getloadavg()
     for step in STEPS:  # warm-up: compile caches, page cache, thread pools
         getattr(steps, step)()
+        steps.clean()
     times: dict[str, list[float]] = {s: [] for s in STEPS}
     cpu: dict[str, list[float]] = {s: [] for s in STEPS}
     for _ in range(repeats):
@@ -151,6 +159,7 @@ def measure(name: str, kv, repeats: int, tmp: Path, profile: bool) -> dict:
             getattr(steps, step)()
             times[step].append(time.perf_counter() - t0)
             cpu[step].append(time.process_time() - c0)
+            steps.clean()
     med = {s: statistics.median(v) for s, v in times.items()}
     cpu_med = {s: statistics.median(v) for s, v in cpu.items()}
 
@@ -168,6 +177,7 @@ def measure(name: str, kv, repeats: int, tmp: Path, profile: bool) -> dict:
         for step in ("save_cache", "load_kv", "load_anchor", "progressive_anchor"):
             prof = cProfile.Profile()
             prof.runcall(getattr(steps, step))
+            steps.clean()
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
             profiles[step] = out.getvalue()
