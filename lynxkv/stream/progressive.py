@@ -227,9 +227,7 @@ class ProgressiveLoad:
 
     def close(self) -> None:
         self._closed.set()
-        self._header_ready.set()  # wake the residual worker wherever it waits
-        self._anchor_parsed.set()
-        self._residual_slots.release(self._max_pending + 1)
+        self._residual_slots.release(self._max_pending + 1)  # a residual worker waiting for a slot sees the close
         self._transport.close()
         self._queue.put((-1, -1, ("stop",)))  # ahead of every queued page: a closed load decodes nothing more
         for t in self._threads:  # let the workers leave torch code before the caller goes on (or exits)
@@ -275,7 +273,6 @@ class ProgressiveLoad:
         try:
             self._parse_anchor()
         finally:
-            self._header_ready.set()  # also when the parse failed first: the residual worker then leaves
             self._anchor_parsed.set()
 
     def _parse_anchor(self) -> None:
@@ -296,10 +293,9 @@ class ProgressiveLoad:
         self._put(0, ("anchor_done",))
 
     def _residual_worker(self) -> None:
-        # Each wait ends with what it waits for or with close(), which sets both events and frees the slots.
-        self._header_ready.wait()  # set by the anchor parser, also when it fails before the header
-        if self._closed.is_set() or self.header is None:
-            return  # the load was closed, or the anchor failed (the consumer reports it)
+        while not self._header_ready.wait(0.2):
+            if self._closed.is_set() or self._anchor_done.is_set():
+                return  # the anchor failed (the consumer reports it) or the load was closed
         h, reader = self.header, self._reader
         seg = h.segment(c.SEGMENT_RESIDUAL)
         if seg is None:
@@ -307,13 +303,13 @@ class ProgressiveLoad:
         self._residual_bytes_total = seg.length
         buf = self._transport.open_residual(h)
         reader.attach_residual(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)
-        self._anchor_parsed.wait()  # residual pages wait for the anchor anyway: their checks then take no CPU
-        if self._closed.is_set():   # from the anchor's (the bytes keep arriving)
-            return
-        for layer, page, entry, raw in reader.pages(c.SEGMENT_RESIDUAL, decode=False):
-            self._residual_slots.acquire()  # bounded: the consumer holds these back
-            if self._closed.is_set():
+        while not self._anchor_parsed.wait(0.2):  # residual pages wait for the anchor anyway: their checks then
+            if self._closed.is_set():               # take no CPU from the anchor's (the bytes keep arriving)
                 return
+        for layer, page, entry, raw in reader.pages(c.SEGMENT_RESIDUAL, decode=False):
+            while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
+                if self._closed.is_set():
+                    return
             self._put(1, ("residual", layer, page, raw if self.decode else None, entry.stored_length))
         self._timeline.extra["residual_arrived_s"] = self._now()
         self._put(1, ("residual_done",))

@@ -53,7 +53,8 @@ class RangeStream:
     def __init__(self, url: str, start: int, end: int, *, stream: int, segment: str,
                  link: EmulatedLink | None = None, fetch: Fetch | None = None, block_size: int = 1 << 20,
                  inflight: int = 4, retry: RetryPolicy | None = None, storage_options: dict | None = None,
-                 on_retry: Callable[[str], None] | None = None, yield_to: Callable[[], bool] | None = None):
+                 on_retry: Callable[[str], None] | None = None, yield_to: Callable[[], bool] | None = None,
+                 link_after: threading.Event | None = None):
         self.url, self.start, self.end = url, start, end
         self.stream, self.segment = stream, segment
         self.link = link
@@ -63,6 +64,7 @@ class RangeStream:
         self.retry = retry or RetryPolicy()
         self.on_retry = on_retry
         self.yield_to = yield_to  # while it returns True, keep one request in flight (a higher priority loads)
+        self.link_after = link_after  # no byte goes on the link before this is set (the higher priority is in)
         self.retries = 0
         self._closed = threading.Event()
 
@@ -102,7 +104,12 @@ class RangeStream:
                                   where=self.segment)
             # Charge the shared link here, in the block's own worker, so that the latency of several blocks in
             # flight overlaps (a pipe) while the bucket still serialises their bytes one after another.
-            delivered = self.link.send(self.stream, len(data)) if self.link is not None else 0.0
+            delivered = 0.0
+            if self.link is not None:
+                while self.link_after is not None and not self.link_after.wait(0.05):
+                    if self._closed.is_set():
+                        raise LynxError(f"{self.segment} stream closed")
+                delivered = self.link.send(self.stream, len(data))
             return data, delivered
         if isinstance(last, LynxError):
             raise last
@@ -241,7 +248,9 @@ class StorageTransport:
     The anchor: its header first (two small reads) to learn where the anchor section ends, then the section in
     blocks. The residual: from ``residual``, or from the location the header records under the trust rule of
     :func:`lynxkv.storage.resolve_location` (``allow_locations``); it keeps one request in flight until every anchor byte is in, so on a shared store it does
-    not slow the anchor down (strict priority at the storage too, not only on the link)."""
+    not slow the anchor down (strict priority at the storage too, not only on the link), and under an emulated
+    link its first byte goes on the link after the anchor's last (the receiver drains the anchor first), so a
+    moment in which no anchor block happens to be waiting does not let a residual block in ahead of it."""
 
     def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
@@ -269,7 +278,8 @@ class StorageTransport:
         src = RangeStream(url, start, end, stream=stream, segment=name, link=t.link if link else None, fetch=fetch,
                           block_size=self.block_size, inflight=self.inflight, retry=self.retry,
                           storage_options=self.storage_options, on_retry=t.on_retry,
-                          yield_to=(lambda: not t.anchor_fetched.is_set()) if stream == RESIDUAL else None)
+                          yield_to=(lambda: not t.anchor_fetched.is_set()) if stream == RESIDUAL else None,
+                          link_after=t.anchor_fetched if stream == RESIDUAL else None)
         t.add_closer(src.close)
         return src
 
