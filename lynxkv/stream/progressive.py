@@ -310,6 +310,8 @@ class ProgressiveLoad:
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
                     return
+            if self._closed.is_set():  # close() frees the slots to end this wait
+                return
             self._put(1, ("residual", layer, page, raw if self.decode else None, entry.stored_length))
         self._timeline.extra["residual_arrived_s"] = self._now()
         self._put(1, ("residual_done",))
