@@ -9,9 +9,7 @@ message names the field, where it sits, what was expected and what was found.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ import numpy as np
 
 from lynxkv.errors import ChecksumError, FormatError, InputError, SchemeError
 from lynxkv.format import constants as c
+from lynxkv.native import load_extension
 from lynxkv.quant.scheme import Scheme
 
 _ANCHOR_FIXED = struct.Struct(c.ANCHOR_FIXED_STRUCT)
@@ -33,24 +32,9 @@ assert _RESIDUAL.size == c.RESIDUAL_HEADER_SIZE and _PAGE.size == c.PAGE_ENTRY_S
 PREFIX_SIZE = 8 + 2 + 2 + 4 + 4
 
 
-def _crc_library():
-    """``lynx_crc32`` of the compiled checksum (``lynxkv/format/_crc.c``, built by ``pip install``), or None where
-    it was not built or ``LYNXKV_NATIVE=0``: then ``zlib.crc32`` (the same value) checks every page."""
-    if os.environ.get("LYNXKV_NATIVE", "1") == "0":
-        return None
-    spec = importlib.util.find_spec("lynxkv.format._crc")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError:  # pragma: no cover - a broken build; zlib stays in charge
-        return None
-    lib.lynx_crc32.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32]
-    lib.lynx_crc32.restype = ctypes.c_uint32
-    return lib
-
-
-_CRC = _crc_library()
+#: ``lynx_crc32`` of ``lynxkv/format/_crc.c``, or None: then ``zlib.crc32`` (the same value) checks every page.
+_CRC = load_extension("lynxkv.format._crc",
+                      {"lynx_crc32": ([ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32], ctypes.c_uint32)})
 #: Below this many bytes zlib's own call is quicker than the ctypes call.
 _CRC_NATIVE_FROM = 1 << 14
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 
 from lynxkv.errors import InputError
+from lynxkv.native import load_extension
 from lynxkv.quant import reference, rotation
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
@@ -125,33 +125,20 @@ def level_table(scheme: Scheme, anchor_only: bool) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------- kernels (C)
 def _native_library():
-    """The compiled kernels (``lynxkv/quant/_native.c``, built by ``pip install``) through ctypes, or None where
-    they were not built or ``LYNXKV_NATIVE=0``: then :func:`available` is false and the entry uses the reference."""
-    if os.environ.get("LYNXKV_NATIVE", "1") == "0":
-        return None
-    spec = importlib.util.find_spec("lynxkv.quant._native")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError:  # pragma: no cover - a broken build; the reference stays in charge
-        return None
+    """The compiled kernels (``lynxkv/quant/_native.c``) through ctypes, or None where they were not built or
+    ``LYNXKV_NATIVE=0``: then :func:`available` is false and the entry uses the reference."""
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    signatures = {
-        "lynx_decode_pages": [p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, f32, i64, i64, i64, i64, p, p, i32,
-                              i64, i64, i64],
-        "lynx_encode_units": [p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32, f32,
-                              f32, f32, f32, f32, p, p, p, i64, i32, i32, i32, p, p, i64, i64],
-        "lynx_rotate_rows": [p, i32, i64, i64, i64, i64, i64, i64, f32, p, i64, i64],
-        "lynx_pack4_rows": [p, i64, i64, i64, i64, i64, p, i64, i64],
-        "lynx_unpack4": [p, p, i64, i64],
-    }
-    for name, args in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, i64
-    lib.lynx_vector_rows.restype = i32
-    lib.lynx_scalar_only.argtypes, lib.lynx_scalar_only.restype = [i32], None
-    return lib
+    return load_extension("lynxkv.quant._native", {
+        "lynx_decode_pages": ([p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, f32, i64, i64, i64, i64, p, p, i32,
+                               i64, i64, i64], i64),
+        "lynx_encode_units": ([p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32,
+                               f32, f32, f32, f32, f32, p, p, p, i64, i32, i32, i32, p, p, i64, i64], i64),
+        "lynx_rotate_rows": ([p, i32, i64, i64, i64, i64, i64, i64, f32, p, i64, i64], i64),
+        "lynx_pack4_rows": ([p, i64, i64, i64, i64, i64, p, i64, i64], i64),
+        "lynx_unpack4": ([p, p, i64, i64], i64),
+        "lynx_vector_rows": ([], i32),
+        "lynx_scalar_only": ([i32], None),
+    })
 
 
 _NATIVE = _native_library()
