@@ -53,8 +53,7 @@ class RangeStream:
     def __init__(self, url: str, start: int, end: int, *, stream: int, segment: str,
                  link: EmulatedLink | None = None, fetch: Fetch | None = None, block_size: int = 1 << 20,
                  inflight: int = 4, retry: RetryPolicy | None = None, storage_options: dict | None = None,
-                 on_retry: Callable[[str], None] | None = None, yield_to: Callable[[], bool] | None = None,
-                 link_after: threading.Event | None = None):
+                 on_retry: Callable[[str], None] | None = None, after: threading.Event | None = None):
         self.url, self.start, self.end = url, start, end
         self.stream, self.segment = stream, segment
         self.link = link
@@ -63,8 +62,8 @@ class RangeStream:
         self.inflight = max(1, inflight)
         self.retry = retry or RetryPolicy()
         self.on_retry = on_retry
-        self.yield_to = yield_to  # while it returns True, keep one request in flight (a higher priority loads)
-        self.link_after = link_after  # no byte goes on the link before this is set (the higher priority is in)
+        # Until `after` is set (a higher priority is still loading): one request in flight, nothing on the link.
+        self.after = after
         self.retries = 0
         self._closed = threading.Event()
 
@@ -106,7 +105,7 @@ class RangeStream:
             # flight overlaps (a pipe) while the bucket still serialises their bytes one after another.
             delivered = 0.0
             if self.link is not None:
-                while self.link_after is not None and not self.link_after.wait(0.05):
+                while self.after is not None and not self.after.wait(0.05):
                     if self._closed.is_set():
                         raise LynxError(f"{self.segment} stream closed")
                 delivered = self.link.send(self.stream, len(data))
@@ -124,7 +123,7 @@ class RangeStream:
         try:
             nxt = self.start
             while nxt < self.end or pending:
-                limit = 1 if self.yield_to is not None and self.yield_to() else self.inflight
+                limit = 1 if self.after is not None and not self.after.is_set() else self.inflight
                 while nxt < self.end and len(pending) < limit:
                     b = min(nxt + self.block_size, self.end)
                     pending.append((nxt, block_pool.submit(self._read_block, fetch_pool, nxt, b)))
@@ -278,8 +277,7 @@ class StorageTransport:
         src = RangeStream(url, start, end, stream=stream, segment=name, link=t.link if link else None, fetch=fetch,
                           block_size=self.block_size, inflight=self.inflight, retry=self.retry,
                           storage_options=self.storage_options, on_retry=t.on_retry,
-                          yield_to=(lambda: not t.anchor_fetched.is_set()) if stream == RESIDUAL else None,
-                          link_after=t.anchor_fetched if stream == RESIDUAL else None)
+                          after=t.anchor_fetched if stream == RESIDUAL else None)
         t.add_closer(src.close)
         return src
 
