@@ -483,12 +483,10 @@ CLONES int64_t lynx_encode_units(const void *x, int32_t x_bf16, int64_t x0, int6
                                  uint8_t *r_out, int64_t out_h, int64_t out_t) {
     const CodeTable table = {thr, codes, off, shift};
     int64_t G = (D + C - 1) / C, ny = per_row ? D : C * D;
-    size_t floats = (size_t)(ny + 8 * D), ints = (size_t)(6 * D);
+    size_t floats = (size_t)(ny + 6 * D), ints = (size_t)(6 * D);
     float *mem = malloc(floats * sizeof(float) + ints * sizeof(int32_t));
     if (!mem) return -1;
     float *y = mem, *mx = y + ny, *mn = mx + D, *o = mn + D, *s = o + D, *inv = s + D, *zb = inv + D;
-    float *spare = zb + D; /* one row for the butterfly */
-    (void)spare;
     int32_t *kmx = (int32_t *)(mem + floats), *kmn = kmx + D, *amax = kmn + D, *cmax = amax + D, *cmin = cmax + D,
             *rc = cmin + D;
     int32_t mask = (1 << rb) - 1;

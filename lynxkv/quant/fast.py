@@ -185,11 +185,12 @@ def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, w
     ``lynx_decode_pages``; returns metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite,
     4 = a scale is negative.
 
-    ``pages`` int64 ``[P, 8]``, one row per page of ``rows x cols`` elements per head: byte offsets of its offsets
-    and scales (``[H, ceil(rows/C), cols]``, little-endian fp16, or fp32 when ``wide``) in ``o_buf``/``s_buf`` and
-    of its codes (``[H, rows, cols]`` row-major) in ``a_buf``/``r_buf``, the element offset in ``y`` of its first
-    element, ``rows``, ``cols`` and its first unit (a unit is one (head, chunk) of one page; units are numbered
-    page after page). Codes are packed 4+4 (``packed``: two per byte, the first in the low nibble; ``cols`` even)
+    ``pages`` int64 ``[P, 10]``, one row per page of ``rows x cols`` elements per head: byte offsets of its
+    offsets and scales (``[H, ceil(held/C), cols]``, little-endian fp16, or fp32 when ``wide``) in
+    ``o_buf``/``s_buf`` and of its codes (``[H, held, cols]`` and ``[H, residual held, cols]`` row-major) in
+    ``a_buf``/``r_buf``, the element offset in ``y`` of its first element, ``rows``, ``cols``, ``held`` and
+    ``residual held`` (the rows per head its arrays hold, of which the first ``rows`` are decoded) and its first
+    unit (a unit is one (head, chunk) of one page; units are numbered page after page). Codes are packed 4+4 (``packed``: two per byte, the first in the low nibble; ``cols`` even)
     or one byte each; ``anchor_only`` indexes ``levels`` by the anchor. Element (h, t, d) of a page goes to
     ``y[y0 + h·sh + t·st + d·sd]``: any strided view. ``per_row``: the groups run along each row instead (values
     per channel), metadata ``[H, rows, ceil(cols/C)]``, a unit one (head, row). ``block`` > 1: the codes are of
