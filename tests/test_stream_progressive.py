@@ -13,6 +13,7 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, synthetic_cache_bytes,
 from lynxkv.cache import open_cache
 from lynxkv.errors import ChecksumError, FormatError, LynxError
 from lynxkv.stream import open_progressive
+from lynxkv.stream.progressive import ProgressiveLoad
 from lynxkv.storage import RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=3, base=0.01, stall_timeout=0.3)
@@ -93,6 +94,27 @@ def test_one_gbps_link_anchor_first_and_measured_rate(tmp_path):
     assert tl.anchor_ready_s <= 0.6 * tl.residual_ready_s, (tl.anchor_ready_s, tl.residual_ready_s)
     assert link["total"]["rate"] == pytest.approx(125e6, rel=0.10)
     assert link["residual"]["first_s"] >= link["anchor"]["last_s"] - 0.01  # strict priority
+
+
+@pytest.mark.timing
+def test_close_stops_a_load_at_once(tmp_path):
+    """close() while the anchor is still being dequantized: the residual worker, which has parsed as many
+    residual pages as it may hold (the consumer keeps them back until the anchor is ready) and waits for a slot,
+    leaves at once (not at its next 0.2 s poll); queued pages are not decoded; every worker has ended when close
+    returns."""
+    anchor, residual = synthetic_cache_bytes(layers=4, heads=8, tokens=4096, dim=128)
+    path = write_pair(tmp_path, anchor, residual)
+    for _ in range(3):
+        load = ProgressiveLoad(str(path), dtype=torch.bfloat16, max_pending_pages=2)
+        assert load._anchor_parsed.wait(60)
+        time.sleep(0.02)  # the residual worker takes its two slots, then waits
+        t0 = time.perf_counter()
+        load.close()
+        took = time.perf_counter() - t0
+        assert took < 0.15, f"close() took {took:.3f} s"
+        assert not any(t.is_alive() for t in load._threads)
+        with pytest.raises(LynxError):
+            load.residual.result(1)
 
 
 # ------------------------------------------------------------------------------------------------ faults
