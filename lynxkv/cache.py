@@ -22,7 +22,7 @@ import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,12 +32,12 @@ from lynxkv.format.layout import AnchorHeader, decoded_bytes
 from lynxkv.format.reader import PageReader, SectionIndex
 from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
-from lynxkv.format.writer import build_files
+from lynxkv.format.writer import write_files
 from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
 from lynxkv.quant import EncodedTensor, dequantize, quantize
 from lynxkv.quant.scheme import DEFAULT, Scheme
-from lynxkv.storage import (exists, has_protocol, open_source, record_location, remove, resolve_location, same_object,
-                            write_atomic)
+from lynxkv.storage import (AtomicWriter, exists, has_protocol, open_source, record_location, remove, resolve_location,
+                            same_object)
 
 
 @dataclass
@@ -84,10 +84,37 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
     """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16), given as
     per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.kv.cache_to_kv`), on their device
     (:func:`lynxkv.quant.quantize`); the codes come back to the CPU for the writer."""
+    enc = _encoding(kv, scheme, prompt_token_ids, model_fingerprint, names)
+    enc.layers = list(enc.layers)
+    return enc
+
+
+class _QuantizedLayers(Sequence):
+    """The layers of a cache quantized when each is read (not kept): what :func:`save_cache` hands the writer, so
+    that one layer's codes are in memory at a time. ``packed``: the codes two per byte where the scheme allows
+    (:attr:`lynxkv.quant.EncodedTensor.packed`, the bytes the page records store)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme, packed: bool):
+        self._pairs, self._scheme, self._packed = pairs, scheme, packed
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        keys, values = self._pairs[i]
+        return tuple(quantize(t.detach(), self._scheme, kind, packed=self._packed).to("cpu")
+                     for t, kind in ((keys, "key"), (values, "value")))
+
+
+def _encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,
+              packed: bool = False) -> EncodedCache:
+    """An :class:`EncodedCache` of ``kv`` (checked: shapes, dtypes) whose layers are quantized when read."""
     kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
     if not len(kv):
         raise InputError("kv: expected at least one layer")
-    layers, shape, batch, dtype = [], None, None, None
+    pairs, shape, batch, dtype = [], None, None, None
     for i, pair in enumerate(kv):
         if len(pair) != 2:
             raise InputError(f"layer {i}: expected a (keys, values) pair")
@@ -101,11 +128,9 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
             elif tuple(t3.shape) != shape or b != batch or t3.dtype != dtype:
                 raise InputError(f"{what}: shape {tuple(t.shape)} {t.dtype} differs from layer 0 keys "
                                  f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
-        k3, _ = _as_hdt(pair[0], "keys")
-        v3, _ = _as_hdt(pair[1], "values")
-        layers.append((quantize(k3.detach(), scheme).to("cpu"), quantize(v3.detach(), scheme, "value").to("cpu")))
+        pairs.append((_as_hdt(pair[0], "keys")[0], _as_hdt(pair[1], "values")[0]))
     h, t, d = shape
-    return EncodedCache(scheme, layers, h, d, t, DTYPE_NAMES[dtype],
+    return EncodedCache(scheme, _QuantizedLayers(pairs, scheme, packed), h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
                         model_fingerprint or None, tuple(names) if names else None, bool(batch))
 
@@ -409,21 +434,21 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             enc.model_fingerprint = model_fingerprint
         if names is not None:
             enc.names = tuple(names)
-    else:
-        enc = encode_kv(kv_or_encoded, scheme, prompt_token_ids=prompt_token_ids,
-                        model_fingerprint=model_fingerprint, names=names)
+    else:  # each layer quantized as the writer reaches it, its codes packed as the records store them
+        enc = _encoding(kv_or_encoded, scheme, prompt_token_ids, model_fingerprint, names, packed=True)
     if properties is not None:
         enc.properties = dict(properties)
     path = os.fspath(path)
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
-        built = build_files(enc, cache_id=cache_id, single_file=True, zstd=zstd)
         old = residual_file_of(path)
-        write_atomic(path, built.anchor_parts)
+        with AtomicWriter(path) as anchor:
+            header = write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
         if old is not None:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
                 remove(old)
+        rpath = None
     else:
         rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
         if same_object(rpath, path):
@@ -435,15 +460,23 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
             rpath = _fresh_residual_name(rpath, cache_id)
         location = residual_location or record_location(path, rpath)
-        built = build_files(enc, cache_id=cache_id, zstd=zstd, residual_location=location)
-        write_atomic(rpath, built.residual_parts)  # first: an anchor never points at a missing residual
-        write_atomic(path, built.anchor_parts)
+        residual, anchor = AtomicWriter(rpath), None
+        try:
+            anchor = AtomicWriter(path)
+            header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
+            residual.commit()  # first: an anchor never points at a missing residual
+            anchor.commit()
+        except BaseException:
+            for w in (residual, anchor):
+                if w is not None:
+                    w.abort()
+            raise
         orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
         for stale in ([old] if old is not None else []) + orphans:
             if not same_object(stale, rpath):
                 with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
                     remove(stale)
-    with open_cache(path, residual=None if single_file else rpath) as cache:
+    with open_cache(path, residual=rpath) as cache:
         return cache.info
 
 

@@ -257,29 +257,30 @@ def test_stream_copy_replaces_only_with_force_and_atomically(tmp_path, capsys):
 
 # -- replacing a two-file cache: a crash or a full disk at any point leaves the old or the new cache ---------
 def _fails_on_call(n: int, exc: BaseException):
-    import lynxkv.cache as cache_mod
+    """``AtomicWriter.commit`` that raises ``exc`` at its n-th call (a crash as the n-th file would be published)."""
+    from lynxkv.storage import AtomicWriter
 
-    real = cache_mod.write_atomic
+    real = AtomicWriter.commit
     calls = []
 
-    def write_atomic(url, data, *a, **k):
-        calls.append(url)
+    def commit(self):
+        calls.append(self.url)
         if len(calls) == n:
             raise exc
-        return real(url, data, *a, **k)
+        return real(self)
 
-    return write_atomic
+    return commit
 
 
 @pytest.mark.parametrize("fail_at", [1, 2], ids=["before-residual", "between-residual-and-anchor"])
 def test_a_crash_while_replacing_leaves_the_old_cache(tmp_path, monkeypatch, fail_at):
-    import lynxkv.cache as cache_mod
+    from lynxkv.storage import AtomicWriter
 
     path = tmp_path / "c.lynx"
     save_cache(path, kv(1), SCHEME)
     with open_cache(path) as cache:
         old = cache.load_kv()
-    monkeypatch.setattr(cache_mod, "write_atomic", _fails_on_call(fail_at, KeyboardInterrupt()))
+    monkeypatch.setattr(AtomicWriter, "commit", _fails_on_call(fail_at, KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         save_cache(path, kv(2), SCHEME)
     monkeypatch.undo()

@@ -60,20 +60,25 @@ def _meta_bytes(t: torch.Tensor, meta_dtype: str) -> bytes:
     return t.numpy().astype(_META_NP[meta_dtype], copy=False).tobytes()  # tobytes copies a page slice in C order
 
 
+def _code_bytes(codes: torch.Tensor, bits: int, packed: bool) -> bytes:
+    """``pack_bits`` of a page slice of codes ``[H, n, D]`` (read in place), or the slice's own bytes where the
+    codes are already packed (``[H, n, D/2]``, :attr:`EncodedTensor.packed`: the same bytes)."""
+    return (codes.numpy() if packed else pack_bits(codes, bits).numpy()).tobytes()  # tobytes: C order
+
+
 def encode_anchor_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
-    """``k``/``v``: one page of keys/values (``EncodedTensor.tokens`` slices)."""
+    """``k``/``v``: one page of keys/values (``EncodedTensor.tokens`` slices), codes packed or not."""
     md = scheme.meta_dtype
     parts = [_meta_bytes(k.offset, md), _meta_bytes(k.scale, md), _meta_bytes(v.offset, md), _meta_bytes(v.scale, md),
-             pack_bits(k.anchor, scheme.anchor_bits).numpy().tobytes(),  # pack_bits reads a page slice in place
-             pack_bits(v.anchor, scheme.anchor_bits).numpy().tobytes()]
+             _code_bytes(k.anchor, scheme.anchor_bits, k.packed), _code_bytes(v.anchor, scheme.anchor_bits, v.packed)]
     if k.sinks:
-        parts += [pack_bits(t.residual[:, :t.sinks], scheme.residual_bits).numpy().tobytes() for t in (k, v)]
+        parts += [_code_bytes(t.residual[:, :t.sinks], scheme.residual_bits, t.packed) for t in (k, v)]
     return b"".join(parts)
 
 
 def encode_residual_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
-    return (pack_bits(k.residual, scheme.residual_bits).numpy().tobytes()
-            + pack_bits(v.residual, scheme.residual_bits).numpy().tobytes())
+    return (_code_bytes(k.residual, scheme.residual_bits, k.packed)
+            + _code_bytes(v.residual, scheme.residual_bits, v.packed))
 
 
 def compress(raw: bytes, codec: int, level: int = 3) -> bytes:

@@ -1,9 +1,11 @@
 """Writing ``.lynx`` v1: page records -> sections -> the bytes of the files.
 
-:func:`build_files` turns an encoded cache (:class:`EncodedKV`, e.g. :class:`lynxkv.cache.EncodedCache`) into the
-exact bytes of the anchor file and (unless ``single_file``) the residual file, as their parts in order (never
-joined on the way to a file); it is deterministic given ``cache_id`` (the golden examples of spec/FORMAT.md rely
-on that). Putting the bytes anywhere is the storage layer's job (:func:`lynxkv.storage.write_atomic`).
+:func:`write_files` puts an encoded cache (:class:`EncodedKV`, e.g. :class:`lynxkv.cache.EncodedCache`) into one
+or two :class:`PageSink` s as its layers are read: the pages in order after room left for the header and the
+page indexes, which go in last (their offsets are fixed-width, so their length is known first). :func:`build_files`
+gives the same bytes in memory, as the files' parts in order (never joined on the way to a file). Both are
+deterministic given ``cache_id`` (the golden examples of spec/FORMAT.md rely on that). Putting the bytes
+anywhere is the storage layer's job (:class:`lynxkv.storage.AtomicWriter` is a sink).
 """
 
 from __future__ import annotations
@@ -70,41 +72,72 @@ class BuiltFiles:
         return None if self.residual_parts is None else b"".join(self.residual_parts)
 
 
-def _section(records: list[bytes], lead: int, zstd: bool) -> tuple[list[PageEntry], list[bytes]]:
-    """Index entries and stored payloads; ``lead`` = bytes before the first page inside the section."""
-    entries, stored = [], []
-    pos = lead
-    for raw in records:
-        codec, data = choose_codec(raw, zstd)
-        entries.append(PageEntry(pos, len(data), len(raw), codec, crc32(data)))
-        stored.append(data)
-        pos += len(data)
-    return entries, stored
+class PageSink(Protocol):
+    """Where :func:`write_files` puts a file's bytes, in order: :class:`lynxkv.storage.AtomicWriter` (a file or an
+    object as it is written), or :class:`Parts` (in memory)."""
+
+    def write(self, data) -> None: ...
+
+    def reserve(self, n: int) -> int:
+        """Leave ``n`` bytes for later at the current end; return their offset."""
+        ...
+
+    def fill(self, offset: int, data) -> None:
+        """Put the bytes of a :meth:`reserve` (``len(data)`` of them) in place."""
+        ...
 
 
-def _page_records(enc: EncodedKV) -> tuple[list[bytes], list[bytes]]:
-    s = enc.scheme
-    anchors, residuals = [], []
-    sinks = min(s.sink_tokens, enc.tokens)
-    for keys, values in enc.layers:  # layer-major streaming order
-        if ((keys.axis, keys.sinks, keys.rotated, values.axis, values.sinks, values.rotated)
-                != ("token", sinks, s.rotated("key"), s.value_axis, sinks, s.rotated("value"))):
-            raise InputError(f"encoded tensors (axes {keys.axis}/{values.axis}, {keys.sinks} sink tokens, rotated "
-                             f"{keys.rotated}/{values.rotated}) do not match the scheme ({s.describe()}): quantize "
-                             "with lynxkv.quant.quantize(x, scheme, kind)")
-        for p in range(enc.pages_per_layer):
-            start, stop = p * s.page, min((p + 1) * s.page, enc.tokens)
-            k, v = keys.tokens(start, stop, s.chunk), values.tokens(start, stop, s.chunk)
-            anchors.append(encode_anchor_record(k, v, s))
-            residuals.append(encode_residual_record(k, v, s))
-    return anchors, residuals
+class Parts:
+    """A :class:`PageSink` that keeps the parts of a file in memory (never joined)."""
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self._reserved: dict[int, int] = {}  # offset -> index of its part
+        self.size = 0
+
+    def write(self, data) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def reserve(self, n: int) -> int:
+        at = self.size
+        self._reserved[at] = len(self.parts)
+        self.write(bytes(n))
+        return at
+
+    def fill(self, offset: int, data) -> None:
+        i = self._reserved.pop(offset)
+        if len(data) != len(self.parts[i]):
+            raise ValueError(f"fill: {len(data)} bytes for a reserve of {len(self.parts[i])}")
+        self.parts[i] = data
 
 
-def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: bool = False,
-                zstd: bool = False, residual_location: str = "") -> BuiltFiles:
-    """The bytes of a ``.lynx`` cache. ``residual_location`` is the residual file's path relative to the anchor
-    file's directory (or a URL); it is ignored for a single file."""
-    cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+class _Section:
+    """The index entries of a section's pages as they are stored; offsets section-relative, from ``lead`` (the
+    bytes before the first page inside the section)."""
+
+    def __init__(self, lead: int, zstd: bool):
+        self.entries: list[PageEntry] = []
+        self._pos, self._zstd = lead, zstd
+
+    def store(self, raw: bytes) -> bytes:
+        """The stored bytes of a page record (zstd only where it makes the page smaller), its entry recorded."""
+        codec, data = choose_codec(raw, self._zstd)
+        self.entries.append(PageEntry(self._pos, len(data), len(raw), codec, crc32(data)))
+        self._pos += len(data)
+        return data
+
+
+def _check_layer(keys: EncodedTensor, values: EncodedTensor, s: Scheme, sinks: int) -> None:
+    if ((keys.axis, keys.sinks, keys.rotated, values.axis, values.sinks, values.rotated)
+            != ("token", sinks, s.rotated("key"), s.value_axis, sinks, s.rotated("value"))):
+        raise InputError(f"encoded tensors (axes {keys.axis}/{values.axis}, {keys.sinks} sink tokens, rotated "
+                         f"{keys.rotated}/{values.rotated}) do not match the scheme ({s.describe()}): quantize "
+                         "with lynxkv.quant.quantize(x, scheme, kind)")
+
+
+def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_location: str) -> AnchorHeader:
+    """Every header field but the segment table, checked against what format v1 stores."""
     if len(cache_id) != 16:
         raise InputError(f"cache_id: expected 16 bytes, got {len(cache_id)}")
     if not single_file and not residual_location:
@@ -131,18 +164,55 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
                              ("prompt_token_ids", len(prompt), c.MAX_PROMPT_TOKENS)):
         if not (0 if name in ("tokens", "prompt_token_ids") else 1) <= value <= cap:
             raise InputError(f"{name}: {value} is outside what format v1 stores (at most {cap})")
+    return AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id, (), prompt, fingerprint,
+                        names, c.FLAG_BATCH_DIM if enc.batch_dim else 0, properties=properties)
 
-    anchor_records, residual_records = _page_records(enc)
-    index_size = len(anchor_records) * c.PAGE_ENTRY_SIZE
-    a_entries, a_stored = _section(anchor_records, index_size, zstd)
-    r_entries, r_stored = _section(residual_records, c.RESIDUAL_HEADER_SIZE + index_size, zstd)
-    fields = AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id, (), prompt, fingerprint,
-                          names, c.FLAG_BATCH_DIM if enc.batch_dim else 0, properties=properties)
-    framed = frame_sections(fields, a_entries, r_entries, single_file=single_file,
+
+def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = None, *,
+                cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "") -> AnchorHeader:
+    """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
+    section inline after the anchor's) as the layers are read from ``enc.layers``, one at a time, so that a
+    sequence which quantizes each layer when it is read holds one layer's codes at a time. The header and the
+    page indexes go last into the space reserved for them at the start: the bytes are those of
+    :func:`build_files`. ``residual_location``: the residual file's path relative to the anchor file's
+    directory (or a URL), for two files. Returns the header as a reader parses it."""
+    single_file = residual is None
+    cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+    fields = _header_fields(enc, cache_id, single_file, residual_location)
+    s = enc.scheme
+    pages = len(enc.layers) * enc.pages_per_layer
+    blank = [PageEntry(0, 0, 0, c.CODEC_NONE, 0)] * pages
+    lead = frame_sections(fields, blank, blank, single_file=single_file, residual_location=residual_location)
+    index_size = pages * c.PAGE_ENTRY_SIZE
+    residual_out = Parts() if single_file else residual  # inline: after the anchor pages, so held until then
+    a_at, r_at = anchor.reserve(len(lead.anchor_lead)), residual_out.reserve(len(lead.residual_lead))
+    a_sec, r_sec = _Section(index_size, zstd), _Section(c.RESIDUAL_HEADER_SIZE + index_size, zstd)
+    sinks = min(s.sink_tokens, enc.tokens)
+    for keys, values in enc.layers:  # layer-major streaming order
+        _check_layer(keys, values, s, sinks)
+        for p in range(enc.pages_per_layer):
+            start, stop = p * s.page, min((p + 1) * s.page, enc.tokens)
+            k, v = keys.tokens(start, stop, s.chunk), values.tokens(start, stop, s.chunk)
+            anchor.write(a_sec.store(encode_anchor_record(k, v, s)))
+            residual_out.write(r_sec.store(encode_residual_record(k, v, s)))
+    framed = frame_sections(fields, a_sec.entries, r_sec.entries, single_file=single_file,
                             residual_location=residual_location)
-    residual = (framed.residual_lead, *r_stored)
-    anchor = (framed.anchor_lead, *a_stored, *(residual if single_file else ()))
-    return BuiltFiles(anchor, None if single_file else residual, framed.header)
+    anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
+    residual_out.fill(r_at, framed.residual_lead)
+    if single_file:
+        for part in residual_out.parts:
+            anchor.write(part)
+    return framed.header
+
+
+def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: bool = False,
+                zstd: bool = False, residual_location: str = "") -> BuiltFiles:
+    """The bytes of a ``.lynx`` cache, in memory (:func:`write_files` into :class:`Parts`). ``residual_location``
+    is the residual file's path relative to the anchor file's directory (or a URL); it is ignored for a single
+    file."""
+    anchor, residual = Parts(), None if single_file else Parts()
+    header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=residual_location)
+    return BuiltFiles(tuple(anchor.parts), None if residual is None else tuple(residual.parts), header)
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,18 @@ def _fast_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and fast.available()
 
 
-def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key") -> EncodedTensor:
+def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *, packed: bool = False) -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
-    device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``)."""
+    device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``). ``packed``: the codes two
+    per byte (:attr:`EncodedTensor.packed`, from :func:`quantize_packed`'s fused pass) where the scheme packs
+    them that way (the 4+4 split, an even head_dim), else one per byte as without it."""
+    if packed and x.dim() == 3 and fast.packable(scheme, x.shape[2]):
+        if not x.is_floating_point():
+            raise InputError(f"expected a floating-point tensor, got {x.dtype}")
+        h, t, d = x.shape
+        a, r, offset, scale = quantize_packed(x, scheme, kind)
+        return EncodedTensor(a.view(h, t, d // 2), r.view(h, t, d // 2), offset, scale, scheme.axis(kind),
+                             min(scheme.sink_tokens, t), scheme.rotated(kind), packed=True)
     if _fast_cpu(x):  # one compiled pass along either axis: values per channel read in place, keys rotated in it
         return reference.quantize(x, scheme, kind, encoder=fast.quantize)
     kernels = _triton() if x.is_cuda else None
@@ -60,6 +69,7 @@ def dequantize(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False,
     ``enc.sinks`` leading tokens); into ``out`` when given (a preallocated tensor of that shape, e.g. a slice of a
     whole cache, written in place). ``threads`` caps the CPU worker threads (e.g. 1 beside a model that is
     decoding)."""
+    enc = enc.unpacked()
     if enc.anchor.is_cuda and _triton() is not None and _triton()[1].supports(scheme) and fast.packable(scheme,
                                                                                                      enc.shape[2]):
         y = out if out is not None else torch.empty(enc.shape, dtype=dtype, device=enc.anchor.device)

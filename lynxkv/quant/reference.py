@@ -58,6 +58,7 @@ import torch
 
 from lynxkv.errors import InputError, SchemeError
 from lynxkv.quant import rotation
+from lynxkv.quant.pack import unpack_bits
 from lynxkv.quant.scheme import Scheme
 
 META_TORCH_DTYPE = {"fp16": torch.float16, "fp32": torch.float32}
@@ -74,13 +75,25 @@ class EncodedTensor:
     axis: str = "token"  # the axis the groups run along (Scheme.axis)
     sinks: int = 0  # leading tokens decoded from the full code also from the anchor alone (their residual is real)
     rotated: bool = False  # the codes are of the Hadamard-rotated rows (Scheme.rotated): decoding rotates back
+    # anchor and residual hold the codes two per byte, uint8 [H, T, D/2] (the 4+4 split, an even D): pack_bits of
+    # the [H, T, D] codes, the bytes the page records store (lynxkv.quant.quantize(..., packed=True))
+    packed: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.anchor.shape)  # type: ignore[return-value]
+        h, t, d = self.anchor.shape
+        return (h, t, 2 * d if self.packed else d)
 
     def _with(self, anchor, residual, offset, scale, sinks: int) -> "EncodedTensor":
-        return EncodedTensor(anchor, residual, offset, scale, self.axis, sinks, self.rotated)
+        return EncodedTensor(anchor, residual, offset, scale, self.axis, sinks, self.rotated, self.packed)
+
+    def unpacked(self) -> "EncodedTensor":
+        """The same codes one per byte (itself where they are not packed)."""
+        if not self.packed:
+            return self
+        h, t, d = self.shape
+        a, r = (unpack_bits(m.reshape(-1), 4, h * t * d).view(h, t, d) for m in (self.anchor, self.residual))
+        return EncodedTensor(a, r, self.offset, self.scale, self.axis, self.sinks, self.rotated)
 
     def to(self, device: str | torch.device) -> "EncodedTensor":
         return self._with(*(t.to(device) for t in (self.anchor, self.residual, self.offset, self.scale)), self.sinks)
@@ -270,6 +283,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Reconstruct ``[H, T, D]`` from anchor + residual (full) or from the anchor alone (and the residual of the
     ``enc.sinks`` leading tokens); rows of rotated codes (``enc.rotated``) are rotated back in fp32, then cast."""
+    enc = enc.unpacked()
     h, t, d = enc.anchor.shape
     if t == 0:
         return torch.empty((h, 0, d), dtype=dtype, device=enc.anchor.device)

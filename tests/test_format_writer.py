@@ -1,0 +1,129 @@
+"""The streaming writer: save_cache writes, layer by layer, the bytes build_files gives in memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynxkv.cache import encode_kv, save_cache
+from lynxkv.format.writer import Parts, build_files, write_files
+from lynxkv.quant import dequantize, quantize
+from lynxkv.quant.scheme import DEFAULT, PAPER, Scheme
+from lynxkv.storage import AtomicWriter, read_range, size_of
+from lynxkv.storage import atomic
+
+CID = bytes(range(16))
+
+
+def make_kv(layers=3, heads=2, tokens=600, dim=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(heads, tokens, dim, generator=g).to(dtype) * 2 + 1,
+             torch.randn(heads, tokens, dim, generator=g).to(dtype)) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("scheme,dim", [(DEFAULT, 64), (DEFAULT, 62), (PAPER, 64), (DEFAULT, 63),
+                                        (Scheme(anchor_bits=5, residual_bits=3), 64)],
+                         ids=["default", "default-d62", "paper", "odd-dim-unpacked", "5+3-unpacked"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("single,zstd", [(False, False), (True, False), (False, True)],
+                         ids=["two-files", "single-file", "zstd"])
+def test_save_cache_writes_the_bytes_build_files_gives(tmp_path, scheme, dim, dtype, single, zstd):
+    kv = make_kv(dim=dim, dtype=dtype)
+    path = tmp_path / "c.lynx"
+    save_cache(path, kv, scheme, cache_id=CID, single_file=single, zstd=zstd)
+    built = build_files(encode_kv(kv, scheme), cache_id=CID, single_file=single, zstd=zstd,
+                        residual_location="c.lynxr")
+    assert path.read_bytes() == built.anchor
+    if single:
+        assert not (tmp_path / "c.lynxr").exists()
+    else:
+        assert (tmp_path / "c.lynxr").read_bytes() == built.residual
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["c.lynx"] if single else ["c.lynx", "c.lynxr"])
+
+
+def test_write_files_into_an_object_store_writes_the_same_bytes():
+    enc = encode_kv(make_kv(layers=2))
+    anchor, residual = AtomicWriter("memory://writer/c.lynx"), AtomicWriter("memory://writer/c.lynxr")
+    write_files(enc, anchor, residual, cache_id=CID, residual_location="c.lynxr")
+    residual.commit()
+    anchor.commit()
+    built = build_files(enc, cache_id=CID, residual_location="c.lynxr")
+    for url, want in (("memory://writer/c.lynx", built.anchor), ("memory://writer/c.lynxr", built.residual)):
+        assert read_range(url, 0, size_of(url)) == want
+
+
+class _Watched:
+    """An encoded cache whose layers record how many bytes the sinks held when each was read."""
+
+    def __init__(self, enc, sinks):
+        self._enc, self._sinks, self.seen = enc, sinks, []
+        self.layers = self
+
+    def __getattr__(self, name):
+        return getattr(self._enc, name)
+
+    def __len__(self):
+        return len(self._enc.layers)
+
+    def __getitem__(self, i):
+        pair = self._enc.layers[i]  # IndexError ends the iteration
+        self.seen.append(tuple(s.size for s in self._sinks))
+        return pair
+
+
+def test_write_files_writes_each_layer_before_it_reads_the_next():
+    enc = encode_kv(make_kv(layers=4))
+    anchor, residual = Parts(), Parts()
+    watched = _Watched(enc, (anchor, residual))
+    write_files(watched, anchor, residual, cache_id=CID, residual_location="c.lynxr")
+    sizes = watched.seen
+    assert len(sizes) == 4
+    # before layer 0 only the reserved leads; then every layer's pages went out before the next layer was read
+    assert all(b[0] > a[0] and b[1] > a[1] for a, b in zip(sizes, sizes[1:]))
+    built = build_files(enc, cache_id=CID, residual_location="c.lynxr")
+    assert b"".join(anchor.parts) == built.anchor and b"".join(residual.parts) == built.residual
+
+
+def test_packed_codes_are_the_records_bytes_and_unpack_to_the_codes():
+    x = torch.randn(3, 100, 64).to(torch.bfloat16)
+    for kind in ("key", "value"):
+        plain, packed = quantize(x, DEFAULT, kind), quantize(x, DEFAULT, kind, packed=True)
+        assert packed.packed and not plain.packed and packed.shape == plain.shape == (3, 100, 64)
+        assert (packed.axis, packed.sinks, packed.rotated) == (plain.axis, plain.sinks, plain.rotated)
+        un = packed.unpacked()
+        assert torch.equal(un.anchor, plain.anchor) and torch.equal(un.residual, plain.residual)
+        assert torch.equal(packed.offset, plain.offset) and torch.equal(packed.scale, plain.scale)
+        for anchor_only in (False, True):
+            assert torch.equal(dequantize(packed, DEFAULT, anchor_only=anchor_only),
+                               dequantize(plain, DEFAULT, anchor_only=anchor_only))
+    odd = quantize(torch.randn(2, 10, 63), DEFAULT, packed=True)  # an odd head_dim does not pack
+    assert not odd.packed and odd.anchor.shape == (2, 10, 63)
+
+
+def test_atomic_writer_fills_its_reserve_and_starts_writeback_as_it_goes(tmp_path, monkeypatch):
+    calls = []
+    real = atomic._start_writeback
+    monkeypatch.setattr(atomic, "WRITEBACK_BYTES", 1 << 16)
+    monkeypatch.setattr(atomic, "_start_writeback", lambda fd, off, n: (calls.append((off, n)), real(fd, off, n)))
+    path = tmp_path / "f.bin"
+    body = bytes(range(256)) * 1024  # 256 KiB, in 16 writes
+    with AtomicWriter(path) as w:
+        at = w.reserve(8)
+        for i in range(16):
+            w.write(body[i * 16384:(i + 1) * 16384])
+        assert not path.exists()
+        w.fill(at, b"HEADER!!")
+    assert path.read_bytes() == b"HEADER!!" + body
+    assert len(calls) == 4 and calls[0][0] == 0 and sum(n for _, n in calls) == 8 + len(body)
+    assert [off for off, _ in calls] == sorted(off for off, _ in calls)  # each range once, in order
+
+
+def test_a_failed_streaming_save_leaves_nothing_and_the_old_cache(tmp_path):
+    path = tmp_path / "c.lynx"
+    save_cache(path, make_kv(layers=2), cache_id=CID)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    bad = make_kv(layers=3)
+    bad[2][0][0, 5, 3] = float("inf")  # the last layer fails to quantize, after two layers were written
+    with pytest.raises(Exception, match="inf or NaN"):
+        save_cache(path, bad)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
