@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import threading
 from collections.abc import Iterator
 
 from lynxkv.errors import InputError, LynxError
@@ -12,33 +13,46 @@ from lynxkv.storage.urls import as_lynx_error, filesystem, is_local, local_path
 
 
 _TMP_SUFFIX = ".tmp"
-WRITEBACK_BYTES = 8 << 20  # a local file's written bytes are handed to the kernel's writeback in steps of this
+WRITEBACK_BYTES = 8 << 20  # a local file is synced to its disk in the background every this many bytes written
 
 
-def _writeback_call():
-    """``sync_file_range`` of the C library (Linux), or None."""
-    import ctypes
-    import sys
+class _Flusher:
+    """``fdatasync`` of a file being written, on a thread of its own, each time :meth:`kick` asks: the disk (and a
+    virtual disk's cache behind it) takes the bytes while the writer produces more, so the fsync of the commit
+    waits only for the last of them. An error is kept for the commit to raise (the kernel reports a writeback
+    error once)."""
 
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    def __init__(self, fd: int):
+        self._fd, self._wanted, self._stop = fd, threading.Event(), False
+        self._thread: threading.Thread | None = None
+        self.error: OSError | None = None
 
+    def kick(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lynxkv-fsync", daemon=True)
+            self._thread.start()
+        self._wanted.set()
 
-_SYNC_FILE_RANGE = _writeback_call()
+    def close(self) -> None:
+        """Stop, after the sync under way (the file may be closed then)."""
+        if self._thread is not None:
+            self._stop = True
+            self._wanted.set()
+            self._thread.join()
+            self._thread = None
 
-
-def _start_writeback(fd: int, offset: int, n: int) -> None:
-    """Start writing bytes ``[offset, offset + n)`` of a file to its disk, without waiting for them
-    (``SYNC_FILE_RANGE_WRITE``; nothing where the platform lacks it: fsync does it all then)."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, n, 2)  # a failure here is harmless: fsync writes the bytes and reports errors
+    def _run(self) -> None:
+        sync = getattr(os, "fdatasync", os.fsync)
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stop:
+                return
+            try:
+                sync(self._fd)
+            except OSError as exc:
+                self.error = exc
+                return
 
 
 def _temp_name(final: str) -> str:
@@ -122,26 +136,26 @@ class AtomicWriter:
             except OSError as exc:
                 raise as_lynx_error(self.url, exc) from None
             self._f = os.fdopen(fd, "wb")
+            self._flusher = _Flusher(fd)
             self._parts = None
         else:
             self._fs, self._path = filesystem(self.url, storage_options)
             self.temp_path = None
             self._parts = []
         self._size = 0  # bytes written (or reserved) so far: the next write's offset
-        self._flushed = 0  # local files: the bytes before this offset have been handed to the kernel's writeback
+        self._flushed = 0  # local files: the bytes before this offset were written when the flusher was last asked
         self._reserved: dict[int, int] = {}  # object stores: offset of a reserve -> index of its part
 
     def write(self, data) -> None:
-        """Append ``data`` (any bytes-like object; written as it is, not copied first). A local file's pages are
-        handed to the kernel's writeback every :data:`WRITEBACK_BYTES`, so that the disk writes while the caller
-        produces the next bytes and :meth:`commit`'s fsync waits only for the last of them."""
+        """Append ``data`` (any bytes-like object; written as it is, not copied first). A local file is synced in
+        the background every :data:`WRITEBACK_BYTES` (:class:`_Flusher`)."""
         if self._f is not None:
             try:
                 self._f.write(data)
                 self._size += len(data)
                 if self._size - self._flushed >= WRITEBACK_BYTES:
                     self._f.flush()
-                    _start_writeback(self._f.fileno(), self._flushed, self._size - self._flushed)
+                    self._flusher.kick()
                     self._flushed = self._size
             except OSError as exc:
                 self.abort()
@@ -190,6 +204,9 @@ class AtomicWriter:
         try:
             if self._f is not None:
                 self._f.flush()
+                self._flusher.close()
+                if self._flusher.error is not None:
+                    raise self._flusher.error
                 os.fsync(self._f.fileno())
                 self._f.close()
                 os.replace(self.temp_path, self._final)
@@ -210,6 +227,7 @@ class AtomicWriter:
 
     def _discard(self) -> None:
         if self._f is not None:
+            self._flusher.close()  # before the file is closed: its descriptor may be reused
             with contextlib.suppress(OSError):
                 self._f.close()
             with contextlib.suppress(FileNotFoundError):
@@ -257,6 +275,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         raise InputError(f"{path}: expected a local path")
     w._f.close()  # the library opens the path itself
     w._f = open(w.temp_path, "rb+")
+    w._flusher = _Flusher(w._f.fileno())
     try:
         yield w.temp_path
     except OSError as exc:  # the library's own write failed: disk full, permission ...
