@@ -106,17 +106,23 @@ def test_packed_codes_are_the_records_bytes_and_unpack_to_the_codes():
 
 
 def test_atomic_writer_fills_its_reserve_and_syncs_in_the_background_as_it_goes(tmp_path, monkeypatch):
-    synced = []
+    synced, ran = [], threading.Event()
     real = os.fdatasync
+
+    def fdatasync(fd):
+        synced.append(os.fstat(fd).st_size)
+        real(fd)
+        ran.set()
+
     monkeypatch.setattr(atomic, "WRITEBACK_BYTES", 1 << 16)
-    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd)))
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
     path = tmp_path / "f.bin"
     body = bytes(range(256)) * 1024  # 256 KiB, in 16 writes
     with AtomicWriter(path) as w:
         at = w.reserve(8)
         for i in range(16):
             w.write(body[i * 16384:(i + 1) * 16384])
-        assert not path.exists()
+        assert ran.wait(10) and not path.exists()  # synced in the background before the commit
         w.fill(at, b"HEADER!!")
     assert path.read_bytes() == b"HEADER!!" + body
     assert 1 <= len(synced) <= 4 and synced == sorted(synced)  # kicks while a sync runs fold into the next one

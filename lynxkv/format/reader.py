@@ -46,6 +46,7 @@ from lynxkv.format.layout import (
     residual_record_layout,
 )
 from lynxkv.quant import META_TORCH_DTYPE
+from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.format.records import (
     AnchorPage,
     ResidualPage,
@@ -344,24 +345,33 @@ class PageReader:
                           threads: int | None = None) -> None:
         """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
         each, written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`).
-        The next layer's records are read and checked on a helper thread while this one is dequantized."""
+        Layers are read, checked and decoded on up to ``threads`` workers at once, one thread each
+        (:func:`lynxkv.quant.dispatch.concurrent_tensors`); an error is that of the first failing layer."""
         from concurrent.futures import ThreadPoolExecutor
 
         h = self.header
         s = h.scheme
         tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
+        workers = min(concurrent_tensors(threads), h.layers)
+        for kind in (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,)):
+            self.index(kind)  # sources and indexes are opened here, once, not by the workers at the same time
 
-        def records(layer: int):
-            return (self.layer_records(c.SEGMENT_ANCHOR, layer),
-                    None if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer))
+        def decode(layer: int) -> None:
+            anchor, anchor_at = self.layer_records(c.SEGMENT_ANCHOR, layer)
+            residual = None if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer)
+            dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
+                               out[layer], lambda p: f"layer {layer} page {p}", 1 if workers > 1 else threads)
 
-        with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-read") as pool:
-            ahead = pool.submit(records, 0) if h.layers else None
+        if workers <= 1:
             for layer in range(h.layers):
-                (anchor, anchor_at), residual = ahead.result()
-                ahead = pool.submit(records, layer + 1) if layer + 1 < h.layers else None
-                dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
-                                   out[layer], lambda p, layer=layer: f"layer {layer} page {p}", threads)
+                decode(layer)
+            return
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-read")
+        try:
+            for done in [pool.submit(decode, layer) for layer in range(h.layers)]:
+                done.result()  # in layer order: the first failing layer's error
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def layer(self, kind: int, layer: int) -> tuple[list[torch.Tensor] | None, torch.Tensor, torch.Tensor | None]:
         """(metadata -- K offsets, K scales, V offsets, V scales, as :func:`decode_anchor_records` --, or None for

@@ -105,6 +105,14 @@ def _fast_dequantize(enc: EncodedTensor, scheme: Scheme, anchor_only: bool, out:
     return fast.dequantize(enc, scheme, anchor_only=anchor_only, out=out, threads=threads)
 
 
+def concurrent_tensors(threads: int | None = None) -> int:
+    """How many tensors a CPU caller may decode at once, each with ``threads=1`` (one layer per worker, no
+    barrier between the halves of every call: what ``load_kv`` does): the fast path's worker count (``threads``,
+    default ``LYNXKV_CPU_THREADS`` or torch's thread count), or 1 for the reference, which torch parallelises
+    inside each operation."""
+    return max(1, threads or fast.workers()) if fast.available() else 1
+
+
 def quantize_packed(x: torch.Tensor, scheme: Scheme,
                     kind: str = "key") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(anchor_bytes, residual_bytes, offset, scale)`` of ``x`` ``[H, T, D]``: the codes packed over the
