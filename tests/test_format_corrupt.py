@@ -330,3 +330,20 @@ def test_resealed_header_claiming_huge_counts_allocates_nothing():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_load_kv_reports_the_first_corrupt_layer_whatever_decodes_in_parallel(threads):
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(2, 40, 8, generator=g), torch.randn(2, 40, 8, generator=g)) for _ in range(6)]
+    built = build_files(encode_kv(kv, SCHEME), cache_id=bytes(16), single_file=True)
+    anchor = bytearray(built.anchor)
+    with open_cache(bytes(anchor)) as cache:
+        index = cache._reader.index(c.SEGMENT_ANCHOR)
+        for layer in (1, 4):  # a byte of one page in layers 1 and 4
+            e = index.entry(layer, 2)
+            anchor[index.base + e.offset + e.stored_length // 2] ^= 0x40
+    with open_cache(bytes(anchor)) as cache:
+        with pytest.raises(ChecksumError, match="layer 1 page 2"):
+            cache._reader.dequantize_layers([(torch.empty(2, 40, 8), torch.empty(2, 40, 8)) for _ in range(6)],
+                                            threads=threads)
