@@ -35,6 +35,7 @@ from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.format.writer import write_files
 from lynxkv.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
 from lynxkv.quant import EncodedTensor, dequantize, quantize
+from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import (AtomicWriter, exists, has_protocol, open_source, record_location, remove, resolve_location,
                             same_object)
@@ -91,8 +92,10 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
 
 class _QuantizedLayers(Sequence):
     """The layers of a cache quantized when each is read (not kept): what :func:`save_cache` hands the writer, so
-    that one layer's codes are in memory at a time. ``packed``: the codes two per byte where the scheme allows
-    (:attr:`lynxkv.quant.EncodedTensor.packed`, the bytes the page records store)."""
+    that a few layers' codes are in memory at a time. ``packed``: the codes two per byte where the scheme allows
+    (:attr:`lynxkv.quant.EncodedTensor.packed`, the bytes the page records store). Iterating quantizes the next
+    layers on the CPU workers, one layer each (:func:`lynxkv.quant.dispatch.concurrent_tensors`), while the caller
+    writes the one before them."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme, packed: bool):
         self._pairs, self._scheme, self._packed = pairs, scheme, packed
@@ -103,9 +106,30 @@ class _QuantizedLayers(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        keys, values = self._pairs[i]
-        return tuple(quantize(t.detach(), self._scheme, kind, packed=self._packed).to("cpu")
-                     for t, kind in ((keys, "key"), (values, "value")))
+        return self._layer(self._pairs[i])
+
+    def _layer(self, pair, threads: int | None = None):
+        return tuple(quantize(t.detach(), self._scheme, kind, packed=self._packed, threads=threads).to("cpu")
+                     for t, kind in zip(pair, ("key", "value")))
+
+    def __iter__(self):
+        cpu = all(t.device.type == "cpu" for pair in self._pairs for t in pair)
+        workers = min(concurrent_tensors(), len(self)) if cpu else 1
+        if workers <= 1:
+            yield from (self._layer(pair) for pair in self._pairs)
+            return
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-encode")
+        try:
+            ahead: deque = deque()
+            for i in range(len(self)):
+                while len(ahead) < workers and i + len(ahead) < len(self):
+                    ahead.append(pool.submit(self._layer, self._pairs[i + len(ahead)], 1))
+                yield ahead.popleft().result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,

@@ -156,3 +156,13 @@ def test_a_failed_streaming_save_leaves_nothing_and_the_old_cache(tmp_path):
     with pytest.raises(Exception, match="inf or NaN"):
         save_cache(path, bad)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_layers_quantized_side_by_side_write_the_same_bytes(tmp_path, monkeypatch, threads):
+    monkeypatch.setenv("LYNXKV_CPU_THREADS", threads)  # 3: three layers quantized at once, each on one thread
+    kv = make_kv(layers=7, tokens=300)
+    save_cache(tmp_path / "c.lynx", kv, cache_id=CID)
+    built = build_files(encode_kv(kv), cache_id=CID, residual_location="c.lynxr")
+    assert (tmp_path / "c.lynx").read_bytes() == built.anchor
+    assert (tmp_path / "c.lynxr").read_bytes() == built.residual

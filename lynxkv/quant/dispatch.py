@@ -44,16 +44,18 @@ def _fast_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and fast.available()
 
 
-def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *, packed: bool = False) -> EncodedTensor:
+def quantize(x: torch.Tensor, scheme: Scheme, kind: str = "key", *, packed: bool = False,
+             threads: int | None = None) -> EncodedTensor:
     """Quantize ``x`` ``[H, T, D]`` (fp32/fp16/bf16), the keys (``kind="key"``) or the values of one layer, on its
     device: anchor and residual codes, metadata (groups along ``scheme.axis(kind)``). ``packed``: the codes two
     per byte (:attr:`EncodedTensor.packed`, from :func:`quantize_packed`'s fused pass) where the scheme packs
-    them that way (the 4+4 split, an even head_dim), else one per byte as without it."""
+    them that way (the 4+4 split, an even head_dim), else one per byte as without it. ``threads`` caps the
+    packed CPU pass's worker threads (e.g. 1 where layers are quantized side by side)."""
     if packed and x.dim() == 3 and fast.packable(scheme, x.shape[2]):
         if not x.is_floating_point():
             raise InputError(f"expected a floating-point tensor, got {x.dtype}")
         h, t, d = x.shape
-        a, r, offset, scale = quantize_packed(x, scheme, kind)
+        a, r, offset, scale = quantize_packed(x, scheme, kind, threads=threads)
         return EncodedTensor(a.view(h, t, d // 2), r.view(h, t, d // 2), offset, scale, scheme.axis(kind),
                              min(scheme.sink_tokens, t), scheme.rotated(kind), packed=True)
     if _fast_cpu(x):  # one compiled pass along either axis: values per channel read in place, keys rotated in it
@@ -113,8 +115,8 @@ def concurrent_tensors(threads: int | None = None) -> int:
     return max(1, threads or fast.workers()) if fast.available() else 1
 
 
-def quantize_packed(x: torch.Tensor, scheme: Scheme,
-                    kind: str = "key") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_packed(x: torch.Tensor, scheme: Scheme, kind: str = "key", *,
+                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(anchor_bytes, residual_bytes, offset, scale)`` of ``x`` ``[H, T, D]``: the codes packed over the
     ``[H, T, D]`` flattening (``pack_bits`` of :func:`quantize`'s anchor and residual), on ``x``'s device. For
     a 4+4 split and an even head_dim, token ``t``'s bytes are ``[h, t, :]`` of the ``[H, T, D/2]`` view, so a
@@ -127,7 +129,7 @@ def quantize_packed(x: torch.Tensor, scheme: Scheme,
             a, r, o, s = kernels[0].encode(x.unsqueeze(0), scheme, pack=True)
             return a[0], r[0], o[0], s[0]
     elif _fast_cpu(x) and x.dim() == 3 and fast.packable(scheme, d):
-        return fast.quantize_packed(x, scheme, axis=scheme.axis(kind), rotated=scheme.rotated(kind))
+        return fast.quantize_packed(x, scheme, axis=scheme.axis(kind), rotated=scheme.rotated(kind), threads=threads)
     enc = quantize(x, scheme, kind)
     return (pack_bits(enc.anchor, scheme.anchor_bits), pack_bits(enc.residual, scheme.residual_bits), enc.offset,
             enc.scale)

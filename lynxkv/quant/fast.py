@@ -277,7 +277,7 @@ def _meta_np(t: torch.Tensor) -> np.ndarray:
 
 
 def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tensor, torch.Tensor] | None = None,
-           axis: str = "token", rotated: bool = False):
+           axis: str = "token", rotated: bool = False, threads: int | None = None):
     """``(anchor, residual, offset, scale)`` with flat code buffers in ``[H, T, D]`` order; groups along
     ``axis`` (``"token"``: metadata ``[H, ceil(T/C), D]``; ``"channel"``: ``[H, T, ceil(D/C)]``); ``meta``
     given: those offsets and scales; ``rotated``: of the Hadamard-rotated rows (rotated inside the pass along
@@ -319,7 +319,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
         _encode_kernel, h * t if per_row else h * nc,
         (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-k)),
         (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
-         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d),
+         scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d), threads=threads,
     ):
         flags |= f
     if flags & 1:
@@ -399,11 +399,11 @@ def quantize(x: torch.Tensor, scheme: Scheme, axis: str = "token", rotated: bool
     return EncodedTensor(a.view(h, t, d), r.view(h, t, d), offset, scale, axis)
 
 
-def quantize_packed(x: torch.Tensor, scheme: Scheme, *, axis: str = "token",
-                    rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_packed(x: torch.Tensor, scheme: Scheme, *, axis: str = "token", rotated: bool = False,
+                    threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(anchor_bytes, residual_bytes, offset, scale)``: the packed codes equal ``pack_bits`` of the reference's
     anchor and residual over the ``[H, T, D]`` flattening (needs :func:`packable`), groups along ``axis``, the
-    rows rotated where ``rotated``."""
+    rows rotated where ``rotated``; on up to ``threads`` worker threads (default :func:`workers`)."""
     h, t, d = _input(x).shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
@@ -411,7 +411,7 @@ def quantize_packed(x: torch.Tensor, scheme: Scheme, *, axis: str = "token",
     if t == 0 or h == 0:
         enc = quantize(x, scheme, axis, rotated)
         return torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8), enc.offset, enc.scale
-    return _codes(x, scheme, packed=True, axis=axis, rotated=rotated)
+    return _codes(x, scheme, packed=True, axis=axis, rotated=rotated, threads=threads)
 
 
 def _out(out: torch.Tensor | None, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
