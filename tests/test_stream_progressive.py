@@ -339,3 +339,35 @@ def test_loading_leaves_the_callers_torch_threads_alone(cache_dir):
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_anchor_batches_decoded_on_workers_keep_the_order_and_the_values(cache_dir, monkeypatch, threads):
+    monkeypatch.setenv("LYNXKV_CPU_THREADS", threads)  # 3: the consumer hands anchor batches to three workers
+    _, path, _, _, (ref_anchor, ref_full) = cache_dir
+    with open_progressive(path) as load:
+        assert kv_equal(load.wait_anchor(30), ref_anchor)
+        assert kv_equal(load.residual.result(30), ref_full)
+        events = list(load.events(timeout=30))
+    kinds = _kinds(events)
+    assert kinds == ["anchor_page"] * 9 + ["anchor_ready"] + ["residual_page"] * 9 + ["residual_ready"]
+    assert [(e.layer, e.page) for e in events if e.kind == "anchor_page"] == [(l, p) for l in range(3) for p in range(3)]
+
+
+def test_a_decode_error_on_a_worker_fails_the_anchor(cache_dir, monkeypatch):
+    import lynxkv.stream.progressive as progressive
+
+    monkeypatch.setenv("LYNXKV_CPU_THREADS", "3")
+    real = progressive.dequantize_records
+
+    def bad_layer_1(*args, **kwargs):
+        if args[-2](0).startswith("layer 1"):  # where(i) names the page
+            raise FormatError("`page` anchor layer 1 page 0: metadata out of range")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(progressive, "dequantize_records", bad_layer_1)
+    seen = []
+    with open_progressive(cache_dir[1], on_event=seen.append) as load:
+        with pytest.raises(FormatError, match="layer 1 page 0"):
+            load.wait_anchor(30)
+    assert not [e for e in seen if e.kind == "anchor_page" and e.layer >= 1] and "anchor_ready" not in _kinds(seen)

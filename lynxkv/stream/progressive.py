@@ -43,7 +43,8 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -55,6 +56,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
 from lynxkv.format.reader import PageReader
 from lynxkv.format.records import dequantize_records, join_records
+from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.kv import KVPairs
 from lynxkv.loading import LoadTimeline
 from lynxkv.storage import RetryPolicy
@@ -323,8 +325,22 @@ class ProgressiveLoad:
         anchors: dict[tuple[int, int], object] = {}
         held: list[tuple] = []
         anchor_complete = False
+        decoding: deque = deque()  # (future, batch) of anchor pages being dequantized, in arrival order
+        workers = concurrent_tensors()
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-anchor") if self.decode and workers > 1 else None
+
+        def decoded(wait: bool) -> None:
+            """Emit ``anchor_page`` for the batches dequantized so far, in order (all of them: ``wait``); a batch's
+            error is raised here."""
+            while decoding and (wait or decoding[0][0].done()):
+                future, batch = decoding.popleft()
+                future.result()
+                for _, layer, page, _, n in batch:
+                    self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
+
         try:
             while True:
+                decoded(wait=False)
                 _, _, item = self._queue.get()
                 kind = item[0]
                 if kind == "stop" or self._closed.is_set():
@@ -371,11 +387,17 @@ class ProgressiveLoad:
                     if self.decode:
                         for _, layer, page, raw, _ in batch:
                             anchors[(layer, page)] = raw
-                        self._dequantize_pages(item[1], [it[2] for it in batch], [it[3] for it in batch], None)
+                    args = (item[1], [it[2] for it in batch], [it[3] for it in batch], None)
+                    if pool is not None:  # whole batches on the workers, one thread each; this thread takes more
+                        decoding.append((pool.submit(self._dequantize_pages, *args, threads=1), batch))
+                        continue
+                    if self.decode:
+                        self._dequantize_pages(*args)
                     for _, layer, page, _, n in batch:
                         self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
                     continue
                 if kind == "anchor_done":
+                    decoded(wait=True)
                     self._anchor_kv = self._kv_out[0] if self.decode else None
                     self._timeline.anchor_ready_s = self._now()
                     anchor_complete = True
@@ -409,6 +431,9 @@ class ProgressiveLoad:
                     return
         except BaseException as exc:  # noqa: BLE001 - e.g. a dequantization failure
             self._fail_all(exc if isinstance(exc, LynxError) else LynxError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            if pool is not None:  # the workers leave the compiled code before the consumer does
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def _next_seq(self) -> int:
         with self._seq_lock:
@@ -457,13 +482,14 @@ class ProgressiveLoad:
             got.append(entry[2])
         return got
 
-    def _dequantize_pages(self, layer: int, pages: list[int], anchors: list, residuals: list | None) -> None:
+    def _dequantize_pages(self, layer: int, pages: list[int], anchors: list, residuals: list | None,
+                          threads: int | None = None) -> None:
         """Dequantize raw records of pages of one layer into its output tensors: anchor-only (``residuals``
         None) or full, straight from the record bytes (:func:`lynxkv.format.records.dequantize_records`).
 
         A page is exactly P/C whole chunks, so dequantizing page by page equals dequantizing the whole tensor;
-        doing it as pages arrive overlaps the arithmetic with the transfer. Residual pages arrive while a model
-        drafts: they take one worker thread."""
+        doing it as pages arrive overlaps the arithmetic with the transfer. Anchor batches run on the consumer's
+        workers (``threads=1`` each); residual pages arrive while a model drafts: they take one worker thread."""
         h = self.header
         s = h.scheme
         anchor, anchor_at = join_records(anchors)
@@ -471,7 +497,7 @@ class ProgressiveLoad:
         dequantize_records(anchor, anchor_at, residual, residual_at,
                            [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages], s, h.kv_heads,
                            h.head_dim, self._kv_out[0 if residuals is None else 1][layer],
-                           lambda i: f"layer {layer} page {pages[i]}", None if residuals is None else 1)
+                           lambda i: f"layer {layer} page {pages[i]}", threads if residuals is None else 1)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
