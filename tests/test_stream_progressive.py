@@ -371,3 +371,29 @@ def test_a_decode_error_on_a_worker_fails_the_anchor(cache_dir, monkeypatch):
         with pytest.raises(FormatError, match="layer 1 page 0"):
             load.wait_anchor(30)
     assert not [e for e in seen if e.kind == "anchor_page" and e.layer >= 1] and "anchor_ready" not in _kinds(seen)
+
+
+def test_the_residual_is_dequantized_once_it_is_all_in_at_the_lowest_priority(cache_dir, monkeypatch):
+    import sys
+
+    calls, priorities = [], []
+    real_residual, real_pages = ProgressiveLoad._dequantize_residual, ProgressiveLoad._dequantize_pages
+
+    def residual(self, items, anchors):
+        calls.append([(it[1], it[2]) for it in items])
+        return real_residual(self, items, anchors)
+
+    def pages(self, layer, pages, anchors, residuals, threads=None):
+        if residuals is not None and sys.platform.startswith("linux"):
+            priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_pages(self, layer, pages, anchors, residuals, threads)
+
+    monkeypatch.setenv("LYNXKV_CPU_THREADS", "2")
+    monkeypatch.setattr(ProgressiveLoad, "_dequantize_residual", residual)
+    monkeypatch.setattr(ProgressiveLoad, "_dequantize_pages", pages)
+    _, path, _, _, (_, ref_full) = cache_dir
+    with open_progressive(path) as load:
+        assert kv_equal(load.residual.result(30), ref_full)
+    assert calls == [[(layer, p) for layer in range(3) for p in range(3)]]  # one pass, when every page was in
+    if sys.platform.startswith("linux"):
+        assert priorities and set(priorities) == {19}
