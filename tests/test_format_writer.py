@@ -166,3 +166,15 @@ def test_layers_quantized_side_by_side_write_the_same_bytes(tmp_path, monkeypatc
     built = build_files(encode_kv(kv), cache_id=CID, residual_location="c.lynxr")
     assert (tmp_path / "c.lynx").read_bytes() == built.anchor
     assert (tmp_path / "c.lynxr").read_bytes() == built.residual
+
+
+def test_atomic_writer_counts_bytes_of_any_buffer(tmp_path):
+    import numpy as np
+
+    words = np.arange(4, dtype=np.int32)  # 16 bytes, 4 items
+    with AtomicWriter(tmp_path / "f.bin") as w:
+        w.write(words)
+        assert w.reserve(2) == words.nbytes
+        w.write(b"end")
+        w.fill(words.nbytes, b"::")
+    assert (tmp_path / "f.bin").read_bytes() == words.tobytes() + b"::end"

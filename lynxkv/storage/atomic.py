@@ -152,7 +152,7 @@ class AtomicWriter:
         if self._f is not None:
             try:
                 self._f.write(data)
-                self._size += len(data)
+                self._size += memoryview(data).nbytes
                 if self._size - self._flushed >= WRITEBACK_BYTES:
                     self._f.flush()
                     self._flusher.kick()
@@ -162,7 +162,7 @@ class AtomicWriter:
                 raise _storage_error(self.url, exc) from None
         else:
             self._parts.append(bytes(data))
-            self._size += len(data)
+            self._size += len(self._parts[-1])
 
     def reserve(self, n: int) -> int:
         """Leave ``n`` bytes at the current end for :meth:`fill` (a header written once what follows it is known);
