@@ -346,7 +346,8 @@ class PageReader:
         """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
         each, written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`).
         Layers are read, checked and decoded on up to ``threads`` workers at once, one thread each
-        (:func:`lynxkv.quant.dispatch.concurrent_tensors`); an error is that of the first failing layer."""
+        (:func:`lynxkv.quant.dispatch.concurrent_tensors`); with one, the next layer's records are read while
+        this one is decoded. An error is that of the first failing layer."""
         from concurrent.futures import ThreadPoolExecutor
 
         h = self.header
@@ -356,19 +357,27 @@ class PageReader:
         for kind in (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,)):
             self.index(kind)  # sources and indexes are opened here, once, not by the workers at the same time
 
-        def decode(layer: int) -> None:
-            anchor, anchor_at = self.layer_records(c.SEGMENT_ANCHOR, layer)
-            residual = None if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer)
-            dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
-                               out[layer], lambda p: f"layer {layer} page {p}", 1 if workers > 1 else threads)
+        def records(layer: int):
+            return (self.layer_records(c.SEGMENT_ANCHOR, layer),
+                    None if anchor_only else self.layer_records(c.SEGMENT_RESIDUAL, layer))
 
-        if workers <= 1:
-            for layer in range(h.layers):
-                decode(layer)
+        def decode(layer: int, recs, threads: int | None) -> None:
+            (anchor, anchor_at), residual = recs
+            dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
+                               out[layer], lambda p: f"layer {layer} page {p}", threads)
+
+        if workers <= 1:  # one layer at a time: the next layer's records are read and checked meanwhile
+            with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-read") as pool:
+                ahead = pool.submit(records, 0) if h.layers else None
+                for layer in range(h.layers):
+                    recs = ahead.result()
+                    ahead = pool.submit(records, layer + 1) if layer + 1 < h.layers else None
+                    decode(layer, recs, threads)
             return
         pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-read")
         try:
-            for done in [pool.submit(decode, layer) for layer in range(h.layers)]:
+            for done in [pool.submit(lambda layer: decode(layer, records(layer), 1), layer)
+                         for layer in range(h.layers)]:
                 done.result()  # in layer order: the first failing layer's error
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
