@@ -468,7 +468,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
         old = residual_file_of(path)
         with AtomicWriter(path) as anchor:
-            header = write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
         if old is not None:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
                 remove(old)
@@ -487,7 +487,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         residual, anchor = AtomicWriter(rpath), None
         try:
             anchor = AtomicWriter(path)
-            header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
+            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
             residual.commit()  # first: an anchor never points at a missing residual
             anchor.commit()
         except BaseException:

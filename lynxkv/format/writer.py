@@ -171,8 +171,9 @@ def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_
 def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = None, *,
                 cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "") -> AnchorHeader:
     """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
-    section inline after the anchor's) as the layers are read from ``enc.layers``, one at a time, so that a
-    sequence which quantizes each layer when it is read holds one layer's codes at a time. The header and the
+    section inline after the anchor's) as the layers are read from ``enc.layers``: each layer's pages are written
+    before the next layer is read, so a sequence that quantizes layers as they are read keeps only those it is
+    working on. The header and the
     page indexes go last into the space reserved for them at the start: the bytes are those of
     :func:`build_files`. ``residual_location``: the residual file's path relative to the anchor file's
     directory (or a URL), for two files. Returns the header as a reader parses it."""
