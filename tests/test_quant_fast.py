@@ -188,9 +188,7 @@ def test_code_table_near_every_threshold():
     checked by benchmarks/check_code_identity.py."""
     for name in ("default", "linear", "paper", "alpha100-5+3", "alpha-tiny", "alpha-max", "3+5-mean"):
         scheme = SCHEMES[name]
-        thr, _, _ = fast.code_table(scheme)
-        steps = torch.from_numpy(thr).long()
-        steps = steps[steps != fast.NO_THRESHOLD]
+        steps = fast.code_steps(scheme)
         keys = (steps[:, None] + torch.arange(-2000, 2000)[None, :]).reshape(-1).clamp(fast.KEY_MIN, fast.KEY_MAX)
         u = fast._u_of_key(keys)
         ref = reference.join_code(*reference.codes_of_u(u, scheme), scheme)
@@ -481,3 +479,64 @@ def test_vector_rows_equal_the_scalar_rows(d, per_row, out_dtype, wide, packed):
         for a, b in zip(out_vec, out_sc):
             same = (a.float().isnan() & b.float().isnan()) | (a.view(bits) == b.view(bits))
             assert bool(same.all()), f"anchor_only={anchor_only}: {int((~same).sum())} elements differ"
+
+
+def _hostile_keys(shape, dtype, g, case):
+    """KV-like rows with outlier channels, or one of the inputs the metadata and codes must survive bit for bit:
+    groups of (signed) zeros, constant groups, subnormal-sized and fp16-overflowing magnitudes, inf and NaN."""
+    h, t, d = shape
+    x = torch.randn(shape, generator=g) * (torch.rand(d, generator=g) * 3 + 0.05)
+    x[..., : max(1, d // 16)] *= 20.0
+    if case == "zeros":
+        x[:, : t // 2] = 0.0
+        x[:, 0, ::2] = -0.0  # groups of mixed zeros whose first is -0.0 keep its sign
+        x[:, 3] = 2.5  # a constant row
+    elif case == "magnitudes":
+        x = x * 2.0 ** torch.randint(-60, 30, (h, 1, d), generator=g).float()
+    elif case == "overflow":
+        x[0, 2, 5] = 1e6  # past fp16's range: the centre or the scale overflows the fp16 metadata
+    elif case == "nonfinite":
+        x[1 % h, t - 1, d - 1] = float("nan") if d % 2 else float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.skipif(fast.native() != "avx2", reason="the vector encode does not run on this CPU")
+@pytest.mark.parametrize("case", ["kv", "zeros", "magnitudes", "overflow", "nonfinite"])
+@pytest.mark.parametrize("meta", ["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d,axis,chunk,rotated", [
+    (128, "token", 32, True), (128, "token", 32, False), (96, "token", 4, True), (80, "token", 8, True),
+    (64, "token", 1, False), (40, "token", 32, False), (128, "channel", 32, False), (48, "channel", 16, False),
+    (64, "channel", 8, False), (96, "channel", 64, False), (128, "channel", 4, False)],
+    ids=["D128-rot", "D128", "D96-b32-C4", "D80-b16", "D64-C1", "D40", "D128-rows", "D48-rows", "D64-rows-C8",
+         "D96-rows-C64", "D128-rows-C4"])
+def test_vector_encode_equals_the_scalar_encode(d, axis, chunk, rotated, dtype, meta, case):
+    """The encode's AVX2 units (every code from the bucket table) and its portable loops (an fp32 compander first,
+    the table near each step) give the same codes, packed and one per byte, the same metadata and the same
+    errors, in every layout the vector units take or leave to the loops: rotated blocks of 128, 32 and 16
+    channels, chunks of 1 to 64 tokens, groups along rows, head_dim not a multiple of 16; midrange and mean
+    centring."""
+    g = torch.Generator().manual_seed(d * 31 + chunk)
+    x = _hostile_keys((2, 45, d), dtype, g, case)
+    for centring in ("midrange", "mean"):
+        scheme = get_scheme("default", meta_dtype=meta, chunk=chunk, page=max(chunk, 8), centring=centring)
+        for packed in (True, False):
+            results = []
+            for scalar in (0, 1):
+                fast._NATIVE.lynx_scalar_only(scalar)
+                try:
+                    results.append(fast._codes(x, scheme, packed, axis=axis, rotated=rotated))
+                except InputError as exc:
+                    results.append(str(exc))
+                finally:
+                    fast._NATIVE.lynx_scalar_only(0)
+            vec, sca = results
+            where = f"{centring}, packed={packed}"
+            if isinstance(sca, str) or isinstance(vec, str):
+                assert vec == sca, f"{where}: {vec!r} vs {sca!r}"
+                continue
+            for name, a, b in zip(("anchor", "residual", "offset", "scale"), vec, sca):
+                bits = a.view(torch.int16 if a.dtype == torch.float16 else torch.int32) if a.is_floating_point() else a
+                other = b.view(bits.dtype) if b.is_floating_point() else b
+                assert torch.equal(bits, other), f"{where}: the {name}s differ"
+    assert case != "nonfinite" or isinstance(vec, str), "a non-finite input must be refused"

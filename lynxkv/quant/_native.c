@@ -13,6 +13,11 @@
  * portable scalar one give the same bits; the AVX2 one runs where the CPU has it (checked at run time) for the
  * layout every default-scheme load has (packed 4+4 codes, a contiguous row of a multiple of 16 channels).
  *
+ * The encode's AVX2 units (head_dim a multiple of 16) take every code from the bucket table: the exact
+ * u = fl((x - o) / s) by a division, its order key, one gather per 8 elements. The portable loops first run an fp32
+ * compander within a bound of the exact one and look up only the elements that land near a code step; both give
+ * the reference's codes.
+ *
  * Python loads this library with ctypes (lynxkv.quant.fast): the calls release the GIL, and the caller splits the
  * units over its threads. Nothing here allocates beyond one row buffer per call or keeps state between calls.
  */
@@ -35,6 +40,10 @@
  * (both at least the rows decoded: the first rows of each head are decoded), its first unit. */
 enum { PG_OFFSET, PG_SCALE, PG_ANCHOR, PG_RESIDUAL, PG_Y0, PG_ROWS, PG_COLS, PG_HELD, PG_RESIDUAL_HELD, PG_FIRST,
        PG_WIDTH };
+
+/* The order keys of -1.0f and 1.0f: every u of a code lies between them. */
+#define KEY_MIN (-1065353217)
+#define KEY_MAX 1065353216
 
 static inline float bits_f32(uint32_t b) {
     float f;
@@ -168,20 +177,46 @@ AVX2 static inline __m256i bf16x16(__m256 x0, __m256 x1) {
 /* o + s·level of 16 elements at channel d. */
 #define AFFINE(f, d) _mm256_add_ps(_mm256_load_ps(o + (d)), _mm256_mul_ps(_mm256_load_ps(s + (d)), (f)))
 
-/* The butterfly of one row held in nv vectors, within blocks of `block` channels (stages h = 1, 2, 4 inside each
- * vector, then h = 8, 16, ... across vectors h / 8 apart). */
-AVX2 static inline void butterfly_avx2(__m256 *f, int64_t nv, int64_t block) {
+/* The stages h = 1, 2, 4 of one vector (within blocks of `block` channels). */
+AVX2 static inline __m256 stages_in_vector(__m256 v, int64_t block) {
     const __m256 neg1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN));
     const __m256 neg2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, INT32_MIN, INT32_MIN, 0, 0, INT32_MIN, INT32_MIN));
     const __m256 neg4 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN));
-    for (int64_t k = 0; k < nv; k++) {
-        __m256 v = f[k];
-        v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0xB1), neg1); /* h = 1: lanes (1, 0, 3, 2) */
-        if (block > 2) v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0x4E), neg2); /* h = 2: (2, 3, 0, 1) */
-        if (block > 4) v = STAGE_IN_REGISTER(v, _mm256_permute2f128_ps(v, v, 0x01), neg4); /* h = 4 */
-        f[k] = v;
+    v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0xB1), neg1); /* h = 1: lanes (1, 0, 3, 2) */
+    if (block > 2) v = STAGE_IN_REGISTER(v, _mm256_permute_ps(v, 0x4E), neg2); /* h = 2: (2, 3, 0, 1) */
+    if (block > 4) v = STAGE_IN_REGISTER(v, _mm256_permute2f128_ps(v, v, 0x01), neg4); /* h = 4 */
+    return v;
+}
+
+/* The butterfly of one row held in nv vectors, within blocks of `block` channels (stages h = 1, 2, 4 inside each
+ * vector, then h = 8, 16, ... across vectors h / 8 apart). A stage only combines channels of one block of 2h, so
+ * the stages below h = 64 run on 8 vectors at a time, held in registers, before the wider ones: the same sums. */
+AVX2 static inline void butterfly_avx2(__m256 *f, int64_t nv, int64_t block) {
+    int64_t h0 = 1; /* the first stage (in vectors) still to run on all nv vectors */
+    if (nv % 8 == 0) {
+        for (int64_t c = 0; c < nv; c += 8) {
+            __m256 v[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) v[k] = stages_in_vector(f[c + k], block);
+#pragma GCC unroll 3
+            for (int h = 1; h < 8; h *= 2) {
+                if (h >= block / 8) break;
+#pragma GCC unroll 8
+                for (int k = 0; k < 8; k++)
+                    if (!(k & h)) {
+                        __m256 a = v[k], b = v[k + h];
+                        v[k] = _mm256_add_ps(a, b);
+                        v[k + h] = _mm256_sub_ps(a, b);
+                    }
+            }
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) f[c + k] = v[k];
+        }
+        h0 = 8;
+    } else {
+        for (int64_t k = 0; k < nv; k++) f[k] = stages_in_vector(f[k], block);
     }
-    for (int64_t h = 1; h < block / 8; h *= 2) /* h = 8, 16, ...: whole vectors, h / 8 apart */
+    for (int64_t h = h0; h < block / 8; h *= 2) /* whole vectors, h / 8 apart */
         for (int64_t k0 = 0; k0 < nv; k0 += 2 * h)
             for (int64_t k = k0; k < k0 + h; k++) {
                 __m256 a = f[k], b = f[k + h];
@@ -267,6 +302,114 @@ AVX2 static int64_t meta_f16_avx2(const uint8_t *p, int64_t n, float *out, int64
         _mm256_store_ps(out + d, _mm256_cvtph_ps(h));
     }
     return (_mm_movemask_epi8(bad) ? inf_flag : 0) | (_mm_movemask_epi8(negative) ? 4 : 0);
+}
+
+/* ------------------------------------------------------------------------- encode rows (AVX2) */
+
+/* One row of D channels (D % 8 == 0) of x into fp32 y: bf16 bits widened, or fp32 copied. */
+AVX2 static void load_row_avx2(const void *x, int bf16, uint64_t row, int64_t D, float *y) {
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)x + row;
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_si256((__m256i *)(y + d),
+                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + d))), 16));
+    } else {
+        memcpy(y, (const float *)x + row, (size_t)D * sizeof(float));
+    }
+}
+
+/* The order keys of 8 floats (order_key lane by lane) and back (key_value). */
+AVX2 static inline __m256i keys8(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    return _mm256_xor_si256(b, _mm256_and_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+
+AVX2 static inline __m256 values8(__m256i k) {
+    return _mm256_castsi256_ps(_mm256_xor_si256(k, _mm256_and_si256(_mm256_srai_epi32(k, 31), _mm256_set1_epi32(0x7FFFFFFF))));
+}
+
+AVX2 static inline int any_not_finite(__m256 v) {
+    const __m256i e = _mm256_set1_epi32(0x7F800000);
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), e), e)) != 0;
+}
+
+/* meta_put of 8 lanes at buf + i: fp32 stored as is, or fp16 nearest (F16C's round to nearest even: f16_round) and,
+ * `up`, one fp16 step higher where that is below v (v >= 0 here); returns the stored values, widened. */
+AVX2 static inline __m256 meta_put8(void *buf, int f16, int64_t i, __m256 v, int up) {
+    if (!f16) {
+        _mm256_storeu_ps((float *)buf + i, v);
+        return v;
+    }
+    __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (up) {
+        __m256i below = _mm256_castps_si256(_mm256_cmp_ps(_mm256_cvtph_ps(h), v, _CMP_LT_OQ));
+        h = _mm_sub_epi16(h, _mm_packs_epi32(_mm256_castsi256_si128(below), _mm256_extracti128_si256(below, 1)));
+    }
+    _mm_storeu_si128((__m128i *)((uint16_t *)buf + i), h);
+    return _mm256_cvtph_ps(h);
+}
+
+/* range_meta of 8 groups: their max and min keys, first values (the sign of an all-zero group), metadata index m;
+ * o, s get the stored offset and the scale the codes use (1 where it is 0); returns the problem flags. */
+AVX2 static inline int64_t range_meta8(__m256i khi, __m256i klo, __m256 first, void *offset, void *scale, int f16,
+                                       int64_t m, float *o, float *s) {
+    __m256 hi = values8(khi), lo = values8(klo), zero = _mm256_setzero_ps();
+    __m256 both = _mm256_and_ps(_mm256_cmp_ps(hi, zero, _CMP_EQ_OQ), _mm256_cmp_ps(lo, zero, _CMP_EQ_OQ));
+    hi = _mm256_blendv_ps(hi, first, both);
+    lo = _mm256_blendv_ps(lo, first, both);
+    int64_t flags = 0;
+    __m256 od = meta_put8(offset, f16, m, _mm256_mul_ps(_mm256_add_ps(hi, lo), _mm256_set1_ps(0.5f)), 0);
+    if (any_not_finite(od)) flags |= 2;
+    __m256 a = _mm256_sub_ps(hi, od), b = _mm256_sub_ps(od, lo);
+    __m256 sd = meta_put8(scale, f16, m, _mm256_blendv_ps(b, a, _mm256_cmp_ps(a, b, _CMP_GE_OQ)), 1);
+    if (any_not_finite(sd)) flags |= 4;
+    sd = _mm256_blendv_ps(_mm256_set1_ps(1.0f), sd, _mm256_cmp_ps(sd, zero, _CMP_GT_OQ));
+    _mm256_storeu_ps(o, od);
+    _mm256_storeu_ps(s, sd);
+    return flags;
+}
+
+/* The codes of one row (D % 16 == 0) with per-element o, s: u = (x - o) / s exactly as the reference, its order
+ * key, and the bucket table (exact_code, 8 lanes at a time); out as anchor and residual bytes, packed 4+4 (`packed`:
+ * element pairs, the first in the low nibble) or one per byte (residual_bits rb). */
+AVX2 static void codes_row_avx2(const float *yr, const float *o, const float *s, int64_t D, const uint32_t *tab,
+                                int32_t off, int32_t shift, int packed, int rb, uint8_t *a_out, uint8_t *r_out) {
+    const __m256i vo = _mm256_set1_epi32(off), lo16 = _mm256_set1_epi32(0xFFFF), ff = _mm256_set1_epi32(0xFF);
+    const __m256i kmin = _mm256_set1_epi32(KEY_MIN), kmax = _mm256_set1_epi32(KEY_MAX);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m128i mask = _mm_set1_epi8((char)((1 << rb) - 1));
+    int32_t ix[16] __attribute__((aligned(32)));
+    for (int64_t d = 0; d < D; d += 16) {
+        __m256i c[2];
+        for (int v = 0; v < 2; v++) {
+            int64_t e0 = d + 8 * v;
+            __m256 u = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(yr + e0), _mm256_loadu_ps(o + e0)),
+                                     _mm256_loadu_ps(s + e0));
+            __m256i k = _mm256_min_epi32(_mm256_max_epi32(keys8(u), kmin), kmax);
+            _mm256_store_si256((__m256i *)(ix + 8 * v), _mm256_add_epi32(_mm256_srai_epi32(k, shift), vo));
+__m256i e = _mm256_i32gather_epi32((const int *)tab, _mm256_load_si256((const __m256i *)(ix + 8 * v)), 4);
+            __m256i below = _mm256_cmpgt_epi32(_mm256_and_si256(e, lo16), _mm256_and_si256(k, lo16));
+            c[v] = _mm256_blendv_epi8(_mm256_srli_epi32(e, 24), _mm256_and_si256(_mm256_srli_epi32(e, 16), ff), below);
+        }
+        if (packed) { /* the pair (2j, 2j + 1) as one 32-bit lane of 16-bit codes */
+            __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(c[0], c[1]), 0xD8);
+            __m256i a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), _mm256_set1_epi32(0x0F)),
+                                        _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(0xF0)));
+            __m256i r = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi32(0x0F)),
+                                        _mm256_and_si256(_mm256_srli_epi32(w, 12), _mm256_set1_epi32(0xF0)));
+            __m256i p = _mm256_packus_epi32(a, r); /* 16-bit (a0-3, r0-3 | a4-7, r4-7) */
+            p = _mm256_packus_epi16(p, p);         /* dwords (a0-3, r0-3, ., . | a4-7, r4-7, ., .) */
+            __m128i q = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(p, order)); /* a0-3, a4-7, r0-3, r4-7 */
+            _mm_storel_epi64((__m128i *)(a_out + d / 2), q);
+            _mm_storel_epi64((__m128i *)(r_out + d / 2), _mm_srli_si128(q, 8));
+        } else {
+            __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(c[0], c[1]), 0xD8);
+            __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)); /* 16 codes */
+            __m128i hi_mask = _mm_set1_epi8((char)(0xFF >> rb));
+            _mm_storeu_si128((__m128i *)(a_out + d), _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(rb)), hi_mask));
+            _mm_storeu_si128((__m128i *)(r_out + d), _mm_and_si128(b, mask));
+        }
+    }
 }
 
 static int scalar_only = 0; /* lynx_scalar_only(1): the tests compare the vector rows with the scalar ones */
@@ -402,19 +545,24 @@ static inline float key_value(int32_t k) { return bits_f32((uint32_t)(k ^ ((k >>
 
 static inline int32_t abs_bits(float v) { return (int32_t)(f32_bits(v) & 0x7FFFFFFFu); }
 
+/* The bucket table (lynxkv.quant.fast.code_table): entry b = (key >> shift) + off holds the low 16 bits of the
+ * one code step inside the bucket (0 where there is none), the code below it (bits 16-23) and the code from it on
+ * (bits 24-31). */
 typedef struct {
-    const int32_t *thr;
-    const uint16_t *codes;
+    const uint32_t *tab;
     int64_t off;
     int shift;
 } CodeTable;
 
-/* The reference's code of x: the exact u = fl((x - o) / s), its order key, the threshold table. */
+static inline int32_t table_code(int32_t k, const CodeTable *t) {
+    k = k < KEY_MIN ? KEY_MIN : k > KEY_MAX ? KEY_MAX : k; /* u outside [-1, 1] (given metadata): the end codes */
+    uint32_t e = t->tab[(int64_t)(k >> t->shift) + t->off];
+    return (int32_t)((k & 0xFFFF) >= (int32_t)(e & 0xFFFF) ? e >> 24 : (e >> 16) & 0xFF);
+}
+
+/* The reference's code of x: the exact u = fl((x - o) / s), its order key, the bucket table. */
 static inline int32_t exact_code(float x, float o, float s, const CodeTable *t) {
-    int32_t k = order_key((x - o) / s);
-    int64_t b = (int64_t)(k >> t->shift) + t->off;
-    int32_t e = t->codes[b];
-    return k >= t->thr[b] ? e >> 8 : e & 0xFF;
+    return table_code(order_key((x - o) / s), t);
 }
 
 /* log(y) for y >= 1 within 2^-19 max(1, log y): lynxkv.quant.fast.LOG_POLY in the kernel's order. */
@@ -461,6 +609,107 @@ static inline void range_meta(void *offset, void *scale, int f16, int64_t m, flo
     if (!isfinite(*sd)) *flags |= 4;
 }
 
+#ifdef LYNX_X86
+/* lynx_encode_units on AVX2 (D % 16 == 0; per row, C % 8 == 0 and D % C == 0; a rotation of block >= 8,
+ * D <= 512): every code by the exact path, u = (x - o) / s and the bucket table, 8 lanes at a time, so no code
+ * needs the compander's first pass or a recheck. The metadata as range_meta, lane by lane. */
+AVX2 static int64_t encode_units_avx2(const void *x, int x_bf16, int64_t x0, int64_t sh, int64_t st, int64_t T,
+                                      int64_t D, int64_t C, int64_t nc, int per_row, int64_t block,
+                                      float rotation_scale, int64_t u0, int64_t u1, int meta_given, void *offset,
+                                      void *scale, int meta_f16, const uint32_t *tab, int32_t off, int32_t shift,
+                                      int rb, int packed, uint8_t *a_out, uint8_t *r_out, int64_t out_h,
+                                      int64_t out_t) {
+    int64_t G = D / C, ny = per_row ? D : C * D;
+    float *mem = malloc((size_t)(ny + 2 * D) * sizeof(float));
+    if (!mem) return -1;
+    float *y = mem, *o = y + ny, *s = o + D;
+    const __m256i inf = _mm256_set1_epi32(0x7F7FFFFF), abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    int64_t flags = 0;
+    for (int64_t unit = u0; unit < u1; unit++) {
+        int64_t h, t0, n;
+        if (per_row) {
+            h = unit / T;
+            t0 = unit - h * T;
+            n = 1;
+        } else {
+            h = unit / nc;
+            t0 = (unit - h * nc) * C;
+            n = T - t0 < C ? T - t0 : C;
+        }
+        uint64_t base = (uint64_t)(x0 + h * sh + t0 * st);
+        for (int64_t t = 0; t < n; t++) load_row_avx2(x, x_bf16, base + (uint64_t)(t * st), D, y + t * D);
+        if (block > 1) rotate_rows_avx2(y, n, D, block, rotation_scale);
+        if (per_row) {
+            for (int64_t g = 0; g < G; g++) {
+                int64_t g0 = g * C, m = unit * G + g;
+                float od, sd;
+                if (meta_given) {
+                    od = meta_get(offset, meta_f16, m);
+                    sd = meta_get(scale, meta_f16, m);
+                } else {
+                    __m256i kh = keys8(_mm256_loadu_ps(y + g0)), kl = kh, am = _mm256_setzero_si256();
+                    for (int64_t j = 0; j < C; j += 8) {
+                        __m256 v = _mm256_loadu_ps(y + g0 + j);
+                        __m256i k = keys8(v);
+                        kh = _mm256_max_epi32(kh, k);
+                        kl = _mm256_min_epi32(kl, k);
+                        am = _mm256_max_epi32(am, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+                    }
+                    int32_t khs[8], kls[8], ams[8];
+                    _mm256_storeu_si256((__m256i *)khs, kh);
+                    _mm256_storeu_si256((__m256i *)kls, kl);
+                    _mm256_storeu_si256((__m256i *)ams, am);
+                    int32_t khi = khs[0], klo = kls[0], a = ams[0];
+                    for (int i = 1; i < 8; i++) {
+                        khi = khi > khs[i] ? khi : khs[i];
+                        klo = klo < kls[i] ? klo : kls[i];
+                        a = a > ams[i] ? a : ams[i];
+                    }
+                    if (a >= 0x7F800000) flags |= 1;
+                    float hi = key_value(khi), lo = key_value(klo);
+                    if (hi == 0 && lo == 0) hi = lo = y[g0];
+                    range_meta(offset, scale, meta_f16, m, hi, lo, &od, &sd, &flags);
+                }
+                __m256 vo = _mm256_set1_ps(od), vs = _mm256_set1_ps(sd > 0 ? sd : 1.0f);
+                for (int64_t j = 0; j < C; j += 8) {
+                    _mm256_storeu_ps(o + g0 + j, vo);
+                    _mm256_storeu_ps(s + g0 + j, vs);
+                }
+            }
+        } else if (meta_given) {
+            for (int64_t d = 0; d < D; d++) {
+                o[d] = meta_get(offset, meta_f16, unit * D + d);
+                float sd = meta_get(scale, meta_f16, unit * D + d);
+                s[d] = sd > 0 ? sd : 1.0f;
+            }
+        } else { /* per channel along the unit's tokens */
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 v = _mm256_loadu_ps(y + d);
+                __m256i kh = keys8(v), kl = kh, am = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+                for (int64_t t = 1; t < n; t++) {
+                    __m256 w = _mm256_loadu_ps(y + t * D + d);
+                    __m256i k = keys8(w);
+                    kh = _mm256_max_epi32(kh, k);
+                    kl = _mm256_min_epi32(kl, k);
+                    am = _mm256_max_epi32(am, _mm256_and_si256(_mm256_castps_si256(w), abs_mask));
+                }
+                if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(am, inf))) flags |= 1;
+                flags |= range_meta8(kh, kl, v, offset, scale, meta_f16, unit * D + d, o + d, s + d);
+            }
+        }
+        for (int64_t t = 0; t < n; t++) {
+            uint64_t el = (uint64_t)(h * out_h + (t0 + t) * out_t);
+            if (packed)
+                codes_row_avx2(y + t * D, o, s, D, tab, off, shift, 1, rb, a_out + (el >> 1), r_out + (el >> 1));
+            else
+                codes_row_avx2(y + t * D, o, s, D, tab, off, shift, 0, rb, a_out + el, r_out + el);
+        }
+    }
+    free(mem);
+    return flags;
+}
+#endif
+
 #if defined(LYNX_X86) && defined(__has_attribute)
 #if __has_attribute(target_clones)
 #define CLONES __attribute__((target_clones("avx2", "default")))
@@ -478,10 +727,16 @@ CLONES int64_t lynx_encode_units(const void *x, int32_t x_bf16, int64_t x0, int6
                                  int64_t D, int64_t C, int64_t nc, int32_t per_row, int64_t block,
                                  float rotation_scale, int64_t u0, int64_t u1, int32_t meta_given, void *offset,
                                  void *scale, int32_t meta_f16, float alpha, float inv_c, float gk, float gb,
-                                 float margin, const float *P, const int32_t *thr, const uint16_t *codes,
-                                 int64_t off, int32_t shift, int32_t rb, int32_t packed, uint8_t *a_out,
+                                 float margin, const float *P, const uint32_t *tab, int64_t off, int32_t shift, int32_t rb, int32_t packed, uint8_t *a_out,
                                  uint8_t *r_out, int64_t out_h, int64_t out_t) {
-    const CodeTable table = {thr, codes, off, shift};
+#ifdef LYNX_X86
+    if (have_avx2() && D % 16 == 0 && (!per_row || (C % 8 == 0 && D % C == 0)) &&
+        (block == 1 || (block >= 8 && D <= 512)))
+        return encode_units_avx2(x, x_bf16, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
+                                 meta_given, offset, scale, meta_f16, tab, (int32_t)off, shift, rb, packed, a_out,
+                                 r_out, out_h, out_t);
+#endif
+    const CodeTable table = {tab, off, shift};
     int64_t G = (D + C - 1) / C, ny = per_row ? D : C * D;
     size_t floats = (size_t)(ny + 6 * D), ints = (size_t)(6 * D);
     float *mem = malloc(floats * sizeof(float) + ints * sizeof(int32_t));

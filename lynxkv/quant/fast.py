@@ -9,11 +9,14 @@ Why it is exact:
   an integer, ``key = bits(u) ^ ((bits(u) >> 31) & 0x7FFFFFFF)`` orders the fp32 values of ``[-1, 1]``, so the
   function is fixed by the (at most 255) keys where the code steps up. :func:`code_table` finds each of them by
   bisection over the keys, evaluating the reference's own :func:`~lynxkv.quant.reference.codes_of_u`, and
-  stores per bucket of ``2^S`` consecutive keys the code at the bucket's start, the one threshold inside it and
-  the code from there on: ``code = key >= thr[b] ? hi[b] : base[b]`` with ``b = key >> S``. The thresholds of
-  any scheme are more than ``2^16`` keys apart (the code steps at most once per ``1/127.5`` of ``z``, and the
-  compander's slope is bounded), so ``S = 16`` always fits and the table has 32K entries (192 KiB, in L2).
-  No compander is evaluated per element: the α-law default costs what the linear scheme costs.
+  stores per bucket of ``2^S`` consecutive keys, in one 32-bit entry, the code at the bucket's start, the low
+  bits of the one step inside it and the code from there on: ``code = key mod 2^S >= low[b] ? top[b] : base[b]``
+  with ``b = key >> S``. The steps of any scheme are more than ``2^16`` keys apart (the code steps at most once
+  per ``1/127.5`` of ``z``, and the compander's slope is bounded), so ``S = 16`` always fits and the table has
+  32K entries (128 KiB, in L2). The AVX2 encode looks every code up there (the exact ``u`` by a division, one
+  gather per 8 elements): no compander is evaluated per element, and the α-law default costs what the linear
+  scheme costs. The portable loops take a first pass through an fp32 compander and look up only the elements
+  near a step (:func:`_approximation`).
   ``benchmarks/check_code_identity.py`` compares the table with the reference over every fp32 ``u`` in
   ``[-1, 1]``; the tests check the neighbourhood of every threshold.
 - **Metadata from the group's range.** Rounding is monotone and symmetric, so
@@ -61,7 +64,6 @@ KEY_MIN = -1065353217
 KEY_MAX = 1065353216
 #: log2 of the keys per table bucket.
 TABLE_SHIFT = 16
-NO_THRESHOLD = np.iinfo(np.int32).max
 #: ``log(1 + f) ≈ f - f²/2 + f³·P(f)`` on ``f`` in [√½ - 1, √2 - 1] (a degree-5 Chebyshev fit): within 8e-7 of
 #: the log, plus fp32 rounding; the kernels' margin assumes 2^-19·max(1, log y).
 LOG_POLY = (0.33333557528147356, -0.24994054257805176, 0.19955300260002215, -0.1694757798896947,
@@ -87,10 +89,9 @@ def _code_of_key(keys: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     return reference.join_code(a, r, scheme).to(torch.int64)
 
 
-@functools.lru_cache(maxsize=32)
-def code_table(scheme: Scheme) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(thr int32 [n], codes uint16 [n], offset)``: bucket ``b = (key >> TABLE_SHIFT) + offset`` maps a key to
-    ``codes[b] >> 8`` when ``key >= thr[b]``, else ``codes[b] & 0xFF`` (the reference's 8-bit code)."""
+def code_steps(scheme: Scheme) -> torch.Tensor:
+    """The keys (int64, ascending) where the reference's 8-bit code steps up, by bisection over ``[KEY_MIN,
+    KEY_MAX]``: the code of a key is that of the last step at or below it (or of ``KEY_MIN``)."""
     targets = torch.arange(1, 256, dtype=torch.int64)
     lo = torch.full_like(targets, KEY_MIN - 1)  # code(lo) < target (conceptually; lo is below the range)
     hi = torch.full_like(targets, KEY_MAX + 1)  # code(hi) >= target
@@ -99,19 +100,31 @@ def code_table(scheme: Scheme) -> tuple[np.ndarray, np.ndarray, int]:
         up = _code_of_key(mid, scheme) >= targets
         hi = torch.where(up, mid, hi)
         lo = torch.where(up, lo, mid)
-    thresholds = torch.unique(hi[(hi > KEY_MIN) & (hi <= KEY_MAX)])
-    buckets = thresholds >> TABLE_SHIFT
+    return torch.unique(hi[(hi > KEY_MIN) & (hi <= KEY_MAX)])
+
+
+@functools.lru_cache(maxsize=32)
+def code_table(scheme: Scheme) -> tuple[np.ndarray, int]:
+    """``(table uint32 [n], offset)``: bucket ``b = (key >> TABLE_SHIFT) + offset`` holds the low 16 bits of the
+    one code step inside it (0 where there is none), the code below that step (bits 16-23) and the code from it
+    on (bits 24-31): a key's code is the second where its low 16 bits reach the first, else the first (the
+    reference's 8-bit code). One 32-bit load per element."""
+    steps = code_steps(scheme)
+    buckets = steps >> TABLE_SHIFT
     if buckets.numel() != torch.unique(buckets).numel():  # impossible for the schemes Scheme accepts
         raise InputError(f"scheme {scheme.describe()}: two code steps closer than 2^{TABLE_SHIFT} fp32 values")
     b_min, b_max = KEY_MIN >> TABLE_SHIFT, KEY_MAX >> TABLE_SHIFT
     starts = (torch.arange(b_min, b_max + 1, dtype=torch.int64) << TABLE_SHIFT).clamp(min=KEY_MIN)
-    thr = torch.full(starts.shape, NO_THRESHOLD, dtype=torch.int64)
-    inside = thresholds > starts[buckets - b_min]  # a step exactly at a bucket's start is its base code
-    thr[buckets[inside] - b_min] = thresholds[inside]
+    step = starts.clone()  # where a bucket has no step inside, its start (the low bits are not looked at)
+    has = torch.zeros(starts.shape, dtype=torch.bool)
+    inside = steps > starts[buckets - b_min]  # a step exactly at a bucket's start is its base code
+    step[buckets[inside] - b_min] = steps[inside]
+    has[buckets[inside] - b_min] = True
     base = _code_of_key(starts, scheme)
-    top = torch.where(thr == NO_THRESHOLD, base, _code_of_key(thr.clamp(max=KEY_MAX), scheme))
-    codes = (base | (top << 8)).to(torch.int32).numpy().astype(np.uint16)
-    return thr.to(torch.int32).numpy(), codes, -b_min
+    top = torch.where(has, _code_of_key(step, scheme), base)
+    low = torch.where(has, step & 0xFFFF, 0)  # no step: base == top, either way
+    table = (low | (base << 16) | (top << 24)).to(torch.int64).numpy().astype(np.uint32)
+    return table, -b_min
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,7 +145,7 @@ def _native_library():
         "lynx_decode_pages": ([p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, f32, i64, i64, i64, i64, p, p, i32,
                                i64, i64, i64], i64),
         "lynx_encode_units": ([p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32,
-                               f32, f32, f32, f32, f32, p, p, p, i64, i32, i32, i32, p, p, i64, i64], i64),
+                               f32, f32, f32, f32, f32, p, p, i64, i32, i32, i32, p, p, i64, i64], i64),
         "lynx_rotate_rows": ([p, i32, i64, i64, i64, i64, i64, i64, f32, p, i64, i64], i64),
         "lynx_pack4_rows": ([p, i64, i64, i64, i64, i64, p, i64, i64], i64),
         "lynx_unpack4": ([p, p, i64, i64], i64),
@@ -158,7 +171,7 @@ def _ptr(a: np.ndarray) -> int:
 
 
 def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
-                   alpha, inv_c, gk, gb, margin, thr, codes, off, shift, rb, packed, a_out, r_out, out_h, out_t):
+                   alpha, inv_c, gk, gb, margin, table, off, shift, rb, packed, a_out, r_out, out_h, out_t):
     """Metadata and codes of units ``[u0, u1)`` (``lynx_encode_units``, whose comment documents the arguments);
     returns problem flags: 1 = the input is not finite, 2 = a centre overflows the metadata dtype, 4 = a scale
     does.
@@ -173,7 +186,7 @@ def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u
     flags = _NATIVE.lynx_encode_units(
         _ptr(x), int(x.dtype == np.uint16), x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
         meta_given, _ptr(offset), _ptr(scale), int(offset.dtype == np.uint16), alpha, inv_c, gk, gb, margin,
-        _ptr(_LOG_POLY_F32), _ptr(thr), _ptr(codes), off, shift, rb, packed, _ptr(a_out), _ptr(r_out), out_h, out_t)
+        _ptr(_LOG_POLY_F32), _ptr(table), off, shift, rb, packed, _ptr(a_out), _ptr(r_out), out_h, out_t)
     if flags < 0:
         raise MemoryError("the encode's unit buffers could not be allocated")
     return flags
@@ -306,7 +319,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     else:
         offset = torch.empty(meta_shape, dtype=meta_dtype)
         scale = torch.empty(meta_shape, dtype=meta_dtype)
-    thr, codes, off = code_table(scheme)
+    table, off = code_table(scheme)
     alpha, inv_c, gk, gb, margin = _approximation(scheme)
     n = h * t * d
     size = n // 2 if packed else n
@@ -318,7 +331,7 @@ def _codes(x: torch.Tensor, scheme: Scheme, packed: bool, meta: tuple[torch.Tens
     for f in _parallel(
         _encode_kernel, h * t if per_row else h * nc,
         (buf, x0, sh, st, t, d, c, nc, per_row, block, np.float32(2.0**-k)),
-        (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, thr, codes, off, TABLE_SHIFT,
+        (meta_given, _meta_np(offset), _meta_np(scale), alpha, inv_c, gk, gb, margin, table, off, TABLE_SHIFT,
          scheme.residual_bits, packed, a_out.numpy(), r_out.numpy(), t * d, d), threads=threads,
     ):
         flags |= f
