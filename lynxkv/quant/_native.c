@@ -610,73 +610,122 @@ static inline void range_meta(void *offset, void *scale, int f16, int64_t m, flo
 }
 
 #ifdef LYNX_X86
-/* lynx_encode_units on AVX2 (D % 16 == 0; per row, C % 8 == 0 and D % C == 0; a rotation of block >= 8,
- * D <= 512): every code by the exact path, u = (x - o) / s and the bucket table, 8 lanes at a time, so no code
- * needs the compander's first pass or a recheck. The metadata as range_meta, lane by lane. */
-AVX2 static int64_t encode_units_avx2(const void *x, int x_bf16, int64_t x0, int64_t sh, int64_t st, int64_t T,
-                                      int64_t D, int64_t C, int64_t nc, int per_row, int64_t block,
-                                      float rotation_scale, int64_t u0, int64_t u1, int meta_given, void *offset,
-                                      void *scale, int meta_f16, const uint32_t *tab, int32_t off, int32_t shift,
-                                      int rb, int packed, uint8_t *a_out, uint8_t *r_out, int64_t out_h,
-                                      int64_t out_t) {
-    int64_t G = D / C, ny = per_row ? D : C * D;
-    float *mem = malloc((size_t)(ny + 2 * D) * sizeof(float));
+/* Lane j of the result: the max (or min) of v[j]'s 8 lanes. */
+AVX2 static inline __m256i across8(const __m256i *v, int max) {
+#define PAIR(a, b) (max ? _mm256_max_epi32((a), (b)) : _mm256_min_epi32((a), (b)))
+    __m256i a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = PAIR(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        b[i] = PAIR(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    return PAIR(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
+#undef PAIR
+}
+
+/* lynx_encode_units on AVX2 for values per channel: rows [u0, u1) (row = h T + t), G = D / C groups each. Rows go
+ * in batches of R = 8 / G (1 where G is a multiple of 8), whose groups are contiguous in the metadata and take
+ * range_meta 8 at a time; a shorter last batch, given metadata and other G, group by group. */
+AVX2 static int64_t encode_rows_avx2(const void *x, int x_bf16, int64_t x0, int64_t sh, int64_t st, int64_t T,
+                                     int64_t D, int64_t C, int64_t u0, int64_t u1, int meta_given, void *offset,
+                                     void *scale, int meta_f16, const uint32_t *tab, int32_t off, int32_t shift,
+                                     int rb, int packed, uint8_t *a_out, uint8_t *r_out, int64_t out_h,
+                                     int64_t out_t) {
+    int64_t G = D / C, R = 1;
+    int batched = !meta_given && (G % 8 == 0 || 8 % G == 0);
+    if (batched && G < 8) R = 8 / G;
+    float *mem = malloc((size_t)(3 * R * D + 2 * R * G) * sizeof(float));
     if (!mem) return -1;
-    float *y = mem, *o = y + ny, *s = o + D;
-    const __m256i inf = _mm256_set1_epi32(0x7F7FFFFF), abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    float *y = mem, *o = y + R * D, *s = o + R * D, *og = s + R * D, *sg = og + R * G;
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F7FFFFF);
     int64_t flags = 0;
-    for (int64_t unit = u0; unit < u1; unit++) {
-        int64_t h, t0, n;
-        if (per_row) {
-            h = unit / T;
-            t0 = unit - h * T;
-            n = 1;
-        } else {
-            h = unit / nc;
-            t0 = (unit - h * nc) * C;
-            n = T - t0 < C ? T - t0 : C;
+    for (int64_t r0 = u0; r0 < u1; r0 += R) {
+        int64_t nr = u1 - r0 < R ? u1 - r0 : R, ng = nr * G, m0 = r0 * G;
+        for (int64_t i = 0; i < nr; i++) {
+            int64_t h = (r0 + i) / T, t = r0 + i - h * T;
+            load_row_avx2(x, x_bf16, (uint64_t)(x0 + h * sh + t * st), D, y + i * D);
         }
-        uint64_t base = (uint64_t)(x0 + h * sh + t0 * st);
-        for (int64_t t = 0; t < n; t++) load_row_avx2(x, x_bf16, base + (uint64_t)(t * st), D, y + t * D);
-        if (block > 1) rotate_rows_avx2(y, n, D, block, rotation_scale);
-        if (per_row) {
-            for (int64_t g = 0; g < G; g++) {
-                int64_t g0 = g * C, m = unit * G + g;
+        if (batched && nr == R) {
+            for (int64_t j0 = 0; j0 < ng; j0 += 8) {
+                __m256i kh[8], kl[8], am[8];
+                float first[8];
+                for (int q = 0; q < 8; q++) {
+                    const float *g = y + (j0 + q) * C;
+                    __m256 v = _mm256_loadu_ps(g);
+                    kh[q] = kl[q] = keys8(v);
+                    am[q] = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+                    for (int64_t j = 8; j < C; j += 8) {
+                        v = _mm256_loadu_ps(g + j);
+                        __m256i k = keys8(v);
+                        kh[q] = _mm256_max_epi32(kh[q], k);
+                        kl[q] = _mm256_min_epi32(kl[q], k);
+                        am[q] = _mm256_max_epi32(am[q], _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
+                    }
+                    first[q] = g[0];
+                }
+                if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(across8(am, 1), inf))) flags |= 1;
+                flags |= range_meta8(across8(kh, 1), across8(kl, 0), _mm256_loadu_ps(first), offset, scale, meta_f16,
+                                     m0 + j0, og + j0, sg + j0);
+            }
+        } else {
+            for (int64_t j = 0; j < ng; j++) {
+                const float *g = y + j * C;
                 float od, sd;
                 if (meta_given) {
-                    od = meta_get(offset, meta_f16, m);
-                    sd = meta_get(scale, meta_f16, m);
+                    od = meta_get(offset, meta_f16, m0 + j);
+                    sd = meta_get(scale, meta_f16, m0 + j);
                 } else {
-                    __m256i kh = keys8(_mm256_loadu_ps(y + g0)), kl = kh, am = _mm256_setzero_si256();
-                    for (int64_t j = 0; j < C; j += 8) {
-                        __m256 v = _mm256_loadu_ps(y + g0 + j);
-                        __m256i k = keys8(v);
-                        kh = _mm256_max_epi32(kh, k);
-                        kl = _mm256_min_epi32(kl, k);
-                        am = _mm256_max_epi32(am, _mm256_and_si256(_mm256_castps_si256(v), abs_mask));
-                    }
-                    int32_t khs[8], kls[8], ams[8];
-                    _mm256_storeu_si256((__m256i *)khs, kh);
-                    _mm256_storeu_si256((__m256i *)kls, kl);
-                    _mm256_storeu_si256((__m256i *)ams, am);
-                    int32_t khi = khs[0], klo = kls[0], a = ams[0];
-                    for (int i = 1; i < 8; i++) {
-                        khi = khi > khs[i] ? khi : khs[i];
-                        klo = klo < kls[i] ? klo : kls[i];
-                        a = a > ams[i] ? a : ams[i];
+                    int32_t khi = order_key(g[0]), klo = khi, a = 0;
+                    for (int64_t i = 0; i < C; i++) {
+                        int32_t k = order_key(g[i]), b = abs_bits(g[i]);
+                        khi = khi > k ? khi : k;
+                        klo = klo < k ? klo : k;
+                        a = a > b ? a : b;
                     }
                     if (a >= 0x7F800000) flags |= 1;
                     float hi = key_value(khi), lo = key_value(klo);
-                    if (hi == 0 && lo == 0) hi = lo = y[g0];
-                    range_meta(offset, scale, meta_f16, m, hi, lo, &od, &sd, &flags);
+                    if (hi == 0 && lo == 0) hi = lo = g[0];
+                    range_meta(offset, scale, meta_f16, m0 + j, hi, lo, &od, &sd, &flags);
                 }
-                __m256 vo = _mm256_set1_ps(od), vs = _mm256_set1_ps(sd > 0 ? sd : 1.0f);
-                for (int64_t j = 0; j < C; j += 8) {
-                    _mm256_storeu_ps(o + g0 + j, vo);
-                    _mm256_storeu_ps(s + g0 + j, vs);
-                }
+                og[j] = od;
+                sg[j] = sd > 0 ? sd : 1.0f;
             }
-        } else if (meta_given) {
+        }
+        for (int64_t j = 0; j < ng; j++) {
+            __m256 vo = _mm256_set1_ps(og[j]), vs = _mm256_set1_ps(sg[j]);
+            for (int64_t i = 0; i < C; i += 8) {
+                _mm256_storeu_ps(o + j * C + i, vo);
+                _mm256_storeu_ps(s + j * C + i, vs);
+            }
+        }
+        for (int64_t i = 0; i < nr; i++) {
+            int64_t h = (r0 + i) / T, t = r0 + i - h * T;
+            uint64_t el = (uint64_t)(h * out_h + t * out_t);
+            uint64_t at = packed ? el >> 1 : el;
+            codes_row_avx2(y + i * D, o + i * D, s + i * D, D, tab, off, shift, packed, rb, a_out + at, r_out + at);
+        }
+    }
+    free(mem);
+    return flags;
+}
+
+/* lynx_encode_units on AVX2 for groups along tokens (D % 16 == 0; a rotation of block >= 8, D <= 512): units of
+ * n <= C rows, the metadata of 8 channels at a time, every code from the bucket table. */
+AVX2 static int64_t encode_units_avx2(const void *x, int x_bf16, int64_t x0, int64_t sh, int64_t st, int64_t T,
+                                      int64_t D, int64_t C, int64_t nc, int64_t block, float rotation_scale,
+                                      int64_t u0, int64_t u1, int meta_given, void *offset, void *scale,
+                                      int meta_f16, const uint32_t *tab, int32_t off, int32_t shift, int rb,
+                                      int packed, uint8_t *a_out, uint8_t *r_out, int64_t out_h, int64_t out_t) {
+    float *mem = malloc((size_t)(C * D + 2 * D) * sizeof(float));
+    if (!mem) return -1;
+    float *y = mem, *o = y + C * D, *s = o + D;
+    const __m256i inf = _mm256_set1_epi32(0x7F7FFFFF), abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    int64_t flags = 0;
+    for (int64_t unit = u0; unit < u1; unit++) {
+        int64_t h = unit / nc, t0 = (unit - h * nc) * C, n = T - t0 < C ? T - t0 : C;
+        uint64_t base = (uint64_t)(x0 + h * sh + t0 * st);
+        for (int64_t t = 0; t < n; t++) load_row_avx2(x, x_bf16, base + (uint64_t)(t * st), D, y + t * D);
+        if (block > 1) rotate_rows_avx2(y, n, D, block, rotation_scale);
+        if (meta_given) {
             for (int64_t d = 0; d < D; d++) {
                 o[d] = meta_get(offset, meta_f16, unit * D + d);
                 float sd = meta_get(scale, meta_f16, unit * D + d);
@@ -698,11 +747,8 @@ AVX2 static int64_t encode_units_avx2(const void *x, int x_bf16, int64_t x0, int
             }
         }
         for (int64_t t = 0; t < n; t++) {
-            uint64_t el = (uint64_t)(h * out_h + (t0 + t) * out_t);
-            if (packed)
-                codes_row_avx2(y + t * D, o, s, D, tab, off, shift, 1, rb, a_out + (el >> 1), r_out + (el >> 1));
-            else
-                codes_row_avx2(y + t * D, o, s, D, tab, off, shift, 0, rb, a_out + el, r_out + el);
+            uint64_t el = (uint64_t)(h * out_h + (t0 + t) * out_t), at = packed ? el >> 1 : el;
+            codes_row_avx2(y + t * D, o, s, D, tab, off, shift, packed, rb, a_out + at, r_out + at);
         }
     }
     free(mem);
@@ -730,11 +776,13 @@ CLONES int64_t lynx_encode_units(const void *x, int32_t x_bf16, int64_t x0, int6
                                  float margin, const float *P, const uint32_t *tab, int64_t off, int32_t shift, int32_t rb, int32_t packed, uint8_t *a_out,
                                  uint8_t *r_out, int64_t out_h, int64_t out_t) {
 #ifdef LYNX_X86
-    if (have_avx2() && D % 16 == 0 && (!per_row || (C % 8 == 0 && D % C == 0)) &&
-        (block == 1 || (block >= 8 && D <= 512)))
-        return encode_units_avx2(x, x_bf16, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
-                                 meta_given, offset, scale, meta_f16, tab, (int32_t)off, shift, rb, packed, a_out,
-                                 r_out, out_h, out_t);
+    if (have_avx2() && D % 16 == 0 && per_row && C % 8 == 0 && D % C == 0)
+        return encode_rows_avx2(x, x_bf16, x0, sh, st, T, D, C, u0, u1, meta_given, offset, scale, meta_f16, tab,
+                                (int32_t)off, shift, rb, packed, a_out, r_out, out_h, out_t);
+    if (have_avx2() && D % 16 == 0 && !per_row && (block == 1 || (block >= 8 && D <= 512)))
+        return encode_units_avx2(x, x_bf16, x0, sh, st, T, D, C, nc, block, rotation_scale, u0, u1, meta_given,
+                                 offset, scale, meta_f16, tab, (int32_t)off, shift, rb, packed, a_out, r_out, out_h,
+                                 out_t);
 #endif
     const CodeTable table = {tab, off, shift};
     int64_t G = (D + C - 1) / C, ny = per_row ? D : C * D;
