@@ -2,9 +2,10 @@
 
 The code of an element depends only on its normalised value ``u = fl(fl(x - o) / s)``. The reference computes
 it with :func:`lynxkv.quant.reference.codes_of_u` (the α-law step in float64); the fast path
-(:mod:`lynxkv.quant.fast`) approximates the compander in fp32 and sends every element near a code boundary
-through a threshold table built from the reference. This walks all 2,130,706,434 fp32 values of ``[-1, 1]``
-through both in slices of 2^24 and prints the mismatches (a few minutes per scheme on 2 cores).
+(:mod:`lynxkv.quant.fast`) looks every code up in a bucket table built from the reference (the AVX2 encode), or
+(the portable loops, ``--portable``; what runs on a CPU without AVX2) approximates the compander in fp32 and
+sends every element near a code boundary through that table. This walks all 2,130,706,434 fp32 values of
+``[-1, 1]`` through both in slices of 2^24 and prints the mismatches (a few minutes per scheme on 2 cores).
 
 The key rotation of format 1.3 (the default's) happens before ``u``: it changes which ``u`` a key has, not the
 code of a ``u``, so this check covers a rotating scheme as it covers any other. The rotation itself is checked
@@ -14,6 +15,7 @@ fp32 inputs; head_dim 64, 128, 96 (blocks of 32), 80 (blocks of 16), 1 (the iden
 
     python benchmarks/check_code_identity.py                    # the default scheme
     python benchmarks/check_code_identity.py default linear paper "default:anchor_bits=5"
+    python benchmarks/check_code_identity.py --portable default  # the portable loops, where the CPU has AVX2
     python benchmarks/check_code_identity.py --rotation         # the key rotation's decode paths
 """
 
@@ -105,13 +107,20 @@ def check_rotation() -> int:
 def main() -> int:
     if sys.argv[1:] == ["--rotation"]:
         return 1 if check_rotation() else 0
-    specs = sys.argv[1:] or ["default"]
+    args = sys.argv[1:]
+    portable = "--portable" in args
+    specs = [a for a in args if a != "--portable"] or ["default"]
+    path = "portable loops" if portable or fast.native() == "scalar" else "AVX2 encode"
     failed = 0
     for spec in specs:
         scheme = parse(spec)
         t0 = time.perf_counter()
-        bad = check(scheme)
-        print(f"{spec} ({scheme.describe()}): {bad} mismatches over every fp32 u in [-1, 1] "
+        fast._NATIVE.lynx_scalar_only(int(portable))
+        try:
+            bad = check(scheme)
+        finally:
+            fast._NATIVE.lynx_scalar_only(0)
+        print(f"{spec} ({scheme.describe()}; {path}): {bad} mismatches over every fp32 u in [-1, 1] "
               f"({time.perf_counter() - t0:.0f} s)")
         failed += bad
     return 1 if failed else 0

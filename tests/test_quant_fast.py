@@ -183,8 +183,9 @@ def test_strided_views_in_and_out(dtype):
 
 
 def test_code_table_near_every_threshold():
-    """The kernel's codes equal the reference's for every fp32 u within 2,000 values of each code step (where the
-    approximate pass hands over to the table), for schemes across the accepted α range; the whole of [-1, 1] is
+    """The kernel's codes equal the reference's for every fp32 u within 2,000 values of each code step, for
+    schemes across the accepted α range, through the AVX2 encode (every code from the table) and the portable
+    loops (a compander first pass that hands the elements near a step to the table); the whole of [-1, 1] is
     checked by benchmarks/check_code_identity.py."""
     for name in ("default", "linear", "paper", "alpha100-5+3", "alpha-tiny", "alpha-max", "3+5-mean"):
         scheme = SCHEMES[name]
@@ -192,9 +193,15 @@ def test_code_table_near_every_threshold():
         keys = (steps[:, None] + torch.arange(-2000, 2000)[None, :]).reshape(-1).clamp(fast.KEY_MIN, fast.KEY_MAX)
         u = fast._u_of_key(keys)
         ref = reference.join_code(*reference.codes_of_u(u, scheme), scheme)
-        got = reference.join_code(*fast.codes_of_u(u, scheme), scheme)
-        miss = ref != got
-        assert not bool(miss.any()), f"{name}: u={u[miss][:4].tolist()}: {ref[miss][:4].tolist()} vs {got[miss][:4].tolist()}"
+        for scalar in (0, 1):
+            fast._NATIVE.lynx_scalar_only(scalar)
+            try:
+                got = reference.join_code(*fast.codes_of_u(u, scheme), scheme)
+            finally:
+                fast._NATIVE.lynx_scalar_only(0)
+            miss = ref != got
+            assert not bool(miss.any()), (f"{name} ({'portable' if scalar else 'vector'}): u={u[miss][:4].tolist()}: "
+                                          f"{ref[miss][:4].tolist()} vs {got[miss][:4].tolist()}")
 
 
 @settings(max_examples=40, deadline=None)
