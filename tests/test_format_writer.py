@@ -178,3 +178,27 @@ def test_atomic_writer_counts_bytes_of_any_buffer(tmp_path):
         w.write(b"end")
         w.fill(words.nbytes, b"::")
     assert (tmp_path / "f.bin").read_bytes() == words.tobytes() + b"::end"
+
+
+@pytest.mark.parametrize("tokens", [1024, 1000, 200, 257], ids=["whole-pages", "partial-last", "one-partial", "P+1"])
+@pytest.mark.parametrize("scheme", [DEFAULT, DEFAULT.replace(sink_tokens=0), DEFAULT.replace(value_axis="token"),
+                                    DEFAULT.replace(meta_dtype="fp32", chunk=16, page=64),
+                                    DEFAULT.replace(sink_tokens=300)],
+                         ids=["default", "no-sinks", "values-along-tokens", "fp32meta-C16-P64", "sinks-past-a-page"])
+def test_layer_records_are_the_page_records(scheme, tokens):
+    """encode_layer_records (every full page of packed codes laid out by one strided copy per part) gives each
+    page the bytes encode_anchor_record / encode_residual_record give its slices, in page order: the pages with
+    sink tokens, the batched full pages and a last partial page."""
+    from lynxkv.format.records import encode_anchor_record, encode_layer_records, encode_residual_record
+
+    g = torch.Generator().manual_seed(tokens)
+    k, v = (torch.randn(3, tokens, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    ke, ve = (quantize(t, scheme, kind, packed=True) for t, kind in ((k, "key"), (v, "value")))
+    assert ke.packed and ve.packed
+    got = list(encode_layer_records(ke, ve, scheme, tokens))
+    assert len(got) == -(-tokens // scheme.page)
+    for p, (a, r) in enumerate(got):
+        start, stop = p * scheme.page, min((p + 1) * scheme.page, tokens)
+        ks, vs = ke.tokens(start, stop, scheme.chunk), ve.tokens(start, stop, scheme.chunk)
+        assert bytes(a) == encode_anchor_record(ks, vs, scheme), f"page {p}: anchor record"
+        assert bytes(r) == encode_residual_record(ks, vs, scheme), f"page {p}: residual record"

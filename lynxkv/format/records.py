@@ -15,8 +15,9 @@ lies; :func:`dequantize_records` (what ``load_kv`` and the progressive reader us
 quantizer entry, which dequantizes the codes straight from the record bytes into the output tensors, while
 :func:`decode_anchor_records` / :func:`decode_residual_records` split records into code and metadata tensors (one
 page, or all full pages of a layer at once) for callers that want the codes themselves. Encoding goes through
-:func:`encode_anchor_record` / :func:`encode_residual_record`; these and the decoders are the only places where
-the format calls the quantizer.
+:func:`encode_anchor_record` / :func:`encode_residual_record` (a page's slices), or :func:`encode_layer_records`
+(every page of a layer, the same bytes); these and the decoders are the only places where the format calls the
+quantizer.
 """
 
 from __future__ import annotations
@@ -79,6 +80,57 @@ def encode_anchor_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> 
 def encode_residual_record(k: EncodedTensor, v: EncodedTensor, scheme: Scheme) -> bytes:
     return (_code_bytes(k.residual, scheme.residual_bits, k.packed)
             + _code_bytes(v.residual, scheme.residual_bits, v.packed))
+
+
+def _page_rows(a: np.ndarray, p0: int, n: int, rows: int) -> np.ndarray:
+    """``[n, H, rows, ...]``: pages ``p0 .. p0 + n`` of ``rows`` rows each along axis 1 of ``a`` ``[H, R, ...]``
+    (a view: the page axis moved first)."""
+    h = a.shape[0]
+    return a[:, p0 * rows:(p0 + n) * rows].reshape(h, n, rows, *a.shape[2:]).swapaxes(0, 1)
+
+
+def encode_layer_records(k: EncodedTensor, v: EncodedTensor, scheme: Scheme, tokens: int):
+    """The ``(anchor, residual)`` records of each page of one layer, in page order, each a bytes-like object (the
+    bytes of :func:`encode_anchor_record` / :func:`encode_residual_record` of the page's slices). The full pages
+    without sink tokens of packed codes (:attr:`EncodedTensor.packed`) are laid out in one buffer per segment,
+    each part of every page by one strided copy, instead of a slice, a copy and a join per part and page."""
+    page, chunk = scheme.page, scheme.chunk
+    pages = -(-tokens // page)
+    full = tokens // page
+    first = -(-min(k.sinks, tokens) // page)  # the pages holding sink tokens: records of their own
+    batched = k.packed and v.packed and page % chunk == 0 and full > first
+    for p in range(pages if not batched else first):
+        start, stop = p * page, min((p + 1) * page, tokens)
+        ks, vs = k.tokens(start, stop, chunk), v.tokens(start, stop, chunk)
+        yield encode_anchor_record(ks, vs, scheme), encode_residual_record(ks, vs, scheme)
+    if not batched:
+        return
+    n, md = full - first, scheme.meta_dtype
+
+    def meta(t: torch.Tensor, axis: str) -> np.ndarray:
+        rows = page // chunk if axis == "token" else page
+        return _page_rows(t.numpy().astype(_META_NP[md], copy=False).view(np.uint8), first, n, rows)
+
+    anchor_parts = [meta(k.offset, k.axis), meta(k.scale, k.axis), meta(v.offset, v.axis), meta(v.scale, v.axis),
+                    _page_rows(k.anchor.numpy(), first, n, page), _page_rows(v.anchor.numpy(), first, n, page)]
+    residual_parts = [_page_rows(k.residual.numpy(), first, n, page), _page_rows(v.residual.numpy(), first, n, page)]
+    out, sizes_of = [], []
+    for parts in (anchor_parts, residual_parts):
+        sizes = [int(np.prod(x.shape[1:])) for x in parts]
+        buf = np.empty((n, sum(sizes)), dtype=np.uint8)
+        at = 0
+        for x, size in zip(parts, sizes):
+            np.copyto(buf[:, at:at + size].reshape(x.shape), x)
+            at += size
+        out.append(memoryview(buf).cast("B"))
+        sizes_of.append(at)
+    (a, r), (na, nr) = out, sizes_of
+    for i in range(n):
+        yield a[i * na:(i + 1) * na], r[i * nr:(i + 1) * nr]
+    for p in range(full, pages):  # a last partial page
+        start, stop = p * page, tokens
+        ks, vs = k.tokens(start, stop, chunk), v.tokens(start, stop, chunk)
+        yield encode_anchor_record(ks, vs, scheme), encode_residual_record(ks, vs, scheme)
 
 
 def compress(raw: bytes, codec: int, level: int = 3) -> bytes:

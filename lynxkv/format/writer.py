@@ -29,7 +29,7 @@ from lynxkv.format.layout import (
     pack_properties,
     pack_residual_header,
 )
-from lynxkv.format.records import choose_codec, encode_anchor_record, encode_residual_record
+from lynxkv.format.records import choose_codec, encode_layer_records
 from lynxkv.quant import EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
@@ -96,6 +96,7 @@ class Parts:
         self.size = 0
 
     def write(self, data) -> None:
+        data = data if isinstance(data, bytes) else bytes(data)  # a view into a layer's buffer: its own bytes
         self.parts.append(data)
         self.size += len(data)
 
@@ -191,11 +192,9 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     sinks = min(s.sink_tokens, enc.tokens)
     for keys, values in enc.layers:  # layer-major streaming order
         _check_layer(keys, values, s, sinks)
-        for p in range(enc.pages_per_layer):
-            start, stop = p * s.page, min((p + 1) * s.page, enc.tokens)
-            k, v = keys.tokens(start, stop, s.chunk), values.tokens(start, stop, s.chunk)
-            anchor.write(a_sec.store(encode_anchor_record(k, v, s)))
-            residual_out.write(r_sec.store(encode_residual_record(k, v, s)))
+        for a_rec, r_rec in encode_layer_records(keys, values, s, enc.tokens):
+            anchor.write(a_sec.store(a_rec))
+            residual_out.write(r_sec.store(r_rec))
     framed = frame_sections(fields, a_sec.entries, r_sec.entries, single_file=single_file,
                             residual_location=residual_location)
     anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
