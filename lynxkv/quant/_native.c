@@ -378,7 +378,6 @@ AVX2 static void codes_row_avx2(const float *yr, const float *o, const float *s,
     const __m256i kmin = _mm256_set1_epi32(KEY_MIN), kmax = _mm256_set1_epi32(KEY_MAX);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m128i mask = _mm_set1_epi8((char)((1 << rb) - 1));
-    int32_t ix[16] __attribute__((aligned(32)));
     for (int64_t d = 0; d < D; d += 16) {
         __m256i c[2];
         for (int v = 0; v < 2; v++) {
@@ -386,8 +385,7 @@ AVX2 static void codes_row_avx2(const float *yr, const float *o, const float *s,
             __m256 u = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(yr + e0), _mm256_loadu_ps(o + e0)),
                                      _mm256_loadu_ps(s + e0));
             __m256i k = _mm256_min_epi32(_mm256_max_epi32(keys8(u), kmin), kmax);
-            _mm256_store_si256((__m256i *)(ix + 8 * v), _mm256_add_epi32(_mm256_srai_epi32(k, shift), vo));
-__m256i e = _mm256_i32gather_epi32((const int *)tab, _mm256_load_si256((const __m256i *)(ix + 8 * v)), 4);
+            __m256i e = _mm256_i32gather_epi32((const int *)tab, _mm256_add_epi32(_mm256_srai_epi32(k, shift), vo), 4);
             __m256i below = _mm256_cmpgt_epi32(_mm256_and_si256(e, lo16), _mm256_and_si256(k, lo16));
             c[v] = _mm256_blendv_epi8(_mm256_srli_epi32(e, 24), _mm256_and_si256(_mm256_srli_epi32(e, 16), ff), below);
         }
