@@ -434,20 +434,23 @@ FP16_SPECIAL = [0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "bytes"])
 @pytest.mark.parametrize("wide", [False, True], ids=["fp16meta", "fp32meta"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("d,per_row", [(128, False), (96, False), (80, False), (6, False), (40, False), (128, True),
-                                       (48, True), (5, True)],
-                         ids=["D128", "D96-b32", "D80-b16", "D6-b2", "D40", "D128-rows", "D48-rows", "D5-rows"])
-def test_vector_rows_equal_the_scalar_rows(d, per_row, out_dtype, wide, packed):
+@pytest.mark.parametrize("d,per_row,chunk", [(128, False, 4), (96, False, 4), (80, False, 4), (6, False, 4),
+                                             (40, False, 4), (128, True, 4), (48, True, 4), (5, True, 4),
+                                             (128, True, 32), (64, True, 16)],
+                         ids=["D128", "D96-b32", "D80-b16", "D6-b2", "D40", "D128-rows", "D48-rows", "D5-rows",
+                              "D128-rows-C32", "D64-rows-C16"])
+def test_vector_rows_equal_the_scalar_rows(d, per_row, chunk, out_dtype, wide, packed):
     """The decode's AVX2 rows and its scalar rows give the same bits and flags on random codes and hostile
     metadata (subnormal, infinite and NaN offsets and scales, negative and signed-zero scales), in every layout the
     vector rows take or fall back from: rotated blocks of 128, 32, 16 and 2 channels, head_dim not a multiple of
-    16, groups along rows, fp32 metadata, unpacked codes and a strided output. The flags are those the metadata
+    16, groups along rows (of 4 channels, and of 16 and 32: one fp16 offset and scale per group widened in a
+    vector pass), fp32 metadata, unpacked codes and a strided output. The flags are those the metadata
     calls for. NaN results only need to be NaN in both (which NaN an IEEE sum keeps depends on the operand
     order)."""
     if packed and d % 2:
         pytest.skip("packed codes need an even head_dim")
-    scheme = get_scheme("default", meta_dtype="fp32" if wide else "fp16", chunk=4, page=8)
-    g = torch.Generator().manual_seed(d * 7 + per_row)
+    scheme = get_scheme("default", meta_dtype="fp32" if wide else "fp16", chunk=chunk, page=max(8, chunk))
+    g = torch.Generator().manual_seed(d * 7 + per_row + chunk)
     h, t, mb = 2, 13, 4 if wide else 2
     groups = -(-d // scheme.chunk)
     n_meta = h * (t * groups if per_row else -(-t // scheme.chunk) * d)
@@ -459,33 +462,46 @@ def test_vector_rows_equal_the_scalar_rows(d, per_row, out_dtype, wide, packed):
         meta = (torch.randn(2 * n_meta, generator=g) * 3).half()
         special = torch.tensor(FP16_SPECIAL, dtype=torch.int32).to(torch.int16).view(torch.float16)
     pick = torch.randint(0, 2 * n_meta, (2 * n_meta // 5,), generator=g)
-    meta[pick] = special[torch.randint(0, special.numel(), pick.shape, generator=g)].to(meta.dtype)
-    o, s = meta[:n_meta].float(), meta[n_meta:].float()
-    want = (1 if bool((~o.isfinite()).any()) else 0) | (2 if bool((~s.isfinite()).any()) else 0) | (
-        4 if bool(((s < 0) & ~s.isnan()).any()) else 0)
-    meta_bytes = meta.view(torch.uint8).numpy()
+    hostile = meta.clone()
+    hostile[pick] = special[torch.randint(0, special.numel(), pick.shape, generator=g)].to(meta.dtype)
     codes = torch.randint(0, 256 if packed else 16, (code_bytes,), dtype=torch.uint8, generator=g).numpy()
     resid = torch.randint(0, 256 if packed else 16, (code_bytes,), dtype=torch.uint8, generator=g).numpy()
     pages = [(0, n_meta * mb, 0, 0, 0, t, d)]
-    for anchor_only in (False, True):
-        results = []
-        for scalar in (0, 1):
-            fast._NATIVE.lynx_scalar_only(scalar)
-            try:
-                big = torch.full((h, d, t + 3), float("nan"), dtype=out_dtype)
-                outs = [torch.full((h, t, d), float("nan"), dtype=out_dtype), big[:, :, 2:2 + t].transpose(1, 2)]
-                flags = [fast._decode_pages(meta_bytes, meta_bytes, codes, None if anchor_only else resid, pages,
-                                            packed, scheme, out, 2, per_row=per_row, rotated=not per_row and d > 1)
-                         for out in outs]
-            finally:
-                fast._NATIVE.lynx_scalar_only(0)
-            results.append((flags, outs))
-        (f_vec, out_vec), (f_sc, out_sc) = results
-        assert f_vec == f_sc == [want, want] and want != 0
-        bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-        for a, b in zip(out_vec, out_sc):
-            same = (a.float().isnan() & b.float().isnan()) | (a.view(bits) == b.view(bits))
-            assert bool(same.all()), f"anchor_only={anchor_only}: {int((~same).sum())} elements differ"
+
+    def check(meta):
+        o, s = meta[:n_meta].float(), meta[n_meta:].float()
+        want = (1 if bool((~o.isfinite()).any()) else 0) | (2 if bool((~s.isfinite()).any()) else 0) | (
+            4 if bool(((s < 0) & ~s.isnan()).any()) else 0)
+        meta_bytes = meta.view(torch.uint8).numpy()
+        for anchor_only in (False, True):
+            results = []
+            for scalar in (0, 1):
+                fast._NATIVE.lynx_scalar_only(scalar)
+                try:
+                    big = torch.full((h, d, t + 3), float("nan"), dtype=out_dtype)
+                    outs = [torch.full((h, t, d), float("nan"), dtype=out_dtype), big[:, :, 2:2 + t].transpose(1, 2)]
+                    flags = [fast._decode_pages(meta_bytes, meta_bytes, codes, None if anchor_only else resid, pages,
+                                                packed, scheme, out, 2, per_row=per_row, rotated=not per_row and d > 1)
+                             for out in outs]
+                finally:
+                    fast._NATIVE.lynx_scalar_only(0)
+                results.append((flags, outs))
+            (f_vec, out_vec), (f_sc, out_sc) = results
+            assert f_vec == f_sc == [want, want], f"flags {f_vec} (vector), {f_sc} (scalar), want {want}"
+            bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+            for a, b in zip(out_vec, out_sc):
+                same = (a.float().isnan() & b.float().isnan()) | (a.view(bits) == b.view(bits))
+                assert bool(same.all()), f"anchor_only={anchor_only}: {int((~same).sum())} elements differ"
+        return want
+
+    assert check(hostile) != 0
+    plain = meta.abs() + 0.5  # finite, positive: no flag, until one special value goes in
+    assert check(plain) == 0
+    for value in special:  # each alone, as an offset and as a scale: each flag on its own
+        for at in (n_meta // 2, n_meta + n_meta // 2):
+            one = plain.clone()
+            one[at] = value.to(meta.dtype)
+            check(one)
 
 
 def _hostile_keys(shape, dtype, g, case):

@@ -410,6 +410,26 @@ AVX2 static void codes_row_avx2(const float *yr, const float *o, const float *s,
     }
 }
 
+/* The fp16 offsets and scales of `groups` groups of C channels (C % 8 == 0), widened and repeated over each group's
+ * channels into o[], s[]; returns their problem flags as the scalar loop does (1: an offset not finite, 2: a scale
+ * not finite, 4: a scale below -0.0). */
+AVX2 static int64_t group_meta_f16_avx2(const uint8_t *op, const uint8_t *sp, int64_t groups, int64_t C, float *o,
+                                        float *s) {
+    int64_t flags = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        uint16_t ob = (uint16_t)(op[2 * g] | op[2 * g + 1] << 8), sb = (uint16_t)(sp[2 * g] | sp[2 * g + 1] << 8);
+        if ((ob & 0x7C00u) == 0x7C00u) flags |= 1;
+        if ((sb & 0x7C00u) == 0x7C00u) flags |= 2;
+        if ((sb & 0x8000u) && sb != 0x8000u) flags |= 4;
+        __m256 vo = _mm256_set1_ps(_cvtsh_ss(ob)), vs = _mm256_set1_ps(_cvtsh_ss(sb));
+        for (int64_t d = g * C; d < g * C + C; d += 8) {
+            _mm256_store_ps(o + d, vo);
+            _mm256_store_ps(s + d, vs);
+        }
+    }
+    return flags;
+}
+
 static int scalar_only = 0; /* lynx_scalar_only(1): the tests compare the vector rows with the scalar ones */
 
 static int have_avx2(void) {
@@ -466,6 +486,8 @@ int64_t lynx_decode_pages(const uint8_t *o_buf, const uint8_t *s_buf, const uint
             if (fast && !per_row && !wide) { /* keys: one fp16 offset and scale per channel */
                 flags |= meta_f16_avx2(o_buf + pg[PG_OFFSET] + m, cols, o, 1, 0);
                 flags |= meta_f16_avx2(s_buf + pg[PG_SCALE] + m, cols, s, 2, 1);
+            } else if (fast && per_row && !wide && C % 8 == 0 && cols % C == 0) { /* values per channel */
+                flags |= group_meta_f16_avx2(o_buf + pg[PG_OFFSET] + m, s_buf + pg[PG_SCALE] + m, groups, C, o, s);
             } else
 #endif
             for (int64_t g = 0; g < (per_row ? groups : cols); g++) {
