@@ -89,14 +89,14 @@ class StreamBuffer:
                     break  # the object ended early: return what there is; the format reports the truncation
                 self._cond.notify_all()
                 self._cond.wait(0.5)
-            out = bytearray()
+            parts = []
             for boff, data in self._blocks:
                 if boff >= end:
                     break
                 if boff + len(data) <= offset:
                     continue
-                out += data[max(0, offset - boff):end - boff]
-            return bytes(out)
+                parts.append(memoryview(data)[max(0, offset - boff):end - boff])
+            return b"".join(parts)  # one copy of the range (the blocks are dropped on release, not kept by views)
 
     def release(self, upto: int, reader: str = "main") -> None:
         """``reader`` is done with everything below ``upto``; bytes go once every registered reader is done
