@@ -96,18 +96,44 @@ def test_one_gbps_link_anchor_first_and_measured_rate(tmp_path):
     assert link["residual"]["first_s"] >= link["anchor"]["last_s"] - 0.01  # strict priority
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["two-files", "single-file"])
+def test_residual_pages_are_read_once_the_anchor_is_ready(tmp_path, monkeypatch, single):
+    """The residual's pages are parsed (read from the stream, CRC-checked) only once the anchor is dequantized, so
+    that with no link limit they take no CPU from it; the load still ends with the full code, equal to
+    load_kv's."""
+    from lynxkv.format import constants as c
+    from lynxkv.format.reader import PageReader
+    from lynxkv.stream import progressive
+
+    anchor, residual = cache_bytes(random_kv(layers=3, dim=64), single_file=single)
+    path = write_pair(tmp_path, anchor, residual)
+    seen = []
+    real = PageReader.pages
+
+    def pages(self, kind, *args, **kwargs):
+        if kind == c.SEGMENT_RESIDUAL:
+            seen.extend(load._anchor_kv is not None for load in progressive._LIVE if load._reader is self)
+        return real(self, kind, *args, **kwargs)
+
+    monkeypatch.setattr(PageReader, "pages", pages)
+    with open_progressive(str(path)) as load:
+        full = load.residual.result(60)
+    assert seen == [True], seen
+    with open_cache(str(path)) as cache:
+        assert kv_equal(full, cache.load_kv(dtype=torch.float32))
+
+
 @pytest.mark.timing
 def test_close_stops_a_load_at_once(tmp_path):
-    """close() while the anchor is still being dequantized: the residual worker, which has parsed as many
-    residual pages as it may hold (the consumer keeps them back until the anchor is ready) and waits for a slot,
-    leaves at once (not at its next 0.2 s poll); queued pages are not decoded; every worker has ended when close
-    returns."""
+    """close() while the anchor is still being dequantized: the residual worker, which waits for the anchor to
+    be ready before it reads a residual page, leaves at once (not at a poll); queued pages are not decoded; every
+    worker has ended when close returns."""
     anchor, residual = synthetic_cache_bytes(layers=4, heads=8, tokens=4096, dim=128)
     path = write_pair(tmp_path, anchor, residual)
     for _ in range(3):
         load = ProgressiveLoad(str(path), dtype=torch.bfloat16, max_pending_pages=2)
-        assert load._anchor_parsed.wait(60)
-        time.sleep(0.02)  # the residual worker takes its two slots, then waits
+        assert load._header_ready.wait(60)
+        time.sleep(0.02)  # the residual transport is open, its worker waits for the anchor
         t0 = time.perf_counter()
         load.close()
         took = time.perf_counter() - t0

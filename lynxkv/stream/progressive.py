@@ -136,7 +136,7 @@ class ProgressiveLoad:
         self._finished = False  # no more events will come
         self._header_ready = threading.Event()
         self._anchor_done = threading.Event()
-        self._anchor_parsed = threading.Event()  # the anchor parser is done (or failed)
+        self._residual_go = threading.Event()  # the residual parser may start: the anchor is ready, or the load ended
         self._anchor_kv: KVPairs | None = None
         self._anchor_error: BaseException | None = None
         self._fatal: BaseException | None = None
@@ -243,6 +243,7 @@ class ProgressiveLoad:
 
     def close(self) -> None:
         self._closed.set()
+        self._residual_go.set()  # a residual worker waiting for the anchor sees the close
         self._residual_slots.release(self._max_pending + 1)  # a residual worker waiting for a slot sees the close
         self._transport.close()
         self._queue.put((-1, -1, ("stop",)))  # ahead of every queued page: a closed load decodes nothing more
@@ -286,12 +287,6 @@ class ProgressiveLoad:
 
     # ------------------------------------------------------------------------------------------ parsers
     def _anchor_worker(self) -> None:
-        try:
-            self._parse_anchor()
-        finally:
-            self._anchor_parsed.set()
-
-    def _parse_anchor(self) -> None:
         buf = self._transport.open_anchor()
         # An inline residual (single-file cache) lies after the anchor section: the page reader checks the file's
         # exact length against header + both inline sections.
@@ -319,9 +314,11 @@ class ProgressiveLoad:
         self._residual_bytes_total = seg.length
         buf = self._transport.open_residual(h)
         reader.attach_residual(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)
-        while not self._anchor_parsed.wait(0.2):  # residual pages wait for the anchor anyway: their checks then
-            if self._closed.is_set():               # take no CPU from the anchor's (the bytes keep arriving)
-                return
+        # Residual pages wait for the anchor anyway (the consumer holds them until it is ready), so they are read
+        # and checked once it is dequantized: then they take no CPU from it. The bytes keep arriving meanwhile.
+        self._residual_go.wait()
+        if self._closed.is_set() or self._fatal is not None:
+            return  # closed, or the load failed (the consumer reports it)
         for layer, page, entry, raw in reader.pages(c.SEGMENT_RESIDUAL, decode=False):
             while not self._residual_slots.acquire(timeout=0.2):  # bounded: the consumer holds these back
                 if self._closed.is_set():
@@ -421,6 +418,7 @@ class ProgressiveLoad:
                     self._timeline.anchor_ready_s = self._now()
                     anchor_complete = True
                     self._anchor_done.set()
+                    self._residual_go.set()
                     self._emit(LoadEvent("anchor_ready", self._now()))
                     if self._future.done():  # the residual already failed
                         self._finish()
@@ -474,6 +472,7 @@ class ProgressiveLoad:
         if not self._anchor_done.is_set():
             self._anchor_error = exc
             self._anchor_done.set()
+        self._residual_go.set()
         if not self._future.done():
             self._timeline.residual_failed = str(exc)
             self._future.set_exception(exc)
