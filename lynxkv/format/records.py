@@ -325,20 +325,27 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
     rows: tuple[list, list] = ([], [])
+    layouts: dict[tuple[str, int, int], tuple[RecordLayout, dict[str, int]]] = {}  # the pages mostly share one
     for i, (t0, n) in enumerate(tokens):
         count = kv_heads * n * head_dim
+        sinks = sinks_in(scheme, t0, n)
         parts = {}
         for kind, buf, at, bits in segments:
-            lay = (anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, t0, n))
-                   if kind == "anchor" else residual_record_layout(scheme, kv_heads, head_dim, n))
-            place = f"{kind} {where(i)}"
+            known = layouts.get((kind, n, sinks))
+            if known is None:
+                lay = (anchor_record_layout(scheme, kv_heads, head_dim, n, sinks)
+                       if kind == "anchor" else residual_record_layout(scheme, kv_heads, head_dim, n))
+                known = layouts[(kind, n, sinks)] = (lay, record_parts(lay))
+            lay, offsets = known
             if at[i] + lay.raw_length > len(buf):
+                place = f"{kind} {where(i)}"
                 raise FormatError(f"`page.raw_length` {place}: expected {lay.raw_length} bytes, got "
                                   f"{len(buf) - at[i]}", field="page.raw_length", where=place)
-            here = {name: at[i] + off for name, off in record_parts(lay).items()}
+            here = {name: at[i] + off for name, off in offsets.items()}
             pad = count * bits % 8
             for name in ("key_" + kind, "value_" + kind) if pad else ():
                 if buf[here[name] + lay.codes_size - 1] >> pad:
+                    place = f"{kind} {where(i)}"
                     raise FormatError(f"`{name}` {place}: padding bits after the last code must be zero",
                                       field=name, where=place)
             parts.update(here)

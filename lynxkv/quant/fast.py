@@ -192,11 +192,12 @@ def _encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u
     return flags
 
 
-def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, wide, per_row, block, back, H, C, u0,
-                   u1, levels, y, sh, st, sd):
-    """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (fp32, or bf16 bits as uint16) by
-    ``lynx_decode_pages``; returns metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite,
-    4 = a scale is negative.
+def _decode_kernel(o_buf: int, s_buf: int, a_buf: int, r_buf: int, pages: np.ndarray, packed, anchor_only, rb, wide,
+                   per_row, block, back, H, C, u0, u1, levels: np.ndarray, y: int, y_bf16: bool, sh, st, sd):
+    """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (the address of fp32, or of bf16 as uint16
+    bits: ``y_bf16``) by ``lynx_decode_pages``; ``o_buf``/``s_buf``/``a_buf``/``r_buf`` are the addresses of the
+    byte buffers; returns metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a
+    scale is negative.
 
     ``pages`` int64 ``[P, 10]``, one row per page of ``rows x cols`` elements per head: byte offsets of its
     offsets and scales (``[H, ceil(held/C), cols]``, little-endian fp16, or fp32 when ``wide``) in
@@ -210,8 +211,8 @@ def _decode_kernel(o_buf, s_buf, a_buf, r_buf, pages, packed, anchor_only, rb, w
     Hadamard-rotated rows (keys, format 1.3), each decoded fp32 row rotated back (the butterfly, then times
     ``back``) before it is stored."""
     flags = _NATIVE.lynx_decode_pages(
-        _ptr(o_buf), _ptr(s_buf), _ptr(a_buf), _ptr(r_buf), _ptr(pages), pages.shape[0], packed, anchor_only, rb,
-        wide, per_row, block, back, H, C, u0, u1, _ptr(levels), _ptr(y), int(y.dtype == np.uint16), sh, st, sd)
+        o_buf, s_buf, a_buf, r_buf, _ptr(pages), pages.shape[0], packed, anchor_only, rb, wide, per_row, block,
+        back, H, C, u0, u1, _ptr(levels), y, int(y_bf16), sh, st, sd)
     if flags < 0:
         raise MemoryError("the decode's row buffer could not be allocated")
     return flags
@@ -458,13 +459,16 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
     for row in pages:  # (o, s, a, r, y0, rows, cols[, held, residual held])
         table.append((*row, units) if len(row) == 9 else (*row, row[5], row[5], units))
         units += h * (row[5] if per_row else -(-row[5] // c))
-    buf, _, sh, st, sd = _flat(y)
+    sh, st, sd = y.stride()  # the kernel writes y[h·sh + t·st + d·sd] from y's first element
+    a_at = _ptr(a_buf)  # the buffers' addresses, each taken once (the records hold metadata and codes alike)
+    o_at, s_at = (a_at if b is a_buf else _ptr(b) for b in (o_buf, s_buf))
+    r_at = a_at if anchor_only else _ptr(r_buf)
     flags = 0
     for f in _parallel(
         _decode_kernel, units,
-        (o_buf, s_buf, a_buf, a_buf if anchor_only else r_buf, np.array(table, dtype=np.int64), packed, anchor_only,
-         scheme.residual_bits, scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
-        (level_table(scheme, anchor_only), buf, sh, st, sd), threads=threads,
+        (o_at, s_at, a_at, r_at, np.array(table, dtype=np.int64), packed, anchor_only, scheme.residual_bits,
+         scheme.meta_dtype == "fp32", per_row, block, np.float32(2.0**-back), h, c),
+        (level_table(scheme, anchor_only), y.data_ptr(), y.dtype == torch.bfloat16, sh, st, sd), threads=threads,
         min_units=max(1, (1 << 16) // ((1 if per_row else c) * out.shape[2] or 1)),  # a thread per 64K elements
     ):
         flags |= f
