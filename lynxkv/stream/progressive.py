@@ -9,7 +9,8 @@ by URL scheme), which owns the pumps, the range reads and the link. Threads and 
 - one *parser* per segment walks the segment with the one page reader (:class:`~lynxkv.format.reader.PageReader`):
   header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and
   decompressed (no tensor work: the parsers stay off the cores the consumer and a model use); a page whose
-  checksum fails is never handed on;
+  checksum fails is never handed on. The residual's parser starts once the anchor is dequantized (its pages
+  would wait for that anyway), so that it takes no CPU from the anchor; its bytes keep arriving meanwhile;
 - one *consumer* takes the raw page records from a priority queue, anchor pages first (the receiver drains
   anchor buffers before residual ones), holds residual pages back until the anchor is complete, emits the events
   ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or ``residual_failed``), and
