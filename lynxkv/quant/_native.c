@@ -629,6 +629,31 @@ static inline void range_meta(void *offset, void *scale, int f16, int64_t m, flo
     if (!isfinite(*sd)) *flags |= 4;
 }
 
+/* The metadata of one group of n values g[0..n) (a run of channels of one row): read at m (meta_given), or from
+ * the group's range and written at m (range_meta; flag 1 where a value is not finite); its max and min in *hi and
+ * *lo (NaN where given: no element matches a NaN). */
+static inline void group_meta(const float *g, int64_t n, int meta_given, void *offset, void *scale, int f16,
+                              int64_t m, float *od, float *sd, float *hi, float *lo, int64_t *flags) {
+    if (meta_given) {
+        *od = meta_get(offset, f16, m);
+        *sd = meta_get(scale, f16, m);
+        *hi = *lo = NAN;
+        return;
+    }
+    int32_t khi = order_key(g[0]), klo = khi, am = 0;
+    for (int64_t j = 0; j < n; j++) {
+        int32_t k = order_key(g[j]), a = abs_bits(g[j]);
+        khi = khi > k ? khi : k;
+        klo = klo < k ? klo : k;
+        am = am > a ? am : a;
+    }
+    if (am >= 0x7F800000) *flags |= 1;
+    *hi = key_value(khi);
+    *lo = key_value(klo);
+    if (*hi == 0 && *lo == 0) *hi = *lo = g[0]; /* all zeros: the first one's sign */
+    range_meta(offset, scale, f16, m, *hi, *lo, od, sd, flags);
+}
+
 #ifdef LYNX_X86
 /* Lane j of the result: the max (or min) of v[j]'s 8 lanes. */
 AVX2 static inline __m256i across8(const __m256i *v, int max) {
@@ -688,24 +713,8 @@ AVX2 static int64_t encode_rows_avx2(const void *x, int x_bf16, int64_t x0, int6
             }
         } else {
             for (int64_t j = 0; j < ng; j++) {
-                const float *g = y + j * C;
-                float od, sd;
-                if (meta_given) {
-                    od = meta_get(offset, meta_f16, m0 + j);
-                    sd = meta_get(scale, meta_f16, m0 + j);
-                } else {
-                    int32_t khi = order_key(g[0]), klo = khi, a = 0;
-                    for (int64_t i = 0; i < C; i++) {
-                        int32_t k = order_key(g[i]), b = abs_bits(g[i]);
-                        khi = khi > k ? khi : k;
-                        klo = klo < k ? klo : k;
-                        a = a > b ? a : b;
-                    }
-                    if (a >= 0x7F800000) flags |= 1;
-                    float hi = key_value(khi), lo = key_value(klo);
-                    if (hi == 0 && lo == 0) hi = lo = g[0];
-                    range_meta(offset, scale, meta_f16, m0 + j, hi, lo, &od, &sd, &flags);
-                }
+                float od, sd, hi, lo;
+                group_meta(y + j * C, C, meta_given, offset, scale, meta_f16, m0 + j, &od, &sd, &hi, &lo, &flags);
                 og[j] = od;
                 sg[j] = sd > 0 ? sd : 1.0f;
             }
@@ -867,24 +876,7 @@ CLONES int64_t lynx_encode_units(const void *x, int32_t x_bf16, int64_t x0, int6
             for (int64_t g = 0; g < G; g++) {
                 int64_t g0 = g * C, size = (D < g0 + C ? D : g0 + C) - g0, m = unit * G + g;
                 float od, sd, hi, lo;
-                if (meta_given) {
-                    od = meta_get(offset, meta_f16, m);
-                    sd = meta_get(scale, meta_f16, m);
-                    hi = lo = NAN; /* no max/min known: no element matches a NaN */
-                } else {
-                    int32_t khi = order_key(y[g0]), klo = khi, am = 0;
-                    for (int64_t j = 0; j < size; j++) {
-                        int32_t k = order_key(y[g0 + j]), a = abs_bits(y[g0 + j]);
-                        khi = khi > k ? khi : k;
-                        klo = klo < k ? klo : k;
-                        am = am > a ? am : a;
-                    }
-                    if (am >= 0x7F800000) flags |= 1;
-                    hi = key_value(khi);
-                    lo = key_value(klo);
-                    if (hi == 0 && lo == 0) hi = lo = y[g0]; /* all zeros: the first one's sign */
-                    range_meta(offset, scale, meta_f16, m, hi, lo, &od, &sd, &flags);
-                }
+                group_meta(y + g0, size, meta_given, offset, scale, meta_f16, m, &od, &sd, &hi, &lo, &flags);
                 sd = sd > 0 ? sd : 1.0f; /* s = 0 only where x - o = 0: u = 0 as specified */
                 tiny |= sd < 0x1p-100f;  /* 1/s may overflow: the exact pass for this row */
                 o[g] = od;
