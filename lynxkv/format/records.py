@@ -95,42 +95,39 @@ def encode_layer_records(k: EncodedTensor, v: EncodedTensor, scheme: Scheme, tok
     without sink tokens of packed codes (:attr:`EncodedTensor.packed`) are laid out in one buffer per segment,
     each part of every page by one strided copy, instead of a slice, a copy and a join per part and page."""
     page, chunk = scheme.page, scheme.chunk
-    pages = -(-tokens // page)
-    full = tokens // page
+    pages, full = -(-tokens // page), tokens // page
     first = -(-min(k.sinks, tokens) // page)  # the pages holding sink tokens: records of their own
-    batched = k.packed and v.packed and page % chunk == 0 and full > first
-    for p in range(pages if not batched else first):
+
+    def one(p: int):
         start, stop = p * page, min((p + 1) * page, tokens)
         ks, vs = k.tokens(start, stop, chunk), v.tokens(start, stop, chunk)
-        yield encode_anchor_record(ks, vs, scheme), encode_residual_record(ks, vs, scheme)
-    if not batched:
+        return encode_anchor_record(ks, vs, scheme), encode_residual_record(ks, vs, scheme)
+
+    if not (k.packed and v.packed and page % chunk == 0 and full > first):
+        yield from map(one, range(pages))
         return
+    yield from map(one, range(first))
     n, md = full - first, scheme.meta_dtype
 
     def meta(t: torch.Tensor, axis: str) -> np.ndarray:
         rows = page // chunk if axis == "token" else page
         return _page_rows(t.numpy().astype(_META_NP[md], copy=False).view(np.uint8), first, n, rows)
 
-    anchor_parts = [meta(k.offset, k.axis), meta(k.scale, k.axis), meta(v.offset, v.axis), meta(v.scale, v.axis),
-                    _page_rows(k.anchor.numpy(), first, n, page), _page_rows(v.anchor.numpy(), first, n, page)]
-    residual_parts = [_page_rows(k.residual.numpy(), first, n, page), _page_rows(v.residual.numpy(), first, n, page)]
-    out, sizes_of = [], []
-    for parts in (anchor_parts, residual_parts):
+    segments = []
+    for parts in ([meta(k.offset, k.axis), meta(k.scale, k.axis), meta(v.offset, v.axis), meta(v.scale, v.axis),
+                   _page_rows(k.anchor.numpy(), first, n, page), _page_rows(v.anchor.numpy(), first, n, page)],
+                  [_page_rows(k.residual.numpy(), first, n, page), _page_rows(v.residual.numpy(), first, n, page)]):
         sizes = [int(np.prod(x.shape[1:])) for x in parts]
         buf = np.empty((n, sum(sizes)), dtype=np.uint8)
         at = 0
         for x, size in zip(parts, sizes):
             np.copyto(buf[:, at:at + size].reshape(x.shape), x)
             at += size
-        out.append(memoryview(buf).cast("B"))
-        sizes_of.append(at)
-    (a, r), (na, nr) = out, sizes_of
+        segments.append((memoryview(buf).cast("B"), at))  # a page record every `at` bytes
+    (a, na), (r, nr) = segments
     for i in range(n):
         yield a[i * na:(i + 1) * na], r[i * nr:(i + 1) * nr]
-    for p in range(full, pages):  # a last partial page
-        start, stop = p * page, tokens
-        ks, vs = k.tokens(start, stop, chunk), v.tokens(start, stop, chunk)
-        yield encode_anchor_record(ks, vs, scheme), encode_residual_record(ks, vs, scheme)
+    yield from map(one, range(full, pages))  # a last partial page
 
 
 def compress(raw: bytes, codec: int, level: int = 3) -> bytes:
