@@ -19,3 +19,33 @@ def test_views_are_the_bytes_and_outlive_close(tmp_path):
         src.close()  # a view is still held: no BufferError
         assert bytes(view[:10]) == data[12_345:12_355]  # and it still reads the mapped bytes
         view.release()
+
+
+def test_adjacent_views_join_without_a_copy(tmp_path):
+    """join_records: records lying back to back in one mapping become one view of it (what an in-place
+    progressive load hands the dequantization); anything else is joined by a copy. Same bytes, same offsets."""
+    import numpy as np
+
+    from lynxkv.format.records import join_records
+
+    data = os.urandom(10_000)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    src = open_source(str(path))
+    spans = [(100, 300), (400, 1000), (1400, 8)]
+    other = open_source(data)
+    cases = {
+        "adjacent views of the mapping": ([src.view(a, n) for a, n in spans], True),
+        "a gap between two views": ([src.view(100, 300), src.view(401, 999)], False),
+        "views of two objects": ([src.view(100, 300), other.view(400, 1000)], False),
+        "out of order": ([src.view(400, 1000), src.view(100, 300)], False),
+        "bytes": ([data[a:a + n] for a, n in spans], False),
+    }
+    for name, (raws, shared) in cases.items():
+        joined, at = join_records(raws)
+        assert bytes(joined) == b"".join(bytes(r) for r in raws), name
+        assert at == [sum(len(r) for r in raws[:i]) for i in range(len(raws))], name
+        first = np.frombuffer(raws[0], np.uint8)
+        assert np.shares_memory(np.frombuffer(joined, np.uint8), first) == shared, name
+    src.close()
+    other.close()

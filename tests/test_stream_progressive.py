@@ -58,11 +58,11 @@ def test_anchor_then_residual_exact_kv_and_event_order(cache_dir):
     assert load.residual_eta() == 0.0
 
 
-def test_single_file_cache(tmp_path, cache_dir):
+def test_single_file_cache(tmp_path, cache_dir, transport):
     *_, (ref_anchor, ref_full) = cache_dir
     anchor, _ = cache_bytes(random_kv(layers=3, heads=2, tokens=600, dim=16), single_file=True)
     path = write_pair(tmp_path, anchor, None)
-    with open_progressive(path) as load:
+    with open_progressive(path, **transport) as load:
         assert kv_equal(load.wait_anchor(30), ref_anchor)
         assert kv_equal(load.residual.result(30), ref_full)
         assert load.timeline.anchor_bytes + load.timeline.residual_bytes == len(anchor)
@@ -234,13 +234,50 @@ def _page_span(anchor: bytes, residual: bytes | None, segment: str, layer: int, 
     return reader.attach_residual(BytesSource(residual)).span(layer, page)
 
 
+# A local file with nothing in between is read in place; a fetch hook (here one that changes nothing) sends its bytes
+# through the block pump and the stream buffers instead. The checks must hold on both paths.
+TRANSPORTS = {"in-place": {}, "pumped": {"fetch_hook": lambda segment, fetch: fetch}}
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request):
+    return TRANSPORTS[request.param]
+
+
+def test_local_file_pages_are_read_in_place_and_dequantized_without_a_copy(cache_dir, monkeypatch):
+    """With no link, hook or tee a local cache's page records reach the dequantization as views of the file's
+    mapping, a batch of adjacent pages as one view (no copy at all); through the pump they are copies. The KV is
+    load_kv's either way."""
+    import mmap
+
+    from lynxkv.stream import progressive
+
+    _, path, _, _, (ref_anchor, ref_full) = cache_dir
+    real, seen = progressive.dequantize_records, []
+
+    def spy(anchor, anchor_at, residual, *args, **kwargs):
+        seen.append((anchor, residual))
+        return real(anchor, anchor_at, residual, *args, **kwargs)
+
+    monkeypatch.setattr(progressive, "dequantize_records", spy)
+    for name, options in sorted(TRANSPORTS.items()):
+        seen.clear()
+        with open_progressive(path, **options) as load:
+            assert kv_equal(load.wait_anchor(30), ref_anchor)
+            assert kv_equal(load.residual.result(30), ref_full)
+        buffers = [b for pair in seen for b in pair if b is not None]
+        assert len(buffers) >= 3 * 2, name  # every layer's anchor, then its full code
+        in_place = [isinstance(b, memoryview) and isinstance(b.obj, mmap.mmap) for b in buffers]
+        assert all(in_place) if name == "in-place" else not any(in_place), name
+
+
 @pytest.mark.parametrize("allow", [False, True], ids=["fail", "anchor-only"])
-def test_corrupted_residual_page_is_never_delivered(tmp_path, cache_dir, allow):
+def test_corrupted_residual_page_is_never_delivered(tmp_path, cache_dir, allow, transport):
     _, _, anchor, residual, (ref_anchor, _) = cache_dir
     at, length = _page_span(anchor, residual, "residual", 1, 1)
     path = write_pair(tmp_path, anchor, _flip(residual, at + length // 2))
     seen = []
-    with open_progressive(path, on_event=seen.append, allow_anchor_only=allow) as load:
+    with open_progressive(path, on_event=seen.append, allow_anchor_only=allow, **transport) as load:
         with pytest.raises(ChecksumError, match="residual layer 1 page 1") as info:
             load.residual.result(30)
         assert info.value.where == "residual layer 1 page 1"
@@ -252,12 +289,12 @@ def test_corrupted_residual_page_is_never_delivered(tmp_path, cache_dir, allow):
     assert "residual_ready" not in _kinds(seen)
 
 
-def test_corrupted_anchor_page_fails_before_anchor_ready(tmp_path, cache_dir):
+def test_corrupted_anchor_page_fails_before_anchor_ready(tmp_path, cache_dir, transport):
     _, _, anchor, residual, _ = cache_dir
     at, length = _page_span(anchor, residual, "anchor", 2, 0)
     path = write_pair(tmp_path, _flip(anchor, at + 3), residual)
     seen = []
-    with open_progressive(path, on_event=seen.append, allow_anchor_only=True) as load:
+    with open_progressive(path, on_event=seen.append, allow_anchor_only=True, **transport) as load:
         with pytest.raises(ChecksumError, match="anchor layer 2 page 0"):
             load.wait_anchor(30)
         with pytest.raises(ChecksumError):
@@ -266,10 +303,10 @@ def test_corrupted_anchor_page_fails_before_anchor_ready(tmp_path, cache_dir):
     assert "anchor_ready" not in _kinds(seen)
 
 
-def test_truncated_residual_file(tmp_path, cache_dir):
+def test_truncated_residual_file(tmp_path, cache_dir, transport):
     _, _, anchor, residual, _ = cache_dir
     path = write_pair(tmp_path, anchor, residual[: len(residual) - 100])
-    with open_progressive(path, allow_anchor_only=True) as load:
+    with open_progressive(path, allow_anchor_only=True, **transport) as load:
         with pytest.raises(FormatError, match="file_length.*truncated"):
             load.residual.result(30)
         load.wait_anchor(30)
@@ -287,7 +324,7 @@ def test_missing_residual_and_bad_source(tmp_path, cache_dir):
             load.wait_anchor(30)
 
 
-def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_dir):
+def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_dir, transport):
     """Flip random bytes anywhere in the residual file: the load either fails with a LynxError before the
     damaged page, or (a flip in bytes nothing reads) completes with exactly the reference KV."""
     _, _, anchor, residual, (_, ref_full) = cache_dir
@@ -296,7 +333,7 @@ def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_di
         at = int(torch.randint(0, len(residual), (1,), generator=g))
         path = write_pair(tmp_path, anchor, _flip(residual, at), name=f"r{i}")
         os.replace(os.path.join(tmp_path, f"r{i}.lynxr"), os.path.join(tmp_path, "x.lynxr"))
-        with open_progressive(path) as load:
+        with open_progressive(path, **transport) as load:
             try:
                 full = load.residual.result(30)
             except LynxError:

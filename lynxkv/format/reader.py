@@ -231,10 +231,10 @@ def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int
     return residual_page(decode_residual_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
 
 
-def read_page(src, index: SectionIndex, layer: int, page: int) -> bytes:
-    """The stored bytes of one page (one byte-range read)."""
+def read_page(src, index: SectionIndex, layer: int, page: int, *, in_place: bool = False) -> bytes:
+    """The stored bytes of one page (one byte-range read; ``in_place``: a view where the source has one)."""
     offset, length = index.span(layer, page)
-    return _read_exact(src, offset, length, "page", _where(index.name, layer, page))
+    return _read_exact(src, offset, length, "page", _where(index.name, layer, page), in_place=in_place)
 
 
 class PageReader:
@@ -303,13 +303,13 @@ class PageReader:
     def pages(self, kind: int, *, decode: bool = True) -> Iterator[tuple[int, int, PageEntry, object]]:
         """Every page of segment ``kind`` in file order (layer-major): ``(layer, page, entry, record)``, the CRC
         checked before it is yielded (with ``decode=False`` the record is the raw record: checked and decompressed
-        only, for :func:`records.dequantize_records`). A streaming source is told after each page that the bytes
-        before its end are no longer needed."""
+        only, for :func:`records.dequantize_records`; of a memory-mapped file, a view of the mapping). A streaming
+        source is told after each page that the bytes before its end are no longer needed."""
         src, index = self.source(kind), self.index(kind)
         release = getattr(src, "release", None)
         for i, entry in enumerate(index.entries):
             layer, page = divmod(i, index.pages_per_layer)
-            stored = read_page(src, index, layer, page)
+            stored = read_page(src, index, layer, page, in_place=True)
             if decode:
                 rec = decode_page(stored, entry, self.header, kind, layer, page)
             else:

@@ -281,12 +281,36 @@ def decode_residual_records(raws: list, lay: RecordLayout, scheme: Scheme, kv_he
 
 
 def join_records(raws: Sequence[bytes]) -> tuple[bytes, list[int]]:
-    """Raw records in one buffer (no copy for one) and where each starts in it: what
-    :func:`dequantize_records` takes."""
+    """Raw records in one buffer and where each starts in it: what :func:`dequantize_records` takes. No copy for
+    one record, nor for records that already lie back to back in one buffer (pages of a memory-mapped file read in
+    place): one view then spans them."""
     at = [0]
     for raw in raws[:-1]:
         at.append(at[-1] + len(raw))
-    return (raws[0] if len(raws) == 1 else b"".join(raws)), at[:len(raws)]
+    if len(raws) == 1:
+        return raws[0], at
+    span = _adjacent_views(raws)
+    return (b"".join(raws) if span is None else span), at
+
+
+def _address(buf) -> int:
+    return np.frombuffer(buf, np.uint8).ctypes.data
+
+
+def _adjacent_views(raws: Sequence) -> memoryview | None:
+    """One view of the bytes ``raws`` cover when they are views of one object lying back to back, else None."""
+    first = raws[0]
+    if not all(isinstance(r, memoryview) and r.obj is first.obj and r.c_contiguous and r.nbytes for r in raws):
+        return None
+    at = [_address(r) for r in raws]
+    if any(a + r.nbytes != b for a, r, b in zip(at, raws, at[1:])):
+        return None
+    whole = memoryview(first.obj)
+    if not whole.c_contiguous:
+        return None
+    whole = whole.cast("B")
+    start, end = at[0] - _address(whole), at[-1] + raws[-1].nbytes - _address(whole)
+    return whole[start:end] if 0 <= start and end <= whole.nbytes else None
 
 
 def record_parts(lay: RecordLayout) -> dict[str, int]:

@@ -107,3 +107,58 @@ class StreamBuffer:
             while self._blocks and self._blocks[0][0] + len(self._blocks[0][1]) <= self._released:
                 self._blocks.popleft()
             self._cond.notify_all()
+
+
+class InPlaceBuffer:
+    """A segment already in hand: a memory-mapped local file (:class:`lynxkv.storage.FileSource`), read where it
+    lies. The reading side of :class:`StreamBuffer` with nothing to wait for and nothing held: ``view`` hands out
+    views of the mapping (what the page reader reads pages through, so the pages are never copied), ``read`` copies
+    (headers, indexes); ``release`` has nothing to drop. Bytes count as arrived when the reader first reaches them:
+    ``on_read(offset, data)`` is told of the part of each read beyond the furthest byte read before."""
+
+    def __init__(self, source, name: str, *, base: int = 0, on_read=None):
+        self.source = source
+        self.size = source.size
+        self.name = name
+        self.base = base
+        self.received = 0
+        self._reached = base  # the furthest byte read so far
+        self._on_read = on_read
+        self._error: BaseException | None = None
+
+    def _arrived(self, offset: int, data) -> None:
+        if self._error is not None:
+            raise self._error
+        new = offset + len(data) - max(offset, self._reached)
+        if new > 0:
+            self._reached = offset + len(data)
+            self.received += new
+            if self._on_read is not None:
+                self._on_read(self._reached - new, memoryview(data)[len(data) - new:])
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = self.source.read(offset, max(length, 0))
+        self._arrived(offset, data)
+        return data
+
+    def view(self, offset: int, length: int) -> memoryview:
+        data = self.source.view(offset, max(length, 0))
+        self._arrived(offset, data)
+        return data
+
+    def register(self, reader: str, at: int) -> None:
+        pass
+
+    def unregister(self, reader: str) -> None:
+        pass
+
+    def release(self, upto: int, reader: str = "main") -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def fail(self, exc: BaseException) -> None:
+        """Later reads raise ``exc`` (the load was closed, or gave up on this segment)."""
+        if self._error is None:
+            self._error = exc

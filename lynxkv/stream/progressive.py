@@ -5,7 +5,8 @@ runner consumes). It is the consumer half; the bytes come from a transport (:mod
 by URL scheme), which owns the pumps, the range reads and the link. Threads and their roles:
 
 - the transport's *pump* per segment moves ordered blocks (ranged reads with several requests in flight for
-  storage URLs) through the shared emulated link into a bounded :class:`StreamBuffer`;
+  storage URLs) through the shared emulated link into a bounded :class:`StreamBuffer`; a local file with no link,
+  fetch hook or tee needs no pump: it is memory-mapped and its pages are read in place, never copied;
 - one *parser* per segment walks the segment with the one page reader (:class:`~lynxkv.format.reader.PageReader`):
   header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and
   decompressed (no tensor work: the parsers stay off the cores the consumer and a model use); a page whose
@@ -340,6 +341,7 @@ class ProgressiveLoad:
         decoding: deque = deque()  # (future, batch) of anchor pages being dequantized, in arrival order
         residual_held: list[tuple] = []  # residual pages taken, dequantized when the last one is in
         workers = concurrent_tensors()
+        batch_pages = 64
         pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-anchor") if self.decode and workers > 1 else None
 
         def decoded(wait: bool) -> None:
@@ -360,8 +362,11 @@ class ProgressiveLoad:
                     self._fail_all(StreamClosed("load closed"))
                     return
                 if kind == "header":
+                    h = item[1]
+                    # An anchor batch is one worker's unit: about 4 M elements, so that a batch is short next to
+                    # the load (a close waits for the batches under way) and still amortises the call.
+                    batch_pages = max(1, (4 << 20) // max(1, 2 * h.kv_heads * h.scheme.page * h.head_dim))
                     if self.decode:
-                        h = item[1]
                         check_decoded_size(h, self.dtype)
                         shape = (h.kv_heads, h.tokens, h.head_dim)
                         self._kv_out = tuple([(torch.empty(shape, dtype=self.dtype),
@@ -400,7 +405,8 @@ class ProgressiveLoad:
                         return
                     continue  # keep loading the anchor; anchor_done then ends the load, flagged lossy
                 if kind == "anchor":
-                    batch = [item] + self._take_more(lambda it: it[0] == "anchor" and it[1] == item[1])
+                    batch = [item] + self._take_more(lambda it: it[0] == "anchor" and it[1] == item[1],
+                                                     batch_pages - 1)
                     if self.decode:
                         for _, layer, page, raw, _ in batch:
                             anchors[(layer, page)] = raw

@@ -40,8 +40,8 @@ from lynxkv.errors import FormatError, LynxError, ResidualUnavailable, Transient
 from lynxkv.format import constants as c
 from lynxkv.format.layout import PREFIX_SIZE, AnchorHeader, anchor_header_length, parse_anchor_header
 from lynxkv.loading import LoadTimeline
-from lynxkv.storage import RetryPolicy, is_transient, read_range, resolve_location, size_of
-from lynxkv.stream.buffer import StreamBuffer, StreamClosed
+from lynxkv.storage import FileSource, RetryPolicy, is_local, is_transient, local_path, read_range, resolve_location, size_of
+from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
 from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
 
 Fetch = Callable[[int, int], bytes]
@@ -157,7 +157,7 @@ class Transfer:
         self.anchor_fetched = threading.Event()  # every anchor byte is in (set by the anchor's pump)
         self.residual_started_at: float | None = None  # perf_counter of the first residual byte
         self.closed = threading.Event()
-        self._buffers: list[StreamBuffer] = []
+        self._buffers: list[StreamBuffer | InPlaceBuffer] = []
         self._closers: list[Callable[[], None]] = []
 
     def on_retry(self, msg: str) -> None:
@@ -169,6 +169,15 @@ class Transfer:
     def buffer(self, size: int, name: str, *, base: int = 0) -> StreamBuffer:
         buf = StreamBuffer(size, name, base=base)
         self._buffers.append(buf)
+        return buf
+
+    def in_place(self, source: FileSource, name: str, stream: int, *, base: int = 0) -> InPlaceBuffer:
+        """A buffer over a file already in hand, read in place: its bytes count as arrived as the reader reaches
+        them. Closing the load fails its reads and unmaps the file (once no view of it is held)."""
+        buf = InPlaceBuffer(source, name, base=base, on_read=lambda offset, data: self.received(stream, name, offset,
+                                                                                              data))
+        self._buffers.append(buf)
+        self.add_closer(source.close)
         return buf
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
@@ -249,7 +258,12 @@ class StorageTransport:
     :func:`lynxkv.storage.resolve_location` (``allow_locations``); it keeps one request in flight until every anchor byte is in, so on a shared store it does
     not slow the anchor down (strict priority at the storage too, not only on the link), and under an emulated
     link its first byte goes on the link after the anchor's last (the receiver drains the anchor first), so a
-    moment in which no anchor block happens to be waiting does not let a residual block in ahead of it."""
+    moment in which no anchor block happens to be waiting does not let a residual block in ahead of it.
+
+    A local file read with nothing in between (no emulated link, no fetch hook, no tee) is not moved at all: it is
+    memory-mapped and its pages are read in place (:class:`~lynxkv.stream.buffer.InPlaceBuffer`), as
+    ``open_cache`` reads them, so reaching anchor-ready costs what an anchor-only ``load_kv`` costs rather than
+    that plus a block pump, a stream buffer and a copy of every page."""
 
     def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
@@ -266,7 +280,13 @@ class StorageTransport:
         self.residual_url: str | None = None
         self.anchor_size: int | None = None
         self._size = 0
-        self._residual_buf: StreamBuffer | None = None
+        self._residual_buf: StreamBuffer | InPlaceBuffer | None = None
+        self._anchor_src: FileSource | None = None
+
+    def _in_place(self, url: str) -> bool:
+        """Whether ``url`` is read in place: a local file, and nothing to do with its bytes on the way."""
+        t = self.transfer
+        return is_local(url) and t.link is None and self.fetch_hook is None and t.tee is None
 
     def _blocks(self, url: str, start: int, end: int, stream: int, name: str, *, link: bool = True,
                 fetch: Fetch | None = None) -> RangeStream:
@@ -285,20 +305,28 @@ class StorageTransport:
         """One small ranged read of the anchor (the header), with the same retries as the block streams."""
         return b"".join(data for _, data in self._blocks(self.url, a, b, ANCHOR, "anchor", link=False))
 
-    def open_anchor(self) -> StreamBuffer:
+    def open_anchor(self) -> StreamBuffer | InPlaceBuffer:
         t = self.transfer
-        size = self._size = size_of(self.url, self.storage_options)
-        self.anchor_size = size
-        head = self._fetch_exact(0, min(PREFIX_SIZE, size))
+        if self._in_place(self.url):
+            src = self._anchor_src = FileSource(local_path(self.url))
+            t.add_closer(src.close)
+            size, fetch = src.size, (lambda a, b: src.read(a, b - a))
+        else:
+            size, fetch = size_of(self.url, self.storage_options), self._fetch_exact
+        self._size = self.anchor_size = size
+        head = fetch(0, min(PREFIX_SIZE, size))
         length = anchor_header_length(head, size)
         if length > len(head):
-            head = self._fetch_exact(0, length)
+            head = fetch(0, length)
         h = parse_anchor_header(head, size)
         end = h.segments[0].offset + h.segments[0].length
         if end > size:
             raise FormatError(f"`file_length` of anchor: expected at least {end} bytes, got {size} (truncated)",
                               field="file_length", where="anchor")
         self.anchor_size = end  # a single file's inline residual is the residual stream's
+        if self._anchor_src is not None:
+            t.anchor_fetched.set()  # every anchor byte is in hand: nothing for the residual to yield to
+            return t.in_place(self._anchor_src, "anchor", ANCHOR)
         buf = t.buffer(size, "anchor")
         if t.link is not None:
             t.link.send(ANCHOR, len(head))
@@ -307,9 +335,13 @@ class StorageTransport:
         t.pump(self._blocks(self.url, len(head), end, ANCHOR, "anchor"), buf, ANCHOR, "anchor", charge_link=False)
         return buf
 
-    def open_residual(self, header: AnchorHeader) -> StreamBuffer:
+    def open_residual(self, header: AnchorHeader) -> StreamBuffer | InPlaceBuffer:
         seg = header.segment(c.SEGMENT_RESIDUAL)
         t = self.transfer
+        if seg.placement == c.PLACEMENT_INLINE and self._anchor_src is not None:
+            self.residual_url = self.url
+            buf = self._residual_buf = t.in_place(self._anchor_src, "residual", RESIDUAL, base=seg.offset)
+            return buf
         if seg.placement == c.PLACEMENT_INLINE:
             self.residual_url = self.url
             buf = t.buffer(self._size, "residual", base=seg.offset)
@@ -318,6 +350,9 @@ class StorageTransport:
         else:
             url = self.residual_override or resolve_location(self.url, seg.location, allow=self.allow_locations)
             self.residual_url = url
+            if self._in_place(url):  # the page reader checks its length against the header
+                buf = self._residual_buf = t.in_place(FileSource(local_path(url)), "residual", RESIDUAL)
+                return buf
             size = size_of(url, self.storage_options)
             buf = t.buffer(size, "residual")
             if size == seg.length:
