@@ -69,16 +69,18 @@ class FileSource:
             raise InputError(f"{self.name}: cannot map the file ({exc})") from None
 
     def read(self, offset: int, length: int) -> bytes:
-        if self._mm is None:
+        mm = self._mm  # once: close() may run on another thread
+        if mm is None:
             return b""
-        return self._mm[offset:offset + length]
+        return mm[offset:offset + length]
 
     def view(self, offset: int, length: int) -> memoryview:
         """The bytes ``[offset, offset + length)`` (clipped to the file) in place, without a copy: what a whole
         layer's load reads (the mapping stays valid while a view is held, even past :meth:`close`)."""
-        if self._mm is None:
+        mm = self._mm
+        if mm is None:
             return memoryview(b"")
-        return memoryview(self._mm)[offset:offset + length]
+        return memoryview(mm)[offset:offset + length]
 
     def close(self) -> None:
         if self._mm is not None:
