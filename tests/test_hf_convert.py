@@ -139,3 +139,20 @@ def test_forward_passes_the_cache_under_either_argument_name(model):
     ids = prompt_ids(model.config.vocab_size, 5)
     kv, _ = prefill(model, torch.tensor(ids))
     assert kv[0][0].shape[1] == 5
+
+
+def test_kv_to_cache_shares_the_tensors_and_never_writes_them(model):
+    """No copy when dtype and device match (each layer is a view of the given tensor), and a generate over the
+    cache (appends) and a crop leave the given tensors as they were; the output is that of the copied cache."""
+    from transformers import DynamicCache
+
+    ids = prompt_ids(3, 12)
+    kv = cache_to_kv(_dynamic_cache(model, ids[:-1]))  # [H, T, D] each
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    cache = kv_to_cache(kv)
+    for layer, (k, v) in zip(cache.layers, kv):
+        assert layer.keys.data_ptr() == k.data_ptr() and layer.values.data_ptr() == v.data_ptr()
+    copied = DynamicCache(ddp_cache_data=[(k.unsqueeze(0).clone(), v.unsqueeze(0).clone()) for k, v in kv])
+    assert _generate(model, ids, cache) == _generate(model, ids, copied)
+    cache.crop(-5)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, before))
