@@ -155,3 +155,35 @@ def test_sequence_vs_one_pass_logits_agree_in_fp32(models):
     cache = start_cache(model, full_kv, len(ids) - 1)
     seq = torch.stack([forward_tokens(model, cache, [t])[-1] for t in [ids[-1]] + toks[:-1]])
     assert (one - seq).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("question", [False, True], ids=["continue", "new-question"])
+def test_the_first_draft_forward_is_reported_apart_from_the_draft_step(models, monkeypatch, question):
+    """The first forward on the fresh anchor cache grows it into new storage, which no later step pays; it is
+    first_draft_step_s, and draft_step_s is the mean of the draft forwards after it (as decode_step_s is of the
+    plain steps after the verify pass). After new prompt tokens the prefill grew the cache: every single-token
+    draft counts. A slow first forward (0.5 s more, injected) shows in the one and not in the other."""
+    from lynxkv.speculative import runner
+
+    model = models[0]
+    ids = prompt_ids(7, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    real, calls = runner.forward_tokens, []
+
+    def forward(model, cache, tokens):
+        calls.append(len(tokens))
+        if len(calls) == 1:
+            time.sleep(0.5)
+        return real(model, cache, tokens)
+
+    monkeypatch.setattr(runner, "forward_tokens", forward)
+    new = prompt_ids(8, 3) if question else None
+    res = run(model, StepLoad(model, ids, anchor_kv, full_kv), RunConfig(max_new_tokens=12, max_window=6),
+              new_token_ids=new)
+    s = res.stats
+    assert s.drafted == 6
+    # Six draft forwards of a tiny model take milliseconds each: with the slow one in, the mean would be >= 0.5 / 6.
+    if question:  # the prefill (3 tokens) was the slow one and is no draft step
+        assert s.first_draft_step_s is None and s.draft_step_s < 0.05
+    else:
+        assert s.first_draft_step_s >= 0.5 and s.draft_step_s < 0.05

@@ -255,7 +255,11 @@ def stream(
     stats.drafted = len(drafts)
     stats.draft_token_ids = list(drafts)
     if step_times:
-        stats.draft_step_s = sum(step_times) / len(step_times)
+        later = step_times
+        if len(feed) == 1:  # the first draft forward grew the fresh anchor cache (new prompt tokens: the prefill did)
+            stats.first_draft_step_s = step_times[0]
+            later = step_times[1:] or step_times
+        stats.draft_step_s = sum(later) / len(later)
 
     # ---- wait for the residual --------------------------------------------------------------------------------
     full_kv: KVPairs | None = None

@@ -25,7 +25,12 @@ class RunStats:
     accepted: int = 0
     window_cap: int = 0
     window_planned: int | None = None  # from the residual ETA and the draft step time, at the first draft
-    draft_step_s: float | None = None  # mean time of one draft forward (anchor cache)
+    # Mean time of one draft forward on the anchor cache, the first one left out (unless it is the only one): like
+    # the verify pass before the plain steps, the first forward on a fresh cache grows it into new storage (the
+    # whole KV, first touched), which no later step pays. That one is first_draft_step_s (None when new prompt
+    # tokens were prefilled first: the prefill grew the cache).
+    draft_step_s: float | None = None
+    first_draft_step_s: float | None = None
     verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
     verify_passes: int = 0
     decode_step_s: float | None = None  # mean time of one plain decode step after the verify (full cache)
