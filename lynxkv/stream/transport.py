@@ -40,7 +40,16 @@ from lynxkv.errors import FormatError, LynxError, ResidualUnavailable, Transient
 from lynxkv.format import constants as c
 from lynxkv.format.layout import PREFIX_SIZE, AnchorHeader, anchor_header_length, parse_anchor_header
 from lynxkv.loading import LoadTimeline
-from lynxkv.storage import FileSource, RetryPolicy, is_local, is_transient, local_path, read_range, resolve_location, size_of
+from lynxkv.storage import (
+    FileSource,
+    RetryPolicy,
+    is_local,
+    is_transient,
+    local_path,
+    read_range,
+    resolve_location,
+    size_of,
+)
 from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
 from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
 
@@ -173,11 +182,10 @@ class Transfer:
 
     def in_place(self, source: FileSource, name: str, stream: int, *, base: int = 0) -> InPlaceBuffer:
         """A buffer over a file already in hand, read in place: its bytes count as arrived as the reader reaches
-        them. Closing the load fails its reads and unmaps the file (once no view of it is held)."""
-        buf = InPlaceBuffer(source, name, base=base, on_read=lambda offset, data: self.received(stream, name, offset,
-                                                                                              data))
+        them. Closing the load fails its reads (the transport that opened ``source`` closes it)."""
+        buf = InPlaceBuffer(source, name, base=base,
+                            on_read=lambda offset, data: self.received(stream, name, offset, data))
         self._buffers.append(buf)
-        self.add_closer(source.close)
         return buf
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
@@ -351,7 +359,9 @@ class StorageTransport:
             url = self.residual_override or resolve_location(self.url, seg.location, allow=self.allow_locations)
             self.residual_url = url
             if self._in_place(url):  # the page reader checks its length against the header
-                buf = self._residual_buf = t.in_place(FileSource(local_path(url)), "residual", RESIDUAL)
+                src = FileSource(local_path(url))
+                t.add_closer(src.close)
+                buf = self._residual_buf = t.in_place(src, "residual", RESIDUAL)
                 return buf
             size = size_of(url, self.storage_options)
             buf = t.buffer(size, "residual")
