@@ -156,3 +156,20 @@ def test_kv_to_cache_shares_the_tensors_and_never_writes_them(model):
     assert _generate(model, ids, cache) == _generate(model, ids, copied)
     cache.crop(-5)
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, before))
+
+
+def test_kv_to_cache_copies_where_reset_would_zero_the_tensors(model, monkeypatch):
+    """A transformers whose DynamicLayer.reset zeroes its tensors in place (releases before it dropped them): the
+    cache gets copies, and a reset leaves the given tensors alone."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+
+    from lynxkv.hf import convert
+
+    monkeypatch.setattr(DynamicLayer, "reset", CacheLayerMixin.reset)
+    monkeypatch.setattr(convert, "_layers_leave_their_tensors_alone",
+                        convert._layers_leave_their_tensors_alone.__wrapped__)
+    kv = cache_to_kv(_dynamic_cache(model, prompt_ids(4, 10)))
+    cache = kv_to_cache(kv)
+    assert all(layer.keys.data_ptr() != k.data_ptr() for layer, (k, _) in zip(cache.layers, kv))
+    cache.reset()
+    assert all(bool(k.abs().sum() > 0) for k, _ in kv)

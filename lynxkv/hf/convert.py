@@ -17,6 +17,8 @@ whole prompt (the runner does the same: it re-feeds the last prompt token).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lynxkv.kv import KVPairs
@@ -29,7 +31,9 @@ def kv_to_cache(kv: KVPairs, *, dtype: torch.dtype | None = None, device: torch.
     The layers hold the tensors themselves: ``DynamicCache(ddp_cache_data=...)`` would copy every layer into new
     storage (its ``update`` concatenates onto an empty tensor; 0.3 s for 3,000 tokens of SmolLM2 in fp32, paid
     before the first draft and again before the verify pass). Sharing is safe because a ``DynamicLayer`` never
-    writes into its tensors: a forward appends by ``torch.cat`` into new storage and ``crop`` slices."""
+    writes into its tensors: a forward appends by ``torch.cat`` into new storage, ``crop`` slices, and ``reset``
+    drops them; with a transformers release whose ``reset`` still zeroes them in place (checked once), the
+    layers get copies."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -37,6 +41,8 @@ def kv_to_cache(kv: KVPairs, *, dtype: torch.dtype | None = None, device: torch.
     for k, v in kv:
         k, v = k.to(dtype=dtype or k.dtype, device=device), v.to(dtype=dtype or v.dtype, device=device)
         data.append((k.unsqueeze(0), v.unsqueeze(0)))
+    if not _layers_leave_their_tensors_alone():
+        return DynamicCache(ddp_cache_data=data)
     cache = DynamicCache(ddp_cache_data=[(k[..., :0, :], v[..., :0, :]) for k, v in data])  # dtype, device: no copy
     for layer, (k, v) in zip(cache.layers, data):
         if type(layer) is DynamicLayer and layer.is_initialized:
@@ -44,6 +50,20 @@ def kv_to_cache(kv: KVPairs, *, dtype: torch.dtype | None = None, device: torch.
         else:  # a layer kind this does not know: let it take the tensors its own way
             layer.update(k, v)
     return cache
+
+
+@functools.lru_cache(maxsize=None)
+def _layers_leave_their_tensors_alone() -> bool:
+    """Whether this transformers' ``DynamicLayer.reset`` leaves the tensors a layer held as they were (it drops
+    them; releases before it zeroed them in place): tried once on a layer holding a one-element tensor."""
+    from transformers.cache_utils import DynamicLayer
+
+    held = torch.ones(1, 1, 1, 1)
+    layer = DynamicLayer()
+    layer.update(held[..., :0, :], held[..., :0, :])
+    layer.keys = layer.values = held
+    layer.reset()
+    return bool(held.item() == 1)
 
 
 def to_dynamic_cache(cache_or_kv, model=None, *, anchor_only: bool = False, dtype: torch.dtype | None = None):
