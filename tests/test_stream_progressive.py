@@ -34,10 +34,10 @@ def _kinds(events):
     return [e.kind for e in events]
 
 
-def test_anchor_then_residual_exact_kv_and_event_order(cache_dir):
+def test_anchor_then_residual_exact_kv_and_event_order(cache_dir, transport):
     _, path, anchor, residual, (ref_anchor, ref_full) = cache_dir
     seen = []
-    load = open_progressive(path, on_event=seen.append)
+    load = open_progressive(path, on_event=seen.append, **transport)
     try:
         assert kv_equal(load.wait_anchor(30), ref_anchor)
         assert kv_equal(load.residual.result(30), ref_full)
@@ -271,6 +271,42 @@ def test_local_file_pages_are_read_in_place_and_dequantized_without_a_copy(cache
         assert all(in_place) if name == "in-place" else not any(in_place), name
 
 
+def _files_open_under(directory) -> list[str]:
+    """Paths under ``directory`` this process holds open or mapped (Linux /proc)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # closed meanwhile
+    with open("/proc/self/maps") as maps:
+        found += [line.split(maxsplit=5)[-1].strip() for line in maps if len(line.split(maxsplit=5)) == 6]
+    return [f for f in found if f.startswith(str(directory))]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+@pytest.mark.parametrize("single", [False, True], ids=["two-files", "single-file"])
+def test_a_finished_load_holds_no_file_open(tmp_path, transport, single):
+    """Once a load has ended (its events are over) the files it read are closed and unmapped: not only at
+    close(), which a caller keeping the KV may never call. Equally when its residual failed."""
+    anchor, residual = cache_bytes(random_kv(layers=3, dim=64), single_file=single)
+    path = write_pair(tmp_path, anchor, None if single else residual)
+    load = open_progressive(path, **transport)
+    assert len(load.residual.result(30)) == 3
+    list(load.events(timeout=30))
+    assert _files_open_under(tmp_path) == []
+    load.close()
+    if single:
+        return
+    os.remove(os.path.join(tmp_path, "x.lynxr"))
+    failed = open_progressive(path, allow_anchor_only=True, **transport)
+    with pytest.raises(LynxError):
+        failed.residual.result(30)
+    list(failed.events(timeout=30))
+    assert _files_open_under(tmp_path) == []
+    failed.close()
+
+
 @pytest.mark.parametrize("allow", [False, True], ids=["fail", "anchor-only"])
 def test_corrupted_residual_page_is_never_delivered(tmp_path, cache_dir, allow, transport):
     _, _, anchor, residual, (ref_anchor, _) = cache_dir
@@ -313,13 +349,13 @@ def test_truncated_residual_file(tmp_path, cache_dir, transport):
         assert "truncated" in load.timeline.residual_failed
 
 
-def test_missing_residual_and_bad_source(tmp_path, cache_dir):
+def test_missing_residual_and_bad_source(tmp_path, cache_dir, transport):
     _, _, anchor, _, _ = cache_dir
     path = write_pair(tmp_path, anchor, None)
-    with open_progressive(path) as load:
+    with open_progressive(path, **transport) as load:
         with pytest.raises(LynxError, match="no such file"):
             load.residual.result(30)
-    with open_progressive(str(tmp_path / "nope.lynx")) as load:
+    with open_progressive(str(tmp_path / "nope.lynx"), **transport) as load:
         with pytest.raises(LynxError, match="no such file"):
             load.wait_anchor(30)
 

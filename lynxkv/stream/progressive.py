@@ -209,8 +209,8 @@ class ProgressiveLoad:
             if total is not None:
                 return (remaining_anchor + total - got) / self.link.bandwidth + self.link.latency
         t_first = self._transfer.residual_started_at
-        if total is None or not got or t_first is None:
-            return None
+        if total is None or not got or t_first is None or "residual" in self._transfer.in_place_names:
+            return None  # unknown yet, or a local file read in place: its bytes arrive as they are parsed
         elapsed = time.perf_counter() - t_first
         return (total - got) / (got / elapsed) if elapsed > 0 else None
 
@@ -333,6 +333,18 @@ class ProgressiveLoad:
 
     # ------------------------------------------------------------------------------------------ consumer
     def _consumer(self) -> None:
+        """Run the consumer loop, then end the load: once the loop's frame is gone, so are its references to the
+        page records (views of a mapped file), and closing the transport closes and unmaps the files at once
+        rather than at close(), which a caller keeping the KV may never call. The events end after that."""
+        try:
+            self._consume()
+        finally:
+            self._transport.close()
+            with self._events_cond:
+                self._finished = True
+                self._events_cond.notify_all()
+
+    def _consume(self) -> None:
         # No torch.set_num_threads here: it is process-wide (it would also slow down the model decoding beside
         # this load); the dequantization runs in compiled workers, anchor pages on all of them, residual on one.
         anchors: dict[tuple[int, int], object] = {}
@@ -401,7 +413,6 @@ class ProgressiveLoad:
                         self._residual_slots.release()
                     held.clear()
                     if anchor_complete:
-                        self._finish()
                         return
                     continue  # keep loading the anchor; anchor_done then ends the load, flagged lossy
                 if kind == "anchor":
@@ -428,7 +439,6 @@ class ProgressiveLoad:
                     self._residual_go.set()
                     self._emit(LoadEvent("anchor_ready", self._now()))
                     if self._future.done():  # the residual already failed
-                        self._finish()
                         return
                     for it in held:
                         self._queue.put((1, it[0], it[1]))
@@ -451,7 +461,6 @@ class ProgressiveLoad:
                     self._timeline.residual_ready_s = self._now()
                     self._future.set_result(full)
                     self._emit(LoadEvent("residual_ready", self._now()))
-                    self._finish()
                     return
         except BaseException as exc:  # noqa: BLE001 - e.g. a dequantization failure
             self._fail_all(exc if isinstance(exc, LynxError) else LynxError(f"{type(exc).__name__}: {exc}"))
@@ -484,12 +493,6 @@ class ProgressiveLoad:
             self._timeline.residual_failed = str(exc)
             self._future.set_exception(exc)
         self._emit(LoadEvent("error", self._now(), message=str(exc)))
-        self._finish()
-
-    def _finish(self) -> None:
-        with self._events_cond:
-            self._finished = True
-            self._events_cond.notify_all()
 
     # ------------------------------------------------------------------------------------------ KV
     def _take_more(self, fits: Callable[[tuple], bool], limit: int = 64) -> list[tuple]:

@@ -167,13 +167,17 @@ class Transfer:
         self.residual_started_at: float | None = None  # perf_counter of the first residual byte
         self.closed = threading.Event()
         self._buffers: list[StreamBuffer | InPlaceBuffer] = []
+        self.in_place_names: set[str] = set()  # the streams read in place (no arrival rate to measure)
         self._closers: list[Callable[[], None]] = []
 
     def on_retry(self, msg: str) -> None:
         self.timeline.extra["retries"].append(msg)
 
     def add_closer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the transfer closes (at once if it already has)."""
         self._closers.append(fn)
+        if self.closed.is_set():
+            fn()
 
     def buffer(self, size: int, name: str, *, base: int = 0) -> StreamBuffer:
         buf = StreamBuffer(size, name, base=base)
@@ -186,6 +190,9 @@ class Transfer:
         buf = InPlaceBuffer(source, name, base=base,
                             on_read=lambda offset, data: self.received(stream, name, offset, data))
         self._buffers.append(buf)
+        self.in_place_names.add(name)
+        if self.closed.is_set():
+            buf.fail(StreamClosed("load closed"))
         return buf
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
