@@ -114,7 +114,11 @@ class InPlaceBuffer:
     lies. The reading side of :class:`StreamBuffer` with nothing to wait for and nothing held: ``view`` hands out
     views of the mapping (what the page reader reads pages through, so the pages are never copied), ``read`` copies
     (headers, indexes); ``release`` has nothing to drop. Bytes count as arrived when the reader first reaches them:
-    ``on_read(offset, data)`` is told of the part of each read beyond the furthest byte read before."""
+    ``on_read(offset, data)`` is told of the part of each read beyond the furthest byte read before.
+
+    As with ``open_cache`` (and safetensors), the file must not be truncated while it is mapped: the kernel ends a
+    process that reads a mapped page past the file's new end (SIGBUS). lynxkv replaces files atomically (a new
+    file renamed over the old one), which leaves a mapping of the old file intact."""
 
     def __init__(self, source, name: str, *, base: int = 0, on_read=None):
         self.source = source
