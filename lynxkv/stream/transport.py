@@ -277,8 +277,9 @@ class StorageTransport:
 
     A local file read with nothing in between (no emulated link, no fetch hook, no tee) is not moved at all: it is
     memory-mapped and its pages are read in place (:class:`~lynxkv.stream.buffer.InPlaceBuffer`), as
-    ``open_cache`` reads them, so reaching anchor-ready costs what an anchor-only ``load_kv`` costs rather than
-    that plus a block pump, a stream buffer and a copy of every page."""
+    ``open_cache`` reads them: reaching anchor-ready costs the reads, checks and dequantization of an anchor-only
+    ``load_kv`` plus the reader's threads and per-page events, without a block pump, a stream buffer or a copy of
+    every page."""
 
     def __init__(self, url: str, transfer: Transfer, *, residual: str | None = None,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
