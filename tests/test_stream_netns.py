@@ -6,6 +6,7 @@ and finishes much later. Needs root and iproute2 (``ip netns``, ``tc``); skips w
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
+import urllib.parse
 
 import pytest
 from fixtures_s3 import synthetic_cache_bytes, write_pair
@@ -80,16 +81,26 @@ def _transfer(ns: tuple[str, str], path: str, marks: bool) -> dict:
             lines.append(proc.stdout.readline())
             assert lines[-1], proc.stderr.read()
         info = json.loads("".join(lines))
-        base = info["url"].rsplit("/", 1)[0]
+        url = urllib.parse.urlsplit(info["url"])
+        base = url.path.rsplit("/", 1)[0]
         done: dict = {}
-        t0 = time.perf_counter()
+        # Both connections are made first and both requests then sent together, so that neither stream starts
+        # ahead by a connection set-up (a skew that let an unmarked anchor through alone now and then).
+        t0: list[float] = []
+        start = threading.Barrier(2, action=lambda: t0.append(time.perf_counter()))  # before either is let go
 
-        def pull(stream: str, url: str) -> None:
-            with urllib.request.urlopen(url, timeout=60) as r:
-                n = len(r.read())
-            done[stream] = (time.perf_counter() - t0, n)
+        def pull(stream: str, path: str) -> None:
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+            try:
+                conn.connect()
+                start.wait(30)
+                conn.request("GET", path)
+                n = len(conn.getresponse().read())
+                done[stream] = (time.perf_counter() - t0[0], n)
+            finally:
+                conn.close()
 
-        threads = [threading.Thread(target=pull, args=("anchor", info["url"])),
+        threads = [threading.Thread(target=pull, args=("anchor", url.path)),
                    threading.Thread(target=pull, args=("residual", f"{base}/{info['residual']['path']}"))]
         for t in threads:
             t.start()
