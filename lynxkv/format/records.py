@@ -309,7 +309,8 @@ def _adjacent_views(raws: Sequence) -> memoryview | None:
     if not whole.c_contiguous:
         return None
     whole = whole.cast("B")
-    start, end = at[0] - _address(whole), at[-1] + raws[-1].nbytes - _address(whole)
+    base = _address(whole)
+    start, end = at[0] - base, at[-1] + raws[-1].nbytes - base
     return whole[start:end] if 0 <= start and end <= whole.nbytes else None
 
 

@@ -125,7 +125,6 @@ class InPlaceBuffer:
         self.size = source.size
         self.name = name
         self.base = base
-        self.received = 0
         self._reached = base  # the furthest byte read so far
         self._on_read = on_read
         self._error: BaseException | None = None
@@ -136,7 +135,6 @@ class InPlaceBuffer:
         new = offset + len(data) - max(offset, self._reached)
         if new > 0:
             self._reached = offset + len(data)
-            self.received += new
             if self._on_read is not None:
                 self._on_read(self._reached - new, memoryview(data)[len(data) - new:])
 
