@@ -150,7 +150,7 @@ def test_every_module_imports_on_its_own():
 def test_no_two_modules_share_a_file_name():
     """One meaning per name: ``report.py`` in two packages reads as one concept; ``__init__.py`` excepted."""
     seen: dict[str, list[str]] = {}
-    for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "kernels").rglob("*.py")]:
+    for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "kernels").rglob("*.py")]:  # rglob does not follow lynxkv/kernels
         if p.name != "__init__.py":
             seen.setdefault(p.name, []).append(str(p.relative_to(ROOT.parent)))
     twice = {n: ps for n, ps in seen.items() if len(ps) > 1}
@@ -158,11 +158,25 @@ def test_no_two_modules_share_a_file_name():
 
 
 def test_every_package_is_in_the_distribution():
-    """pyproject.toml lists packages explicitly (for the kernels mapping): a new subpackage must be listed, or a
-    built wheel silently leaves it out while an editable install still finds it."""
+    """pyproject.toml lists packages explicitly: a new subpackage must be listed, or a built wheel silently leaves it
+    out while an editable install still finds it."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     root = pathlib.Path(__file__).resolve().parent.parent
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "lynxkv").rglob("__init__.py")}
     assert found <= listed, f"not in pyproject.toml's package list: {sorted(found - listed)}"
+
+
+def test_the_checkout_does_not_shadow_hugging_faces_kernels_package():
+    """From the repository's root, ``python -c`` puts the root first on sys.path. ``kernels`` there must still be
+    Hugging Face's package (transformers imports it), never this checkout's top-level kernels/ directory."""
+    root = ROOT.parent
+    code = ("from transformers.integrations import hub_kernels\n"
+            "from transformers import LlamaConfig\n"
+            "import kernels\n"
+            "print(getattr(kernels, '__file__', None))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = proc.stdout.strip().splitlines()[-1]
+    assert found == "None" or not pathlib.Path(found).resolve().is_relative_to(root / "kernels"), found
