@@ -156,3 +156,29 @@ def test_residual_on_another_tier_is_recorded_and_read_back(tmp_path, capsys):
     code, out, _ = run(capsys, "verify", tmp_path / "c.lynx", "--json", "--against", src,
                        "--allow-location", "memory://cold-tier/")
     assert code == 0 and json.loads(out)["vnmse"]["mean"]["key_full"] < 1e-4
+
+
+@pytest.mark.parametrize("model_dtype, argv, stored", [(torch.bfloat16, [], "bf16"), (torch.float16, [], "fp16"),
+                                                        (torch.bfloat16, ["--dtype", "fp32"], "fp32")])
+def test_encode_model_prefills_in_the_models_own_dtype(tmp_path, capsys, model_dtype, argv, stored):
+    """Like transformers' ``dtype="auto"``: a bf16 model's cache holds the bf16 KV it produces, not an fp32
+    upcast at twice the bytes, unless --dtype says otherwise; inspect names the dtype the model ran in."""
+    from runner_helpers import save_tiny_model_dir, word
+
+    from conftest import make_tiny_llama
+
+    model_dir = save_tiny_model_dir(make_tiny_llama(0).to(model_dtype), tmp_path / "m")
+    (tmp_path / "p.txt").write_text(" ".join(word(i % 100 + 2) for i in range(40)))
+    code, _, err = run(capsys, "encode", "--model", model_dir, "--prompt-file", tmp_path / "p.txt",
+                       "-o", tmp_path / "c.lynx", *argv)
+    assert code == 0, err
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json")
+    d = json.loads(out)
+    assert d["dtype"] == stored and d["properties"]["lynxkv.model_dtype"] == stored
+    code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx")
+    assert f"ran in {stored}" in out
+
+
+def test_encode_dtype_names_auto_among_its_choices(tmp_path, capsys):
+    code, _, err = run(capsys, "encode", "--model", "smollm2", "--dtype", "fp64", "-o", tmp_path / "c.lynx")
+    assert code == 1 and "lynxkv: error: --dtype: expected one of auto, fp32, fp16, bf16" in err

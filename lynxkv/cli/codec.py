@@ -36,8 +36,8 @@ def encode(
     model: Optional[str] = typer.Option(None, help="Prefill this HF model (default without INPUT: the offline "
                                         "SmolLM2, 'smollm2')."),
     prompt_file: Optional[Path] = typer.Option(None, help="Prompt text to prefill (default: built-in)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="The model's dtype for the prefill, fp32, bf16 or fp16 (the "
-                              "cache stores the KV in it)."),
+    dtype: str = typer.Option("auto", "--dtype", help="The model's dtype for the prefill: auto (the model's own, "
+                              "from its config), fp32, bf16 or fp16. The cache stores the KV in it."),
     tokens: int = typer.Option(1000, min=1, help="Length of the built-in prompt, in tokens."),
     scheme: str = typer.Option("default", help=f"Scheme preset: {', '.join(PRESETS)}."),
     page: Optional[int] = typer.Option(None, help="Tokens per page (P)."),
@@ -61,7 +61,7 @@ def encode(
         raise InputError("give either a KV dump file or --model, not both")
     if input is not None and prompt_file is not None:
         raise InputError("--prompt-file is the text to prefill with --model; a KV dump already holds its KV")
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, auto=True)
     refuse_overwrite(output, force)
     if residual_out is not None and single_file:
         raise InputError("--residual-out and --single-file exclude each other")
@@ -151,9 +151,12 @@ def inspect(
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
     t.add_row("prompt", f"{len(d['prompt_token_ids'])} token ids" if d.get("prompt_token_ids") else "not stored")
-    name = d["properties"].get("lynxkv.model")
-    t.add_row("model", escape(" ".join(filter(None, [name, d["model_fingerprint"] and f"(fingerprint "
-                                                     f"{d['model_fingerprint']})"]))) or "not recorded")
+    props = d["properties"]
+    ran_in = props.get("lynxkv.model_dtype") and f"ran in {props['lynxkv.model_dtype']}"
+    fingerprint = d["model_fingerprint"] and f"fingerprint {d['model_fingerprint']}"
+    details = ", ".join(filter(None, [ran_in, fingerprint]))
+    t.add_row("model", escape(" ".join(filter(None, [props.get("lynxkv.model"), details and f"({details})"])))
+              or "not recorded")
     t.add_row("cache id", d["cache_id"])
     out.print(t)
 

