@@ -37,6 +37,22 @@ def test_version(capsys):
     assert code == 0 and out.strip() == f"lynxkv {__version__}"
 
 
+def test_help_shows_switches_as_switches(capsys, monkeypatch):
+    """Every command's --help: a switch such as --force takes no value, so no ``<bool>`` label beside it; options
+    that take one keep theirs."""
+    monkeypatch.setenv("COLUMNS", "200")
+    from lynxkv.cli.app import build_command
+
+    names = list(build_command().commands)
+    assert {"encode", "run", "serve", "eval"} <= set(names)
+    for name in [None, *names]:
+        code, out, _ = _run(capsys, *([name] if name else []), "--help")
+        assert code == 0 and "--help" in out
+        assert "<bool>" not in out, f"lynxkv {name or ''} --help"
+    _, out, _ = _run(capsys, "encode", "--help")
+    assert "<path>" in out and "<int" in out
+
+
 def test_token_major_dump_is_refused(tmp_path, capsys):
     _dump(tmp_path / "kv.safetensors", (300, 2, 16))  # [tokens, kv_heads, head_dim]
     err = _one_error(capsys, "encode", tmp_path / "kv.safetensors", "-o", tmp_path / "x.lynx")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lynxkv.cli.app import app
+from lynxkv.cli.app import app, build_command
 from lynxkv.errors import LynxError
 
 # Each command module registers itself on `app` when imported.
@@ -23,7 +23,7 @@ from lynxkv.cli import demo  # noqa: F401  (demo)
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (typer's standalone mode handles usage errors: exit 2)."""
     try:
-        app(args=argv, prog_name="lynxkv")
+        build_command()(args=argv, prog_name="lynxkv")
     except LynxError as exc:
         if os.environ.get("LYNXKV_DEBUG"):
             raise

@@ -26,3 +26,20 @@ def _options(
                                  help="Print the version and exit."),
 ) -> None:
     """Progressive, tiered KV-cache storage and transfer: anchor first, residual later, exact output."""
+
+
+def build_command():
+    """The click command behind ``app``, with switches shown as switches in ``--help`` (typer labels every flag
+    ``<bool>``, as if it took a value)."""
+    command = typer.main.get_command(app)
+
+    def clear(cmd) -> None:
+        ctx = cmd.context_class(cmd, info_name=cmd.name)
+        for param in [*cmd.params, cmd.get_help_option(ctx)]:
+            if param is not None and getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        for sub in getattr(cmd, "commands", {}).values():
+            clear(sub)
+
+    clear(command)
+    return command
