@@ -28,7 +28,7 @@ import torch
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader, decoded_bytes
+from lynxkv.format.headers import AnchorHeader, decoded_bytes
 from lynxkv.format.reader import PageReader, SectionIndex
 from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache

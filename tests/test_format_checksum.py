@@ -1,4 +1,4 @@
-"""The page checksum: ``lynxkv.format.layout.crc32`` is zlib's CRC-32 for every length, alignment and buffer type,
+"""The page checksum: ``lynxkv.format.checksum.crc32`` is zlib's CRC-32 for every length, alignment and buffer type,
 through the compiled carry-less path where it was built and through zlib."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import zlib
 
 import pytest
 
-from lynxkv.format import layout
+from lynxkv.format import checksum as crc_module
 
 
 @pytest.fixture(params=["c", "zlib"])
 def checksum(request, monkeypatch):
-    if request.param == "c" and layout._CRC is None:
+    if request.param == "c" and crc_module._CRC is None:
         pytest.skip("the compiled checksum was not built (no compiler at install)")
     if request.param == "zlib":
-        monkeypatch.setattr(layout, "_CRC", None)
-    monkeypatch.setattr(layout, "_CRC_NATIVE_FROM", 0)  # every length through the path under test
-    return layout.crc32
+        monkeypatch.setattr(crc_module, "_CRC", None)
+    monkeypatch.setattr(crc_module, "_CRC_NATIVE_FROM", 0)  # every length through the path under test
+    return crc_module.crc32
 
 
 def test_crc32_is_zlibs_for_every_length_and_alignment(checksum):

@@ -108,9 +108,9 @@ def names_case(names):
 def properties_case(data: bytes):
     """A 1.1 header whose properties string is ``data`` (a writer that would write anything there)."""
     def build(d, outside, monkeypatch):
-        import lynxkv.format.layout as layout
+        import lynxkv.format.headers as headers
 
-        monkeypatch.setattr(layout, "pack_properties", lambda properties: data)
+        monkeypatch.setattr(headers, "pack_properties", lambda properties: data)
         enc = dataclasses.replace(encode_kv(kv(), SCHEME), properties={"k": "v"})
         _write(d, build_files(enc, residual_location="c.lynxr"))
     return build

@@ -3,7 +3,10 @@
 Modules, in data-flow order:
 
 - :mod:`~lynxkv.format.constants` -- the spec's tables as constants (magic, struct layouts, codes, caps);
-- :mod:`~lynxkv.format.layout` -- headers, segment table and page index <-> bytes, with validation (no torch);
+- :mod:`~lynxkv.format.checksum` -- the CRC-32 of headers, indexes and pages (compiled where built, else zlib);
+- :mod:`~lynxkv.format.headers` -- the anchor header (segment table, properties) and the residual header <-> bytes,
+  with validation (no torch);
+- :mod:`~lynxkv.format.layout` -- record layouts, page sizes and the page index <-> bytes, with validation;
 - :mod:`~lynxkv.format.records` -- one page record <-> tensors (one decoder per record layout), CRC and zstd;
 - :mod:`~lynxkv.format.writer` -- :func:`build_files`: the exact bytes of a cache's files;
 - :mod:`~lynxkv.format.reader` -- :class:`PageReader`, the one page reader over byte sources (header, index,
@@ -14,10 +17,9 @@ Opening files and URLs is :mod:`lynxkv.storage`'s job; most users want :mod:`lyn
 ``open_cache``).
 """
 
-from lynxkv.format.layout import (
+from lynxkv.format.headers import (
     PREFIX_SIZE,
     AnchorHeader,
-    PageEntry,
     ResidualHeader,
     SegmentEntry,
     anchor_header_length,
@@ -25,6 +27,7 @@ from lynxkv.format.layout import (
     parse_anchor_header,
     parse_residual_header,
 )
+from lynxkv.format.layout import PageEntry
 from lynxkv.format.reader import (
     PageReader,
     SectionIndex,

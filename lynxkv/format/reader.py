@@ -27,22 +27,24 @@ import torch
 
 from lynxkv.errors import ChecksumError, FormatError, InputError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import (
+from lynxkv.format.checksum import crc32
+from lynxkv.format.headers import (
     PREFIX_SIZE,
     AnchorHeader,
-    PageEntry,
     ResidualHeader,
     anchor_header_length,
-    anchor_record_layout,
-    page_sinks,
     check_residual_matches,
-    crc32,
     inline_end,
-    page_tokens,
     parse_anchor_header,
-    parse_index,
     parse_residual_header,
     raw_lengths,
+)
+from lynxkv.format.layout import (
+    PageEntry,
+    anchor_record_layout,
+    page_sinks,
+    page_tokens,
+    parse_index,
     residual_record_layout,
 )
 from lynxkv.quant import META_TORCH_DTYPE

@@ -30,7 +30,8 @@ import torch
 
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, crc32, residual_record_layout, sinks_in
+from lynxkv.format.checksum import crc32
+from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, residual_record_layout, sinks_in
 from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize, dequantize_pages, pack_bits, unpack_bits
 from lynxkv.quant.scheme import Scheme
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 from lynxkv.errors import FormatError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import inline_end
+from lynxkv.format.headers import inline_end
 from lynxkv.format.reader import PageReader
 
 

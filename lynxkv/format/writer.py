@@ -17,18 +17,17 @@ from typing import Protocol
 
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import (
+from lynxkv.format.checksum import crc32
+from lynxkv.format.headers import (
     AnchorHeader,
-    PageEntry,
     ResidualHeader,
     SegmentEntry,
-    crc32,
     names_problem,
     pack_anchor_header,
-    pack_index,
     pack_properties,
     pack_residual_header,
 )
+from lynxkv.format.layout import PageEntry, pack_index
 from lynxkv.format.records import choose_codec, encode_layer_records
 from lynxkv.quant import EncodedTensor
 from lynxkv.quant.scheme import Scheme

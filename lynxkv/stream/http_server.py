@@ -52,7 +52,7 @@ from aiohttp import web
 
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import crc32
+from lynxkv.format.checksum import crc32
 from lynxkv.stream.link import ANCHOR, RESIDUAL, TokenBucket
 
 QUANTUM = 64 << 10  # bytes per grant: 2.6 ms at 200 Mbit/s, so a residual chunk delays an anchor by little

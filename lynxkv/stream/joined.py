@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from lynxkv.errors import FormatError, InputError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader, PageEntry
+from lynxkv.format.headers import AnchorHeader
+from lynxkv.format.layout import PageEntry
 from lynxkv.format.reader import PageReader, SectionIndex, read_residual_section
 from lynxkv.format.writer import frame_sections
 from lynxkv.storage import open_source, read_range, resolve_location

@@ -22,7 +22,8 @@ from typing import Callable
 
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
-from lynxkv.format.layout import AnchorHeader, crc32, pack_anchor_header
+from lynxkv.format.checksum import crc32
+from lynxkv.format.headers import AnchorHeader, pack_anchor_header
 from lynxkv.format.reader import PageReader
 from lynxkv.storage import (
     BytesSource,
