@@ -19,7 +19,7 @@ from lynxkv.cache import open_cache, save_cache, verify_file
 from lynxkv.cli import main
 from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
-from lynxkv.kv import TORCH_DTYPES
+from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.speculative import RunConfig, decode_plain, run
 from runner_helpers import StepLoad, prompt_ids, save_tiny_model_dir, single_thread, text_of
 

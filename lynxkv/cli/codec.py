@@ -98,8 +98,8 @@ def decode(
 ) -> None:
     """Turn a .lynx cache back into tensors, with the names and shapes that went in."""
     from lynxkv.cache import open_cache
-    from lynxkv.dumps import save_kv_safetensors
-    from lynxkv.kv import DTYPE_NAMES
+    from lynxkv.cache.dumps import save_kv_safetensors
+    from lynxkv.cache.kv import DTYPE_NAMES
 
     torch_dtype = parse_dtype(dtype) if dtype is not None else None
     refuse_overwrite(output, force)

@@ -83,7 +83,7 @@ def read_text(path: str | os.PathLike) -> str:
 def parse_dtype(name: str, *, auto: bool = False):
     """The torch dtype a ``--dtype`` names (fp32, fp16 or bf16; ``"auto"`` itself where ``auto`` allows it: the
     model's own dtype), or one clear error."""
-    from lynxkv.kv import TORCH_DTYPES
+    from lynxkv.cache.kv import TORCH_DTYPES
 
     if auto and name == "auto":
         return name

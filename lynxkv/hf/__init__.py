@@ -5,6 +5,6 @@ Nothing below this package imports it: the format, storage and quantizer layers 
 
 from lynxkv.hf.convert import kv_to_cache, to_dynamic_cache
 from lynxkv.hf.prefill import continuation_ids, forward, prefill
-from lynxkv.kv import cache_to_kv
+from lynxkv.cache.kv import cache_to_kv
 
 __all__ = ["cache_to_kv", "continuation_ids", "forward", "kv_to_cache", "prefill", "to_dynamic_cache"]

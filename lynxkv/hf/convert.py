@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from lynxkv.kv import KVPairs
+from lynxkv.cache.kv import KVPairs
 
 
 def kv_to_cache(kv: KVPairs, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None):

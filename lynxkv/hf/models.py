@@ -53,7 +53,7 @@ def model_id(name: str | None) -> str:
 def model_properties(loaded: "LoadedModel") -> dict[str, str]:
     """What a cache records about the model that made it, beside its fingerprint: its name, the dtype it ran in
     and, for a model loaded from the hub, the revision (commit) it was loaded at."""
-    from lynxkv.kv import DTYPE_NAMES
+    from lynxkv.cache.kv import DTYPE_NAMES
 
     props = {MODEL_PROPERTY: model_id(loaded.name)}
     if loaded.model.dtype in DTYPE_NAMES:

@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.kv import KVPairs, cache_to_kv
+from lynxkv.cache.kv import KVPairs, cache_to_kv
 
 
 @torch.no_grad()

@@ -1,0 +1,29 @@
+"""The cache API: KV tensors to a ``.lynx`` cache and back (encode, save, open, read, verify)."""
+
+from lynxkv.cache.encoded import EncodedCache, encode_kv
+from lynxkv.cache.opened import (
+    MAX_DECODED_ENV,
+    CacheInfo,
+    LynxCache,
+    check_decoded_size,
+    max_decoded_bytes,
+    open_cache,
+    verify_file,
+)
+from lynxkv.cache.save import default_residual_path, residual_file_of, save_cache, save_dump
+
+__all__ = [
+    "MAX_DECODED_ENV",
+    "CacheInfo",
+    "EncodedCache",
+    "LynxCache",
+    "check_decoded_size",
+    "default_residual_path",
+    "encode_kv",
+    "max_decoded_bytes",
+    "open_cache",
+    "residual_file_of",
+    "save_cache",
+    "save_dump",
+    "verify_file",
+]

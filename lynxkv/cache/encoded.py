@@ -1,0 +1,133 @@
+"""KV tensors -> an :class:`EncodedCache` in memory (what a ``.lynx`` file stores): shapes and dtypes checked,
+each layer quantized when the writer reaches it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Sequence
+
+import torch
+
+from lynxkv.cache.kv import DTYPE_NAMES, KVPairs, TORCH_DTYPES, cache_to_kv
+from lynxkv.errors import InputError
+from lynxkv.quant import EncodedTensor, dequantize, quantize
+from lynxkv.quant.dispatch import concurrent_tensors
+from lynxkv.quant.scheme import DEFAULT, Scheme
+
+
+@dataclass
+class EncodedCache:
+    """A quantized KV cache in memory: what a ``.lynx`` file stores."""
+
+    scheme: Scheme
+    layers: list[tuple[EncodedTensor, EncodedTensor]]  # per layer (keys, values)
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    dtype: str = "fp32"  # the dtype the cache had before encoding: fp32 | fp16 | bf16
+    prompt_token_ids: list[int] | None = None
+    model_fingerprint: str | None = None
+    names: tuple[str, ...] | None = None  # K0, V0, K1, V1, ... as they were in the input file
+    batch_dim: bool = False  # the input tensors were [1, H, T, D]
+    properties: dict[str, str] | None = None  # text key/value pairs: lynxkv.model, an input file's metadata ...
+
+    @property
+    def pages_per_layer(self) -> int:
+        return -(-self.tokens // self.scheme.page)
+
+    def dequantize(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
+        out_dtype = dtype or TORCH_DTYPES[self.dtype]
+        return [(dequantize(k, self.scheme, anchor_only=anchor_only, dtype=out_dtype),
+                 dequantize(v, self.scheme, anchor_only=anchor_only, dtype=out_dtype)) for k, v in self.layers]
+
+
+def _as_hdt(t: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.dim() == 4:
+        if t.shape[0] != 1:
+            raise InputError(f"{what}: a 4-d tensor must be [1, kv_heads, tokens, head_dim], got {tuple(t.shape)}")
+        return t[0], True
+    if t.dim() != 3:
+        raise InputError(f"{what}: expected [kv_heads, tokens, head_dim], got shape {tuple(t.shape)}")
+    return t, False
+
+
+def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = DEFAULT, *,
+              prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
+              names: Sequence[str] | None = None) -> EncodedCache:
+    """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16), given as
+    per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.cache.kv.cache_to_kv`), on their device
+    (:func:`lynxkv.quant.quantize`); the codes come back to the CPU for the writer."""
+    enc = lazy_encoding(kv, scheme, prompt_token_ids, model_fingerprint, names)
+    enc.layers = list(enc.layers)
+    return enc
+
+
+class _QuantizedLayers(Sequence):
+    """The layers of a cache quantized when each is read (not kept): what :func:`save_cache` hands the writer, so
+    that a few layers' codes are in memory at a time. ``packed``: the codes two per byte where the scheme allows
+    (:attr:`lynxkv.quant.EncodedTensor.packed`, the bytes the page records store). Iterating quantizes the next
+    layers on the CPU workers, one layer each (:func:`lynxkv.quant.dispatch.concurrent_tensors`), while the caller
+    writes the one before them."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme, packed: bool):
+        self._pairs, self._scheme, self._packed = pairs, scheme, packed
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._layer(self._pairs[i])
+
+    def _layer(self, pair, threads: int | None = None):
+        return tuple(quantize(t.detach(), self._scheme, kind, packed=self._packed, threads=threads).to("cpu")
+                     for t, kind in zip(pair, ("key", "value")))
+
+    def __iter__(self):
+        cpu = all(t.device.type == "cpu" for pair in self._pairs for t in pair)
+        workers = min(concurrent_tensors(), len(self)) if cpu else 1
+        if workers <= 1:
+            yield from (self._layer(pair) for pair in self._pairs)
+            return
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-encode")
+        try:
+            ahead: deque = deque()
+            for i in range(len(self)):
+                while len(ahead) < workers and i + len(ahead) < len(self):
+                    ahead.append(pool.submit(self._layer, self._pairs[i + len(ahead)], 1))
+                yield ahead.popleft().result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def lazy_encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,
+              packed: bool = False) -> EncodedCache:
+    """An :class:`EncodedCache` of ``kv`` (checked: shapes, dtypes) whose layers are quantized when read."""
+    kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
+    if not len(kv):
+        raise InputError("kv: expected at least one layer")
+    pairs, shape, batch, dtype = [], None, None, None
+    for i, pair in enumerate(kv):
+        if len(pair) != 2:
+            raise InputError(f"layer {i}: expected a (keys, values) pair")
+        for j, t in enumerate(pair):
+            what = f"layer {i} {'keys' if j == 0 else 'values'}"
+            t3, b = _as_hdt(t, what)
+            if t3.dtype not in DTYPE_NAMES:
+                raise InputError(f"{what}: dtype {t3.dtype} is not one of fp32, fp16, bf16")
+            if shape is None:
+                shape, batch, dtype = tuple(t3.shape), b, t3.dtype
+            elif tuple(t3.shape) != shape or b != batch or t3.dtype != dtype:
+                raise InputError(f"{what}: shape {tuple(t.shape)} {t.dtype} differs from layer 0 keys "
+                                 f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
+        pairs.append((_as_hdt(pair[0], "keys")[0], _as_hdt(pair[1], "values")[0]))
+    h, t, d = shape
+    return EncodedCache(scheme, _QuantizedLayers(pairs, scheme, packed), h, d, t, DTYPE_NAMES[dtype],
+                        list(prompt_token_ids) if prompt_token_ids is not None else None,
+                        model_fingerprint or None, tuple(names) if names else None, bool(batch))

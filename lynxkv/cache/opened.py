@@ -1,0 +1,289 @@
+"""An open cache: :class:`LynxCache` reads a ``.lynx`` cache's pages, tensors and description back through the one
+page reader (:class:`lynxkv.format.reader.PageReader`), memory bounded by what the header declares."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from lynxkv.cache.encoded import EncodedCache
+from lynxkv.cache.kv import KVPairs, TORCH_DTYPES
+from lynxkv.errors import InputError, LynxError
+from lynxkv.format import constants as c
+from lynxkv.format.headers import AnchorHeader, decoded_bytes
+from lynxkv.format.reader import PageReader, SectionIndex
+from lynxkv.format.records import AnchorPage, ResidualPage
+from lynxkv.format.verify import Finding, verify_cache
+from lynxkv.quant import EncodedTensor
+from lynxkv.quant.scheme import Scheme
+from lynxkv.storage import has_protocol, open_source, resolve_location
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What ``lynxkv inspect`` shows: shape, scheme, where the segments are and what they cost."""
+
+    scheme: Scheme
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens: int
+    pages_per_layer: int
+    prompt_token_ids: list[int] | None
+    model_fingerprint: str | None
+    cache_id: str  # 32 hex digits
+    names: tuple[str, ...] | None
+    batch_dim: bool
+    residual_location: str | None  # as written in the header (None for an inline residual)
+    residual_inline: bool
+    anchor_bytes: int  # the anchor file without any inline residual: header + index + pages
+    residual_bytes: int  # the residual section/file: header + index + pages
+    anchor_payload_bytes: int  # stored page bytes (after zstd where used)
+    residual_payload_bytes: int
+    bits_per_element: dict = field(default_factory=dict)
+    properties: dict = field(default_factory=dict)  # text key/value pairs (format 1.1), e.g. lynxkv.model
+    format_version: str = ""  # the version the anchor header declares, e.g. "1.3" (keys rotated)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["scheme"] = self.scheme.to_dict()
+        d["names"] = list(self.names) if self.names else None
+        return d
+
+
+def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
+    res = h.segment(c.SEGMENT_RESIDUAL)
+    anchor_bytes = h.header_length + h.segments[0].length
+    residual_bytes = res.length if res else 0
+    elements = 2 * h.layers * h.kv_heads * h.tokens * h.head_dim
+    res_payload = residual_bytes - (c.RESIDUAL_HEADER_SIZE + index.entries.__len__() * c.PAGE_ENTRY_SIZE) if res else 0
+
+    def per_el(nbytes: int) -> float:
+        return 8.0 * nbytes / elements if elements else 0.0
+
+    bits = {
+        "total": per_el(anchor_bytes + residual_bytes),  # everything: headers, indexes, metadata, codes
+        "anchor": per_el(anchor_bytes),  # what a draft needs
+        "residual": per_el(residual_bytes),
+        "total_codes": float(h.scheme.anchor_bits + h.scheme.residual_bits),  # without metadata
+        "anchor_codes": float(h.scheme.anchor_bits),
+    }
+    return CacheInfo(h.scheme, h.layers, h.kv_heads, h.head_dim, h.dtype, h.tokens, h.pages_per_layer,
+                     list(h.prompt_token_ids) if h.prompt_token_ids else None, h.fingerprint or None,
+                     h.cache_id.hex(), h.names or None, h.batch_dim,
+                     res.location if res and res.placement == c.PLACEMENT_EXTERNAL else None,
+                     bool(res and res.placement == c.PLACEMENT_INLINE), anchor_bytes, residual_bytes,
+                     index.stored_bytes, res_payload, bits, dict(h.properties), f"{c.VERSION_MAJOR}.{h.version_minor}")
+
+
+MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
+
+
+def max_decoded_bytes() -> int:
+    """The most decoded bytes one cache may need (``$LYNXKV_MAX_DECODED_BYTES``; default: half the memory)."""
+    text = os.environ.get(MAX_DECODED_ENV)
+    if text:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise InputError(f"${MAX_DECODED_ENV}: expected a number of bytes, got {text!r}") from None
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def check_decoded_size(h: AnchorHeader, dtype: torch.dtype, *, anchor_only: bool = False) -> int:
+    """Refuse, before anything is allocated, a cache whose declared shape needs more memory to load than
+    :func:`max_decoded_bytes`: the output in ``dtype`` plus the codes (1 byte per element per segment) and the
+    metadata. Returns the bytes it needs."""
+    out = decoded_bytes(h, torch.empty((), dtype=dtype).element_size())
+    codes = decoded_bytes(h, 1) * (1 if anchor_only else 2)
+    meta = decoded_bytes(h, h.scheme.meta_bytes) * 2 // max(h.scheme.chunk, 1)
+    need = out + codes + meta
+    limit = max_decoded_bytes()
+    if need > limit:
+        raise InputError(f"this cache declares {h.layers} layers x {h.kv_heads} heads x {h.tokens} tokens x "
+                         f"{h.head_dim} dims: {need:,} bytes to load, more than the limit of {limit:,} bytes "
+                         f"(${MAX_DECODED_ENV} raises it)")
+    return need
+
+
+class LynxCache:
+    """An open ``.lynx`` cache. Pages are read on demand (one byte-range read each, CRC checked)."""
+
+    def __init__(self, source, *, residual=None, name: str | None = None, allow_locations=()):
+        self._src = open_source(source, name)
+        self.name = self._src.name
+        self._residual_arg = residual
+        self._allow = tuple(allow_locations)
+        self._rsrc = None  # an external residual's source, once opened
+        try:
+            self._reader = PageReader(self._src)
+            self.header = self._reader.header
+            self.anchor_index = self._reader.index(c.SEGMENT_ANCHOR)
+        except BaseException:
+            self.close()
+            raise
+        self.info = _info(self.header, self.anchor_index)
+
+    # -- residual --------------------------------------------------------------------------------------------
+    def _open_residual_source(self):
+        """The residual's byte source: the override, the anchor source itself (inline), or the recorded location
+        resolved by the storage layer."""
+        seg = self.header.segment(c.SEGMENT_RESIDUAL)
+        if seg is None:
+            raise InputError(f"{self.name}: this cache has no residual segment")
+        if self._residual_arg is not None:
+            return open_source(self._residual_arg)
+        if seg.placement == c.PLACEMENT_INLINE:
+            return None
+        return open_source(resolve_location(self.name, seg.location, allow=self._allow))
+
+    def _residual(self) -> SectionIndex:
+        if c.SEGMENT_RESIDUAL not in self._reader._indexes:
+            src = self._open_residual_source()
+            try:
+                self._reader.attach_residual(src)
+            except BaseException:
+                if src is not None:
+                    src.close()
+                raise
+            self._rsrc = src
+        return self._reader.index(c.SEGMENT_RESIDUAL)
+
+    def residual_reachable(self) -> bool:
+        """True when the residual can be opened and its header and index belong to this cache."""
+        try:
+            self._residual()
+            return True
+        except LynxError:
+            return False
+
+    # -- pages -----------------------------------------------------------------------------------------------
+    def read_anchor_page(self, layer: int, page: int) -> AnchorPage:
+        return self._reader.page(c.SEGMENT_ANCHOR, layer, page)
+
+    def read_residual_page(self, layer: int, page: int) -> ResidualPage:
+        self._residual()
+        return self._reader.page(c.SEGMENT_RESIDUAL, layer, page)
+
+    # -- whole cache -----------------------------------------------------------------------------------------
+    def load_encoded(self, *, anchor_only: bool = False) -> EncodedCache:
+        """Every page assembled into per-layer :class:`EncodedTensor` (residual zeros when ``anchor_only``)."""
+        h = self.header
+        check_decoded_size(h, torch.uint8, anchor_only=anchor_only)
+        if not anchor_only:
+            self._residual()
+        layers = []
+        for layer in range(h.layers):
+            meta, codes, sinks = self._reader.layer(c.SEGMENT_ANCHOR, layer)
+            if anchor_only:
+                resid = torch.zeros_like(codes)
+                if sinks is not None:  # the anchor carries the sink tokens' residual
+                    resid[:, :, :sinks.shape[2]] = sinks
+            else:
+                resid = self._reader.layer(c.SEGMENT_RESIDUAL, layer)[1]
+            n = min(h.scheme.sink_tokens, h.tokens)
+            layers.append(tuple(EncodedTensor(codes[j], resid[j], meta[2 * j], meta[2 * j + 1], h.scheme.axis(kind), n,
+                                              h.scheme.rotated(kind)) for j, kind in enumerate(("key", "value"))))
+        return EncodedCache(h.scheme, layers, h.kv_heads, h.head_dim, h.tokens, h.dtype,
+                            list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim,
+                            dict(h.properties) or None)
+
+    def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
+        """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
+        h = self.header
+        dtype = dtype or TORCH_DTYPES[h.dtype]
+        check_decoded_size(h, dtype, anchor_only=anchor_only)
+        if not anchor_only:
+            self._residual()
+        shape = (h.kv_heads, h.tokens, h.head_dim)
+        kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
+        self._reader.dequantize_layers(kv, anchor_only=anchor_only)  # page records straight into the tensors
+        return kv
+
+    def verify(self) -> list[Finding]:
+        """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""
+        opened = []
+
+        def open_residual():
+            src = self._open_residual_source()
+            if src is not None:
+                opened.append(src)
+            return src
+
+        try:
+            return verify_cache(self._src, open_residual)
+        finally:
+            for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
+                src.close()
+
+    def describe(self, *, check_residual: bool | None = None) -> dict:
+        """What ``lynxkv inspect --json`` prints (stable keys: tokens, layers, kv_heads, head_dim, scheme,
+        bits_per_element.total / .anchor, prompt_token_ids when stored).
+
+        ``residual_reachable`` is checked (the residual opened, its header and index read) with
+        ``check_residual``; by default only where that reads nothing but a local file the trust rule lets the
+        cache follow without asking (inline, or relative inside the anchor's directory), else it is ``None``."""
+        d = self.info.to_dict()
+        d["scheme_description"] = self.info.scheme.describe()
+        if check_residual is None:
+            loc = self.info.residual_location
+            check_residual = (self._residual_arg is None
+                              and (loc is None or not has_protocol(loc) and not loc.startswith("/")
+                                   and not self.name.startswith("<") and not has_protocol(self.name)))
+        d["residual_reachable"] = self.residual_reachable() if check_residual else None
+        if not d.get("prompt_token_ids"):
+            d.pop("prompt_token_ids", None)
+        return d
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._rsrc is not None:
+            self._rsrc.close()
+        self._rsrc = None
+        close = getattr(self._src, "close", None)
+        if close:
+            close()
+
+    def __enter__(self) -> "LynxCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_cache(path, *, residual=None, allow_locations=()) -> LynxCache:
+    """Open a ``.lynx`` anchor file (path, URL, bytes or file object).
+
+    The residual is read from ``residual`` when given (the caller named it), else from the location the anchor
+    header records, under the trust rule of :func:`lynxkv.storage.resolve_location`: a relative location inside
+    the anchor's directory, or a place under a prefix of ``allow_locations`` (or ``$LYNXKV_ALLOW_LOCATIONS``)."""
+    return LynxCache(path, residual=residual, allow_locations=allow_locations)
+
+
+def verify_file(path, *, residual=None, allow_locations=()) -> list[Finding]:
+    """Findings for a cache that may be too damaged to open: never raises for a bad file (the residual is found
+    as :func:`open_cache` finds it)."""
+    src = open_source(path)
+    opened = []
+
+    def open_residual():
+        if residual is not None:
+            rsrc = open_source(residual)
+        else:
+            h = PageReader(src, exact_size=False).header  # verify_cache only asks after this succeeded
+            rsrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_RESIDUAL).location,
+                                                allow=allow_locations))
+        opened.append(rsrc)
+        return rsrc
+
+    try:
+        return verify_cache(src, open_residual)
+    finally:
+        for s in opened + [src]:
+            s.close()

@@ -1,0 +1,146 @@
+"""Writing a cache: :func:`save_cache` (anchor and residual, atomically; a replaced cache is the old one or the new
+one, whole), :func:`save_dump` (a safetensors KV dump), and the residual's file naming."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import secrets
+from collections.abc import Sequence
+
+from lynxkv.cache.encoded import EncodedCache, lazy_encoding
+from lynxkv.cache.opened import CacheInfo, open_cache
+from lynxkv.errors import InputError, LynxError
+from lynxkv.format import constants as c
+from lynxkv.format.writer import write_files
+from lynxkv.quant.scheme import DEFAULT, Scheme
+from lynxkv.storage import AtomicWriter, exists, has_protocol, record_location, remove, resolve_location, same_object
+
+
+def default_residual_path(anchor_path: str | os.PathLike) -> str:
+    """``x.lynx`` -> ``x.lynxr``; any other name gets ``.lynxr`` appended."""
+    p = pathlib.Path(anchor_path)
+    return str(p.with_suffix(c.RESIDUAL_SUFFIX) if p.suffix == ".lynx" else p.with_name(p.name + c.RESIDUAL_SUFFIX))
+
+
+def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT, *,
+               residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
+               single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
+               model_fingerprint: str | None = None, names: Sequence[str] | None = None,
+               cache_id: bytes | None = None, properties: dict[str, str] | None = None) -> CacheInfo:
+    """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
+
+    Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
+    the residual written first so that an anchor file never points at a missing residual. The anchor header
+    records the residual as ``residual_location`` (default: its path relative to the anchor's directory; pass a
+    URL when the residual will be served from elsewhere). ``properties`` are text key/value pairs recorded in
+    the header (the model's name as ``lynxkv.model``, an input file's own metadata).
+
+    Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
+    fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
+    residual removed; a crash at any point leaves the old cache or the new one, each complete.
+    """
+    if isinstance(kv_or_encoded, EncodedCache):
+        enc = kv_or_encoded
+        if prompt_token_ids is not None:
+            enc.prompt_token_ids = list(prompt_token_ids)
+        if model_fingerprint is not None:
+            enc.model_fingerprint = model_fingerprint
+        if names is not None:
+            enc.names = tuple(names)
+    else:  # each layer quantized as the writer reaches it, its codes packed as the records store them
+        enc = lazy_encoding(kv_or_encoded, scheme, prompt_token_ids, model_fingerprint, names, packed=True)
+    if properties is not None:
+        enc.properties = dict(properties)
+    path = os.fspath(path)
+    if single_file:
+        if residual_path is not None:
+            raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
+        old = residual_file_of(path)
+        with AtomicWriter(path) as anchor:
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
+        if old is not None:
+            with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
+                remove(old)
+        rpath = None
+    else:
+        rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
+        if same_object(rpath, path):
+            raise InputError(f"{path}: the residual path must differ from the anchor path")
+        cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+        old = residual_file_of(path)
+        if residual_location is None and exists(rpath):
+            # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
+            # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
+            rpath = _fresh_residual_name(rpath, cache_id)
+        location = residual_location or record_location(path, rpath)
+        residual, anchor = AtomicWriter(rpath), None
+        try:
+            anchor = AtomicWriter(path)
+            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
+            residual.commit()  # first: an anchor never points at a missing residual
+            anchor.commit()
+        except BaseException:
+            for w in (residual, anchor):
+                if w is not None:
+                    w.abort()
+            raise
+        orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
+        for stale in ([old] if old is not None else []) + orphans:
+            if not same_object(stale, rpath):
+                with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
+                    remove(stale)
+    with open_cache(path, residual=rpath) as cache:
+        return cache.info
+
+
+def residual_file_of(path: str) -> str | None:
+    """The residual file of the two-file cache now at ``path``, if there is one a writer replacing the cache may
+    delete afterwards: its recorded location is inside the anchor's directory (the trust rule), a local file."""
+    if has_protocol(path) or not os.path.isfile(path):
+        return None
+    try:
+        with open_cache(path) as old:
+            loc = old.info.residual_location
+            return None if loc is None else resolve_location(old.name, loc)
+    except LynxError:
+        return None
+
+
+def _orphan_residuals(rpath: str) -> list[str]:
+    """Residuals under fresh names (``x.<8 hex>.lynxr``) beside ``rpath`` that a replacement killed before its
+    anchor was renamed left behind; local files only."""
+    import re
+
+    if has_protocol(rpath) or not rpath.endswith(c.RESIDUAL_SUFFIX):
+        return []
+    d, base = os.path.split(os.path.abspath(rpath))
+    stem = base[:-len(c.RESIDUAL_SUFFIX)]
+    m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
+    stem = m.group(1) if m else stem
+    pattern = re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(c.RESIDUAL_SUFFIX) + "$")
+    try:
+        return [os.path.join(d, n) for n in os.listdir(d) if pattern.match(n)]
+    except OSError:
+        return []
+
+
+def _fresh_residual_name(rpath: str, cache_id: bytes) -> str:
+    """``x.lynxr`` -> ``x.<8 hex digits of the cache id>.lynxr`` (any other name gets the digits appended)."""
+    tag = cache_id.hex()[:8]
+    if rpath.endswith(c.RESIDUAL_SUFFIX):
+        return f"{rpath[:-len(c.RESIDUAL_SUFFIX)]}.{tag}{c.RESIDUAL_SUFFIX}"
+    return f"{rpath}.{tag}"
+
+
+def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:
+    """Encode a safetensors KV dump (:mod:`lynxkv.cache.dumps`) into a cache, keeping its tensor names and shapes;
+    ``options`` as for :func:`save_cache`."""
+    from lynxkv.cache.dumps import kv_names, load_kv_safetensors
+
+    kv, naming = load_kv_safetensors(dump_path)
+    if naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
+        kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv]
+    properties = {**dict(naming.metadata), **(options.pop("properties", None) or {})}  # the file's own metadata
+    return save_cache(path, kv, scheme, names=kv_names(len(kv), naming), properties=properties or None, **options)
