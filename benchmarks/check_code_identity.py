@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from lynxkv.quant import fast, reference
+from lynxkv.quant import c_kernels, fast, reference, tables
 from lynxkv.quant.scheme import get_scheme
 
-KEY_MIN, KEY_MAX = fast.KEY_MIN, fast.KEY_MAX
+KEY_MIN, KEY_MAX = tables.KEY_MIN, tables.KEY_MAX
 
 
 def parse(spec: str):
@@ -46,7 +46,7 @@ def check(scheme, step: int = 1 << 24) -> int:
     bad = 0
     for start in range(KEY_MIN, KEY_MAX + 1, step):
         keys = torch.arange(start, min(start + step, KEY_MAX + 1), dtype=torch.int64)
-        u = fast._u_of_key(keys)
+        u = tables.u_of_key(keys)
         ref = reference.join_code(*reference.codes_of_u(u, scheme), scheme)
         got = reference.join_code(*fast.codes_of_u(u, scheme), scheme)
         miss = ref != got
@@ -115,11 +115,11 @@ def main() -> int:
     for spec in specs:
         scheme = parse(spec)
         t0 = time.perf_counter()
-        fast._NATIVE.lynx_scalar_only(int(portable))
+        c_kernels.NATIVE.lynx_scalar_only(int(portable))
         try:
             bad = check(scheme)
         finally:
-            fast._NATIVE.lynx_scalar_only(0)
+            c_kernels.NATIVE.lynx_scalar_only(0)
         print(f"{spec} ({scheme.describe()}; {path}): {bad} mismatches over every fp32 u in [-1, 1] "
               f"({time.perf_counter() - t0:.0f} s)")
         failed += bad

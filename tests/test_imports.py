@@ -182,7 +182,8 @@ def test_the_checkout_does_not_shadow_hugging_faces_kernels_package():
     assert found == "None" or not pathlib.Path(found).resolve().is_relative_to(root / "kernels"), found
 
 
-MOVED = [("lynxkv.kv", "lynxkv.cache.kv", "KVPairs"), ("lynxkv.dumps", "lynxkv.cache.dumps", "load_kv_safetensors")]
+MOVED = [("lynxkv.kv", "lynxkv.cache.kv", "KVPairs"), ("lynxkv.dumps", "lynxkv.cache.dumps", "load_kv_safetensors"),
+         ("lynxkv.native", "lynxkv.compiled", "load_extension")]
 
 
 @pytest.mark.parametrize("old, new, name", MOVED)

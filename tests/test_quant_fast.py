@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import lynxkv.quant as entry
 from lynxkv.errors import InputError
-from lynxkv.quant import fast, reference
+from lynxkv.quant import c_kernels, fast, reference, tables
 from lynxkv.quant.pack import pack_bits as ref_pack_bits
 from lynxkv.quant.pack import unpack_bits as ref_unpack_bits
 from lynxkv.quant.scheme import get_scheme
@@ -189,16 +189,16 @@ def test_code_table_near_every_threshold():
     checked by benchmarks/check_code_identity.py."""
     for name in ("default", "linear", "paper", "alpha100-5+3", "alpha-tiny", "alpha-max", "3+5-mean"):
         scheme = SCHEMES[name]
-        steps = fast.code_steps(scheme)
-        keys = (steps[:, None] + torch.arange(-2000, 2000)[None, :]).reshape(-1).clamp(fast.KEY_MIN, fast.KEY_MAX)
-        u = fast._u_of_key(keys)
+        steps = tables.code_steps(scheme)
+        keys = (steps[:, None] + torch.arange(-2000, 2000)[None, :]).reshape(-1).clamp(tables.KEY_MIN, tables.KEY_MAX)
+        u = tables.u_of_key(keys)
         ref = reference.join_code(*reference.codes_of_u(u, scheme), scheme)
         for scalar in (0, 1):
-            fast._NATIVE.lynx_scalar_only(scalar)
+            c_kernels.NATIVE.lynx_scalar_only(scalar)
             try:
                 got = reference.join_code(*fast.codes_of_u(u, scheme), scheme)
             finally:
-                fast._NATIVE.lynx_scalar_only(0)
+                c_kernels.NATIVE.lynx_scalar_only(0)
             miss = ref != got
             assert not bool(miss.any()), (f"{name} ({'portable' if scalar else 'vector'}): u={u[miss][:4].tolist()}: "
                                           f"{ref[miss][:4].tolist()} vs {got[miss][:4].tolist()}")
@@ -476,7 +476,7 @@ def test_vector_rows_equal_the_scalar_rows(d, per_row, chunk, out_dtype, wide, p
         for anchor_only in (False, True):
             results = []
             for scalar in (0, 1):
-                fast._NATIVE.lynx_scalar_only(scalar)
+                c_kernels.NATIVE.lynx_scalar_only(scalar)
                 try:
                     big = torch.full((h, d, t + 3), float("nan"), dtype=out_dtype)
                     outs = [torch.full((h, t, d), float("nan"), dtype=out_dtype), big[:, :, 2:2 + t].transpose(1, 2)]
@@ -484,7 +484,7 @@ def test_vector_rows_equal_the_scalar_rows(d, per_row, chunk, out_dtype, wide, p
                                                 packed, scheme, out, 2, per_row=per_row, rotated=not per_row and d > 1)
                              for out in outs]
                 finally:
-                    fast._NATIVE.lynx_scalar_only(0)
+                    c_kernels.NATIVE.lynx_scalar_only(0)
                 results.append((flags, outs))
             (f_vec, out_vec), (f_sc, out_sc) = results
             assert f_vec == f_sc == [want, want], f"flags {f_vec} (vector), {f_sc} (scalar), want {want}"
@@ -546,13 +546,13 @@ def test_vector_encode_equals_the_scalar_encode(d, axis, chunk, rotated, dtype, 
         for packed in (True, False):
             results = []
             for scalar in (0, 1):
-                fast._NATIVE.lynx_scalar_only(scalar)
+                c_kernels.NATIVE.lynx_scalar_only(scalar)
                 try:
                     results.append(fast._codes(x, scheme, packed, axis=axis, rotated=rotated))
                 except InputError as exc:
                     results.append(str(exc))
                 finally:
-                    fast._NATIVE.lynx_scalar_only(0)
+                    c_kernels.NATIVE.lynx_scalar_only(0)
             vec, sca = results
             where = f"{centring}, packed={packed}"
             if isinstance(sca, str) or isinstance(vec, str):

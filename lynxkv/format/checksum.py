@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from lynxkv.native import load_extension
+from lynxkv.compiled import load_extension
 
 #: ``lynx_crc32`` of ``lynxkv/format/_crc.c``, or None: then ``zlib.crc32`` (the same value) checks every page.
 _CRC = load_extension("lynxkv.format._crc",
