@@ -112,7 +112,7 @@ def test_imports_point_down(low, high):
 
 @pytest.mark.parametrize("top, importers", [
     ("lynxkv.eval", ("lynxkv.cli",)),  # evaluation sits on top of the library; only its command imports it
-    ("lynxkv.integrations", ()),  # optional extras, loaded by their hosts (LMCache), never by lynxkv itself
+    ("lynxkv.integrations", ("lynxkv.cli",)),  # optional extras, loaded by their hosts (LMCache) or a command
 ])
 def test_top_layers_are_imported_from_above_only(top, importers):
     for m, deps in GRAPH.items():
@@ -183,7 +183,8 @@ def test_the_checkout_does_not_shadow_hugging_faces_kernels_package():
 
 
 MOVED = [("lynxkv.kv", "lynxkv.cache.kv", "KVPairs"), ("lynxkv.dumps", "lynxkv.cache.dumps", "load_kv_safetensors"),
-         ("lynxkv.native", "lynxkv.compiled", "load_extension")]
+         ("lynxkv.native", "lynxkv.compiled", "load_extension"),
+         ("lynxkv.stream.lmcache_source", "lynxkv.integrations.lmcache.source", "parse_address")]
 
 
 @pytest.mark.parametrize("old, new, name", MOVED)

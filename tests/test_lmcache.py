@@ -284,7 +284,7 @@ def url_of(hot, tokens, model: str = MODEL, **params) -> str:
 
 def stored_kv(hot, cold, ks, *, anchor_only=False):
     """What lynxkv decodes from each stored chunk on its own, joined along tokens ([H, T, D] per layer)."""
-    from lynxkv.stream.lmcache_source import object_paths
+    from lynxkv.integrations.lmcache.source import object_paths
 
     per_chunk = []
     for key in ks:
@@ -347,7 +347,7 @@ def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
 
     from lynxkv.errors import InputError, LynxError
     from lynxkv.stream import open_progressive
-    from lynxkv.stream.lmcache_source import object_paths
+    from lynxkv.integrations.lmcache.source import object_paths
 
     hot, cold = tmp_path / "hot", tmp_path / "cold"
     tokens = prompt(3 * 256)
@@ -399,7 +399,7 @@ def test_a_damaged_chunk_ends_the_prefix_or_fails_the_load_never_data(tmp_path):
 
     # a valid object bound to chunk 1's key but holding 128 tokens: a miss (pages are joined, never re-cut)
     from lynxkv.integrations.lmcache.chunk import encode_chunk, split_chunk
-    from lynxkv.stream.lmcache_source import key_cache_id
+    from lynxkv.integrations.lmcache.source import key_cache_id
 
     a1, r1 = object_paths(ks[1], str(hot), str(cold))
     single = encode_chunk(torch.zeros(2, SHAPE[1], 128, SHAPE[3]), kv_heads=2, model_name=MODEL,

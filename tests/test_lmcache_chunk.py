@@ -14,7 +14,7 @@ from lynxkv.integrations.lmcache.chunk import (
     parse_layout,
     split_chunk,
 )
-from lynxkv.stream.lmcache_source import name_fingerprint
+from lynxkv.integrations.lmcache.source import name_fingerprint
 
 
 def _chunk(layers=3, tokens=256, heads=2, dim=32, dtype=torch.float16, seed=0):

@@ -17,7 +17,7 @@ from lynxkv.format.reader import PageReader
 from lynxkv.storage import BytesSource, open_source
 from lynxkv.stream import open_progressive
 from lynxkv.stream.joined import join_caches, read_part
-from lynxkv.stream.lmcache_source import parse_address
+from lynxkv.integrations.lmcache.source import parse_address
 
 LAYERS, HEADS, DIM = 3, 2, 16
 SCHEME = lynxkv.DEFAULT.replace(sink_tokens=0)  # only a joined cache's start may hold sinks: chunks have none

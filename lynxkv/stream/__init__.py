@@ -26,12 +26,11 @@ the storage layer's, :mod:`lynxkv.storage`.
 Modules: ``units`` (1Gbps, 2ms, sizes), ``link`` (one token bucket, strict priority), ``buffer`` (a bounded byte
 source fed by a stream), ``transport`` (how segment bytes arrive: ranged reads through the storage layer, and
 the interface a new transport implements), ``joined`` (several stored caches read as one, along tokens),
-``lmcache_source`` (``lmcache://``: a prompt's prefix from an LMCache store with the lynx tier), ``progressive`` (the consumer: priority, events, ETA, pages,
+``progressive`` (the consumer: priority, events, ETA, pages,
 dequantization), ``http_server`` (``lynxkv serve``), ``tier`` (moving segments), ``received`` (saving a
 streamed copy), ``report`` (what ``lynxkv stream`` prints).
 """
 
-from lynxkv.stream import lmcache_source  # noqa: F401  (registers the lmcache:// transport; LMCache loads on use)
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.progressive import LoadEvent, ProgressiveLoad, open_progressive
 from lynxkv.stream.tier import move_cache

@@ -31,6 +31,7 @@ is issued again. Memory is bounded by ``inflight * block_size``.
 
 from __future__ import annotations
 
+import importlib
 import concurrent.futures as cf
 import threading
 import time
@@ -391,8 +392,19 @@ class StorageTransport:
 
 #: Transports by URL scheme; anything else goes through the storage layer (:class:`StorageTransport`).
 TRANSPORTS: dict[str, Callable[..., Transport]] = {}
+#: Transports that live in a layer above this one, by scheme: the module that registers each, imported on first use
+#: (so that streaming never imports an integration it was not asked for).
+PLUGIN_TRANSPORTS = {"lmcache": "lynxkv.integrations.lmcache.source"}
+
+
+def transport_for(url: str) -> Callable[..., Transport] | None:
+    """The transport registered for ``url``'s scheme (importing a plug-in transport's module on first use), or
+    None: the storage layer reads it."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in TRANSPORTS and scheme in PLUGIN_TRANSPORTS:
+        importlib.import_module(PLUGIN_TRANSPORTS[scheme])
+    return TRANSPORTS.get(scheme)
 
 
 def open_transport(url: str, transfer: Transfer, **options) -> Transport:
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    return TRANSPORTS.get(scheme, StorageTransport)(url, transfer, **options)
+    return (transport_for(url) or StorageTransport)(url, transfer, **options)

@@ -42,7 +42,7 @@ from lynxkv.cache import verify_file
 from lynxkv.errors import InputError, LynxError
 from lynxkv.integrations.lmcache.chunk import anchor_length, split_chunk
 from lynxkv.storage import filesystem, read_all, size_of, write_atomic
-from lynxkv.stream.lmcache_source import object_name, object_paths
+from lynxkv.integrations.lmcache.source import object_name, object_paths
 
 log = init_logger(__name__)  # LMCache's log, so that `lmcache server` shows what the lynx tier did
 

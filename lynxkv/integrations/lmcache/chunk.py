@@ -24,7 +24,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.reader import read_anchor_header
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import BytesSource
-from lynxkv.stream.lmcache_source import name_fingerprint
+from lynxkv.integrations.lmcache.source import name_fingerprint
 
 
 def as_pairs(shape) -> tuple[int, int, int, int]:
@@ -130,7 +130,7 @@ def kv_to_chunk(kv, out: torch.Tensor, layout: ChunkLayout = ChunkLayout()) -> t
 def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEFAULT_CHUNK, model_name: str = "",
                  cache_id: bytes | None = None, layout: ChunkLayout = ChunkLayout()) -> bytes:
     """One chunk (in ``layout``) as a single-file ``.lynx`` cache. The header's fingerprint is the model's
-    :func:`~lynxkv.stream.lmcache_source.name_fingerprint` of ``model_name`` (the name itself is in the object's
+    :func:`~lynxkv.integrations.lmcache.source.name_fingerprint` of ``model_name`` (the name itself is in the object's
     key and file name)."""
     from lynxkv.cache import encode_kv
     from lynxkv.format.writer import build_files

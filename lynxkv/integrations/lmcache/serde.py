@@ -26,7 +26,7 @@ from lynxkv.errors import InputError
 from lynxkv.integrations.lmcache.chunk import (ChunkLayout, chunk_scheme, decode_chunk, encode_chunk,
                                               max_chunk_bytes, parse_layout)
 from lynxkv.quant.scheme import Scheme, get_scheme
-from lynxkv.stream.lmcache_source import key_cache_id
+from lynxkv.integrations.lmcache.source import key_cache_id
 
 SERDE_TYPE = "lynx"
 
