@@ -1,9 +1,4 @@
-"""lynxkv: progressive, tiered KV-cache storage and transfer for LLM inference.
-
-Each KV page is quantized to an 8-bit code per element and split into a high-bit *anchor* and a low-bit
-*residual*, stored and sent separately. A decoder drafts on the anchor while the residual arrives, then
-verifies the drafts in one pass, so the output equals decoding on the full code.
-"""
+"""lynxkv: progressive, tiered KV-cache storage and transfer for LLM inference: anchor first, exact output."""
 
 from lynxkv.cache import CacheInfo, EncodedCache, LynxCache, encode_kv, open_cache, save_cache, verify_file
 from lynxkv.errors import ChecksumError, FormatError, InputError, LynxError, SchemeError

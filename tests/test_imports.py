@@ -194,3 +194,12 @@ def test_moved_modules_keep_their_old_names_with_a_deprecation(old, new, name):
     with pytest.warns(DeprecationWarning, match=new):
         found = getattr(importlib.import_module(old), name)
     assert found is getattr(importlib.import_module(new), name)
+
+
+def test_every_folder_says_its_job_in_one_line():
+    """Each package's ``__init__`` docstring is one line: what the folder is for (details live in docs/)."""
+    import ast
+
+    for init in sorted(ROOT.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()), clean=False)
+        assert doc and "\n" not in doc.strip(), f"{init.relative_to(ROOT.parent)}: {doc!r}"

@@ -1,8 +1,4 @@
-"""The ``lynxkv`` command line: a thin typer layer over the library, one module per command.
-
-Data goes to stdout, messages and progress to stderr. A :class:`~lynxkv.errors.LynxError` becomes one line
-``lynxkv: error: ...`` and exit code 1 (``LYNXKV_DEBUG=1`` shows the traceback instead).
-"""
+"""The ``lynxkv`` command line: a thin typer layer over the library, one module per command."""
 
 from __future__ import annotations
 

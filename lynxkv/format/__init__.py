@@ -1,21 +1,4 @@
-"""The ``.lynx`` file format, version 1 (normative description: spec/FORMAT.md): bytes only, no I/O.
-
-Modules, in data-flow order:
-
-- :mod:`~lynxkv.format.constants` -- the spec's tables as constants (magic, struct layouts, codes, caps);
-- :mod:`~lynxkv.format.checksum` -- the CRC-32 of headers, indexes and pages (compiled where built, else zlib);
-- :mod:`~lynxkv.format.headers` -- the anchor header (segment table, properties) and the residual header <-> bytes,
-  with validation (no torch);
-- :mod:`~lynxkv.format.layout` -- record layouts, page sizes and the page index <-> bytes, with validation;
-- :mod:`~lynxkv.format.records` -- one page record <-> tensors (one decoder per record layout), CRC and zstd;
-- :mod:`~lynxkv.format.writer` -- :func:`build_files`: the exact bytes of a cache's files;
-- :mod:`~lynxkv.format.reader` -- :class:`PageReader`, the one page reader over byte sources (header, index,
-  pages), and the reading steps it is made of;
-- :mod:`~lynxkv.format.verify` -- every finding about a possibly damaged cache.
-
-Opening files and URLs is :mod:`lynxkv.storage`'s job; most users want :mod:`lynxkv.cache` (``save_cache``,
-``open_cache``).
-"""
+"""The ``.lynx`` format v1 (spec/FORMAT.md): headers, page indexes and page records <-> bytes, no I/O."""
 
 from lynxkv.format.headers import (
     PREFIX_SIZE,

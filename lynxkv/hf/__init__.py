@@ -1,7 +1,4 @@
-"""The Hugging Face side: model loading, prompts, prefill and conversion to and from ``transformers`` caches.
-
-Nothing below this package imports it: the format, storage and quantizer layers know nothing of models.
-"""
+"""The Hugging Face side: model loading, prompts, prefill, and ``transformers`` caches to and from KV pairs."""
 
 from lynxkv.hf.convert import kv_to_cache, to_dynamic_cache
 from lynxkv.hf.prefill import continuation_ids, forward, prefill

@@ -1,2 +1,1 @@
-"""lynxkv inside the serving stacks people already run. Each integration is an optional extra:
-``lynxkv.integrations.lmcache`` (``pip install "lynxkv[lmcache]"``)."""
+"""lynxkv inside the serving stacks people already run, each an optional extra (``lynxkv[lmcache]``)."""

@@ -1,6 +1,4 @@
-"""The quantizer. Callers use this entry (:mod:`lynxkv.quant.dispatch`: the torch reference, the fast CPU path
-or Triton, chosen by device and scheme, all bit-identical); :mod:`lynxkv.quant.reference` is the normative
-arithmetic and the tests' oracle."""
+"""The quantizer: tensors <-> 8-bit codes split into anchor and residual (reference, fast CPU, Triton: same bits)."""
 
 from lynxkv.quant.dispatch import (dequantize, dequantize_packed, dequantize_pages, pack_bits, quantize, quantize_packed,
                                    unpack_bits)
