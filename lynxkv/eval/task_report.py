@@ -77,7 +77,10 @@ def plain(result: dict) -> str:
     """The table as aligned plain text (for a pipe or a file), then the targets."""
     cols, body = _columns(result), rows(result)
     widths = [max(len(r[i]) for r in [cols] + body) for i in range(len(cols))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
     lines = [title(result), fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in body]
     return "\n".join(lines + [""] + target_lines(result))
 

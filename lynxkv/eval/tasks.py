@@ -67,7 +67,7 @@ class Grid:
     documents: int = 8
     lengths: tuple[int, ...] = DEFAULT_LENGTHS  # passkey: prompt + answer tokens
     depths: tuple[float, ...] = DEFAULT_DEPTHS
-    trials: int = 3  # passkey keys per (length, depth) cell
+    trials: int = 2  # passkey keys per (length, depth) cell
     seed: int = 0
 
     def longest(self) -> tuple[int, str]:
