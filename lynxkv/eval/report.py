@@ -200,7 +200,7 @@ def plot(result: dict, directory: str) -> list[str]:
     return paths
 
 
-def _save(fig, directory: str, name: str) -> str:
+def _save(fig, directory: str, name: str, dpi: int = 120) -> str:
     """Write through a temporary file and rename, so a crash never leaves a half PNG under the real name."""
     import matplotlib.pyplot as plt
 
@@ -208,6 +208,6 @@ def _save(fig, directory: str, name: str) -> str:
 
     path = os.path.join(directory, name)
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
     plt.close(fig)
     return path
