@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.dumps import load_kv_safetensors
-from lynxkv.kv import KVPairs
+from lynxkv.cache.dumps import load_kv_safetensors
+from lynxkv.cache.kv import KVPairs
 from lynxkv.hf.prompts import QUESTION, builtin_prompt, corpus_sections, document
 
 #: Distance between the corpus sections that start two prompts of the same length (a prime, so successive
@@ -153,7 +153,7 @@ def corpus_cases(corpus: Corpus, tokenizer, tokens: int, count: int, continuatio
 
 def load_kv_dump(path: str) -> KVPairs:
     """Per-layer (keys, values) ``[H, T, D]`` in fp32 from a safetensors KV dump (the naming conventions of
-    :mod:`lynxkv.dumps`: ``layers.{i}.key`` / ``past_key_values.{i}.value``, ``[H, T, D]`` or ``[1, H, T, D]``).
+    :mod:`lynxkv.cache.dumps`: ``layers.{i}.key`` / ``past_key_values.{i}.value``, ``[H, T, D]`` or ``[1, H, T, D]``).
     Safetensors only: nothing on this path can execute code."""
     kv, _ = load_kv_safetensors(path)
     if kv[0][0].shape[1] == 0:

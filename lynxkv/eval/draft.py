@@ -20,7 +20,7 @@ import torch
 
 from lynxkv.errors import InputError
 from lynxkv.hf import forward, kv_to_cache, prefill
-from lynxkv.kv import KVPairs
+from lynxkv.cache.kv import KVPairs
 
 
 @dataclass

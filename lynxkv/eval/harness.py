@@ -16,7 +16,7 @@ import torch
 from lynxkv.eval import metrics
 from lynxkv.eval.baselines import bits_kv, roundtrip_kv
 from lynxkv.eval.draft import Reference, build_reference, forward_logits, window_inputs
-from lynxkv.kv import KVPairs
+from lynxkv.cache.kv import KVPairs
 
 Tick = Callable[[], None]
 

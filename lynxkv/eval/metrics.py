@@ -158,7 +158,7 @@ def kv_error(full, anchor, original) -> dict:
 def reconstruction_error(cache_path, original_path, *, residual=None, allow_locations=()) -> dict:
     """:func:`kv_error` of a stored cache (full and anchor-only reconstruction) against the original dump."""
     from lynxkv.cache import open_cache
-    from lynxkv.dumps import load_kv_safetensors
+    from lynxkv.cache.dumps import load_kv_safetensors
 
     original, _ = load_kv_safetensors(original_path)
     with open_cache(cache_path, residual=residual, allow_locations=allow_locations) as c:
