@@ -184,7 +184,8 @@ def test_the_checkout_does_not_shadow_hugging_faces_kernels_package():
 
 MOVED = [("lynxkv.kv", "lynxkv.cache.kv", "KVPairs"), ("lynxkv.dumps", "lynxkv.cache.dumps", "load_kv_safetensors"),
          ("lynxkv.native", "lynxkv.compiled", "load_extension"),
-         ("lynxkv.stream.lmcache_source", "lynxkv.integrations.lmcache.source", "parse_address")]
+         ("lynxkv.stream.lmcache_source", "lynxkv.integrations.lmcache.source", "parse_address"),
+         ("lynxkv.loading", "lynxkv.cache.loading", "CacheLoad")]
 
 
 @pytest.mark.parametrize("old, new, name", MOVED)
