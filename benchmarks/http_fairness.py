@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fixtures_s3 import synthetic_cache_bytes, write_pair  # noqa: E402
 
 from lynxkv.stream import open_progressive  # noqa: E402
-from lynxkv.stream.http_server import CacheServer, load_served_cache  # noqa: E402
+from lynxkv.serve import CacheServer, load_served_cache  # noqa: E402
 from lynxkv.stream.units import parse_bandwidth  # noqa: E402
 
 

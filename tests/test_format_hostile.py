@@ -416,7 +416,7 @@ def test_malformed_requests_get_a_400_and_log_one_line_each(tmp_path, capsys):
     and its log is one line per request (no traceback for a peer to fill the server's output with)."""
     import socket
 
-    from lynxkv.stream.http_server import CacheServer, load_served_cache
+    from lynxkv.serve import CacheServer, load_served_cache
 
     _write(tmp_path, build_files(encode_kv(kv(), SCHEME), residual_location="c.lynxr"))
     logged: list[str] = []

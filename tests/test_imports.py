@@ -94,7 +94,9 @@ def test_the_cycle_check_finds_a_cycle():
     ("lynxkv.cache", "lynxkv.stream"),
     ("lynxkv.cache", "lynxkv.hf"),
     ("lynxkv.stream", "lynxkv.hf"),
-    ("lynxkv.stream", "lynxkv.speculative"),  # the runner sits above the transports, not beside them
+    ("lynxkv.stream", "lynxkv.speculative"),
+    ("lynxkv.stream", "lynxkv.serve"),  # the server reads through the layers below it; nothing there serves
+    ("lynxkv.cache", "lynxkv.serve"),  # the runner sits above the transports, not beside them
     ("lynxkv.speculative", "lynxkv.stream"),  # it consumes a lynxkv.loading.CacheLoad, whichever transport
     ("lynxkv.hf", "lynxkv.speculative"),
     ("lynxkv.hf", "lynxkv.stream"),
@@ -185,7 +187,8 @@ def test_the_checkout_does_not_shadow_hugging_faces_kernels_package():
 MOVED = [("lynxkv.kv", "lynxkv.cache.kv", "KVPairs"), ("lynxkv.dumps", "lynxkv.cache.dumps", "load_kv_safetensors"),
          ("lynxkv.native", "lynxkv.compiled", "load_extension"),
          ("lynxkv.stream.lmcache_source", "lynxkv.integrations.lmcache.source", "parse_address"),
-         ("lynxkv.loading", "lynxkv.cache.loading", "CacheLoad")]
+         ("lynxkv.loading", "lynxkv.cache.loading", "CacheLoad"),
+         ("lynxkv.stream.http_server", "lynxkv.serve", "CacheServer")]
 
 
 @pytest.mark.parametrize("old, new, name", MOVED)

@@ -94,7 +94,7 @@ def test_tier_copy_keeps_the_source(cache, tmp_path, capsys):
 
 
 def test_single_file_cache_copies_from_disk_and_over_http(tmp_path, capsys):
-    from lynxkv.stream.http_server import CacheServer, load_served_cache
+    from lynxkv.serve import CacheServer, load_served_cache
 
     anchor, _ = cache_bytes(random_kv(layers=2, heads=2, tokens=300, dim=16), single_file=True)
     src = write_pair(tmp_path, anchor, None, name="one")

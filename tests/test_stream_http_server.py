@@ -20,7 +20,7 @@ from lynxkv.cache import open_cache, verify_file
 from lynxkv.cli import main
 from lynxkv.errors import LynxError
 from lynxkv.stream import open_progressive
-from lynxkv.stream.http_server import CacheServer, load_served_cache, parse_dscp
+from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
 
 pytestmark = pytest.mark.network
 

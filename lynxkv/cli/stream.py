@@ -123,7 +123,7 @@ def serve(
     as_json: bool = typer.Option(False, "--json", help="Print the address and the resources as JSON on stdout."),
 ) -> None:
     """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests."""
-    from lynxkv.stream.http_server import CacheServer, load_served_cache, parse_dscp
+    from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
     from lynxkv.stream.units import format_rate, parse_bandwidth
 
     served = load_served_cache(cache, residual, allow=allow_location or ())

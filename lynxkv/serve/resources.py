@@ -1,0 +1,134 @@
+"""What ``lynxkv serve`` serves: the anchor and the residual of one cache as separate resources, checked first.
+
+Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
+``<location>`` is the relative location its anchor header records, so the URL of the anchor is all a client
+needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
+or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-b``, ``a-``, ``-n`` -> 206 with
+``Content-Range``), so any HTTP client resumes a transfer with a range request. ``GET /`` is a JSON manifest
+(resource paths, sizes, CRC-32s). Anything else is a clean 4xx with a one-line text body: 404 for another path,
+405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
+itself gets aiohttp's 400.
+
+What is served. Only the cache the user named: the anchor file, and the residual its header records (or the
+``--residual`` override). Both are read once at start-up and checked before the port opens: every header, index
+and page CRC, and the residual's magic and ``cache_id`` against its anchor, so a header that names
+``/etc/passwd`` or another cache's residual is refused, not served. A recorded location that is absolute, a URL,
+or leaves the anchor's directory is followed only as the storage layer's trust rule allows (named with
+``--residual``, or under an ``--allow-location`` prefix); the anchor is then served with its header rewritten
+to record a relative name (the pages are unchanged), since a client cannot follow the server's own paths. The bytes are served from memory,
+so what goes out is what was checked.
+
+DSCP classes. Each resource's packets carry its DSCP class (``IP_TOS`` set on the connection's socket before each
+response), which a shaped link (tests/test_stream_netns.py) or a router honours.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import socket
+from dataclasses import dataclass
+
+from lynxkv.errors import InputError, LynxError
+from lynxkv.format import constants as c
+from lynxkv.format.checksum import crc32
+
+# DSCP code points (RFC 4594 / 2474); IP_TOS carries DSCP << 2.
+DSCP = {"BE": 0, "CS0": 0, "CS1": 8, "AF11": 10, "AF12": 12, "AF13": 14, "CS2": 16, "AF21": 18, "AF22": 20,
+        "AF23": 22, "CS3": 24, "AF31": 26, "AF32": 28, "AF33": 30, "CS4": 32, "AF41": 34, "AF42": 36,
+        "AF43": 38, "CS5": 40, "EF": 46, "CS6": 48, "CS7": 56}
+
+
+def parse_dscp(value: str | int | None) -> int | None:
+    """``"EF"`` -> 46, ``"cs1"`` -> 8, ``"10"`` -> 10; None stays None."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) or str(value).isdigit():
+        v = int(value)
+    else:
+        key = str(value).upper()
+        if key not in DSCP:
+            raise InputError(f"DSCP class {value!r}: expected a number 0-63 or one of {', '.join(DSCP)}")
+        v = DSCP[key]
+    if not 0 <= v <= 63:
+        raise InputError(f"DSCP {value!r}: expected 0-63")
+    return v
+
+
+def set_dscp(sock, dscp: int) -> int:
+    """Mark ``sock``'s packets with ``dscp``; return the TOS byte the kernel reports back."""
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, dscp << 2)
+        return sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+    return sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+
+
+# ---------------------------------------------------------------------------------------------------- the cache
+
+
+@dataclass(frozen=True)
+class Resource:
+    name: str  # "anchor" or "residual"
+    path: str  # URL path, without the leading "/"
+    data: bytes
+    crc32: int
+
+
+@dataclass(frozen=True)
+class ServedCache:
+    anchor: Resource
+    residual: Resource | None  # None for a single-file cache (its residual is inside the anchor file)
+    relocated: bool  # the anchor header was rewritten to record the residual's served path
+
+
+def _safe_relative(location: str) -> bool:
+    """A relative location that stays below the anchor's directory (``x.lynxr``, ``cold/x.lynxr``)."""
+    if not location or "://" in location or location.startswith(("/", "\\")) or "\\" in location:
+        return False
+    norm = posixpath.normpath(location)
+    return not (norm == "." or norm.startswith("../") or norm == "..") and norm == location
+
+
+def check_crcs(anchor: bytes, residual: bytes | None) -> None:
+    """Every header, index and page CRC of the cache, and the residual's magic and ``cache_id`` against the
+    anchor's (the page reader's checks, without decoding the records: a server only moves bytes)."""
+    from lynxkv.format.reader import PageReader
+    from lynxkv.storage import BytesSource
+
+    reader = PageReader(BytesSource(anchor, "anchor"))
+    if residual is not None:
+        reader.attach_residual(BytesSource(residual, "residual"))
+    kinds = [c.SEGMENT_ANCHOR] + ([c.SEGMENT_RESIDUAL] if residual is not None or reader.residual_inline else [])
+    for kind in kinds:
+        for _ in reader.pages(kind, decode=False):
+            pass
+
+
+def load_served_cache(cache: str, residual: str | None = None, *, allow=()) -> ServedCache:
+    """Read and check the cache the user named (see the module docstring); raise a LynxError if it is not
+    whole, or if its residual is not its own. The residual is the one ``residual`` names, or the location the
+    anchor records, followed under the storage layer's trust rule (``allow``: the allow-list)."""
+    from lynxkv.storage import local_path, read_all, resolve_location
+    from lynxkv.stream.tier import anchor_header_of, relocate_residual
+
+    anchor = read_all(cache)
+    h = anchor_header_of(anchor)
+    seg = h.segment(c.SEGMENT_RESIDUAL)
+    name = posixpath.basename(local_path(cache).rstrip("/")) or "cache.lynx"
+    res_bytes = None
+    relocated = False
+    res_path = None
+    if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
+        res_bytes = read_all(residual or resolve_location(cache, seg.location, allow=allow))
+        if _safe_relative(seg.location) and seg.location != name:
+            res_path = seg.location
+        else:  # served next to the anchor: a client cannot follow the server's own paths
+            res_path = (name + "r") if name.endswith(".lynx") else name + ".lynxr"
+            anchor = relocate_residual(anchor, res_path)
+            relocated = True
+    try:
+        check_crcs(anchor, res_bytes)
+    except LynxError as exc:
+        raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
+    res = Resource("residual", res_path, res_bytes, crc32(res_bytes)) if res_bytes is not None else None
+    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, relocated)

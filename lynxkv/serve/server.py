@@ -1,0 +1,370 @@
+"""``lynxkv serve``: one cache over HTTP (aiohttp): :class:`CacheServer`, range requests, connection bounds.
+
+Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
+``<location>`` is the relative location its anchor header records, so the URL of the anchor is all a client
+needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
+or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-b``, ``a-``, ``-n`` -> 206 with
+``Content-Range``), so any HTTP client resumes a transfer with a range request. ``GET /`` is a JSON manifest
+(resource paths, sizes, CRC-32s). Anything else is a clean 4xx with a one-line text body: 404 for another path,
+405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
+itself gets aiohttp's 400.
+
+Bounds. At most ``max_connections`` connections (at the cap, the longest-idle one is closed to make room; if
+none is idle, the new one is); a connection with no request in progress for ``idle_timeout`` seconds is closed
+(that covers connections that never send a complete request); a response whose client takes no chunk for
+``idle_timeout`` seconds is abandoned. Per connection the server buffers at most about one chunk plus the
+transport's write-buffer limit; one thread runs the event loop whatever the number of clients, and a
+connection's state is dropped when it closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+
+from lynxkv.errors import LynxError
+from lynxkv.serve.egress import QUANTUM, Egress
+from lynxkv.serve.resources import ServedCache, set_dscp
+from lynxkv.stream.link import ANCHOR, RESIDUAL
+
+WRITE_BUFFER = 256 << 10  # transport write-buffer high-water mark per connection, and its kernel send buffer
+# (a fixed SO_SNDBUF turns off the kernel's autotuning, which would let a client that stops reading swallow MBs)
+
+
+class HTTPRefusal(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single-range ``Range`` header (None: the whole resource)."""
+    if header is None:
+        return None
+    header = header.strip()
+    if "," in header:
+        raise HTTPRefusal(416, "multiple ranges are not supported; ask for one range at a time",
+                          {"Content-Range": f"bytes */{size}"})
+    m = _RANGE.fullmatch(header)
+    if not m or not (m.group(1) or m.group(2)) or len(header) > 64:
+        raise HTTPRefusal(400, "malformed Range header: expected bytes=START-END, bytes=START- or bytes=-N")
+    a, b = m.group(1), m.group(2)
+    if not a:  # the last N bytes
+        n = int(b)
+        if n == 0:
+            raise HTTPRefusal(416, "empty suffix range", {"Content-Range": f"bytes */{size}"})
+        return max(0, size - n), size
+    start = int(a)
+    end = min(int(b) + 1, size) if b else size
+    if b and int(b) < start:
+        raise HTTPRefusal(400, f"malformed Range header: end {b} before start {a}")
+    if start >= size:
+        raise HTTPRefusal(416, f"range starts at {start}, the resource has {size} bytes",
+                          {"Content-Range": f"bytes */{size}"})
+    return start, end
+
+
+@dataclass
+class ServerStats:
+    requests: list = field(default_factory=list)  # dicts: resource, start, end, sent, tos, status, seconds
+    refused: int = 0  # connections closed at the cap
+    evicted: int = 0  # idle connections closed to make room, or after idle_timeout
+    peak_connections: int = 0
+    _covered: dict = field(default_factory=lambda: {"anchor": [], "residual": []})
+
+    def cover(self, resource: str, start: int, end: int) -> None:
+        spans = sorted(self._covered[resource] + [(start, end)])
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self._covered[resource] = merged
+
+    def covered(self, resource: str, size: int) -> bool:
+        """Every byte of the resource has been sent at least once."""
+        return self._covered[resource] == [(0, size)] or size == 0
+
+
+@dataclass
+class _Conn:
+    since: float  # when it last became idle (or connected)
+    active: int = 0  # requests in progress
+
+
+class CacheServer:
+    """Serves one :class:`ServedCache` over HTTP on ``host:port`` (0: a free port); see the module docstring.
+
+    ``start()`` runs it on a thread of its own (``with CacheServer(...) as srv:``); ``serve_forever(until)`` runs
+    it on the calling thread until ``until()`` is true or ``close()`` is called."""
+
+    def __init__(self, cache: ServedCache, *, host: str = "127.0.0.1", port: int = 0,
+                 bandwidth: float | None = None, dscp_anchor: int | None = None, dscp_residual: int | None = None,
+                 max_connections: int = 1024, idle_timeout: float = 30.0, quantum: int = QUANTUM,
+                 log: Callable[[str], None] | None = None):
+        self.cache = cache
+        self.resources = {"/" + urllib.parse.quote(cache.anchor.path): cache.anchor}
+        if cache.residual is not None:
+            self.resources["/" + urllib.parse.quote(cache.residual.path)] = cache.residual
+        self.bandwidth = bandwidth
+        self.dscp = {"anchor": dscp_anchor, "residual": dscp_residual}
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        self.quantum = quantum
+        self.log = log or (lambda msg: None)
+        self.stats = ServerStats()
+        self._sock = socket.create_server((host, port), backlog=256)
+        self._sock.setblocking(False)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._conns: dict = {}  # aiohttp RequestHandler -> _Conn
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    # -- addresses
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The anchor's URL: what a client opens."""
+        return self.base_url + "/" + urllib.parse.quote(self.cache.anchor.path)
+
+    def describe(self) -> dict:
+        res = self.cache.residual
+        return {"url": self.url, "host": self.host, "port": self.port,
+                "anchor": {"path": self.cache.anchor.path, "size": len(self.cache.anchor.data),
+                           "crc32": self.cache.anchor.crc32},
+                "residual": None if res is None else {"path": res.path, "size": len(res.data), "crc32": res.crc32},
+                "relocated": self.cache.relocated}
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def sent_once(self) -> bool:
+        """Every byte of the anchor and of the residual has gone out at least once."""
+        c = self.cache
+        return self.stats.covered("anchor", len(c.anchor.data)) and (
+            c.residual is None or self.stats.covered("residual", len(c.residual.data)))
+
+    # -- lifecycle
+    def start(self) -> "CacheServer":
+        self._thread = threading.Thread(target=self.serve_forever, name="lynxkv-serve", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise LynxError("the HTTP server did not start")
+        return self
+
+    def serve_forever(self, until: Callable[[], bool] | None = None) -> None:
+        asyncio.run(self._main(until))
+
+    def close(self) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "CacheServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def _main(self, until: Callable[[], bool] | None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._egress = Egress(self.bandwidth)
+        server = _Server(self, self._handle, keepalive_timeout=self.idle_timeout, max_line_size=8190,
+                         max_field_size=8190, logger=_OneLineLogger(self.log))
+        aserver = await self._loop.create_server(server, sock=self._sock, backlog=256)
+        watchdog = self._loop.create_task(self._watchdog(until))
+        self._ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            watchdog.cancel()
+            aserver.close()
+            await server.shutdown(1.0)
+            self._egress.close()
+            for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                t.cancel()
+            self._conns.clear()
+
+    async def _watchdog(self, until: Callable[[], bool] | None) -> None:
+        """Close connections idle for longer than ``idle_timeout``; stop once ``until()`` holds."""
+        while True:
+            await asyncio.sleep(min(0.2, self.idle_timeout / 4))
+            now = time.monotonic()
+            for handler, st in list(self._conns.items()):
+                if st.active == 0 and now - st.since > self.idle_timeout:
+                    self.stats.evicted += 1
+                    handler.force_close()
+                    if handler.transport is not None:
+                        handler.transport.abort()
+            if until is not None and until():
+                # Stop only once every response has left this process: no request in progress and nothing in
+                # a transport's buffer (the kernel delivers what it holds after a graceful close).
+                t_end = time.monotonic() + self.idle_timeout
+                while time.monotonic() < t_end and any(
+                        st.active or (h.transport is not None and h.transport.get_write_buffer_size())
+                        for h, st in list(self._conns.items())):
+                    await asyncio.sleep(0.05)
+                self._stop.set()
+                return
+
+    # -- connections (called by _Server)
+    def _connected(self, handler, transport) -> bool:
+        """Admit a new connection, or make room for it, or refuse it. Returns False when it was refused."""
+        if len(self._conns) >= self.max_connections:
+            idle = [(st.since, h) for h, st in self._conns.items() if st.active == 0]
+            if not idle:
+                self.stats.refused += 1
+                transport.abort()
+                return False
+            _, oldest = min(idle, key=lambda x: x[0])
+            self.stats.evicted += 1
+            self._conns.pop(oldest, None)
+            oldest.force_close()
+            if oldest.transport is not None:
+                oldest.transport.abort()
+        transport.set_write_buffer_limits(high=WRITE_BUFFER)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, WRITE_BUFFER)
+        self._conns[handler] = _Conn(time.monotonic())
+        self.stats.peak_connections = max(self.stats.peak_connections, len(self._conns))
+        return True
+
+    def _disconnected(self, handler) -> None:
+        self._conns.pop(handler, None)
+
+    # -- requests
+    async def _handle(self, request):
+        st = self._conns.get(request.protocol)
+        if st is not None:
+            st.active += 1
+        try:
+            return await self._respond(request)
+        except HTTPRefusal as exc:
+            return web.Response(status=exc.status, text=f"lynxkv: {exc}\n", headers=exc.headers)
+        finally:
+            if st is not None:
+                st.active -= 1
+                st.since = time.monotonic()
+
+    async def _respond(self, request):
+        if request.method not in ("GET", "HEAD"):
+            raise HTTPRefusal(405, f"method {request.method} not allowed: GET or HEAD", {"Allow": "GET, HEAD"})
+        if request.path in ("/", "/manifest.json"):
+            return web.Response(text=json.dumps(self.describe()) + "\n", content_type="application/json")
+        res = self.resources.get(request.raw_path.split("?", 1)[0])
+        if res is None:
+            raise HTTPRefusal(404, f"no such resource: {request.path[:200]}; this server has "
+                              + ", ".join(self.resources))
+        size = len(res.data)
+        rng = parse_range(request.headers.get("Range"), size)
+        start, end = rng if rng is not None else (0, size)
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
+                   "ETag": f'"{res.crc32:08x}"', "Content-Length": str(end - start)}
+        if rng is not None:
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        status = 206 if rng is not None else 200
+        tos = None
+        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+        dscp = self.dscp[res.name]
+        if sock is not None and dscp is not None:
+            tos = set_dscp(sock, dscp)
+        record = {"resource": res.name, "start": start, "end": end, "sent": 0, "tos": tos, "status": status,
+                  "seconds": None}
+        self.stats.requests.append(record)
+        if len(self.stats.requests) > 10000:  # a bounded log
+            del self.stats.requests[:5000]
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.content_length = end - start
+        if request.method == "HEAD":
+            await resp.prepare(request)
+            record["seconds"] = 0.0
+            return resp
+        t0 = time.perf_counter()
+        await resp.prepare(request)
+        cls = ANCHOR if res.name == "anchor" else RESIDUAL
+        view = memoryview(res.data)
+        try:
+            for a in range(start, end, self.quantum):
+                b = min(a + self.quantum, end)
+                await self._egress.grant(cls, b - a)
+                await asyncio.wait_for(resp.write(view[a:b]), self.idle_timeout)
+                record["sent"] += b - a
+            await asyncio.wait_for(resp.write_eof(), self.idle_timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            self.log(f"{res.name} response to {request.remote} abandoned after {record['sent']} bytes: "
+                     f"{type(exc).__name__}")
+            if request.transport is not None:
+                request.transport.abort()
+            return resp
+        record["seconds"] = time.perf_counter() - t0
+        self.stats.cover(res.name, start, end)
+        return resp
+
+
+class _OneLineLogger:
+    """aiohttp's server logger, as one ``log`` line per event: a malformed request from a peer is that peer's
+    error (it already got a 400), never a traceback in the server's output."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self._log = log
+
+    def _line(self, msg, *args, exc_info=None, **kwargs) -> None:
+        import sys
+
+        text = str(msg) % args if args else str(msg)
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if exc is not None:
+            text += f": {type(exc).__name__}: {' '.join(str(exc).split())}"
+        self._log(text)
+
+    exception = error = warning = info = _line
+
+    def debug(self, *args, **kwargs) -> None:
+        pass
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server with the connection accounting of :class:`CacheServer`."""
+
+    def __init__(self, owner: CacheServer, handler, **kwargs):
+        super().__init__(handler, **kwargs)
+        self._owner = owner
+
+    def connection_made(self, handler, transport) -> None:
+        if self._owner._connected(handler, transport):
+            super().connection_made(handler, transport)
+
+    def connection_lost(self, handler, exc=None) -> None:
+        self._owner._disconnected(handler)
+        super().connection_lost(handler, exc)
