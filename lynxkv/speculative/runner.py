@@ -236,8 +236,10 @@ def stream(
         ts = time.perf_counter()
         logits = forward_tokens(model, draft_cache, pending)[-1]  # [V]
         token, probs = choose(logits, params, generator)
+        te = time.perf_counter()
+        stats.draft_steps.append([ts - t0, te - t0])
         if len(pending) == 1:  # a draft step; the first forward over new prompt tokens is a prefill
-            step_times.append(time.perf_counter() - ts)
+            step_times.append(te - ts)
         drafts.append(token)
         if probs is not None:
             draft_probs.append(probs)
@@ -281,7 +283,8 @@ def stream(
         ev = commit(drafts, confirmed=len(drafts), verified=False)
         if ev:
             yield ev
-        yield from _decode(model, draft_cache, pending, params, generator, commit, finished, stats, verified=False)
+        yield from _decode(model, draft_cache, pending, params, generator, commit, finished, stats, t0,
+                           verified=False)
         stats.load = asdict(load.timeline)
         yield Event("done", now(), stats=stats, verified=False)
         return
@@ -296,6 +299,7 @@ def stream(
     accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params, generator,
                                                 config.verify_chunk)
     stats.verify_s = time.perf_counter() - tv
+    stats.verify_end_s = now()
     stats.verify_passes = passes
     stats.accepted = accepted
     if tracker is not None:
@@ -313,7 +317,7 @@ def stream(
             yield ev
 
     # ---- continue on the full cache ---------------------------------------------------------------------------
-    yield from _decode(model, cache, [next_token], params, generator, commit, finished, stats, verified=True)
+    yield from _decode(model, cache, [next_token], params, generator, commit, finished, stats, t0, verified=True)
     stats.load = asdict(load.timeline)
     yield Event("done", now(), stats=stats)
 
@@ -354,16 +358,19 @@ def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[
         chunk *= 2
 
 
-def _decode(model, cache, pending: list[int], params, generator, commit, finished, stats: RunStats, *,
-            verified: bool):
+def _decode(model, cache, pending: list[int], params, generator, commit, finished, stats: RunStats,
+            t0: float, *, verified: bool):
     """Plain decoding: feed ``pending``, choose the next token, commit it, until ``finished()``."""
     times: list[float] = []
     while not finished():
+        length = int(cache.get_seq_length())
         ts = time.perf_counter()
         logits = forward_tokens(model, cache, pending)[-1]  # [V]
         token, _ = choose(logits, params, generator)
+        te = time.perf_counter()
         if len(pending) == 1:
-            times.append(time.perf_counter() - ts)
+            times.append(te - ts)
+            stats.decode_steps.append([ts - t0, te - t0, length])
         ev = commit([token], confirmed=0, verified=verified)
         if ev is None:
             break
