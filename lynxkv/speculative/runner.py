@@ -282,6 +282,10 @@ def stream(
     if tracker is not None:
         tracker.record(len(drafts), accepted)
     drop_last(cache, fed - accepted)  # cache: prompt + new tokens + d0 .. d(accepted-1)
+    # The anchor cache (the anchor KV grown by every draft) and the drafts' distributions are done with: let them go
+    # before decoding on, rather than hold a second cache of the prompt's size through every later step.
+    del draft_cache, anchor_kv
+    draft_probs.clear()
 
     ev = commit(drafts[:accepted], confirmed=accepted)
     if ev is not None:
