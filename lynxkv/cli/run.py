@@ -154,6 +154,8 @@ def run(
     compare: bool = typer.Option(False, "--compare", help="Also run the monolithic baselines on the same link."),
     repeats: int = typer.Option(1, "--repeats", min=1, help="With --compare: run every method (Lynx and each "
                                 "baseline) this many times, interleaved, and judge on the medians."),
+    timeline: Path = typer.Option(None, "--timeline", help="Draw the run's timeline (with --compare: one row per "
+                                  "method) to this PNG file; --json carries the same data under timelines."),
     as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
@@ -166,6 +168,7 @@ def run(
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
+    from lynxkv.speculative.timeline import compare_timelines, run_timeline
     from lynxkv.stream import lmcache_source
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
@@ -177,6 +180,8 @@ def run(
         raise InputError("--repeats needs --compare (it repeats the side-by-side runs)")
     if prompt_file is not None:
         prompt = read_text(prompt_file)
+    if timeline is not None:
+        _check_timeline_path(timeline)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
@@ -246,11 +251,14 @@ def run(
                               new_token_ids=new, repeats=repeats, open_load=open_load)
             report["compare"] = cmp
             gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
+        report["timelines"] = compare_timelines(report["compare"]) if compare else [run_timeline(stats)]
     finally:
         if printer is not None:
             printer.close()
         load.close()
 
+    if timeline is not None:
+        write_timeline(timeline, report["timelines"], cache)
     if as_json:
         print_json(report)
         return report
@@ -261,6 +269,25 @@ def run(
         out.print(compare_table(report["compare"], link_text))
         print_judge(report["compare"]["judge"])
     return report
+
+
+def _check_timeline_path(path: Path) -> None:
+    """Refuse a --timeline target that cannot be written, before any model is loaded."""
+    if path.suffix.lower() != ".png":
+        raise InputError(f"--timeline: {path}: expected a .png file name")
+    if not path.parent.is_dir():
+        raise InputError(f"--timeline: {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise InputError(f"--timeline: {path} is a directory")
+
+
+def write_timeline(path: Path, timelines: list[dict], cache: str) -> None:
+    """Draw ``timelines`` into the PNG ``path``, atomically (a partial picture is never visible)."""
+    from lynxkv.speculative.timeline import render_png
+    from lynxkv.storage import write_atomic
+
+    write_atomic(path, render_png(timelines, title=f"lynxkv run {Path(cache).name}"))
+    err.print(f"timeline written to {path}")
 
 
 def print_judge(j: dict) -> None:

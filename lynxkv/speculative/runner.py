@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -39,6 +40,7 @@ from lynxkv.speculative.sampling import (
     choose,
     logits_to_probs,
 )
+from lynxkv.speculative.schedule import AcceptanceTracker, remember_step, wait_reason
 from lynxkv.speculative.stats import RunStats
 
 
@@ -55,46 +57,16 @@ class RunConfig:
     allow_anchor_only: bool = False  # on residual failure, continue unverified on the anchor (flagged)
     stop_token_ids: tuple[int, ...] = ()
     verify_chunk: int = 0  # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see _verify)
+    # Draft only where it can pay (lynxkv.speculative.schedule): wait for the residual instead when, at anchor-ready,
+    # it is due within this many decode steps. 0: always draft.
+    min_window_steps: float = 2.0
+    step_estimate_s: float | None = None  # a decode step's seconds at this cache length (None: from earlier runs)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_window < 0:
             raise InputError(f"max_window must be >= 0, got {self.max_window}")
-
-
-@dataclass
-class AcceptanceTracker:
-    """Acceptance of recent verify windows, shared across runs on the same kind of cache.
-
-    When the last ``patience`` windows all accepted less than ``threshold`` of their drafts, drafting is not
-    worth its compute (the paper's advice: wait for the residual instead). Every ``retry_every``-th skipped run
-    drafts again, so a recovery is noticed.
-    """
-
-    threshold: float = 0.2
-    patience: int = 3
-    retry_every: int = 8
-    rates: list[float] = field(default_factory=list)
-    skipped: int = 0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.rates.append(accepted / drafted)
-            del self.rates[: -max(self.patience, 1)]
-
-    def skip_reason(self) -> str | None:
-        """Why the next run should not draft, or None to draft (counts the skip)."""
-        recent = self.rates[-self.patience :]
-        if len(recent) < self.patience or max(recent) >= self.threshold:
-            return None
-        self.skipped += 1
-        if self.skipped % self.retry_every == 0:
-            return None
-        return (
-            f"acceptance below {self.threshold:.2f} in the last {self.patience} windows "
-            f"({', '.join(f'{r:.2f}' for r in recent)}): waiting for the residual instead of drafting"
-        )
 
 
 @dataclass
@@ -218,6 +190,11 @@ def stream(
         stats.drafting_disabled = tracker.skip_reason()
         if stats.drafting_disabled:
             cap = 0
+    if cap and config.min_window_steps > 0:
+        stats.drafting_disabled = wait_reason(model, load.residual_eta(), len(prompt) + len(new),
+                                              config.min_window_steps, config.step_estimate_s)
+        if stats.drafting_disabled:
+            cap = 0
     drafts: list[int] = []
     draft_probs: list[torch.Tensor] = []
     draft_cache = None
@@ -236,8 +213,10 @@ def stream(
         ts = time.perf_counter()
         logits = forward_tokens(model, draft_cache, pending)[-1]  # [V]
         token, probs = choose(logits, params, generator)
+        te = time.perf_counter()
+        stats.draft_steps.append([ts - t0, te - t0])
         if len(pending) == 1:  # a draft step; the first forward over new prompt tokens is a prefill
-            step_times.append(time.perf_counter() - ts)
+            step_times.append(te - ts)
         drafts.append(token)
         if probs is not None:
             draft_probs.append(probs)
@@ -259,7 +238,7 @@ def stream(
         if len(feed) == 1:  # the first draft forward grew the fresh anchor cache (new prompt tokens: the prefill did)
             stats.first_draft_step_s = step_times[0]
             later = step_times[1:] or step_times
-        stats.draft_step_s = sum(later) / len(later)
+        stats.draft_step_s = statistics.median(later)
 
     # ---- wait for the residual --------------------------------------------------------------------------------
     full_kv: KVPairs | None = None
@@ -281,7 +260,8 @@ def stream(
         ev = commit(drafts, confirmed=len(drafts), verified=False)
         if ev:
             yield ev
-        yield from _decode(model, draft_cache, pending, params, generator, commit, finished, stats, verified=False)
+        yield from _decode(model, draft_cache, pending, params, generator, commit, finished, stats, t0,
+                           verified=False)
         stats.load = asdict(load.timeline)
         yield Event("done", now(), stats=stats, verified=False)
         return
@@ -296,11 +276,16 @@ def stream(
     accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params, generator,
                                                 config.verify_chunk)
     stats.verify_s = time.perf_counter() - tv
+    stats.verify_end_s = now()
     stats.verify_passes = passes
     stats.accepted = accepted
     if tracker is not None:
         tracker.record(len(drafts), accepted)
     drop_last(cache, fed - accepted)  # cache: prompt + new tokens + d0 .. d(accepted-1)
+    # The anchor cache (the anchor KV grown by every draft) and the drafts' distributions are done with: let them go
+    # before decoding on, rather than hold a second cache of the prompt's size through every later step.
+    del draft_cache, anchor_kv
+    draft_probs.clear()
 
     ev = commit(drafts[:accepted], confirmed=accepted)
     if ev is not None:
@@ -313,7 +298,7 @@ def stream(
             yield ev
 
     # ---- continue on the full cache ---------------------------------------------------------------------------
-    yield from _decode(model, cache, [next_token], params, generator, commit, finished, stats, verified=True)
+    yield from _decode(model, cache, [next_token], params, generator, commit, finished, stats, t0, verified=True)
     stats.load = asdict(load.timeline)
     yield Event("done", now(), stats=stats)
 
@@ -354,23 +339,27 @@ def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[
         chunk *= 2
 
 
-def _decode(model, cache, pending: list[int], params, generator, commit, finished, stats: RunStats, *,
-            verified: bool):
+def _decode(model, cache, pending: list[int], params, generator, commit, finished, stats: RunStats,
+            t0: float, *, verified: bool):
     """Plain decoding: feed ``pending``, choose the next token, commit it, until ``finished()``."""
     times: list[float] = []
     while not finished():
+        length = int(cache.get_seq_length())
         ts = time.perf_counter()
         logits = forward_tokens(model, cache, pending)[-1]  # [V]
         token, _ = choose(logits, params, generator)
+        te = time.perf_counter()
         if len(pending) == 1:
-            times.append(time.perf_counter() - ts)
+            times.append(te - ts)
+            stats.decode_steps.append([ts - t0, te - t0, length])
         ev = commit([token], confirmed=0, verified=verified)
         if ev is None:
             break
         yield ev
         pending = [token]
     if times:
-        stats.decode_step_s = sum(times) / len(times)
+        stats.decode_step_s = statistics.median(times)
+        remember_step(model, int(cache.get_seq_length()) - len(times) // 2, stats.decode_step_s)
 
 
 def run(model, load: CacheLoad, config: RunConfig = RunConfig(), **kwargs) -> RunResult:

@@ -17,9 +17,14 @@ class RunStats:
     residual_ready_s: float | None = None  # the residual future completed (observed by a callback)
     residual_seen_s: float | None = None  # the runner took the full KV (after any in-flight draft step)
     verify_start_s: float | None = None  # the full cache was rebuilt and the verify forward began
+    verify_end_s: float | None = None  # the verify forward(s) ended (the accepted tokens are committed next)
     first_draft_s: float | None = None
     first_commit_s: float | None = None
     commit_times_s: list[float] = field(default_factory=list)  # one per committed token, in order
+    # The timeline (lynxkv.speculative.timeline): [start, end] of every draft forward on the anchor cache, and
+    # [start, end, cache tokens before it] of every plain decode step (after the verify, or of a baseline).
+    draft_steps: list[list[float]] = field(default_factory=list)
+    decode_steps: list[list[float]] = field(default_factory=list)
     drafted: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # fed to the verify pass after the prompt
     accepted: int = 0

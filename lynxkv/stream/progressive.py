@@ -37,7 +37,8 @@ caller decides what to do with explicitly lossy anchor-only KV.
 
 Timeline. ``anchor_ready_s``/``residual_ready_s`` are the times the dequantized KV is ready; ``extra`` holds the
 times the first byte and the last verified byte of each segment arrived (``anchor_first_s``, ``anchor_arrived_s``,
-``residual_first_s``, ``residual_arrived_s``), the link's
+``residual_first_s``, ``residual_arrived_s``), when each layer's residual had arrived (``residual_layers``:
+``{"layer", "arrived_s", "bytes"}`` rows, :mod:`lynxkv.stream.arrivals`), the link's
 measured rates, and retry counts.
 """
 
@@ -70,7 +71,8 @@ from lynxkv.loading import LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import EmulatedLink
-from lynxkv.stream.transport import Fetch, Transfer, open_transport
+from lynxkv.stream.arrivals import ArrivalTransfer, layer_arrivals
+from lynxkv.stream.transport import Fetch, open_transport
 from lynxkv.stream.units import parse_bandwidth, parse_duration
 
 _LIVE: "weakref.WeakSet[ProgressiveLoad]" = weakref.WeakSet()
@@ -129,7 +131,7 @@ class ProgressiveLoad:
         self._timeline = LoadTimeline()
         self._timeline.extra.update(anchor_first_s=None, anchor_arrived_s=None, residual_first_s=None,
                                     residual_arrived_s=None, retries=[])
-        self._transfer = Transfer(self._timeline, self._now, link=link, tee=tee)
+        self._transfer = ArrivalTransfer(self._timeline, self._now, link=link, tee=tee)
         self._transport = open_transport(source, self._transfer, residual=residual, storage_options=storage_options,
                                          inflight=inflight, block_size=block_size, retry=retry or RetryPolicy(),
                                          fetch_hook=fetch_hook, allow_locations=allow_locations)
@@ -329,6 +331,8 @@ class ProgressiveLoad:
                 return
             self._put(1, ("residual", layer, page, raw if self.decode else None, entry.stored_length))
         self._timeline.extra["residual_arrived_s"] = self._now()
+        self._timeline.extra["residual_layers"] = layer_arrivals(self._transfer.residual_blocks,
+                                                                 reader.index(c.SEGMENT_RESIDUAL))
         self._put(1, ("residual_done",))
 
     # ------------------------------------------------------------------------------------------ consumer

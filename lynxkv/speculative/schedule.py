@@ -1,0 +1,92 @@
+"""When drafting pays: the runner's two reasons to wait for the residual instead of drafting on the anchor.
+
+1. **The window is too short** (:func:`wait_reason`). Drafting costs the verify pass's extra rows (on a CPU about
+   a fifth of a decode step per draft) and, when the residual lands during a draft step, the rest of that step;
+   it saves one decode step per accepted draft. With the residual due within ``min_window_steps`` decode steps
+   of the anchor (a fast link, a short prompt), there is no room for drafts that would pay for that, so the run
+   waits and starts on the full code at once: it is then the monolithic full-code run, and never slower than it
+   by more than the noise. The step time comes from ``RunConfig.step_estimate_s`` or from this model's last
+   measured step in this process (:func:`remember_step`, scaled to the cache length); with neither, the run
+   drafts (and the ETA guard still stops a draft that would overrun the residual).
+2. **The anchor keeps disagreeing** (:class:`AcceptanceTracker`): recent windows accepted too little.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (cache tokens, seconds per step)
+_LOCK = threading.Lock()
+
+
+def remember_step(model, tokens: int, seconds: float) -> None:
+    """Note that one plain decode step of ``model`` after ``tokens`` cached tokens took ``seconds``."""
+    with _LOCK:
+        try:
+            _STEPS[model] = (max(1, int(tokens)), float(seconds))
+        except TypeError:  # not weak-referenceable: nothing is remembered
+            pass
+
+
+def step_estimate(model, tokens: int) -> float | None:
+    """This model's decode step at ``tokens`` cached tokens, from its last remembered step (scaled by the cache
+    length, only within a factor of two of it), or None."""
+    with _LOCK:
+        try:
+            seen = _STEPS.get(model)
+        except TypeError:
+            seen = None
+    if seen is None:
+        return None
+    at, seconds = seen
+    ratio = max(1, tokens) / at
+    return seconds * ratio if 0.5 <= ratio <= 2.0 else None
+
+
+def wait_reason(model, eta: float | None, tokens: int, min_window_steps: float,
+                estimate: float | None = None) -> str | None:
+    """Why this run should wait for the residual instead of drafting (None: draft). ``eta``: the residual's
+    expected seconds to go at anchor-ready (None: unknown, draft); ``tokens``: the prompt's length."""
+    step = estimate if estimate is not None else step_estimate(model, tokens)
+    if eta is None or step is None or step <= 0 or eta >= min_window_steps * step:
+        return None
+    return (f"the residual was due in {eta:.3f} s, under {min_window_steps:g} decode steps "
+            f"({step * 1e3:.0f} ms each): waiting for it instead of drafting")
+
+
+@dataclass
+class AcceptanceTracker:
+    """Acceptance of recent verify windows, shared across runs on the same kind of cache.
+
+    When the last ``patience`` windows all accepted less than ``threshold`` of their drafts, drafting is not
+    worth its compute (the paper's advice: wait for the residual instead). Every ``retry_every``-th skipped run
+    drafts again, so a recovery is noticed.
+    """
+
+    threshold: float = 0.2
+    patience: int = 3
+    retry_every: int = 8
+    rates: list[float] = field(default_factory=list)
+    skipped: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rates.append(accepted / drafted)
+            del self.rates[: -max(self.patience, 1)]
+
+    def skip_reason(self) -> str | None:
+        """Why the next run should not draft, or None to draft (counts the skip)."""
+        recent = self.rates[-self.patience :]
+        if len(recent) < self.patience or max(recent) >= self.threshold:
+            return None
+        self.skipped += 1
+        if self.skipped % self.retry_every == 0:
+            return None
+        return (
+            f"acceptance below {self.threshold:.2f} in the last {self.patience} windows "
+            f"({', '.join(f'{r:.2f}' for r in recent)}): waiting for the residual instead of drafting"
+        )
+
+
