@@ -21,7 +21,7 @@ from lynxkv import open_cache, save_cache
 from lynxkv.hf import continuation_ids, prefill, to_dynamic_cache
 from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import document
-from lynxkv.kv import TORCH_DTYPES
+from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.speculative import RunConfig, run
 from lynxkv.stream.progressive import open_progressive
 

@@ -17,7 +17,7 @@ from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, stream
 from lynxkv.speculative.simulated import split_kv, stream_bytes
-from lynxkv.loading import PreparedLoad
+from lynxkv.cache.loading import PreparedLoad
 
 
 def main(argv=None) -> list[int]:

@@ -6,7 +6,7 @@ import concurrent.futures
 
 import torch
 
-from lynxkv.loading import LoadTimeline
+from lynxkv.cache.loading import LoadTimeline
 from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.quant.scheme import get_scheme

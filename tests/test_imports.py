@@ -207,3 +207,22 @@ def test_every_folder_says_its_job_in_one_line():
     for init in sorted(ROOT.rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()), clean=False)
         assert doc and "\n" not in doc.strip(), f"{init.relative_to(ROOT.parent)}: {doc!r}"
+
+
+def test_no_lynxkv_module_imports_a_deprecated_path():
+    """The old paths are for users' code; lynxkv itself, its tests, examples and benchmarks use the new ones."""
+    old = {o for o, _, _ in MOVED}
+    checkout = ROOT.parent
+    files = [p for d in ("lynxkv", "tests", "examples", "benchmarks") for p in (checkout / d).rglob("*.py")]
+    found = []
+    for p in files:
+        if p.read_text().startswith('"""Deprecated: moved to') or p.name == "test_imports.py":
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            names = []
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                names = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+            elif isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            found += [f"{p.relative_to(checkout)}:{n.lineno} {m}" for m in names if m in old]
+    assert not found, found

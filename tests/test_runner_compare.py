@@ -8,7 +8,7 @@ import pytest
 
 from conftest import make_tiny_llama
 from lynxkv.hf.models import model_fingerprint
-from lynxkv.loading import PreparedLoad
+from lynxkv.cache.loading import PreparedLoad
 from lynxkv.speculative import RunConfig, RunResult, RunStats, run
 from lynxkv.speculative import compare
 from runner_helpers import caches, prompt_ids, single_thread

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import make_tiny_llama
 from lynxkv.errors import InputError, LynxError
-from lynxkv.loading import PreparedLoad
+from lynxkv.cache.loading import PreparedLoad
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import AcceptanceTracker, ResidualUnavailable, RunConfig, decode_plain, run, stream
 from runner_helpers import StepLoad, caches, perturbed, prompt_ids, single_thread

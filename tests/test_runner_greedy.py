@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from lynxkv.loading import PreparedLoad
+from lynxkv.cache.loading import PreparedLoad
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import RunConfig, decode_plain, run, stream
 from runner_helpers import single_thread, StepLoad, caches, perturbed, prompt_ids

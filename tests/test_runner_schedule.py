@@ -6,7 +6,7 @@ import pytest
 
 from conftest import make_tiny_llama
 from lynxkv.hf.models import model_fingerprint
-from lynxkv.loading import PreparedLoad
+from lynxkv.cache.loading import PreparedLoad
 from lynxkv.speculative import RunConfig, decode_plain, run
 from lynxkv.speculative import schedule
 from runner_helpers import caches, prompt_ids, single_thread

@@ -64,7 +64,7 @@ def test_low_precision_run_and_question_equal_plain_decoding(smollm2, tmp_path, 
     from lynxkv import open_cache, save_cache
     from lynxkv.hf import continuation_ids
     from lynxkv.hf.models import load_model
-    from lynxkv.kv import TORCH_DTYPES
+    from lynxkv.cache.kv import TORCH_DTYPES
 
     lm = load_model(None, dtype=TORCH_DTYPES[dtype])
     ids = encode_prompt(lm, builtin_prompt(lm.tokenizer, 200))

@@ -169,7 +169,7 @@ def run(
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
     from lynxkv.speculative.timeline import compare_timelines, run_timeline
-    from lynxkv.stream import lmcache_source
+    from lynxkv.integrations.lmcache import source as lmcache_source
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 

@@ -24,8 +24,8 @@ from dataclasses import replace
 from typing import Callable
 
 from lynxkv.errors import LynxError
-from lynxkv.kv import KVPairs
-from lynxkv.loading import CacheLoad, PreparedLoad
+from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.loading import CacheLoad, PreparedLoad
 from lynxkv.speculative.simulated import bf16_bytes, round_bf16, transfer_time
 from lynxkv.speculative.runner import RunConfig, RunResult, run
 

@@ -22,7 +22,7 @@ from lynxkv.errors import InputError
 from lynxkv.hf.convert import kv_to_cache
 from lynxkv.hf.prefill import forward
 from lynxkv.hf.models import kv_shape
-from lynxkv.kv import KVPairs
+from lynxkv.cache.kv import KVPairs
 
 
 def check_kv(kv: KVPairs, config, prompt_len: int, what: str) -> None:

@@ -29,8 +29,8 @@ from typing import Iterator
 import torch
 
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
-from lynxkv.kv import KVPairs
-from lynxkv.loading import CacheLoad
+from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.loading import CacheLoad
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
 from lynxkv.speculative.sampling import (

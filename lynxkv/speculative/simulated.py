@@ -14,8 +14,8 @@ import math
 import torch
 
 from lynxkv.errors import InputError
-from lynxkv.kv import KVPairs
-from lynxkv.loading import PreparedLoad
+from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.loading import PreparedLoad
 from lynxkv.quant import dequantize, quantize
 from lynxkv.quant.scheme import Scheme
 

@@ -1,6 +1,6 @@
 """The progressive reader: a cache loading anchor first, page by page, from any tier (an HTTP server included).
 
-``open_progressive(source)`` returns a :class:`ProgressiveLoad` (the :class:`~lynxkv.loading.CacheLoad` the decode
+``open_progressive(source)`` returns a :class:`ProgressiveLoad` (the :class:`~lynxkv.cache.loading.CacheLoad` the decode
 runner consumes). It is the consumer half; the bytes come from a transport (:mod:`lynxkv.stream.transport`, picked
 by URL scheme), which owns the pumps, the range reads and the link. Threads and their roles:
 
@@ -66,8 +66,8 @@ from lynxkv.format.layout import page_tokens
 from lynxkv.format.reader import PageReader
 from lynxkv.format.records import dequantize_records, join_records
 from lynxkv.quant.dispatch import concurrent_tensors
-from lynxkv.kv import KVPairs
-from lynxkv.loading import LoadTimeline
+from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.loading import LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import EmulatedLink
@@ -557,7 +557,7 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
                      tee: Callable[[str, int, bytes], None] | None = None,
                      allow_locations=()) -> ProgressiveLoad:
-    """Start loading a cache progressively and return at once (a :class:`~lynxkv.loading.CacheLoad`).
+    """Start loading a cache progressively and return at once (a :class:`~lynxkv.cache.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
     ``http://HOST:PORT/NAME`` of ``lynxkv serve``. ``residual`` overrides where the residual lives (default: the location

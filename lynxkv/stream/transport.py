@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 from lynxkv.errors import FormatError, LynxError, ResidualUnavailable, TransientError
 from lynxkv.format import constants as c
 from lynxkv.format.headers import PREFIX_SIZE, AnchorHeader, anchor_header_length, parse_anchor_header
-from lynxkv.loading import LoadTimeline
+from lynxkv.cache.loading import LoadTimeline
 from lynxkv.storage import (
     FileSource,
     RetryPolicy,
