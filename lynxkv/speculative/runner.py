@@ -32,6 +32,7 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.cache.kv import KVPairs
 from lynxkv.cache.loading import CacheLoad
 from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative.layered import LayeredVerify, decoder_layers, remember_verify, verify_estimate
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
 from lynxkv.speculative.sampling import (
     SamplingParams,
@@ -147,7 +148,8 @@ def stream(
 
     def on_residual(fut: concurrent.futures.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
-            stats.residual_ready_s = now()
+            t = now()  # a layered verify may have had the last layer in (and noted it) before the future's callback
+            stats.residual_ready_s = t if stats.residual_ready_s is None else min(t, stats.residual_ready_s)
 
     residual.add_done_callback(on_residual)
 
@@ -200,7 +202,15 @@ def stream(
     draft_cache = None
     pending = feed  # the tokens the next forward on the draft cache consumes
     step_times: list[float] = []
+    # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
+    layers = False if config.verify_chunk > 0 or not hasattr(load, "layer_in") else None
+    layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
     while len(drafts) < cap and not residual.done():
+        if step_times and layers:
+            eta, step = load.residual_eta(), sum(step_times) / len(step_times)
+            if eta is not None and eta < verify_estimate(model, len(feed) + len(drafts), step) * (1 - 1 / len(layers)):
+                layered = True
+                break
         if step_times and config.eta_guard > 0:
             eta, step = load.residual_eta(), sum(step_times) / len(step_times)
             if eta is not None and eta < config.eta_guard * step:
@@ -210,6 +220,8 @@ def stream(
                     break
         if draft_cache is None:
             draft_cache = start_cache(model, anchor_kv, keep)
+            if layers is None:
+                layers = decoder_layers(model, draft_cache) or False
         ts = time.perf_counter()
         logits = forward_tokens(model, draft_cache, pending)[-1]  # [V]
         token, probs = choose(logits, params, generator)
@@ -240,18 +252,61 @@ def stream(
             later = step_times[1:] or step_times
         stats.draft_step_s = statistics.median(later)
 
-    # ---- wait for the residual --------------------------------------------------------------------------------
+    # ---- wait for the residual, or verify layer by layer as it lands -----------------------------------------
     full_kv: KVPairs | None = None
     error: str | None = None
-    timeout = None if config.residual_timeout is None else max(0.0, config.residual_timeout - now())
-    try:
-        full_kv = residual.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        error = f"the residual did not arrive within {config.residual_timeout:g} s"
-    except Exception as exc:  # the transport's failure, whatever its type
-        error = f"the residual failed: {exc}"
+    deadline = None if config.residual_timeout is None else t0 + config.residual_timeout
+    timed_out = ("the residual did not arrive in time" if config.residual_timeout is None
+                 else f"the residual did not arrive within {config.residual_timeout:g} s")
+    cache = lv = None
+    if layered:
+        cache = start_cache(model, anchor_kv, keep)  # the anchor's shapes; each layer is replaced before its use
+        lv = LayeredVerify(load, cache, layers, keep, model.dtype, model.device, deadline)
+        stats.verify_layered = True
+    else:
+        try:
+            full_kv = residual.result(timeout=None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        except concurrent.futures.TimeoutError:
+            error = timed_out
+        except Exception as exc:  # the transport's failure, whatever its type
+            error = f"the residual failed: {exc}"
+        if full_kv is not None:
+            stats.residual_seen_s = now()
+            check_kv(full_kv, config_obj, len(prompt), "full")
+            cache = start_cache(model, full_kv, keep)
 
-    if full_kv is None:
+    # ---- verify: one forward over [fed prompt tokens, d0 .. d(k-1)] ----------------------------------------------
+    if cache is not None:
+        stats.verify_start_s = now()
+        tv = time.perf_counter()
+        try:
+            if lv is None:
+                accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params,
+                                                            generator, config.verify_chunk)
+            else:
+                with lv.installed():
+                    accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params,
+                                                                generator, 0)
+        except TimeoutError:
+            if lv is None:
+                raise
+            error = timed_out
+        except LynxError as exc:  # a layer of the residual failed to arrive or to decode
+            if lv is None:
+                raise
+            error = f"the residual failed: {exc}"
+        stats.verify_s = time.perf_counter() - tv
+        stats.verify_end_s = now()
+        if lv is not None and error is None:
+            stats.residual_seen_s = lv.last_layer_s - t0
+            if stats.residual_ready_s is None or stats.residual_seen_s < stats.residual_ready_s:
+                stats.residual_ready_s = stats.residual_seen_s  # the whole full code was in: the last layer's
+            stats.verify_waited_s = lv.waited_s
+            if step_times:
+                remember_verify(model, len(feed) + len(drafts), stats.verify_s - lv.waited_s,
+                                statistics.median(step_times))
+
+    if error is not None:
         if not config.allow_anchor_only:
             raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
         stats.verified, stats.residual_error = False, error
@@ -266,17 +321,6 @@ def stream(
         yield Event("done", now(), stats=stats, verified=False)
         return
 
-    stats.residual_seen_s = now()
-    check_kv(full_kv, config_obj, len(prompt), "full")
-
-    # ---- verify: one forward over [fed prompt tokens, d0 .. d(k-1)] ----------------------------------------------
-    cache = start_cache(model, full_kv, keep)
-    stats.verify_start_s = now()
-    tv = time.perf_counter()
-    accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params, generator,
-                                                config.verify_chunk)
-    stats.verify_s = time.perf_counter() - tv
-    stats.verify_end_s = now()
     stats.verify_passes = passes
     stats.accepted = accepted
     if tracker is not None:

@@ -38,6 +38,11 @@ class RunStats:
     first_draft_step_s: float | None = None
     verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
     verify_passes: int = 0
+    # The layered verify (lynxkv.speculative.layered): the verify forward started while the residual was still
+    # arriving, each layer as its residual landed; verify_waited_s of verify_s went to waiting for layers, and
+    # residual_seen_s is when the last layer was in.
+    verify_layered: bool = False
+    verify_waited_s: float | None = None
     decode_step_s: float | None = None  # mean time of one plain decode step after the verify (full cache)
     waited_on_eta: bool = False  # stopped drafting because the residual was due within a fraction of a step
     drafting_disabled: str | None = None  # why no drafts were made although speculation was on

@@ -29,6 +29,7 @@ def run_timeline(stats: RunStats, method: str = "lynx", *, data_ready_s: float |
         "residual_layers": [dict(r) for r in extra.get("residual_layers") or []],
         "draft_steps": [list(s) for s in stats.draft_steps],
         "verify": verify,
+        "verify_layered": stats.verify_layered,  # the verify ran while the residual arrived, layer by layer
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "decode_steps": [list(s) for s in stats.decode_steps],

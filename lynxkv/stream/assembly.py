@@ -1,5 +1,6 @@
 """The KV a progressive load builds: its output tensors, the anchor code page batch by page batch as the pages
-arrive, and the full code once the whole residual is in.
+arrive, and the full code once the whole residual is in, or layer by layer for a caller that asks for a layer as
+soon as its residual is in (:meth:`KVAssembly.full_layer`: the runner's layered verify).
 
 Both are dequantized straight from the page records' bytes (:func:`lynxkv.format.records.dequantize_records`,
 compiled passes with the GIL released; the records' own checks run there). A page is exactly P/C whole chunks, so
@@ -17,6 +18,7 @@ import torch
 
 from lynxkv.cache import check_decoded_size
 from lynxkv.cache.kv import KVPairs
+from lynxkv.errors import LynxError
 from lynxkv.format.layout import page_tokens
 from lynxkv.format.records import dequantize_records, join_records
 from lynxkv.quant.dispatch import concurrent_tensors
@@ -41,6 +43,15 @@ class KVAssembly:
                                 for _ in range(header.layers)]
         self.full: KVPairs = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
                               for _ in range(header.layers)]
+        # Residual pages taken so far, per layer; a layer whose pages are all in becomes a job (its records and
+        # its anchor records), run once, by whoever asks first: full_layer, or residual() at the end.
+        self._pages = -(-header.tokens // header.scheme.page)
+        self._taken: dict[int, list[tuple]] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self._jobs: dict[int, tuple] = {}
+        self._in = [threading.Event() for _ in range(header.layers)]
+        self._locks = [threading.Lock() for _ in range(header.layers)]
+        self._done = [False] * header.layers
 
     @staticmethod
     def batch_pages(header) -> int:
@@ -60,20 +71,57 @@ class KVAssembly:
                            h.head_dim, (self.anchor if residuals is None else self.full)[layer],
                            lambda i: f"layer {layer} page {pages[i]}", threads)
 
+    def take(self, items: list[tuple], anchors: dict) -> None:
+        """Residual pages taken by the consumer (``("residual", layer, page, raw, n)``, in file order, layer-major);
+        a layer whose pages are all in becomes ready for :meth:`full_layer` (its anchor records leave ``anchors``)."""
+        for it in items:
+            if (it[1], it[2]) in self._seen:  # taken before (residual() hands over every page)
+                continue
+            self._seen.add((it[1], it[2]))
+            pages = self._taken.setdefault(it[1], [])
+            pages.append(it)
+            if len(pages) == self._pages:
+                layer = it[1]
+                self._jobs[layer] = (layer, [x[2] for x in pages], [anchors.pop((layer, x[2])) for x in pages],
+                                     [x[3] for x in pages])
+                del self._taken[layer]
+                self._in[layer].set()
+
+    def release(self) -> None:
+        """Let go of the page records still held (a failed or closed load): they may be views of a mapped file."""
+        for layer, lock in enumerate(self._locks):
+            with lock:
+                self._jobs.pop(layer, None)
+        self._taken.clear()
+
+    def layer_in(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in."""
+        return self._in[layer].wait(timeout)
+
+    def full_layer(self, layer: int, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full code of ``layer`` (its residual all in: :meth:`layer_in`), dequantized in the calling thread the
+        first time it is asked for."""
+        with self._locks[layer]:
+            if not self._done[layer]:
+                job = self._jobs.pop(layer, None)
+                if job is None:
+                    raise LynxError(f"layer {layer}'s residual is no longer held: the load failed or was closed")
+                self.pages(*job, threads=threads)
+                self._done[layer] = True
+        return self.full[layer]
+
     def residual(self, items: list[tuple], anchors: dict) -> None:
         """The full code of every page in ``items`` (``("residual", layer, page, raw, n)``, in file order; the
         pages' anchor records are taken out of ``anchors``), a layer per worker, on threads of the lowest CPU
         priority: a model step under way when the residual lands goes first (its own threads use every core),
-        and the decode takes the cores the model leaves while it waits for it."""
-        layers: dict[int, list[tuple]] = {}
-        for it in items:
-            layers.setdefault(it[1], []).append(it)
-        jobs = [(layer, [it[2] for it in batch], [anchors.pop((layer, it[2])) for it in batch],
-                 [it[3] for it in batch]) for layer, batch in layers.items()]
-        pool = ThreadPoolExecutor(min(concurrent_tensors(), len(jobs)), thread_name_prefix="lynxkv-residual",
+        and the decode takes the cores the model leaves while it waits for it. Layers already dequantized by
+        :meth:`full_layer` are skipped."""
+        self.take(items, anchors)
+        layers = sorted({it[1] for it in items})
+        pool = ThreadPoolExecutor(min(concurrent_tensors(), len(layers)), thread_name_prefix="lynxkv-residual",
                                   initializer=lowest_priority)
         try:
-            for done in [pool.submit(self.pages, *job, threads=1) for job in jobs]:
+            for done in [pool.submit(self.full_layer, layer, threads=1) for layer in layers]:
                 done.result()  # in layer order: the first failing layer's error
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

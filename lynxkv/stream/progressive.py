@@ -162,6 +162,31 @@ class ProgressiveLoad:
         elapsed = time.perf_counter() - t_first
         return (total - got) / (got / elapsed) if elapsed > 0 else None
 
+    def layer_in(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in. The
+        load's failure is raised here (a closed load raises :class:`StreamClosed`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._future.done():
+                self._future.result()  # the load's error, if it failed
+            kv = self._kv
+            if kv is not None and kv.layer_in(layer, 0.05):
+                return True
+            if kv is None and self._header_ready.wait(0.05) and not self.decode:
+                raise InputError("a load opened with decode=False has no full code to hand out")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def full_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full code of one layer once :meth:`layer_in` said its residual is all in, dequantized in the calling
+        thread (the runner's layered verify, :mod:`lynxkv.speculative.layered`)."""
+        try:
+            return self._kv.full_layer(layer)
+        except LynxError:
+            if self._future.done():
+                self._future.result()  # the load's own error
+            raise
+
     @property
     def timeline(self) -> LoadTimeline:
         if self.link is not None:
@@ -289,6 +314,8 @@ class ProgressiveLoad:
         try:
             self._consume()
         finally:
+            if self._kv is not None:
+                self._kv.release()
             self._transport.close()
             with self._events_cond:
                 self._finished = True
@@ -336,6 +363,7 @@ class ProgressiveLoad:
                     for _ in taken:
                         self._residual_slots.release()
                     residual_held += taken
+                    self._kv.take(taken, anchors)  # a layer all in can be asked for (full_layer)
                     continue
                 if kind == "residual_done" and self.decode and not self._future.done() and residual_held:
                     try:  # the records' own checks (padding bits) run here, before the pages are handed on

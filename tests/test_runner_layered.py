@@ -1,0 +1,123 @@
+"""The layered verify (lynxkv.speculative.layered): the verify forward runs while the residual still arrives, each
+layer once its own residual is in, and computes exactly what the verify on the whole full code computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from lynxkv.cache import open_cache, save_cache
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative import ResidualUnavailable, RunConfig, decode_plain, run
+from lynxkv.speculative import layered
+from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache
+from lynxkv.stream import open_progressive
+from runner_helpers import prompt_ids, single_thread
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+def _stored(tmp_path, arch: str, dtype=torch.float32, tokens: int = 200, seed: int = 3):
+    model = make_tiny_model(arch, seed).to(dtype)
+    ids = prompt_ids(seed, tokens)
+    kv, _ = prefill(model, torch.tensor(ids))
+    path = tmp_path / f"{arch}.lynx"
+    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    with open_cache(path) as c:
+        full_kv = c.load_kv()
+    return model, ids, str(path), full_kv
+
+
+def _bandwidth(path: str, seconds: float) -> float:
+    """Bytes per second at which the whole cache (anchor + residual) takes about ``seconds``."""
+    import os
+
+    return (os.path.getsize(path) + os.path.getsize(path + "r")) / seconds
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Make the runner start the layered verify as early as it can: the verify looks very long."""
+    monkeypatch.setattr(layered, "ROW_COST", 1e4)
+    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_layered_forward_equals_the_forward_on_the_whole_full_code(tmp_path, dtype):
+    model, ids, path, full_kv = _stored(tmp_path, "qwen2", dtype)
+    keep, feed = first_step(ids, None)
+    tokens = feed + [5, 9, 17, 2, 33]
+    want = forward_tokens(model, start_cache(model, full_kv, keep), tokens)
+    with open_progressive(path, bandwidth=_bandwidth(path, 1.5)) as load:
+        anchor_kv = load.wait_anchor(30)
+        cache = start_cache(model, anchor_kv, keep)
+        layers = layered.decoder_layers(model, cache)
+        assert layers is not None and len(layers) == model.config.num_hidden_layers
+        lv = layered.LayeredVerify(load, cache, layers, keep, model.dtype, model.device)
+        assert not load.residual.done()  # the forward starts before the residual is in
+        with lv.installed():
+            got = forward_tokens(model, cache, tokens)
+        assert lv.waited_s > 0.1  # it waited for layers to land
+    assert torch.equal(got, want)
+    for layer, (k, v) in zip(cache.layers, full_kv):  # the cache now holds the full code, then the new tokens
+        assert torch.equal(layer.keys[0, :, :keep], k[:, :keep].to(dtype))
+        assert torch.equal(layer.values[0, :, :keep], v[:, :keep].to(dtype))
+    assert not model.model.layers[0]._forward_pre_hooks  # the hooks are gone
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
+def test_a_run_verifies_layer_by_layer_and_equals_decoding_on_the_full_code(tmp_path, arch, eager):
+    model, ids, path, full_kv = _stored(tmp_path, arch)
+    with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
+        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0))
+    s = result.stats
+    assert s.verify_layered and s.drafted > 0 and s.verified
+    assert s.verify_start_s < s.residual_ready_s <= s.verify_end_s  # it started before the last layer was in
+    assert s.verify_waited_s > 0
+    assert result.token_ids == decode_plain(model, full_kv, ids, 24, first_forward=s.draft_token_ids)
+
+
+def test_without_the_early_start_the_verify_waits_for_the_whole_residual(tmp_path):
+    model, ids, path, full_kv = _stored(tmp_path, "llama")
+    with open_progressive(path, bandwidth=_bandwidth(path, 0.5)) as load:
+        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, verify_chunk=4))
+    s = result.stats
+    assert not s.verify_layered and s.verify_start_s >= s.residual_ready_s
+    assert result.token_ids == decode_plain(model, full_kv, ids, 16)
+
+
+def _corrupt_last_layer(path: str) -> None:
+    """Flip a byte near the end of the residual file: inside the last layer's last page record."""
+    data = bytearray(open(path + "r", "rb").read())
+    data[-64] ^= 0xFF
+    open(path + "r", "wb").write(bytes(data))
+
+
+def test_a_residual_layer_that_fails_during_the_layered_verify_ends_the_run_clearly(tmp_path, eager):
+    model, ids, path, _ = _stored(tmp_path, "llama")
+    _corrupt_last_layer(path)
+    with open_progressive(path, bandwidth=_bandwidth(path, 0.8)) as load:
+        with pytest.raises(ResidualUnavailable, match="residual failed.*anchor-only"):
+            run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0))
+
+
+def test_with_anchor_only_allowed_a_failed_layer_falls_back_to_the_anchor(tmp_path, eager):
+    model, ids, path, _ = _stored(tmp_path, "llama")
+    with open_cache(path) as c:
+        anchor_kv = c.load_kv(anchor_only=True)
+    _corrupt_last_layer(path)
+    with open_progressive(path, bandwidth=_bandwidth(path, 0.8), allow_anchor_only=True) as load:
+        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, allow_anchor_only=True))
+    s = result.stats
+    assert s.verify_layered and not s.verified and "residual failed" in s.residual_error
+    assert result.token_ids == decode_plain(model, anchor_kv, ids, 16)
+
+
+def test_the_verify_estimate_learns_from_a_measured_verify(monkeypatch):
+    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
+    model = torch.nn.Linear(1, 1)
+    assert layered.verify_estimate(model, 10, 0.1) == pytest.approx(0.1 * (1 + layered.ROW_COST * 10))
+    layered.remember_verify(model, 10, 0.6, 0.1)  # 6 steps for 10 rows: half a step per row
+    assert layered.verify_estimate(model, 20, 0.1) == pytest.approx(0.1 * (1 + 0.5 * 20))
