@@ -14,7 +14,8 @@ due within the verify's own length (:func:`verify_estimate`), so that the forwar
 layers by the time the last one lands.
 
 The cache starts as the anchor's (the same shapes, so the attention masks built before the first layer are the
-right ones) and every layer is replaced before its first use; a layer kind other than plain ``DynamicLayer``, or
+right ones) and every layer is replaced before its first use; a layer kind other than ``DynamicLayer`` (or its
+in-place :class:`~lynxkv.hf.growing.GrowingLayer`), or
 a model whose decoder layers cannot be found, makes :func:`decoder_layers` return None and the runner verifies
 after the whole residual as before.
 """
@@ -46,7 +47,7 @@ def decoder_layers(model, cache) -> list[tuple[int, torch.nn.Module]] | None:
                 and all(hasattr(m, "self_attn") for m in module):
             layers = module
             break
-    if layers is None or any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if layers is None or any(not isinstance(layer, DynamicLayer) or layer.is_sliding for layer in cache.layers):
         return None
     out = []
     for i, m in enumerate(layers):

@@ -20,6 +20,7 @@ import torch
 
 from lynxkv.errors import InputError
 from lynxkv.hf.convert import kv_to_cache
+from lynxkv.hf.growing import grow_in_place
 from lynxkv.hf.prefill import forward
 from lynxkv.hf.models import kv_shape
 from lynxkv.cache.kv import KVPairs
@@ -53,7 +54,8 @@ def start_cache(model, kv: KVPairs, keep: int):
 
     Built over all T tokens and then cropped: when the stored dtype is the model's, both steps are views, so
     opening a 4K-token cache costs nothing (slicing ``[:, :keep]`` first would copy every layer). The tensors may
-    be shared with ``kv`` but are never written: a forward appends with ``torch.cat`` into new storage.
+    be shared with ``kv`` but are never written: the layers are :class:`~lynxkv.hf.growing.GrowingLayer` s, whose
+    first update copies them into a buffer with room to spare, where later tokens are appended in place.
     """
     from transformers import DynamicCache
 
@@ -61,7 +63,7 @@ def start_cache(model, kv: KVPairs, keep: int):
         return DynamicCache()
     cache = kv_to_cache(kv, dtype=model.dtype, device=model.device)
     drop_last(cache, int(cache.get_seq_length()) - keep)
-    return cache
+    return grow_in_place(cache)
 
 
 @torch.no_grad()

@@ -1,0 +1,73 @@
+"""A ``transformers`` cache layer that appends in place: what the runner decodes on.
+
+``DynamicLayer.update`` appends a token by ``torch.cat`` of the whole layer into new storage, so every decode step
+copies the entire cache (SmolLM2 at 3,000 tokens in fp32: 138 MB a step) and touches fresh pages. A
+:class:`GrowingLayer` keeps its tokens at the front of a buffer with room to spare and writes new tokens after
+them: a step copies only its own token. ``crop`` (the runner drops rejected drafts) shortens the view, and the
+next update writes over the dropped tokens. Tensors it was given (a stored cache's KV, which the runner shares
+rather than copies) are never written: the first update copies them into its own buffer, as the ``torch.cat``
+would have. The attention reads the same values in the same layout within each head, so the logits are the
+``DynamicLayer`` 's bit for bit (tests/test_hf_growing.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """A :class:`~transformers.cache_utils.DynamicLayer` that appends into a buffer with spare room."""
+
+    def __init__(self, room: int = 256):
+        super().__init__()
+        self.room = room
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def _owns(self) -> bool:
+        """Whether ``keys``/``values`` are the front of this layer's own buffers (else: tensors it was given)."""
+        return (self._k is not None and self.keys is not None and self.keys.numel() > 0
+                and self.keys.data_ptr() == self._k.data_ptr() and self.values.data_ptr() == self._v.data_ptr())
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, m = self.get_seq_length(), key_states.shape[-2]
+        owned = self._owns()
+        if not owned or n + m > self._k.shape[-2]:
+            capacity = n + m + max(self.room, (n + m) // 8)
+            shape = (*key_states.shape[:-2], capacity, key_states.shape[-1])
+            k = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
+            v = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
+            if n:
+                k[..., :n, :].copy_(self.keys)
+                v[..., :n, :].copy_(self.values)
+            self._k, self._v = k, v
+        self._k[..., n : n + m, :].copy_(key_states)
+        self._v[..., n : n + m, :].copy_(value_states)
+        self.keys, self.values = self._k[..., : n + m, :], self._v[..., : n + m, :]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        super().reset()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._k = self._v = None  # the new tensors are copies: the next update re-homes them
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._k = self._v = None
+
+
+def grow_in_place(cache, room: int = 256):
+    """Replace every plain ``DynamicLayer`` of ``cache`` by a :class:`GrowingLayer` holding the same tensors (no
+    copy here); other layer kinds are left as they are. Returns ``cache``."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            grown = GrowingLayer(room)
+            grown.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("room", "_k", "_v")})
+            cache.layers[i] = grown
+    return cache
