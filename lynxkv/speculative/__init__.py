@@ -7,10 +7,10 @@ from lynxkv.speculative.runner import (
     RunConfig,
     RunResult,
     check_load,
-    decode_plain,
     run,
     stream,
 )
+from lynxkv.speculative.plain import decode_plain
 from lynxkv.speculative.sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs
 from lynxkv.speculative.stats import RunStats
 

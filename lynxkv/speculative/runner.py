@@ -5,7 +5,9 @@
               (the new tokens are prefilled on the anchor cache; model_ops.first_step)
     draft ->  d0, d1, ... (each from the anchor cache, greedy or sampled, keeping its distribution)
               until the residual is complete, the window cap is hit, or the residual is due within a fraction
-              of a draft step (its ETA from the transport)
+              of a draft step (its ETA from the transport); with a load that hands out the full code layer by
+              layer, until the residual is due within the verify's own length: the verify then runs layer by
+              layer as the rest lands (lynxkv.speculative.layered)
     verify -> the same start on the full KV ; ONE forward over [fed tokens, d0 .. d(k-1)] -> the last k+1
               rows of logits; accept the longest valid prefix (greedy: argmax match; sampling: min(1, p/q)), then
               the correction / bonus token from the target; drop the rejected tokens from the cache
@@ -417,56 +419,3 @@ def run(model, load: CacheLoad, config: RunConfig = RunConfig(), **kwargs) -> Ru
             stats = ev.stats
     assert stats is not None  # stream always ends with "done"
     return RunResult(tokens, stats)
-
-
-@torch.no_grad()
-def decode_plain(
-    model,
-    kv: KVPairs,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    *,
-    new_token_ids: list[int] | None = None,
-    first_forward: list[int] | None = None,
-    generator: torch.Generator | None = None,
-    stop_token_ids: tuple[int, ...] = (),
-) -> list[int]:
-    """Plain decoding on ``kv`` without speculation: the reference the runner's output equals.
-
-    The same start as the runner (:func:`~lynxkv.speculative.model_ops.first_step`): the cache holds the prompt
-    minus its last token and the first forward feeds that token; or, with ``new_token_ids``, the cache holds the
-    whole stored prompt and the first forward feeds the new tokens. Then one token per forward.
-
-    ``first_forward`` (greedy only) fixes the shape of that first forward as the runner's verify pass has it: the
-    tokens it appends after the fed prompt tokens (pass the run's ``stats.draft_token_ids``). Greedy decoding
-    then takes the argmax of every row of that one forward up to the first row whose argmax differs from the
-    appended token, drops the rest, and continues one token per forward. In fp32 this changes nothing (one
-    multi-token forward and sequential steps give the same argmaxes); in bf16 and fp16 the two round
-    differently and can flip a near-tie, so a bf16 run is compared with the reference of its own forward shapes.
-    """
-    keep, feed = first_step([int(t) for t in prompt_ids], new_token_ids)
-    appended = [int(t) for t in (first_forward or ())]
-    if appended and not sampling.greedy:
-        raise InputError("first_forward defines greedy decoding only")
-    cache = start_cache(model, kv, keep)
-    out: list[int] = []
-    rows = forward_tokens(model, cache, feed + appended)[len(feed) - 1 :]  # [len(appended)+1, V]
-    if appended:
-        best = rows.argmax(dim=-1).tolist()
-        n = 0
-        while n < len(appended) and best[n] == appended[n]:
-            n += 1
-        out = best[: n + 1]
-        drop_last(cache, len(appended) - n)
-    else:
-        out = [choose(rows[-1], sampling, generator)[0]]
-    for i, tok in enumerate(out):
-        if tok in stop_token_ids or i + 1 == max_new_tokens:
-            return out[: i + 1]
-    while len(out) < max_new_tokens:
-        logits = forward_tokens(model, cache, [out[-1]])[-1]
-        out.append(choose(logits, sampling, generator)[0])
-        if out[-1] in stop_token_ids:
-            break
-    return out
