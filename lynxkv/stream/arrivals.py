@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 
 from lynxkv.stream.link import ANCHOR
 from lynxkv.stream.transport import Transfer
@@ -24,6 +25,19 @@ class ArrivalTransfer(Transfer):
         super().__init__(*args, **kwargs)
         self.residual_blocks: list[tuple[float, int, int]] = []
         self._lock = threading.Lock()
+
+    def residual_eta(self, total: int | None, anchor_left: int) -> float | None:
+        """Seconds until the last of ``total`` residual bytes arrives (``anchor_left`` anchor bytes still ahead of
+        it on the link): from the link's rate when it is emulated, else from the rate observed so far; None
+        while unknown, and for a residual read in place (its bytes arrive as they are parsed)."""
+        got = self.timeline.residual_bytes
+        if self.link is not None and self.link.bandwidth and total is not None:
+            return (anchor_left + total - got) / self.link.bandwidth + self.link.latency
+        t_first = self.residual_started_at
+        if total is None or not got or t_first is None or "residual" in self.in_place_names:
+            return None
+        elapsed = time.perf_counter() - t_first
+        return (total - got) / (got / elapsed) if elapsed > 0 else None
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
         super().received(stream, name, offset, data)

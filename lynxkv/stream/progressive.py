@@ -37,7 +37,7 @@ from lynxkv.storage import RetryPolicy
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.assembly import KVAssembly
-from lynxkv.stream.events import LoadEvent
+from lynxkv.stream.events import EventLog, LoadEvent
 from lynxkv.stream.arrivals import ArrivalTransfer, layer_arrivals
 from lynxkv.stream.transport import Fetch, open_transport
 from lynxkv.stream.units import parse_bandwidth, parse_duration
@@ -64,7 +64,6 @@ class ProgressiveLoad:
                  decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None, allow_locations=()):
         self.source = source
         self.link = link
-        self.on_event = on_event
         self.allow_anchor_only = allow_anchor_only
         self.dtype = dtype
         self.decode = decode
@@ -81,9 +80,7 @@ class ProgressiveLoad:
         self._transport = open_transport(source, self._transfer, residual=residual, storage_options=storage_options,
                                          inflight=inflight, block_size=block_size, retry=retry or RetryPolicy(),
                                          fetch_hook=fetch_hook, allow_locations=allow_locations)
-        self._events: list[LoadEvent] = []
-        self._events_cond = threading.Condition()
-        self._finished = False  # no more events will come
+        self._log = EventLog(on_event)
         self._header_ready = threading.Event()
         self._anchor_done = threading.Event()
         self._residual_go = threading.Event()  # the residual parser may start: the anchor is ready, or the load ended
@@ -148,19 +145,9 @@ class ProgressiveLoad:
     def residual_eta(self) -> float | None:
         if self._future.done():
             return 0.0
-        total = self._residual_bytes_total
-        got = self._timeline.residual_bytes
-        if self.link is not None and self.link.bandwidth:
-            a = self.header
-            remaining_anchor = 0 if self._anchor_done.is_set() or a is None else max(
-                0, (self._transport.anchor_size or 0) - self._timeline.anchor_bytes)
-            if total is not None:
-                return (remaining_anchor + total - got) / self.link.bandwidth + self.link.latency
-        t_first = self._transfer.residual_started_at
-        if total is None or not got or t_first is None or "residual" in self._transfer.in_place_names:
-            return None  # unknown yet, or a local file read in place: its bytes arrive as they are parsed
-        elapsed = time.perf_counter() - t_first
-        return (total - got) / (got / elapsed) if elapsed > 0 else None
+        anchor_left = 0 if self._anchor_done.is_set() or self.header is None else max(
+            0, (self._transport.anchor_size or 0) - self._timeline.anchor_bytes)
+        return self._transfer.residual_eta(self._residual_bytes_total, anchor_left)
 
     def layer_in(self, layer: int, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in. The
@@ -196,19 +183,7 @@ class ProgressiveLoad:
     def events(self, timeout: float | None = None) -> Iterator[LoadEvent]:
         """Every event from the start, as it happens; ends after ``residual_ready`` / ``residual_failed``.
         Raises the load's error at the end when the load failed (and anchor-only was not allowed)."""
-        i = 0
-        while True:
-            with self._events_cond:
-                while i >= len(self._events) and not self._finished:
-                    if not self._events_cond.wait(timeout):
-                        raise TimeoutError("no load event within the timeout")
-                batch = self._events[i:]
-                finished = self._finished
-            for ev in batch:
-                yield ev
-            i += len(batch)
-            if finished and i >= len(self._events):
-                break
+        yield from self._log.follow(timeout)
         err = self._anchor_error or self._fatal
         if err is not None:
             raise err
@@ -237,14 +212,7 @@ class ProgressiveLoad:
         return time.perf_counter() - self._t0
 
     def _emit(self, ev: LoadEvent) -> None:
-        with self._events_cond:
-            self._events.append(ev)
-            self._events_cond.notify_all()
-        if self.on_event is not None:
-            try:
-                self.on_event(ev)
-            except Exception:  # noqa: BLE001 - a failing observer must not break the load
-                pass
+        self._log.emit(ev)
 
     def _put(self, prio: int, item: tuple) -> None:
         with self._seq_lock:
@@ -317,9 +285,7 @@ class ProgressiveLoad:
             if self._kv is not None:
                 self._kv.release()
             self._transport.close()
-            with self._events_cond:
-                self._finished = True
-                self._events_cond.notify_all()
+            self._log.finish()
 
     def _consume(self) -> None:
         # No torch.set_num_threads here: it is process-wide (it would also slow down the model decoding beside
