@@ -52,6 +52,7 @@ class KVAssembly:
         self._in = [threading.Event() for _ in range(header.layers)]
         self._locks = [threading.Lock() for _ in range(header.layers)]
         self._done = [False] * header.layers
+        self.urgent = False  # a caller waits for layers (full_layer): the residual is on its critical path
 
     @staticmethod
     def batch_pages(header) -> int:
@@ -118,6 +119,10 @@ class KVAssembly:
         :meth:`full_layer` are skipped."""
         self.take(items, anchors)
         layers = sorted({it[1] for it in items})
+        if self.urgent:  # a layered verify dequantizes layers in order as it reaches them: meet it from the end,
+            for layer in reversed(layers):  # at this thread's own priority (a niced worker holding a layer
+                self.full_layer(layer, threads=1)  # the verify waits for would stall behind the model's threads)
+            return
         pool = ThreadPoolExecutor(min(concurrent_tensors(), len(layers)), thread_name_prefix="lynxkv-residual",
                                   initializer=lowest_priority)
         try:

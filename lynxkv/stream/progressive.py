@@ -157,6 +157,8 @@ class ProgressiveLoad:
             if self._future.done():
                 self._future.result()  # the load's error, if it failed
             kv = self._kv
+            if kv is not None:
+                kv.urgent = True
             if kv is not None and kv.layer_in(layer, 0.05):
                 return True
             if kv is None and self._header_ready.wait(0.05) and not self.decode:
