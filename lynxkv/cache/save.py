@@ -18,17 +18,24 @@ from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import AtomicWriter, exists, has_protocol, record_location, remove, resolve_location, same_object
 
 
-def default_residual_path(anchor_path: str | os.PathLike) -> str:
-    """``x.lynx`` -> ``x.lynxr``; any other name gets ``.lynxr`` appended."""
+def default_residual_path(anchor_path: str | os.PathLike, suffix: str = c.RESIDUAL_SUFFIX) -> str:
+    """``x.lynx`` -> ``x.lynxr``; any other name gets ``.lynxr`` appended (``suffix``: ``.lynxe`` for the exact
+    segment's file)."""
     p = pathlib.Path(anchor_path)
-    return str(p.with_suffix(c.RESIDUAL_SUFFIX) if p.suffix == ".lynx" else p.with_name(p.name + c.RESIDUAL_SUFFIX))
+    return str(p.with_suffix(suffix) if p.suffix == ".lynx" else p.with_name(p.name + suffix))
+
+
+def default_exact_path(anchor_path: str | os.PathLike) -> str:
+    """``x.lynx`` -> ``x.lynxe``: where the exact segment (1.4) goes by default."""
+    return default_residual_path(anchor_path, c.EXACT_SUFFIX)
 
 
 def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT, *,
                residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
-               cache_id: bytes | None = None, properties: dict[str, str] | None = None) -> CacheInfo:
+               cache_id: bytes | None = None, properties: dict[str, str] | None = None, exact: bool = False,
+               exact_path: str | os.PathLike | None = None) -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
@@ -36,6 +43,10 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     records the residual as ``residual_location`` (default: its path relative to the anchor's directory; pass a
     URL when the residual will be served from elsewhere). ``properties`` are text key/value pairs recorded in
     the header (the model's name as ``lynxkv.model``, an input file's own metadata).
+
+    ``exact`` (format 1.4) adds the exact segment, with which a reader rebuilds the input tensors bit for bit: in
+    its own file ``exact_path`` (default ``path`` with suffix ``.lynxe``, written before the anchor), or inline at
+    the end of a single file. It needs the original tensors (KV pairs, not an :class:`EncodedCache` without them).
 
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
@@ -53,13 +64,20 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         enc = lazy_encoding(kv_or_encoded, scheme, prompt_token_ids, model_fingerprint, names, packed=True)
     if properties is not None:
         enc.properties = dict(properties)
+    exact = exact or exact_path is not None
+    if exact and enc.originals is None:
+        raise InputError("exact: an exact segment needs the original tensors; pass the KV pairs, not an "
+                         "EncodedCache")
+    exact_kv = enc.originals if exact else None
     path = os.fspath(path)
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
-        old = residual_file_of(path)
+        if exact_path is not None:
+            raise InputError("exact_path: a single-file cache keeps its exact segment inside the anchor file")
+        old, epath = residual_file_of(path), None
         with AtomicWriter(path) as anchor:
-            write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv)
         if old is not None:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
                 remove(old)
@@ -75,14 +93,22 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
             rpath = _fresh_residual_name(rpath, cache_id)
         location = residual_location or record_location(path, rpath)
-        residual, anchor = AtomicWriter(rpath), None
+        epath = (os.fspath(exact_path) if exact_path is not None else default_exact_path(path)) if exact else None
+        if epath is not None and (same_object(epath, path) or same_object(epath, rpath)):
+            raise InputError(f"{epath}: the exact segment's path must differ from the anchor's and the residual's")
+        residual, anchor, exact_w = AtomicWriter(rpath), None, None
         try:
+            exact_w = AtomicWriter(epath) if epath is not None else None
             anchor = AtomicWriter(path)
-            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
+            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location,
+                        exact_kv=exact_kv, exact=exact_w,
+                        exact_location=record_location(path, epath) if epath is not None else "")
             residual.commit()  # first: an anchor never points at a missing residual
+            if exact_w is not None:
+                exact_w.commit()
             anchor.commit()
         except BaseException:
-            for w in (residual, anchor):
+            for w in (residual, exact_w, anchor):
                 if w is not None:
                     w.abort()
             raise
@@ -91,7 +117,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
             if not same_object(stale, rpath):
                 with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
                     remove(stale)
-    with open_cache(path, residual=rpath) as cache:
+    with open_cache(path, residual=rpath, exact=epath) as cache:
         return cache.info
 
 

@@ -23,6 +23,8 @@ from lynxkv.quant.scheme import Scheme
 _ANCHOR_FIXED = struct.Struct(c.ANCHOR_FIXED_STRUCT)
 _SEGMENT = struct.Struct(c.SEGMENT_STRUCT)
 _RESIDUAL = struct.Struct(c.RESIDUAL_STRUCT)
+_EXACT = struct.Struct(c.EXACT_STRUCT)
+assert _EXACT.size == c.EXACT_HEADER_SIZE
 assert _ANCHOR_FIXED.size == c.ANCHOR_FIXED_SIZE and _SEGMENT.size == c.SEGMENT_SIZE  # the tables add up
 assert _RESIDUAL.size == c.RESIDUAL_HEADER_SIZE
 
@@ -38,7 +40,7 @@ def _inv(d: dict) -> dict:
 class SegmentEntry:
     """One row of the anchor header's segment table."""
 
-    kind: int  # SEGMENT_ANCHOR | SEGMENT_RESIDUAL (3 reserved for a future exact-remainder segment)
+    kind: int  # SEGMENT_ANCHOR | SEGMENT_RESIDUAL | SEGMENT_EXACT (1.4)
     placement: int  # PLACEMENT_INLINE | PLACEMENT_EXTERNAL
     page_count: int
     offset: int  # inline: byte offset of the section in the anchor file; external: 0
@@ -95,6 +97,24 @@ class ResidualHeader:
     header_length: int = c.RESIDUAL_HEADER_SIZE
 
 
+@dataclass(frozen=True)
+class ExactHeader:
+    """The header of an exact-remainder section (1.4): bound to its anchor by ``cache_id`` and the shape."""
+
+    cache_id: bytes
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    page: int
+    dtype: str  # the original dtype: fp32 | fp16 | bf16
+    index_crc32: int
+    coding: int = c.EXACT_CODING_PLANES
+    flags: int = 0
+    version_minor: int = 0
+    header_length: int = c.EXACT_HEADER_SIZE
+
+
 # ---------------------------------------------------------------------------------------------------------
 # anchor header
 # ---------------------------------------------------------------------------------------------------------
@@ -136,8 +156,9 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
-    minor = max(h.version_minor, c.MINOR_KEY_ROTATION if s.rotated("key") else c.MINOR_SCHEME if s.extended
-                else c.MINOR_PROPERTIES if properties else 0)
+    exact = any(seg.kind == c.SEGMENT_EXACT for seg in h.segments)
+    minor = max(h.version_minor, c.MINOR_EXACT if exact else c.MINOR_KEY_ROTATION if s.rotated("key")
+                else c.MINOR_SCHEME if s.extended else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
         c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
@@ -445,6 +466,61 @@ def check_residual_matches(a: AnchorHeader, r: ResidualHeader) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# exact header (1.4)
+# ---------------------------------------------------------------------------------------------------------
+def pack_exact_header(h: ExactHeader) -> bytes:
+    body = _EXACT.pack(c.EXACT_MAGIC, c.VERSION_MAJOR, h.version_minor, h.flags, c.EXACT_HEADER_SIZE, 0, h.cache_id,
+                       h.layers, h.kv_heads, h.head_dim, h.tokens, h.page, c.DTYPE_CODES[h.dtype], h.coding, b"\0\0",
+                       h.index_crc32, 0)
+    return body[: -c.CRC_SIZE] + struct.pack("<I", crc32(body[: -c.CRC_SIZE]))
+
+
+def parse_exact_header(buf, section_size: int | None = None) -> ExactHeader:
+    what = "exact"
+    minor, flags, length = _check_prefix(buf, c.EXACT_MAGIC, c.KNOWN_EXACT_FLAGS, c.EXACT_HEADER_SIZE,
+                                         c.EXACT_HEADER_SIZE, section_size, what)
+    _check_header_crc(buf, length, what)
+    (_, _, _, _, _, reserved0, cache_id, layers, kv_heads, head_dim, tokens, page, dtype, coding, reserved1,
+     index_crc, _) = _EXACT.unpack_from(buf, 0)
+    off = c.EXACT_FIELD_OFFSETS
+    if reserved0:
+        raise _err("reserved0", f"{what} byte {off['reserved0']}", 0, reserved0)
+    if any(reserved1):
+        raise _err("reserved1", f"{what} byte {off['reserved1']}", "00" * 2, reserved1.hex())
+    _cap("layers", layers, c.MAX_LAYERS, off, what, 1)
+    _cap("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
+    _cap("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
+    _cap("tokens", tokens, c.MAX_TOKENS, off, what)
+    _cap("page", page, 1 << 16, off, what, 1)
+    names = _inv(c.DTYPE_CODES)
+    if dtype not in names:
+        raise _err("dtype", f"{what} byte {off['dtype']}", f"one of {sorted(names)}", dtype)
+    if coding not in c.EXACT_CODINGS:
+        raise _err("coding", f"{what} byte {off['coding']}", f"one of {sorted(c.EXACT_CODINGS)}", coding)
+    return ExactHeader(bytes(cache_id), layers, kv_heads, head_dim, tokens, page, names[dtype], index_crc, coding,
+                       flags, minor, length)
+
+
+def check_exact_matches(a: AnchorHeader, e: ExactHeader) -> None:
+    """The exact header must belong to this anchor header (same cache id, same shape and dtype)."""
+    if e.cache_id != a.cache_id:
+        raise FormatError(
+            f"`cache_id` at exact byte 24: the exact segment belongs to another cache "
+            f"(expected {a.cache_id.hex()}, got {e.cache_id.hex()})", field="cache_id", where="exact byte 24")
+    off = c.EXACT_FIELD_OFFSETS
+    for name, want, got in (("layers", a.layers, e.layers), ("kv_heads", a.kv_heads, e.kv_heads),
+                            ("head_dim", a.head_dim, e.head_dim), ("tokens", a.tokens, e.tokens),
+                            ("page", a.scheme.page, e.page), ("dtype", a.dtype, e.dtype)):
+        if want != got:
+            raise _err(name, f"exact byte {off[name]}", f"{want} (as in the anchor header)", got)
+
+
+def exact_record_length(h: AnchorHeader, n: int) -> int:
+    """The raw exact record of a page of ``n`` tokens: the original bytes' CRC-32, then K and V's byte planes."""
+    return c.EXACT_RECORD_CRC_SIZE + 2 * h.kv_heads * n * h.head_dim * c.DTYPE_BYTES[h.dtype]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # sizes the anchor header declares
 # ---------------------------------------------------------------------------------------------------------
 def decoded_bytes(h: AnchorHeader, element_bytes: int) -> int:
@@ -460,6 +536,9 @@ def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:
         n = page_tokens(h.tokens, h.scheme.page, p)
         if kind == c.SEGMENT_ANCHOR:
             lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, p))
+        elif kind == c.SEGMENT_EXACT:
+            per_page.append(exact_record_length(h, n))
+            continue
         else:
             lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
         per_page.append(lay.raw_length)

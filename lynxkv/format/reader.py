@@ -31,14 +31,18 @@ from lynxkv.format.checksum import crc32
 from lynxkv.format.headers import (
     PREFIX_SIZE,
     AnchorHeader,
+    ExactHeader,
     ResidualHeader,
     anchor_header_length,
+    check_exact_matches,
     check_residual_matches,
     inline_end,
     parse_anchor_header,
+    parse_exact_header,
     parse_residual_header,
     raw_lengths,
 )
+from lynxkv.format.exact_records import apply_exact_record
 from lynxkv.format.layout import (
     PageEntry,
     anchor_record_layout,
@@ -132,12 +136,12 @@ def index_span(h: AnchorHeader, kind: int) -> tuple[int, int]:
     if seg is None:
         raise FormatError(f"`segments`: this cache has no {c.SEGMENT_KINDS.get(kind, kind)} segment",
                           field="segments", where="anchor")
-    lead = c.RESIDUAL_HEADER_SIZE if kind == c.SEGMENT_RESIDUAL else 0
+    lead = {c.SEGMENT_RESIDUAL: c.RESIDUAL_HEADER_SIZE, c.SEGMENT_EXACT: c.EXACT_HEADER_SIZE}.get(kind, 0)
     return lead, seg.page_count * c.PAGE_ENTRY_SIZE
 
 
 def parse_section_index(buf, h: AnchorHeader, kind: int, *, base: int,
-                        residual_header: ResidualHeader | None = None) -> SectionIndex:
+                        residual_header: ResidualHeader | ExactHeader | None = None) -> SectionIndex:
     """Check and parse a section's page index from its bytes (``index_span`` says where they are); ``base``
     is the section's absolute offset in its source, kept so that :meth:`SectionIndex.span` is absolute."""
     seg = h.segment(kind)
@@ -162,7 +166,8 @@ def parse_section_index(buf, h: AnchorHeader, kind: int, *, base: int,
     return SectionIndex(kind, base, tuple(entries), h.pages_per_layer)
 
 
-def _index(src, h: AnchorHeader, kind: int, base: int, residual_header: ResidualHeader | None = None) -> SectionIndex:
+def _index(src, h: AnchorHeader, kind: int, base: int,
+           residual_header: ResidualHeader | ExactHeader | None = None) -> SectionIndex:
     index_at, size = index_span(h, kind)
     seg = h.segment(kind)
     name = c.SEGMENT_KINDS[kind]
@@ -207,6 +212,30 @@ def read_residual_section(src, h: AnchorHeader, *, base: int | None = None) -> t
     return rh, index
 
 
+def read_exact_section(src, h: AnchorHeader, *, base: int | None = None) -> tuple[ExactHeader, SectionIndex]:
+    """The exact header and index (1.4) from ``src`` (its own file, or the anchor file when inline): bound to the
+    anchor by cache id, shape and dtype; its index CRC must match its own header and the anchor's segment table."""
+    seg = h.segment(c.SEGMENT_EXACT)
+    if seg is None:
+        raise FormatError("`segments`: this cache has no exact segment", field="segments", where="anchor")
+    if base is None:
+        base = seg.offset if seg.placement == c.PLACEMENT_INLINE else 0
+    if seg.placement == c.PLACEMENT_EXTERNAL and src.size != seg.length:
+        kind = "truncated" if src.size < seg.length else "trailing bytes"
+        if src.size >= c.EXACT_HEADER_SIZE:  # a different size may mean another cache's: say so first
+            try:
+                check_exact_matches(h, parse_exact_header(src.read(0, c.EXACT_HEADER_SIZE)))
+            except FormatError as exc:
+                if exc.field == "cache_id":
+                    raise
+        raise FormatError(f"`file_length` of exact: expected {seg.length} bytes (as the anchor header says), "
+                          f"got {src.size} ({kind})", field="file_length", where="exact")
+    head = _read_exact(src, base, c.EXACT_HEADER_SIZE, "exact.header", "exact")
+    eh = parse_exact_header(head, seg.length)
+    check_exact_matches(h, eh)
+    return eh, _index(src, h, c.SEGMENT_EXACT, base, eh)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # pages
 # ---------------------------------------------------------------------------------------------------------
@@ -227,6 +256,8 @@ def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int
     """Decode the record of (``layer``, ``page``) of segment ``kind`` from its stored bytes (CRC checked first)."""
     where = _where(c.SEGMENT_KINDS[kind], layer, page)
     raw = check_and_decompress(stored, entry, where)
+    if kind == c.SEGMENT_EXACT:  # applied to the full code's decoding (PageReader.apply_exact), not decoded alone
+        return raw
     lay = _record_layout(h, kind, page)
     if kind == c.SEGMENT_ANCHOR:
         return anchor_page(*decode_anchor_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
@@ -251,6 +282,7 @@ class PageReader:
         self.anchor = anchor
         self.header = read_anchor_header(anchor, exact_size=exact_size)
         self.residual_header: ResidualHeader | None = None
+        self.exact_header: ExactHeader | None = None
         self._sources = {c.SEGMENT_ANCHOR: anchor}
         self._indexes: dict[int, SectionIndex] = {}
 
@@ -271,9 +303,40 @@ class PageReader:
         self._indexes[c.SEGMENT_RESIDUAL] = index
         return index
 
+    @property
+    def exact_inline(self) -> bool:
+        seg = self.header.segment(c.SEGMENT_EXACT)
+        return seg is not None and seg.placement == c.PLACEMENT_INLINE
+
+    def attach_exact(self, src=None, *, base: int | None = None) -> SectionIndex:
+        """Read the exact header and index (1.4) from ``src`` (default: the anchor source, for an inline exact
+        segment); ``base`` as for :meth:`attach_residual`."""
+        if src is None:
+            src = self.anchor
+        elif base is None:
+            base = 0
+        self.exact_header, index = read_exact_section(src, self.header, base=base)
+        self._sources[c.SEGMENT_EXACT] = src
+        self._indexes[c.SEGMENT_EXACT] = index
+        return index
+
+    def apply_exact(self, out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Turn ``out`` -- every layer decoded from the full code in the original dtype (:meth:`dequantize_layers`)
+        -- into the original values, in place, page by page from the exact segment; each page's original bytes are
+        checked against their CRC before the page is written. On an error ``out`` is partly rebuilt: callers
+        return nothing then."""
+        h = self.header
+        page = h.scheme.page
+        for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+            k, v = out[layer]
+            sl = slice(p * page, min((p + 1) * page, h.tokens))
+            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl])
+
     def source(self, kind: int):
         if kind not in self._sources:
-            if kind == c.SEGMENT_RESIDUAL and self.residual_inline:
+            if kind == c.SEGMENT_EXACT and self.exact_inline:
+                self.attach_exact()
+            elif kind == c.SEGMENT_RESIDUAL and self.residual_inline:
                 self.attach_residual()
             else:
                 raise FormatError(f"`segments`: the {c.SEGMENT_KINDS.get(kind, kind)} segment is not attached",

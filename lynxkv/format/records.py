@@ -139,10 +139,10 @@ def compress(raw: bytes, codec: int, level: int = 3) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True).compress(raw)
 
 
-def choose_codec(raw: bytes, zstd: bool) -> tuple[int, bytes]:
-    """zstd only where it makes the page smaller; otherwise the page is stored raw (codec none)."""
+def choose_codec(raw: bytes, zstd: bool, level: int = 3) -> tuple[int, bytes]:
+    """zstd (at ``level``) only where it makes the page smaller; otherwise the page is stored raw (codec none)."""
     if zstd and raw:
-        packed = compress(raw, c.CODEC_ZSTD)
+        packed = compress(raw, c.CODEC_ZSTD, level)
         if len(packed) < len(raw):
             return c.CODEC_ZSTD, packed
     return c.CODEC_NONE, raw

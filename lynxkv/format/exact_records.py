@@ -1,0 +1,70 @@
+"""Exact records (format 1.4): the bytes of one (layer, page) of the exact segment, and their application.
+
+Exact record for a page of n tokens, ``E`` bytes per element of the original dtype, little-endian, no padding:
+
+    CRC-32 of the page's original bytes (K [H, n, D] then V [H, n, D], row-major, little-endian) |
+    byte planes of the remainder of K then V (2·H·n·D elements): plane 0 (byte 0 of every element) ... plane E-1
+
+The remainder is :func:`lynxkv.quant.remainder.remainder_planes` against the full code decoded to the original
+dtype (spec §9.3). Applying a record rebuilds the original page and checks it against the CRC before anything
+is returned, so a record of another cache, a corrupt one or a prediction that differs from the writer's is refused.
+Records are stored through the page codecs (none | zstd) like every other page.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import numpy as np
+import torch
+
+from lynxkv.errors import ChecksumError, FormatError
+from lynxkv.format import constants as c
+from lynxkv.format.checksum import crc32
+from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes
+
+#: zstd level of the exact pages: level 1 was as small as level 3 and faster on KV (docs/format.md, "Exact tier")
+EXACT_ZSTD_LEVEL = 1
+
+
+def _page_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
+    return k.contiguous().view(torch.uint8).numpy().tobytes() + v.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: tuple[torch.Tensor, torch.Tensor],
+                       page: int, tokens: int):
+    """The exact record of each page of one layer, in page order: ``original`` and ``predicted`` are the layer's
+    (keys, values) ``[H, T, D]`` in the original dtype, ``predicted`` the full code's decoding."""
+    (k, v), (pk, pv) = original, predicted
+    for p in range(-(-tokens // page)):
+        sl = slice(p * page, min((p + 1) * page, tokens))
+        ko, vo = k[:, sl], v[:, sl]
+        both = torch.cat([ko.reshape(-1), vo.reshape(-1)])
+        planes = remainder_planes(both, torch.cat([pk[:, sl].reshape(-1), pv[:, sl].reshape(-1)]))
+        yield struct.pack("<I", crc32(both.view(torch.uint8).numpy())) + planes.numpy().tobytes()
+
+
+def apply_exact_record(raw, predicted_k: torch.Tensor, predicted_v: torch.Tensor, where: str,
+                       out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Rebuild the original keys and values of one page from its raw exact record and the page's prediction
+    (``[H, n, D]`` each, the original dtype) into ``out_k`` / ``out_v``; the original bytes' CRC is checked
+    before anything is written."""
+    e = element_bytes(predicted_k.dtype)
+    n = predicted_k.numel()
+    want = c.EXACT_RECORD_CRC_SIZE + 2 * n * e
+    if len(raw) != want:
+        raise FormatError(f"`page.raw_length` {where}: expected {want} bytes, got {len(raw)}", field="page.raw_length",
+                          where=where)
+    stored_crc = struct.unpack_from("<I", raw, 0)[0]
+    with warnings.catch_warnings():  # the record is only read: a view of the (read-only) page bytes, no copy
+        warnings.simplefilter("ignore", UserWarning)
+        planes = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, offset=c.EXACT_RECORD_CRC_SIZE).reshape(e, 2 * n))
+    both = apply_planes(planes, torch.cat([predicted_k.reshape(-1), predicted_v.reshape(-1)]))
+    got = crc32(both.view(torch.uint8).numpy())
+    if got != stored_crc:
+        raise ChecksumError(f"`exact.original_crc32` {where}: expected {stored_crc:#010x}, got {got:#010x} (the exact "
+                            "record does not rebuild this cache's original values: corrupt, of another cache, or "
+                            "decoded from a different full code)", field="exact.original_crc32", where=where)
+    out_k.copy_(both[:n].view(predicted_k.shape))
+    out_v.copy_(both[n:].view(predicted_v.shape))
