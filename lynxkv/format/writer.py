@@ -18,17 +18,9 @@ from typing import Protocol
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
-from lynxkv.format.headers import (
-    AnchorHeader,
-    ExactHeader,
-    ResidualHeader,
-    SegmentEntry,
-    names_problem,
-    pack_anchor_header,
-    pack_exact_header,
-    pack_properties,
-    pack_residual_header,
-)
+from lynxkv.format.headers import AnchorHeader, SegmentEntry, names_problem, pack_anchor_header
+from lynxkv.format.properties import pack_properties
+from lynxkv.format.section_headers import ExactHeader, ResidualHeader, pack_exact_header, pack_residual_header
 from lynxkv.format.exact_records import EXACT_ZSTD_LEVEL, encode_exact_layer
 from lynxkv.format.layout import PageEntry, pack_index
 from lynxkv.format.records import choose_codec, encode_layer_records
