@@ -90,6 +90,67 @@ def test_a_file_without_an_exact_segment_is_byte_identical_to_format_1_3():
         assert b.header.segment(c.SEGMENT_EXACT) is None
 
 
+def _exact_named(path):
+    """The exact file the anchor at ``path`` names, which must exist."""
+    with open_cache(path) as cache:
+        loc = cache.info.exact_location
+    assert loc is not None and (path.parent / loc).is_file(), loc
+    return loc
+
+
+def test_replacing_a_cache_gives_the_exact_file_a_fresh_name(tmp_path):
+    """Each replacement writes the new exact file under a fresh name before the anchor, and removes the old one
+    after: the directory holds one anchor and the two side files it names, and what it names is the new cache."""
+    path = tmp_path / "c.lynx"
+    save_cache(path, _kv(torch.bfloat16, layers=1, t=40, seed=1), exact=True)
+    assert _exact_named(path) == "c.lynxe"
+    for seed in (2, 3):
+        kv = _kv(torch.bfloat16, layers=1, t=40, seed=seed)
+        save_cache(path, kv, exact=True)
+        with open_cache(path) as cache:
+            names = sorted(p.name for p in tmp_path.iterdir())
+            assert names == sorted(["c.lynx", cache.info.residual_location, cache.info.exact_location]), names
+            assert (cache.info.exact_location == "c.lynxe") == (seed == 3)  # a fresh name while c.lynxe is taken
+            assert _same_bits(cache.load_kv(exact=True), kv)
+    save_cache(path, _kv(torch.bfloat16, layers=1, t=40, seed=4))  # no exact segment: the old one goes
+    assert not any(p.name.endswith(".lynxe") for p in tmp_path.iterdir())
+    save_cache(path, _kv(torch.bfloat16, layers=1, t=40, seed=5), exact=True, single_file=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.lynx"]
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3], ids=["residual", "exact", "anchor"])
+def test_a_crash_while_replacing_never_leaves_an_anchor_naming_a_missing_or_old_exact_file(tmp_path, monkeypatch,
+                                                                                         fail_at):
+    """A crash as the n-th file would be published (residual, exact, anchor): the anchor in place is the old one
+    and its exact file is its own, whole; the next save cleans up."""
+    from lynxkv.storage import AtomicWriter
+
+    path = tmp_path / "c.lynx"
+    old = _kv(torch.float16, layers=1, t=40, seed=1)
+    save_cache(path, old, exact=True)
+    real, calls = AtomicWriter.commit, []
+
+    def commit(self):
+        calls.append(self.url)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(AtomicWriter, "commit", commit)
+    with pytest.raises(KeyboardInterrupt):
+        save_cache(path, _kv(torch.float16, layers=1, t=40, seed=2), exact=True)
+    monkeypatch.undo()
+    assert _exact_named(path) == "c.lynxe" and verify_file(path) == []
+    with open_cache(path) as cache:
+        assert _same_bits(cache.load_kv(exact=True), old)
+    new = _kv(torch.float16, layers=1, t=40, seed=3)
+    save_cache(path, new, exact=True)
+    with open_cache(path) as cache:
+        assert _same_bits(cache.load_kv(exact=True), new)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            ["c.lynx", cache.info.residual_location, cache.info.exact_location])
+
+
 def test_exact_segment_of_another_cache_is_refused(tmp_path):
     kv = _kv(torch.bfloat16)
     save_cache(tmp_path / "a.lynx", kv, exact=True)
