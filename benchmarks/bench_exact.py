@@ -1,9 +1,11 @@
 """The exact tier: anchor + residual + exact against the raw bytes and zstd of the same tensors.
 
-Usage: python benchmarks/bench_exact.py [--tokens N] [--repeats N] [--threads N] [--no-model]
+Usage: python benchmarks/bench_exact.py [--tokens N] [--repeats N] [--threads N] [--no-model] [--corpus C]
 
-Two bf16 caches: the KV of the offline SmolLM2 prefilled in bf16 on the built-in prompt of ``--tokens`` tokens
-(default 1000; about 30 s to load and prefill), and a Llama-shaped random-ish cache (8 layers x 8 KV heads x
+Two bf16 caches: the KV of the offline SmolLM2 prefilled in bf16 on ``--tokens`` tokens (default 1000; about 40 s
+to load and prefill) of the held-out prose (``--corpus prose``, the default: :func:`lynxkv.eval.prose.docstring_text`,
+which had no part in choosing the coding) or of the built-in pydoc prompt the coding was chosen on
+(``--corpus pydoc``), and a Llama-shaped random-ish cache (8 layers x 8 KV heads x
 ``--tokens`` x 128: Gaussian values with log-normal per-channel scales, the keys with a few 8x outlier
 channels). Everything goes through the public API (``save_cache(..., exact=True)``, ``open_cache(...).load_kv``).
 It prints, per cache, the bytes of each segment and of zstd-1 / zstd-3 of the raw tensors (one frame per tensor)
@@ -14,7 +16,8 @@ and the speeds, medians of ``--repeats`` (default 3) interleaved runs:
 - decode: ``load_kv(exact=True)`` (the whole cache, bf16 bit for bit), beside zstd-1's decompression of the raw
   tensors.
 
-Then the candidates measured for coding the remainder (sizes only), on the same caches. ``--threads`` sets
+Then the candidates measured for coding the remainder (sizes only, page by page as the format stores it), on the
+same caches. ``--threads`` sets
 torch's intra-op threads (default 1: the figures in docs/format.md came from a shared 2-core machine).
 """
 
@@ -30,16 +33,22 @@ import torch
 import zstandard
 
 from lynxkv.cache import open_cache, save_cache
-from lynxkv.quant.remainder import remainder_planes
+from lynxkv.quant.remainder import element_order, remainder_planes
+from lynxkv.quant.scheme import DEFAULT
 
 
-def smollm2_kv(tokens: int):
+def smollm2_kv(tokens: int, corpus: str):
     from lynxkv.hf.models import encode_prompt, load_model
     from lynxkv.hf.prefill import prefill
     from lynxkv.hf.prompts import builtin_prompt
 
     loaded = load_model(None, dtype=torch.bfloat16)
-    ids = encode_prompt(loaded, builtin_prompt(loaded.tokenizer, tokens))
+    if corpus == "pydoc":
+        ids = encode_prompt(loaded, builtin_prompt(loaded.tokenizer, tokens))
+    else:
+        from lynxkv.eval.prose import docstring_text
+
+        ids = torch.tensor([loaded.tokenizer(docstring_text()).input_ids[:tokens]])
     kv, _ = prefill(loaded.model, ids)
     return [(k.contiguous(), v.contiguous()) for k, v in kv]
 
@@ -101,22 +110,37 @@ def measure(name: str, kv, repeats: int, workdir: Path) -> dict:
                 load_full_s=med["load_full"], predicted=predicted)
 
 
-def candidates(kv, predicted) -> dict[str, int]:
-    """Bytes of the remainder coded in each candidate way (all pages of the cache as one stream per tensor)."""
+def candidates(kv, predicted, page: int) -> dict[str, int]:
+    """Bytes of the remainder coded in each candidate way, page by page (K then V of a page together, as the
+    exact records hold them; the 4-byte CRC of each record left out)."""
     z1, z3 = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3)
-    out = {"ordered difference, byte planes, zstd-1 (chosen)": 0, "ordered difference, byte planes, zstd-3": 0,
-           "ordered difference, interleaved bytes, zstd-1": 0, "XOR of the bits, byte planes, zstd-1": 0,
-           "original bits, byte planes, zstd-1 (no prediction)": 0}
+    names = ["ordered difference, exponent order, byte planes, zstd-1 (chosen)",
+             "ordered difference, exponent order, byte planes, zstd-3",
+             "ordered difference, exponent order, low plane one frame per exponent",
+             "ordered difference, element order, byte planes, zstd-1",
+             "ordered difference, element order, interleaved bytes, zstd-1",
+             "XOR of the bits, element order, byte planes, zstd-1",
+             "original bits, byte planes, zstd-1 (no prediction)"]
+    out = dict.fromkeys(names, 0)
     for (k, v), (pk, pv) in zip(kv, predicted):
-        for x, p in ((k, pk), (v, pv)):
+        for p0 in range(0, k.shape[1], page):
+            x = torch.cat((k[:, p0:p0 + page], v[:, p0:p0 + page])).reshape(-1)
+            p = torch.cat((pk[:, p0:p0 + page], pv[:, p0:p0 + page])).reshape(-1)
             planes = remainder_planes(x, p)
-            out["ordered difference, byte planes, zstd-1 (chosen)"] += len(z1.compress(planes.numpy().tobytes()))
-            out["ordered difference, byte planes, zstd-3"] += len(z3.compress(planes.numpy().tobytes()))
-            out["ordered difference, interleaved bytes, zstd-1"] += len(z1.compress(planes.t().contiguous().numpy().tobytes()))
-            xor = (x.contiguous().view(torch.int16) ^ p.contiguous().view(torch.int16)).view(torch.uint8).view(-1, 2)
-            out["XOR of the bits, byte planes, zstd-1"] += len(z1.compress(xor.t().contiguous().numpy().tobytes()))
-            bits = x.contiguous().view(torch.uint8).view(-1, 2)
-            out["original bits, byte planes, zstd-1 (no prediction)"] += len(z1.compress(bits.t().contiguous().numpy().tobytes()))
+            unsorted = torch.empty_like(planes)
+            unsorted[:, element_order(p)] = planes
+            out[names[0]] += len(z1.compress(planes.numpy().tobytes()))
+            out[names[1]] += len(z3.compress(planes.numpy().tobytes()))
+            keys = ((p.view(torch.int16).to(torch.int32) >> 7) & 0xFF)[element_order(p)]
+            bounds = [0, *(torch.nonzero(keys[1:] != keys[:-1]).reshape(-1) + 1).tolist(), len(keys)]
+            out[names[2]] += sum(len(z1.compress(planes[0, a:b].numpy().tobytes())) for a, b in zip(bounds, bounds[1:]))
+            out[names[2]] += len(z1.compress(planes[1].numpy().tobytes()))
+            out[names[3]] += len(z1.compress(unsorted.numpy().tobytes()))
+            out[names[4]] += len(z1.compress(unsorted.t().contiguous().numpy().tobytes()))
+            xor = (x.view(torch.int16) ^ p.view(torch.int16)).view(torch.uint8).view(-1, 2)
+            out[names[5]] += len(z1.compress(xor.t().contiguous().numpy().tobytes()))
+            bits = x.view(torch.uint8).view(-1, 2)
+            out[names[6]] += len(z1.compress(bits.t().contiguous().numpy().tobytes()))
     return out
 
 
@@ -126,9 +150,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-model", action="store_true", help="skip SmolLM2 (only the Llama-shaped cache)")
+    ap.add_argument("--corpus", choices=["prose", "pydoc"], default="prose",
+                    help="SmolLM2's prompt: held-out prose (default) or the pydoc prompt the coding was chosen on")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    caches = [] if args.no_model else [("SmolLM2 bf16", smollm2_kv(args.tokens))]
+    caches = [] if args.no_model else [(f"SmolLM2 bf16 {args.corpus}", smollm2_kv(args.tokens, args.corpus))]
     caches.append(("Llama-shaped bf16", llama_like_kv(args.tokens)))
     mb = 1e6
     with tempfile.TemporaryDirectory() as d:
@@ -153,8 +179,8 @@ def main() -> None:
               f"{s(r['save_exact_s']):>16.0f} {s(r['load_full_s']):>13.0f}")
     print("\ncandidates for the remainder (bytes of the exact payload alone; bits per element)")
     for r, name, kv in rows:
-        for cand, n in candidates(kv, r["predicted"]).items():
-            print(f"{name:<20} {cand:<52} {n:>12,} {8 * n / r['elements']:>6.2f}")
+        for cand, n in candidates(kv, r["predicted"], DEFAULT.page).items():
+            print(f"{name:<20} {cand:<70} {n:>12,} {8 * n / r['elements']:>6.2f}")
 
 
 if __name__ == "__main__":

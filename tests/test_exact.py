@@ -20,7 +20,8 @@ from lynxkv.format import constants as c
 from lynxkv.format.exact_records import apply_exact_record, encode_exact_layer
 from lynxkv.format.writer import build_files
 from lynxkv.quant import dequantize, quantize
-from lynxkv.quant.remainder import apply_planes, remainder_planes
+from lynxkv.quant import remainder
+from lynxkv.quant.remainder import apply_planes, reference_apply, reference_planes, remainder_planes
 from lynxkv.quant.scheme import DEFAULT, PRESETS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,6 +48,28 @@ def test_remainder_planes_round_trip_every_special_value(dtype):
     x = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 3.0e38, -3.0e38, 6e4, 1e-7, -1e-7]).to(dt)
     p = torch.tensor([-0.0, 0.0, -1.0, 1.0, 0.0, 0.0, -3.0e38, 3.0e38, -6e4, 0.0, 1e-7]).to(dt)  # far and sign-flipped
     assert torch.equal(_bits(apply_planes(remainder_planes(x, p), p)), _bits(x))
+    assert torch.equal(_bits(reference_apply(reference_planes(x, p), p)), _bits(x))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_compiled_remainder_gives_the_reference_bytes(dtype):
+    """The compiled planes (lynxkv/quant/_remainder.c) are the torch reference's, byte for byte, in the order of
+    the prediction's exponent; each path applies the other's planes."""
+    if not remainder.compiled():
+        pytest.skip("the compiled remainder is not built")
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(50_001, generator=g) * torch.exp(3 * torch.randn(50_001, generator=g))).to(DTYPES[dtype])
+    p = (x.float() * (1 + 0.01 * torch.randn(50_001, generator=g))).to(DTYPES[dtype])
+    x[:7] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-40]).to(x.dtype)
+    p[7:12] = -p[7:12]
+    planes = remainder_planes(x, p)
+    assert torch.equal(planes, reference_planes(x, p))
+    assert torch.equal(_bits(apply_planes(reference_planes(x, p), p)), _bits(x))
+    assert torch.equal(_bits(reference_apply(planes, p)), _bits(x))
+    shift, mask = {"bf16": (7, 0xFF), "fp16": (10, 0x1F), "fp32": (23, 0xFF)}[dtype]
+    keys = (_bits(p).to(torch.int64) >> shift) & mask
+    order = torch.argsort(keys, stable=True)
+    assert torch.equal(order, remainder.element_order(p)) and not torch.equal(order, torch.arange(len(p)))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

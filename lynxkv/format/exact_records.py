@@ -3,7 +3,8 @@
 Exact record for a page of n tokens, ``E`` bytes per element of the original dtype, little-endian, no padding:
 
     CRC-32 of the page's original bytes (K [H, n, D] then V [H, n, D], row-major, little-endian) |
-    byte planes of the remainder of K then V (2·H·n·D elements): plane 0 (byte 0 of every element) ... plane E-1
+    byte planes of the remainder of K then V (2·H·n·D elements, in the prediction's exponent order): plane 0
+    (byte 0 of every element) ... plane E-1
 
 The remainder is :func:`lynxkv.quant.remainder.remainder_planes` against the full code decoded to the original
 dtype (spec §9.3). Applying a record rebuilds the original page and checks it against the CRC before anything
@@ -28,10 +29,6 @@ from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes
 EXACT_ZSTD_LEVEL = 1
 
 
-def _page_bytes(k: torch.Tensor, v: torch.Tensor) -> bytes:
-    return k.contiguous().view(torch.uint8).numpy().tobytes() + v.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: tuple[torch.Tensor, torch.Tensor],
                        page: int, tokens: int):
     """The exact record of each page of one layer, in page order: ``original`` and ``predicted`` are the layer's
@@ -39,9 +36,8 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
     (k, v), (pk, pv) = original, predicted
     for p in range(-(-tokens // page)):
         sl = slice(p * page, min((p + 1) * page, tokens))
-        ko, vo = k[:, sl], v[:, sl]
-        both = torch.cat([ko.reshape(-1), vo.reshape(-1)])
-        planes = remainder_planes(both, torch.cat([pk[:, sl].reshape(-1), pv[:, sl].reshape(-1)]))
+        both = torch.cat((k[:, sl], v[:, sl])).reshape(-1)  # K then V of the page, one contiguous copy
+        planes = remainder_planes(both, torch.cat((pk[:, sl], pv[:, sl])).reshape(-1))
         yield struct.pack("<I", crc32(both.view(torch.uint8).numpy())) + planes.numpy().tobytes()
 
 
@@ -60,7 +56,7 @@ def apply_exact_record(raw, predicted_k: torch.Tensor, predicted_v: torch.Tensor
     with warnings.catch_warnings():  # the record is only read: a view of the (read-only) page bytes, no copy
         warnings.simplefilter("ignore", UserWarning)
         planes = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, offset=c.EXACT_RECORD_CRC_SIZE).reshape(e, 2 * n))
-    both = apply_planes(planes, torch.cat([predicted_k.reshape(-1), predicted_v.reshape(-1)]))
+    both = apply_planes(planes, torch.cat((predicted_k, predicted_v)).reshape(-1))
     got = crc32(both.view(torch.uint8).numpy())
     if got != stored_crc:
         raise ChecksumError(f"`exact.original_crc32` {where}: expected {stored_crc:#010x}, got {got:#010x} (the exact "
