@@ -33,7 +33,9 @@ import torch
 import zstandard
 
 from lynxkv.cache import open_cache, save_cache
-from lynxkv.quant.remainder import element_order, remainder_planes
+from lynxkv.format.exact_records import frame_splits
+from lynxkv.format.records import compress_frames
+from lynxkv.quant.remainder import element_order, group_sizes, remainder_planes
 from lynxkv.quant.scheme import DEFAULT
 
 
@@ -114,9 +116,9 @@ def candidates(kv, predicted, page: int) -> dict[str, int]:
     """Bytes of the remainder coded in each candidate way, page by page (K then V of a page together, as the
     exact records hold them; the 4-byte CRC of each record left out)."""
     z1, z3 = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3)
-    names = ["ordered difference, exponent order, byte planes, zstd-1 (chosen)",
-             "ordered difference, exponent order, byte planes, zstd-3",
-             "ordered difference, exponent order, low plane one frame per exponent",
+    names = ["ordered difference, exponent order, byte planes, zstd-1 one frame",
+             "ordered difference, exponent order, byte planes, zstd-3 one frame",
+             "ordered difference, exponent order, zstd-1 frames per run (chosen)",
              "ordered difference, element order, byte planes, zstd-1",
              "ordered difference, element order, interleaved bytes, zstd-1",
              "XOR of the bits, element order, byte planes, zstd-1",
@@ -131,10 +133,8 @@ def candidates(kv, predicted, page: int) -> dict[str, int]:
             unsorted[:, element_order(p)] = planes
             out[names[0]] += len(z1.compress(planes.numpy().tobytes()))
             out[names[1]] += len(z3.compress(planes.numpy().tobytes()))
-            keys = ((p.view(torch.int16).to(torch.int32) >> 7) & 0xFF)[element_order(p)]
-            bounds = [0, *(torch.nonzero(keys[1:] != keys[:-1]).reshape(-1) + 1).tolist(), len(keys)]
-            out[names[2]] += sum(len(z1.compress(planes[0, a:b].numpy().tobytes())) for a, b in zip(bounds, bounds[1:]))
-            out[names[2]] += len(z1.compress(planes[1].numpy().tobytes()))
+            splits = [s - 4 for s in frame_splits(group_sizes(p), p.numel(), 2)]  # as the writer splits a record
+            out[names[2]] += len(compress_frames(planes.numpy().tobytes(), splits, 1))
             out[names[3]] += len(z1.compress(unsorted.numpy().tobytes()))
             out[names[4]] += len(z1.compress(unsorted.t().contiguous().numpy().tobytes()))
             xor = (x.view(torch.int16) ^ p.view(torch.int16)).view(torch.uint8).view(-1, 2)

@@ -198,12 +198,66 @@ def test_corrupt_exact_page_is_refused_before_any_tensor(tmp_path):
     assert [(f.segment, f.field, f.layer, f.page) for f in found] == [("exact", "page.crc32", 2, 1)]
 
 
+def _exact_codecs(path) -> set[int]:
+    with open_cache(path) as cache:
+        cache.load_kv(exact=True)
+        return {e.codec for e in cache._exact().entries}
+
+
+def test_exact_pages_are_zstd_frames_split_at_the_exponent_runs(tmp_path):
+    """Codec 2: each exact page is several zstd frames (plane 0 split where the prediction's exponent changes),
+    smaller than one frame of the same record."""
+    import zstandard
+
+    from lynxkv.format.exact_records import frame_splits
+    from lynxkv.quant.remainder import group_sizes
+
+    kv = _kv(torch.bfloat16, layers=1)
+    save_cache(tmp_path / "c.lynx", kv, exact=True)
+    assert _exact_codecs(tmp_path / "c.lynx") == {c.CODEC_ZSTD_FRAMES}
+    with open_cache(tmp_path / "c.lynx") as cache:
+        (pk, pv), = cache.load_kv()
+        entry = cache._exact().entries[0]
+    (k, v), = kv
+    record, splits = next(encode_exact_layer((k, v), (pk, pv), DEFAULT.page, k.shape[1]))
+    pred = torch.cat((pk[:, :256], pv[:, :256])).reshape(-1)
+    assert splits == frame_splits(group_sizes(pred), pred.numel(), 2) and len(splits) > 2
+    assert entry.stored_length < len(zstandard.ZstdCompressor(level=1).compress(record))
+
+
+def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_path, monkeypatch, capsys):
+    import zstandard
+
+    import lynxkv.format.records as records
+    import lynxkv.format.writer as writer
+
+    with monkeypatch.context() as m:  # a writer that stores anchor and residual pages as zstd frames too
+        m.setattr(writer, "choose_codec", lambda raw, zstd, level=3, splits=None: (
+            c.CODEC_ZSTD_FRAMES, records.compress_frames(raw, [len(raw) // 2], level)))
+        data = build_files(encode_kv(_kv(torch.bfloat16, layers=1)), zstd=True, single_file=True).anchor
+    with pytest.raises(FormatError, match="codec 2 is for exact pages only") as exc:
+        with open_cache(data) as cache:
+            cache.load_kv()
+    assert exc.value.field == "page.codec"
+    bomb = zstandard.ZstdCompressor(level=19, write_content_size=False)
+    with monkeypatch.context() as m:  # every exact page two frames that inflate to 64x the record
+        m.setattr(records, "compress_frames", lambda raw, splits, level: bomb.compress(bytes(32 * len(raw))) * 2)
+        save_cache(tmp_path / "b.lynx", _kv(torch.bfloat16, layers=1), exact=True)
+    with open_cache(tmp_path / "b.lynx") as cache, pytest.raises(FormatError, match="inflates past") as exc:
+        cache.load_kv(exact=True)
+    assert exc.value.field == "page.raw_length"
+    assert main(["decode", str(tmp_path / "b.lynx"), "-o", str(tmp_path / "b.safetensors"), "--exact"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("lynxkv: error:") and "inflates past" in err[0]
+    assert not (tmp_path / "b.safetensors").exists()
+
+
 def test_a_record_that_does_not_rebuild_the_original_is_refused():
     """A record whose page CRC is intact but whose remainder is wrong (or a reader whose prediction differs) fails
     the check against the CRC of the original bytes."""
     (k, v), = _kv(torch.bfloat16, layers=1)
     pred = tuple(dequantize(quantize(t, DEFAULT, kind), DEFAULT, dtype=t.dtype) for t, kind in ((k, "key"), (v, "value")))
-    raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1])))
+    raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1]))[0])
     ok_k, ok_v = torch.empty_like(pred[0][:, :256]), torch.empty_like(pred[1][:, :256])
     apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
     assert torch.equal(_bits(ok_k), _bits(k[:, :256]))

@@ -223,7 +223,8 @@ PLACEMENT_EXTERNAL = 1
 
 CODEC_NONE = 0
 CODEC_ZSTD = 1
-CODEC_NAMES = {CODEC_NONE: "none", CODEC_ZSTD: "zstd"}
+CODEC_ZSTD_FRAMES = 2  # 1.4, exact pages only: Zstandard frames one after another, the record their contents joined
+CODEC_NAMES = {CODEC_NONE: "none", CODEC_ZSTD: "zstd", CODEC_ZSTD_FRAMES: "zstd-frames"}
 
 # -- caps: checked before anything a header claims is allocated ---------------------------------------------
 MAX_LAYERS = 4096

@@ -23,10 +23,12 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
-from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes
+from lynxkv.quant.remainder import apply_planes, element_bytes, group_sizes, remainder_planes
 
 #: zstd level of the exact pages: level 1 was as small as level 3 and faster on KV (docs/format.md, "Exact tier")
 EXACT_ZSTD_LEVEL = 1
+#: the shortest run of one exponent value in plane 0 that gets a zstd frame of its own (shorter ones join the next)
+EXACT_MIN_RUN = 1024
 
 
 def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: tuple[torch.Tensor, torch.Tensor],
@@ -37,8 +39,24 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
     for p in range(-(-tokens // page)):
         sl = slice(p * page, min((p + 1) * page, tokens))
         both = torch.cat((k[:, sl], v[:, sl])).reshape(-1)  # K then V of the page, one contiguous copy
-        planes = remainder_planes(both, torch.cat((pk[:, sl], pv[:, sl])).reshape(-1))
-        yield struct.pack("<I", crc32(both.view(torch.uint8).numpy())) + planes.numpy().tobytes()
+        pred = torch.cat((pk[:, sl], pv[:, sl])).reshape(-1)
+        planes = remainder_planes(both, pred)
+        record = struct.pack("<I", crc32(both.view(torch.uint8).numpy())) + planes.numpy().tobytes()
+        yield record, frame_splits(group_sizes(pred), both.numel(), planes.shape[0])
+
+
+def frame_splits(groups: list[int], n: int, planes: int, min_run: int = EXACT_MIN_RUN) -> list[int]:
+    """Where the writer starts a new zstd frame in an exact record (codec 2): in plane 0 at the start of each
+    run of one exponent value (runs shorter than ``min_run`` elements join the next one), then at each further
+    plane. Any splits give a valid file; these make each frame's statistics uniform."""
+    splits, at, run = [], c.EXACT_RECORD_CRC_SIZE, 0
+    for g in groups[:-1]:
+        at += g
+        run += g
+        if run >= min_run:
+            splits.append(at)
+            run = 0
+    return splits + [c.EXACT_RECORD_CRC_SIZE + j * n for j in range(1, planes)]
 
 
 def apply_exact_record(raw, predicted_k: torch.Tensor, predicted_v: torch.Tensor, where: str,

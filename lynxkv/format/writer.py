@@ -120,9 +120,10 @@ class _Section:
         self.entries: list[PageEntry] = []
         self._pos, self._zstd, self._level = lead, zstd, level
 
-    def store(self, raw: bytes) -> bytes:
-        """The stored bytes of a page record (zstd only where it makes the page smaller), its entry recorded."""
-        codec, data = choose_codec(raw, self._zstd, self._level)
+    def store(self, raw: bytes, splits: list[int] | None = None) -> bytes:
+        """The stored bytes of a page record (zstd only where it makes the page smaller; with ``splits``, zstd
+        frames split there: codec 2, exact pages), its entry recorded."""
+        codec, data = choose_codec(raw, self._zstd, self._level, splits)
         self.entries.append(PageEntry(self._pos, len(data), len(raw), codec, crc32(data)))
         self._pos += len(data)
         return data
@@ -212,8 +213,8 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
         if has_exact:
             originals = _originals(exact_kv[i], enc, i)
             predicted = tuple(dequantize(t, s, dtype=originals[0].dtype) for t in (keys, values))
-            for e_rec in encode_exact_layer(originals, predicted, s.page, enc.tokens):
-                exact_out.write(e_sec.store(e_rec))
+            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens):
+                exact_out.write(e_sec.store(e_rec, splits))
     framed = frame_sections(fields, a_sec.entries, r_sec.entries, e_sec.entries if has_exact else None, **framing)
     anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
     residual_out.fill(r_at, framed.residual_lead)

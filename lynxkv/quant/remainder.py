@@ -71,6 +71,15 @@ def element_order(predicted: torch.Tensor) -> torch.Tensor:
     return torch.argsort((bits.reshape(-1) >> shift) & mask, stable=True)
 
 
+def group_sizes(predicted: torch.Tensor) -> list[int]:
+    """How many elements of each exponent value :func:`element_order` puts together, in that order (the nonzero
+    counts only): where the runs of alike remainders start and end in each plane."""
+    shift, mask = _EXPONENT[predicted.dtype]
+    bits, _ = _wide(predicted)
+    counts = torch.bincount(((bits.reshape(-1) >> shift) & mask), minlength=mask + 1)
+    return counts[counts > 0].tolist()
+
+
 def _check(original: torch.Tensor, predicted: torch.Tensor) -> None:
     _width(predicted.dtype)
     if original.dtype != predicted.dtype or original.shape != predicted.shape:
