@@ -9,7 +9,7 @@ Exact record for a page of n tokens, ``E`` bytes per element of the original dty
 The remainder is :func:`lynxkv.quant.remainder.remainder_planes` against the full code decoded to the original
 dtype (spec §9.3). Applying a record rebuilds the original page and checks it against the CRC before anything
 is returned, so a record of another cache, a corrupt one or a prediction that differs from the writer's is refused.
-Records are stored through the page codecs (none | zstd) like every other page.
+Records are stored raw (codec 0) or as zstd frames split at the exponent runs (codec 2, spec §12.3).
 """
 
 from __future__ import annotations
