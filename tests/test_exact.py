@@ -62,8 +62,8 @@ def test_compiled_remainder_gives_the_reference_bytes(dtype):
     p = (x.float() * (1 + 0.01 * torch.randn(50_001, generator=g))).to(DTYPES[dtype])
     x[:7] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-40]).to(x.dtype)
     p[7:12] = -p[7:12]
-    planes = remainder_planes(x, p)
-    assert torch.equal(planes, reference_planes(x, p))
+    planes, runs = remainder.remainder_planes_and_runs(x, p)
+    assert torch.equal(planes, reference_planes(x, p)) and runs == remainder.group_sizes(p)
     assert torch.equal(_bits(apply_planes(reference_planes(x, p), p)), _bits(x))
     assert torch.equal(_bits(reference_apply(planes, p)), _bits(x))
     shift, mask = {"bf16": (7, 0xFF), "fp16": (10, 0x1F), "fp32": (23, 0xFF)}[dtype]

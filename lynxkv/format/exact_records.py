@@ -23,7 +23,7 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
-from lynxkv.quant.remainder import apply_planes, element_bytes, group_sizes, remainder_planes
+from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes_and_runs
 
 #: zstd level of the exact pages: level 1 was as small as level 3 and faster on KV (docs/format.md, "Exact tier")
 EXACT_ZSTD_LEVEL = 1
@@ -40,9 +40,9 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
         sl = slice(p * page, min((p + 1) * page, tokens))
         both = torch.cat((k[:, sl], v[:, sl])).reshape(-1)  # K then V of the page, one contiguous copy
         pred = torch.cat((pk[:, sl], pv[:, sl])).reshape(-1)
-        planes = remainder_planes(both, pred)
+        planes, runs = remainder_planes_and_runs(both, pred)
         record = struct.pack("<I", crc32(both.view(torch.uint8).numpy())) + planes.numpy().tobytes()
-        yield record, frame_splits(group_sizes(pred), both.numel(), planes.shape[0])
+        yield record, frame_splits(runs, both.numel(), planes.shape[0])
 
 
 def frame_splits(groups: list[int], n: int, planes: int, min_run: int = EXACT_MIN_RUN) -> list[int]:

@@ -16,8 +16,9 @@
 static inline uint16_t ord16(uint16_t b) { return b ^ ((uint16_t)(-(int16_t)(b >> 15)) & 0x7FFF); }
 static inline uint32_t ord32(uint32_t b) { return b ^ ((uint32_t)(-(int32_t)(b >> 31)) & 0x7FFFFFFF); }
 
-/* start[k]: the first slot of key k, from the keys' histogram (four interleaved counts: no store-to-load chain). */
-static void slots(const uint8_t *restrict key, int64_t n, int64_t start[256]) {
+/* start[k]: the first slot of key k, from the keys' histogram (four interleaved counts: no store-to-load chain);
+ * counts (if not NULL) gets the histogram. */
+static void slots(const uint8_t *restrict key, int64_t n, int64_t start[256], int64_t *counts) {
     int64_t c[4][256];
     memset(c, 0, sizeof c);
     int64_t i = 0;
@@ -31,7 +32,9 @@ static void slots(const uint8_t *restrict key, int64_t n, int64_t start[256]) {
     int64_t s = 0;
     for (int k = 0; k < 256; k++) {
         start[k] = s;
-        s += c[0][k] + c[1][k] + c[2][k] + c[3][k];
+        int64_t count = c[0][k] + c[1][k] + c[2][k] + c[3][k];
+        if (counts) counts[k] = count;
+        s += count;
     }
 }
 
@@ -48,18 +51,19 @@ static void keys(const void *predicted, int64_t n, int32_t width, int32_t fp16, 
     }
 }
 
-/* planes [width, n] from n original and n predicted elements; returns 0, -1 for a width other than 2 and 4, -2
- * when the scratch memory cannot be allocated. */
+/* planes [width, n] from n original and n predicted elements, and counts[256] (if not NULL) the elements of each
+ * key; returns 0, -1 for a width other than 2 and 4, -2 when the scratch memory cannot be allocated. */
 int64_t lynx_exact_planes(const void *original, const void *predicted, int64_t n, int32_t width, int32_t fp16,
-                          uint8_t *planes) {
+                          uint8_t *planes, int64_t *counts) {
     if (width != 2 && width != 4) return -1;
+    if (counts) memset(counts, 0, 256 * sizeof(int64_t));
     if (n <= 0) return 0;
     uint8_t *key = malloc((size_t)n * (1 + width));
     if (!key) return -2;
     uint8_t *zbuf = key + n;
     int64_t start[256];
     keys(predicted, n, width, fp16, key);
-    slots(key, n, start);
+    slots(key, n, start, counts);
     if (width == 2) {
         const uint16_t *x = (const uint16_t *)original, *p = (const uint16_t *)predicted;
         uint16_t *z = (uint16_t *)zbuf;
@@ -102,7 +106,7 @@ int64_t lynx_exact_apply(const uint8_t *planes, const void *predicted, int64_t n
     uint8_t *zbuf = key + n;
     int64_t start[256];
     keys(predicted, n, width, fp16, key);
-    slots(key, n, start);
+    slots(key, n, start, NULL);
     if (width == 2) {
         const uint16_t *p = (const uint16_t *)predicted;
         uint16_t *x = (uint16_t *)original, *z = (uint16_t *)zbuf;

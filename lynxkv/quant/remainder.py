@@ -33,7 +33,7 @@ _EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F), torch.float32
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 #: ``lynxkv/quant/_remainder.c`` through ctypes, or None (not built, or ``LYNXKV_NATIVE=0``): the reference runs.
 _LIB = load_extension("lynxkv.quant._remainder", {
-    "lynx_exact_planes": ([_p, _p, _i64, _i32, _i32, _p], _i64),
+    "lynx_exact_planes": ([_p, _p, _i64, _i32, _i32, _p, _p], _i64),
     "lynx_exact_apply": ([_p, _p, _i64, _i32, _i32, _p], _i64),
 })
 
@@ -90,15 +90,21 @@ def _check(original: torch.Tensor, predicted: torch.Tensor) -> None:
 def remainder_planes(original: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
     """uint8 ``[element_bytes, N]``: the zigzagged ordered difference of ``original`` against ``predicted`` (same
     dtype and shape, flattened row-major) in the prediction's exponent order, one byte plane per row."""
+    return remainder_planes_and_runs(original, predicted)[0]
+
+
+def remainder_planes_and_runs(original: torch.Tensor, predicted: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """:func:`remainder_planes` and :func:`group_sizes` of ``predicted`` together (one pass where compiled)."""
     _check(original, predicted)
     if _LIB is not None and original.device.type == "cpu" and predicted.device.type == "cpu":
         x, p = original.contiguous().reshape(-1), predicted.contiguous().reshape(-1)
         e = element_bytes(x.dtype)
         out = torch.empty(e, x.numel(), dtype=torch.uint8)
+        counts = torch.empty(256, dtype=torch.int64)
         _native_call(_LIB.lynx_exact_planes(x.data_ptr(), p.data_ptr(), x.numel(), e, int(x.dtype == torch.float16),
-                                            out.data_ptr()))
-        return out
-    return reference_planes(original, predicted)
+                                            out.data_ptr(), counts.data_ptr()))
+        return out, counts[counts > 0].tolist()
+    return reference_planes(original, predicted), group_sizes(predicted)
 
 
 def apply_planes(planes: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
