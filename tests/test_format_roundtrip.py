@@ -169,7 +169,7 @@ def test_byte_range_steps_without_a_source():
     from lynxkv.format import (PREFIX_SIZE, anchor_header_length, decode_page, index_span, parse_anchor_header,
                                parse_residual_header, parse_section_index)
     from lynxkv.format import constants as c
-    from lynxkv.format.headers import check_residual_matches
+    from lynxkv.format.section_headers import check_residual_matches
 
     kv = make_kv(2, 2, 300, 4)
     enc = encode_kv(kv)

@@ -45,7 +45,7 @@ def built():
 
 def test_spec_has_the_examples():
     kinds = [attrs.get("example") or attrs.get("invalid") for attrs, _ in hex_blocks()]
-    assert kinds.count("anchor") >= 2 and kinds.count("residual") >= 2
+    assert kinds.count("anchor") >= 2 and kinds.count("residual") >= 2 and kinds.count("exact") >= 3
     assert zlib.crc32(b"123456789") == 0xCBF43926  # the CRC the spec names
 
 
@@ -120,6 +120,35 @@ def test_minor_3_and_the_flag_only_for_rotated_keys():
         assert (data[10], data[12] & 4) == (minor, 4 if minor == 3 else 0), scheme.describe()
 
 
+def built_1_4():
+    """The 1.4 example: the tensors in bf16 with an exact segment in its own file."""
+    kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)
+    enc = encode_kv([(kb, vb)], SCHEME, prompt_token_ids=[1, 2, 3])
+    return (kb, vb), build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr",
+                                 exact_kv=[(kb, vb)], exact_location="example.lynxe")
+
+
+def test_the_1_4_example_is_what_the_writer_writes_and_rebuilds_the_bf16_tensors(tmp_path):
+    (kb, vb), b = built_1_4()
+    assert b.anchor == example("anchor-1.4"), "1.4 anchor file differs from spec/FORMAT.md §11"
+    assert b.exact == example("exact"), "exact file differs from spec/FORMAT.md §11"
+    assert b.residual == example("residual")  # the codes do not depend on the dtype
+    assert b.anchor[10] == 4 and b.anchor[40] == 2 and b.anchor[84] == 3  # version_minor, dtype, segment_count
+    assert b.anchor[240:] == example("anchor")[192:]  # the anchor section is the first example's
+    exact = example("exact")
+    assert exact[132:140] == bytes.fromhex("7500000000000000") and exact[124:132] == bytes.fromhex("1100010100000000")
+    for name, data in (("example.lynx", example("anchor-1.4")), ("example.lynxr", example("residual")),
+                       ("example.lynxe", exact)):
+        (tmp_path / name).write_bytes(data)
+    with open_cache(tmp_path / "example.lynx") as cache:
+        assert cache.verify() == [] and cache.info.format_version == "1.4" and cache.info.has_exact
+        (k, v), = cache.load_kv(exact=True)
+        assert k.dtype == torch.bfloat16 and torch.equal(k.view(torch.int16), kb.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), vb.view(torch.int16))
+        (pk, _), = cache.load_kv()
+        assert pk.view(torch.int16).reshape(-1).tolist() == [0x3a89, 0x3f81, 0x3f00, 0xbf7f - 0x10000, 0x4000, 0x4040]
+
+
 INVALID = [(attrs, data) for attrs, data in hex_blocks() if "invalid" in attrs]
 
 
@@ -129,6 +158,9 @@ def test_reader_rejects_the_invalid_examples(attrs, data):
         if attrs["invalid"] == "anchor":
             with open_cache(data) as cache:
                 cache.load_kv()
+        elif attrs["invalid"] == "exact":
+            with open_cache(example("anchor-1.4"), residual=example("residual"), exact=data) as cache:
+                cache.load_kv(exact=True)
         else:
             with open_cache(example("anchor"), residual=data) as cache:
                 cache.load_kv()

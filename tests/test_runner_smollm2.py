@@ -111,3 +111,29 @@ def test_dynamic_cache_round_trip_through_a_file_keeps_generate_output(smollm2, 
 
     with open_cache(tmp_path / "x.lynx") as cache:
         assert generate(to_dynamic_cache(cache, lm.model)) == generate(copy.deepcopy(original))
+
+
+def test_run_exact_on_bf16_smollm2_equals_greedy_decoding_on_the_original_cache(tmp_path, capsys):
+    """``lynxkv run --exact`` on SmolLM2 in bf16: the drafts are verified against the exact segment, so the output
+    is plain greedy decoding on the original bf16 cache (with the run's forward shapes)."""
+    import json
+
+    import torch
+
+    from lynxkv import open_cache, save_cache
+    from lynxkv.cli import main
+    from lynxkv.hf.models import load_model
+
+    lm = load_model(None, dtype=torch.bfloat16)
+    ids = encode_prompt(lm, builtin_prompt(lm.tokenizer, 200, start=40))
+    kv, _ = prefill(lm.model, ids)
+    save_cache(tmp_path / "x.lynx", kv, prompt_token_ids=ids.tolist(), model_fingerprint=lm.fingerprint, exact=True)
+    with open_cache(tmp_path / "x.lynx") as cache:
+        exact = cache.load_kv(exact=True)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for p, q in zip(exact, kv) for a, b in zip(p, q))
+    assert main(["run", str(tmp_path / "x.lynx"), "--dtype", "bf16", "-n", str(NEW), "--ignore-eos", "--exact",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] and doc["verified_against"] == "exact"
+    want = decode_plain(lm.model, kv, ids.tolist(), NEW, first_forward=doc["stats"]["draft_token_ids"])
+    assert doc["token_ids"] == want

@@ -10,7 +10,7 @@ from lynxkv.cache.opened import (
     open_cache,
     verify_file,
 )
-from lynxkv.cache.save import default_residual_path, residual_file_of, save_cache, save_dump
+from lynxkv.cache.save import default_exact_path, default_residual_path, residual_file_of, save_cache, save_dump
 
 __all__ = [
     "MAX_DECODED_ENV",
@@ -18,6 +18,7 @@ __all__ = [
     "EncodedCache",
     "LynxCache",
     "check_decoded_size",
+    "default_exact_path",
     "default_residual_path",
     "encode_kv",
     "max_decoded_bytes",

@@ -30,6 +30,7 @@ class EncodedCache:
     names: tuple[str, ...] | None = None  # K0, V0, K1, V1, ... as they were in the input file
     batch_dim: bool = False  # the input tensors were [1, H, T, D]
     properties: dict[str, str] | None = None  # text key/value pairs: lynxkv.model, an input file's metadata ...
+    originals: list | None = None  # the input (keys, values) [H, T, D] per layer, kept for an exact segment (1.4)
 
     @property
     def pages_per_layer(self) -> int:
@@ -130,4 +131,4 @@ def lazy_encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names
     h, t, d = shape
     return EncodedCache(scheme, _QuantizedLayers(pairs, scheme, packed), h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
-                        model_fingerprint or None, tuple(names) if names else None, bool(batch))
+                        model_fingerprint or None, tuple(names) if names else None, bool(batch), originals=pairs)

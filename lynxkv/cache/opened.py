@@ -46,6 +46,10 @@ class CacheInfo:
     bits_per_element: dict = field(default_factory=dict)
     properties: dict = field(default_factory=dict)  # text key/value pairs (format 1.1), e.g. lynxkv.model
     format_version: str = ""  # the version the anchor header declares, e.g. "1.3" (keys rotated)
+    has_exact: bool = False  # 1.4: an exact segment rebuilds the original tensors bit for bit
+    exact_location: str | None = None  # as written in the header (None when inline or absent)
+    exact_inline: bool = False
+    exact_bytes: int = 0  # the exact section/file: header + index + pages
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -64,10 +68,13 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
     def per_el(nbytes: int) -> float:
         return 8.0 * nbytes / elements if elements else 0.0
 
+    ex = h.segment(c.SEGMENT_EXACT)
+    exact_bytes = ex.length if ex else 0
     bits = {
         "total": per_el(anchor_bytes + residual_bytes),  # everything: headers, indexes, metadata, codes
         "anchor": per_el(anchor_bytes),  # what a draft needs
         "residual": per_el(residual_bytes),
+        "exact": per_el(exact_bytes),  # 1.4: what the exact tier adds (0 without one)
         "total_codes": float(h.scheme.anchor_bits + h.scheme.residual_bits),  # without metadata
         "anchor_codes": float(h.scheme.anchor_bits),
     }
@@ -76,7 +83,9 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
                      h.cache_id.hex(), h.names or None, h.batch_dim,
                      res.location if res and res.placement == c.PLACEMENT_EXTERNAL else None,
                      bool(res and res.placement == c.PLACEMENT_INLINE), anchor_bytes, residual_bytes,
-                     index.stored_bytes, res_payload, bits, dict(h.properties), f"{c.VERSION_MAJOR}.{h.version_minor}")
+                     index.stored_bytes, res_payload, bits, dict(h.properties), f"{c.VERSION_MAJOR}.{h.version_minor}",
+                     ex is not None, ex.location if ex and ex.placement == c.PLACEMENT_EXTERNAL else None,
+                     bool(ex and ex.placement == c.PLACEMENT_INLINE), exact_bytes)
 
 
 MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
@@ -115,10 +124,12 @@ def check_decoded_size(h: AnchorHeader, dtype: torch.dtype, *, anchor_only: bool
 class LynxCache:
     """An open ``.lynx`` cache. Pages are read on demand (one byte-range read each, CRC checked)."""
 
-    def __init__(self, source, *, residual=None, name: str | None = None, allow_locations=()):
+    def __init__(self, source, *, residual=None, name: str | None = None, allow_locations=(), exact=None):
         self._src = open_source(source, name)
         self.name = self._src.name
         self._residual_arg = residual
+        self._exact_arg = exact
+        self._esrc = None  # an external exact segment's source, once opened
         self._allow = tuple(allow_locations)
         self._rsrc = None  # an external residual's source, once opened
         try:
@@ -154,6 +165,39 @@ class LynxCache:
                 raise
             self._rsrc = src
         return self._reader.index(c.SEGMENT_RESIDUAL)
+
+    # -- exact segment (1.4) ----------------------------------------------------------------------------------
+    def _open_exact_source(self):
+        """The exact segment's byte source: the override, the anchor source (inline), or its recorded location
+        under the trust rule."""
+        seg = self.header.segment(c.SEGMENT_EXACT)
+        if seg is None:
+            raise InputError(f"{self.name}: this cache has no exact segment (encode it with --exact)")
+        if self._exact_arg is not None:
+            return open_source(self._exact_arg)
+        if seg.placement == c.PLACEMENT_INLINE:
+            return None
+        return open_source(resolve_location(self.name, seg.location, allow=self._allow))
+
+    def _exact(self) -> SectionIndex:
+        if c.SEGMENT_EXACT not in self._reader._indexes:
+            src = self._open_exact_source()
+            try:
+                self._reader.attach_exact(src)
+            except BaseException:
+                if src is not None:
+                    src.close()
+                raise
+            self._esrc = src
+        return self._reader.index(c.SEGMENT_EXACT)
+
+    def exact_reachable(self) -> bool:
+        """True when the exact segment can be opened and its header and index belong to this cache."""
+        try:
+            self._exact()
+            return True
+        except LynxError:
+            return False
 
     def residual_reachable(self) -> bool:
         """True when the residual can be opened and its header and index belong to this cache."""
@@ -194,16 +238,26 @@ class LynxCache:
                             list(h.prompt_token_ids) or None, h.fingerprint or None, h.names or None, h.batch_dim,
                             dict(h.properties) or None)
 
-    def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> KVPairs:
-        """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype)."""
+    def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None,
+                exact: bool = False) -> KVPairs:
+        """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype).
+        ``exact`` (1.4): the original tensors bit for bit, from the full code and the exact segment (in the original
+        dtype only); every page is checked against the CRC of its original bytes before anything is returned."""
         h = self.header
+        if exact and (anchor_only or (dtype is not None and dtype != TORCH_DTYPES[h.dtype])):
+            raise InputError(f"exact: the exact segment rebuilds the full cache in its original dtype ({h.dtype}); "
+                             "it excludes anchor_only and another dtype")
         dtype = dtype or TORCH_DTYPES[h.dtype]
         check_decoded_size(h, dtype, anchor_only=anchor_only)
         if not anchor_only:
             self._residual()
+        if exact:
+            self._exact()  # opened and checked before any decoding
         shape = (h.kv_heads, h.tokens, h.head_dim)
         kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
         self._reader.dequantize_layers(kv, anchor_only=anchor_only)  # page records straight into the tensors
+        if exact:
+            self._reader.apply_exact(kv)
         return kv
 
     def verify(self) -> list[Finding]:
@@ -216,8 +270,14 @@ class LynxCache:
                 opened.append(src)
             return src
 
+        def open_exact():
+            src = self._open_exact_source()
+            if src is not None:
+                opened.append(src)
+            return src
+
         try:
-            return verify_cache(self._src, open_residual)
+            return verify_cache(self._src, open_residual, open_exact)
         finally:
             for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
                 src.close()
@@ -237,15 +297,21 @@ class LynxCache:
                               and (loc is None or not has_protocol(loc) and not loc.startswith("/")
                                    and not self.name.startswith("<") and not has_protocol(self.name)))
         d["residual_reachable"] = self.residual_reachable() if check_residual else None
+        if self.info.has_exact:
+            loc = self.info.exact_location
+            local = (self._exact_arg is None and (loc is None or not has_protocol(loc) and not loc.startswith("/")
+                                                  and not self.name.startswith("<") and not has_protocol(self.name)))
+            d["exact_reachable"] = self.exact_reachable() if (check_residual or local) else None
         if not d.get("prompt_token_ids"):
             d.pop("prompt_token_ids", None)
         return d
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._rsrc is not None:
-            self._rsrc.close()
-        self._rsrc = None
+        for src in (self._rsrc, self._esrc):
+            if src is not None:
+                src.close()
+        self._rsrc = self._esrc = None
         close = getattr(self._src, "close", None)
         if close:
             close()
@@ -257,16 +323,18 @@ class LynxCache:
         self.close()
 
 
-def open_cache(path, *, residual=None, allow_locations=()) -> LynxCache:
+def open_cache(path, *, residual=None, allow_locations=(), exact=None) -> LynxCache:
     """Open a ``.lynx`` anchor file (path, URL, bytes or file object).
 
     The residual is read from ``residual`` when given (the caller named it), else from the location the anchor
     header records, under the trust rule of :func:`lynxkv.storage.resolve_location`: a relative location inside
-    the anchor's directory, or a place under a prefix of ``allow_locations`` (or ``$LYNXKV_ALLOW_LOCATIONS``)."""
-    return LynxCache(path, residual=residual, allow_locations=allow_locations)
+    the anchor's directory, or a place under a prefix of ``allow_locations`` (or ``$LYNXKV_ALLOW_LOCATIONS``).
+    ``exact`` names the exact segment's file (1.4) likewise; by default its recorded location is followed under the
+    same rule, and only when it is asked for (``load_kv(exact=True)``, ``verify``)."""
+    return LynxCache(path, residual=residual, allow_locations=allow_locations, exact=exact)
 
 
-def verify_file(path, *, residual=None, allow_locations=()) -> list[Finding]:
+def verify_file(path, *, residual=None, allow_locations=(), exact=None) -> list[Finding]:
     """Findings for a cache that may be too damaged to open: never raises for a bad file (the residual is found
     as :func:`open_cache` finds it)."""
     src = open_source(path)
@@ -282,8 +350,17 @@ def verify_file(path, *, residual=None, allow_locations=()) -> list[Finding]:
         opened.append(rsrc)
         return rsrc
 
+    def open_exact():
+        if exact is not None:
+            esrc = open_source(exact)
+        else:
+            h = PageReader(src, exact_size=False).header
+            esrc = open_source(resolve_location(src.name, h.segment(c.SEGMENT_EXACT).location, allow=allow_locations))
+        opened.append(esrc)
+        return esrc
+
     try:
-        return verify_cache(src, open_residual)
+        return verify_cache(src, open_residual, open_exact)
     finally:
         for s in opened + [src]:
             s.close()

@@ -1,5 +1,5 @@
-"""Writing a cache: :func:`save_cache` (anchor and residual, atomically; a replaced cache is the old one or the new
-one, whole), :func:`save_dump` (a safetensors KV dump), and the residual's file naming."""
+"""Writing a cache: :func:`save_cache` (anchor, residual and exact segment, atomically; a replaced cache is the old one
+or the new one, whole), :func:`save_dump` (a safetensors KV dump), and the side files' naming."""
 
 from __future__ import annotations
 
@@ -18,17 +18,24 @@ from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import AtomicWriter, exists, has_protocol, record_location, remove, resolve_location, same_object
 
 
-def default_residual_path(anchor_path: str | os.PathLike) -> str:
-    """``x.lynx`` -> ``x.lynxr``; any other name gets ``.lynxr`` appended."""
+def default_residual_path(anchor_path: str | os.PathLike, suffix: str = c.RESIDUAL_SUFFIX) -> str:
+    """``x.lynx`` -> ``x.lynxr``; any other name gets ``.lynxr`` appended (``suffix``: ``.lynxe`` for the exact
+    segment's file)."""
     p = pathlib.Path(anchor_path)
-    return str(p.with_suffix(c.RESIDUAL_SUFFIX) if p.suffix == ".lynx" else p.with_name(p.name + c.RESIDUAL_SUFFIX))
+    return str(p.with_suffix(suffix) if p.suffix == ".lynx" else p.with_name(p.name + suffix))
+
+
+def default_exact_path(anchor_path: str | os.PathLike) -> str:
+    """``x.lynx`` -> ``x.lynxe``: where the exact segment (1.4) goes by default."""
+    return default_residual_path(anchor_path, c.EXACT_SUFFIX)
 
 
 def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT, *,
                residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
-               cache_id: bytes | None = None, properties: dict[str, str] | None = None) -> CacheInfo:
+               cache_id: bytes | None = None, properties: dict[str, str] | None = None, exact: bool = False,
+               exact_path: str | os.PathLike | None = None) -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
@@ -37,9 +44,14 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     URL when the residual will be served from elsewhere). ``properties`` are text key/value pairs recorded in
     the header (the model's name as ``lynxkv.model``, an input file's own metadata).
 
+    ``exact`` (format 1.4) adds the exact segment, with which a reader rebuilds the input tensors bit for bit: in
+    its own file ``exact_path`` (default ``path`` with suffix ``.lynxe``, written before the anchor), or inline at
+    the end of a single file. It needs the original tensors (KV pairs, not an :class:`EncodedCache` without them).
+
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
-    fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
-    residual removed; a crash at any point leaves the old cache or the new one, each complete.
+    fresh name (``x.<id>.lynxr``), and so does the exact file (``x.<id>.lynxe``); the anchor is renamed over the
+    old one last, and only then are the old residual and exact files removed; a crash at any point leaves the old
+    cache or the new one, each complete (never an anchor naming a missing or an old exact file).
     """
     if isinstance(kv_or_encoded, EncodedCache):
         enc = kv_or_encoded
@@ -53,85 +65,114 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         enc = lazy_encoding(kv_or_encoded, scheme, prompt_token_ids, model_fingerprint, names, packed=True)
     if properties is not None:
         enc.properties = dict(properties)
+    exact = exact or exact_path is not None
+    if exact and enc.originals is None:
+        raise InputError("exact: an exact segment needs the original tensors; pass the KV pairs, not an "
+                         "EncodedCache")
+    exact_kv = enc.originals if exact else None
     path = os.fspath(path)
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
-        old = residual_file_of(path)
+        if exact_path is not None:
+            raise InputError("exact_path: a single-file cache keeps its exact segment inside the anchor file")
+        old, epath = _side_files_of(path), None
         with AtomicWriter(path) as anchor:
-            write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
-        if old is not None:
-            with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
-                remove(old)
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv)
+        for stale in old:
+            with contextlib.suppress(LynxError):  # the replaced two-file cache's residual and exact, unreferenced
+                remove(stale)
         rpath = None
     else:
         rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
         if same_object(rpath, path):
             raise InputError(f"{path}: the residual path must differ from the anchor path")
         cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
-        old = residual_file_of(path)
+        old = _side_files_of(path)
         if residual_location is None and exists(rpath):
             # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
             # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
-            rpath = _fresh_residual_name(rpath, cache_id)
+            rpath = _fresh_name(rpath, cache_id, c.RESIDUAL_SUFFIX)
         location = residual_location or record_location(path, rpath)
-        residual, anchor = AtomicWriter(rpath), None
+        epath = (os.fspath(exact_path) if exact_path is not None else default_exact_path(path)) if exact else None
+        if epath is not None and (same_object(epath, path) or same_object(epath, rpath)):
+            raise InputError(f"{epath}: the exact segment's path must differ from the anchor's and the residual's")
+        if epath is not None and exists(epath):  # the same for the exact file: the old anchor keeps its own
+            epath = _fresh_name(epath, cache_id, c.EXACT_SUFFIX)
+        residual, anchor, exact_w = AtomicWriter(rpath), None, None
         try:
+            exact_w = AtomicWriter(epath) if epath is not None else None
             anchor = AtomicWriter(path)
-            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
+            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location,
+                        exact_kv=exact_kv, exact=exact_w,
+                        exact_location=record_location(path, epath) if epath is not None else "")
             residual.commit()  # first: an anchor never points at a missing residual
+            if exact_w is not None:
+                exact_w.commit()
             anchor.commit()
         except BaseException:
-            for w in (residual, anchor):
+            for w in (residual, exact_w, anchor):
                 if w is not None:
                     w.abort()
             raise
-        orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
-        for stale in ([old] if old is not None else []) + orphans:
-            if not same_object(stale, rpath):
+        orphans = _orphans(rpath, c.RESIDUAL_SUFFIX) if residual_path is None else []  # only this cache's names
+        if epath is not None and exact_path is None:
+            orphans += _orphans(epath, c.EXACT_SUFFIX)
+        for stale in old + orphans:
+            if not same_object(stale, rpath) and not (epath is not None and same_object(stale, epath)):
                 with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
                     remove(stale)
-    with open_cache(path, residual=rpath) as cache:
+    with open_cache(path, residual=rpath, exact=epath) as cache:
         return cache.info
 
 
 def residual_file_of(path: str) -> str | None:
     """The residual file of the two-file cache now at ``path``, if there is one a writer replacing the cache may
     delete afterwards: its recorded location is inside the anchor's directory (the trust rule), a local file."""
+    return _recorded_file_of(path, "residual_location")
+
+
+def _recorded_file_of(path: str, field: str) -> str | None:
     if has_protocol(path) or not os.path.isfile(path):
         return None
     try:
         with open_cache(path) as old:
-            loc = old.info.residual_location
+            loc = getattr(old.info, field)
             return None if loc is None else resolve_location(old.name, loc)
     except LynxError:
         return None
 
 
-def _orphan_residuals(rpath: str) -> list[str]:
-    """Residuals under fresh names (``x.<8 hex>.lynxr``) beside ``rpath`` that a replacement killed before its
-    anchor was renamed left behind; local files only."""
+def _side_files_of(path: str) -> list[str]:
+    """The residual and exact files of the cache now at ``path`` that a writer replacing it may delete afterwards."""
+    return [f for f in (residual_file_of(path), _recorded_file_of(path, "exact_location")) if f is not None]
+
+
+def _orphans(side_path: str, suffix: str) -> list[str]:
+    """Side files under fresh names (``x.<8 hex>.lynxr``, ``x.<8 hex>.lynxe``) beside ``side_path`` that a
+    replacement killed before its anchor was renamed left behind; local files only."""
     import re
 
-    if has_protocol(rpath) or not rpath.endswith(c.RESIDUAL_SUFFIX):
+    if has_protocol(side_path) or not side_path.endswith(suffix):
         return []
-    d, base = os.path.split(os.path.abspath(rpath))
-    stem = base[:-len(c.RESIDUAL_SUFFIX)]
+    d, base = os.path.split(os.path.abspath(side_path))
+    stem = base[:-len(suffix)]
     m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
     stem = m.group(1) if m else stem
-    pattern = re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(c.RESIDUAL_SUFFIX) + "$")
+    pattern = re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(suffix) + "$")
     try:
         return [os.path.join(d, n) for n in os.listdir(d) if pattern.match(n)]
     except OSError:
         return []
 
 
-def _fresh_residual_name(rpath: str, cache_id: bytes) -> str:
-    """``x.lynxr`` -> ``x.<8 hex digits of the cache id>.lynxr`` (any other name gets the digits appended)."""
+def _fresh_name(side_path: str, cache_id: bytes, suffix: str) -> str:
+    """``x.lynxr`` -> ``x.<8 hex digits of the cache id>.lynxr`` (``suffix``: ``.lynxr`` or ``.lynxe``; any other
+    name gets the digits appended)."""
     tag = cache_id.hex()[:8]
-    if rpath.endswith(c.RESIDUAL_SUFFIX):
-        return f"{rpath[:-len(c.RESIDUAL_SUFFIX)]}.{tag}{c.RESIDUAL_SUFFIX}"
-    return f"{rpath}.{tag}"
+    if side_path.endswith(suffix):
+        return f"{side_path[:-len(suffix)]}.{tag}{suffix}"
+    return f"{side_path}.{tag}"
 
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:

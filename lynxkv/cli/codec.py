@@ -48,11 +48,15 @@ def encode(
                                                "before quantization: none or hadamard (the default's)."),
     single_file: bool = typer.Option(False, "--single-file", help="Anchor and residual in one file."),
     zstd: bool = typer.Option(False, "--zstd", help="zstd-compress each page where it pays."),
+    exact: bool = typer.Option(False, "--exact", help="Also write the exact segment (format 1.4), which rebuilds "
+                               "the input tensors bit for bit: OUTPUT with .lynxe, or inline with --single-file."),
+    exact_out: Optional[str] = typer.Option(None, "--exact-out", help="Where the exact segment goes, a path or URL "
+                                            "(implies --exact; default: OUTPUT with .lynxe)."),
     force: bool = typer.Option(False, "--force", help="Replace existing output files."),
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
-    from lynxkv.cache import default_residual_path, save_dump
+    from lynxkv.cache import default_exact_path, default_residual_path, save_dump
     from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
@@ -65,16 +69,23 @@ def encode(
     refuse_overwrite(output, force)
     if residual_out is not None and single_file:
         raise InputError("--residual-out and --single-file exclude each other")
+    if exact_out is not None and single_file:
+        raise InputError("--exact-out and --single-file exclude each other (a single file holds its exact segment)")
+    exact = exact or exact_out is not None
     if not single_file:
         refuse_overwrite(residual_out or default_residual_path(output), force)
+        if exact:
+            refuse_overwrite(exact_out or default_exact_path(output), force)
     if input is not None:
         with progress_step(f"encoding {input}"):
-            info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd)
+            info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd,
+                             exact=exact, exact_path=exact_out)
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
         with progress_step(f"loading {model_label(model)} ({dtype}), prefilling and encoding"):
             info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual_out,
-                                single_file=single_file, zstd=zstd, dtype=torch_dtype)
+                                single_file=single_file, zstd=zstd, dtype=torch_dtype, exact=exact,
+                                exact_path=exact_out)
     if json:
         print_json(info.to_dict())
     else:
@@ -82,6 +93,8 @@ def encode(
             f"wrote {escape(str(output))} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
             f"anchor {format_bytes(info.anchor_bytes)}, residual {format_bytes(info.residual_bytes)}, "
             f"{info.bits_per_element['total']:.3f} bits/element ({info.bits_per_element['anchor']:.3f} in the anchor)"
+            + (f", exact {format_bytes(info.exact_bytes)} (+{info.bits_per_element['exact']:.3f} bits/element)"
+               if info.has_exact else "")
         )
 
 
@@ -90,8 +103,12 @@ def decode(
     cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
     output: Path = typer.Option(..., "-o", "--output", help="The safetensors file to write."),
     anchor_only: bool = typer.Option(False, "--anchor-only", help="Reconstruct from the anchor alone."),
+    exact: bool = typer.Option(False, "--exact", help="The original tensors bit for bit, from the full code and "
+                               "the exact segment (format 1.4; the original dtype)."),
     dtype: Optional[str] = typer.Option(None, help="Output dtype: bf16, fp16 or fp32 (default: the original)."),
     residual: Optional[str] = typer.Option(None, help="Read the residual from here instead."),
+    exact_file: Optional[str] = typer.Option(None, "--exact-file", help="Read the exact segment from here "
+                                             "instead (implies --exact)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
     json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
@@ -102,12 +119,15 @@ def decode(
     from lynxkv.cache.kv import DTYPE_NAMES
 
     torch_dtype = parse_dtype(dtype) if dtype is not None else None
+    exact = exact or exact_file is not None
+    if exact and anchor_only:
+        raise InputError("--exact and --anchor-only exclude each other")
     refuse_overwrite(output, force)
-    with open_cache(cache, residual=residual, allow_locations=allow_location or ()) as c, \
+    with open_cache(cache, residual=residual, allow_locations=allow_location or (), exact=exact_file) as c, \
             progress_step(f"decoding {cache}"):
-        kv = c.load_kv(anchor_only=anchor_only, dtype=torch_dtype)
+        kv = c.load_kv(anchor_only=anchor_only, dtype=torch_dtype, exact=exact)
         meta = {**c.info.properties, "lynxkv.cache_id": c.info.cache_id,  # the input's metadata comes back
-                "lynxkv.reconstruction": "anchor" if anchor_only else "full"}
+                "lynxkv.reconstruction": "anchor" if anchor_only else "exact" if exact else "full"}
         save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)
     if json:
         k0 = kv[0][0]
@@ -115,8 +135,7 @@ def decode(
                     "head_dim": k0.shape[2], "dtype": DTYPE_NAMES[k0.dtype], "names": list(c.info.names or []),
                     "reconstruction": meta["lynxkv.reconstruction"], "cache_id": c.info.cache_id})
         return
-    err.print(f"wrote {escape(str(output))} ({len(kv)} layers, {'anchor-only' if anchor_only else 'full'} "
-              "reconstruction)")
+    err.print(f"wrote {escape(str(output))} ({len(kv)} layers, {meta['lynxkv.reconstruction']} reconstruction)")
 
 
 @app.command()
@@ -148,6 +167,12 @@ def inspect(
     res_where = "inline (single file)" if d["residual_inline"] else d["residual_location"]
     reach = {True: "reachable", False: "NOT reachable", None: "not checked (--check-residual)"}
     t.add_row("residual", f"{format_bytes(d['residual_bytes'])} at {res_where}: {reach[d['residual_reachable']]}")
+    if d["has_exact"]:
+        ex_where = "inline" if d["exact_inline"] else d["exact_location"]
+        t.add_row("exact", f"{format_bytes(d['exact_bytes'])} (+{d['bits_per_element']['exact']:.3f} bits/element) "
+                           f"at {ex_where}: {reach[d.get('exact_reachable')]}")
+    else:
+        t.add_row("exact", "none (the full code is the most precise reconstruction)")
     t.add_row("total", f"{d['bits_per_element']['total']:.3f} bits/element "
                        f"({d['bits_per_element']['total_codes']:.0f} without metadata)")
     t.add_row("prompt", f"{len(d['prompt_token_ids'])} token ids" if d.get("prompt_token_ids") else "not stored")
@@ -165,16 +190,19 @@ def inspect(
 def verify(
     cache: str = typer.Argument(..., help="The anchor file (.lynx)."),
     residual: Optional[str] = typer.Option(None, help="Check the residual at this location instead."),
+    exact_file: Optional[str] = typer.Option(None, "--exact-file", help="Check the exact segment at this location "
+                                             "instead."),
     against: Optional[Path] = typer.Option(None, help="The original KV dump: report vNMSE per layer."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Check both segments' structure and every checksum (exit 1 on any finding); optionally measure error."""
+    """Check every segment's structure and checksums (exit 1 on any finding), and with an exact segment that it
+    rebuilds the original bytes of every page; optionally measure error."""
     from lynxkv.eval.metrics import reconstruction_error
     from lynxkv.cache import verify_file
 
     allow = tuple(allow_location or ())
-    findings = verify_file(cache, residual=residual, allow_locations=allow)
+    findings = verify_file(cache, residual=residual, allow_locations=allow, exact=exact_file)
     result: dict = {"ok": not findings, "findings": [f.to_dict() for f in findings]}
     if against is not None and not findings:
         result["vnmse"] = reconstruction_error(cache, against, residual=residual, allow_locations=allow)
@@ -185,7 +213,7 @@ def verify(
             err.print(f"[red]FAIL[/] {escape(str(f))}")
         if "vnmse" in result:
             _print_vnmse(result["vnmse"])
-        err.print("[green]OK[/]: structure and checksums of both segments verified" if not findings
+        err.print("[green]OK[/]: structure and checksums of every segment verified" if not findings
                   else f"[red]{len(findings)} finding(s)[/]")
     if findings:
         raise typer.Exit(1)

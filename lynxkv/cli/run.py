@@ -143,6 +143,9 @@ def run(
     bandwidth: str = typer.Option(None, "--bandwidth", help="Emulated link rate for both streams, e.g. 200Mbps."),
     latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
     residual: str = typer.Option(None, "--residual", help="Read the residual from here (path, URL)."),
+    exact: bool = typer.Option(False, "--exact", help="Verify the drafts against the original tensors (the exact "
+                               "segment, format 1.4): the output is greedy decoding on the original cache."),
+    exact_file: str = typer.Option(None, "--exact-file", help="Read the exact segment from here (implies --exact)."),
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
     verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
                                      "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
@@ -170,6 +173,7 @@ def run(
     from lynxkv.speculative.compare import compare_run
     from lynxkv.speculative.timeline import compare_timelines, run_timeline
     from lynxkv.integrations.lmcache import source as lmcache_source
+    from lynxkv.stream.exact_load import ExactLoad
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
@@ -185,13 +189,19 @@ def run(
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
+    exact = exact or exact_file is not None
+    if exact and (store is not None or compare or allow_anchor_only):
+        raise InputError("--exact needs a .lynx cache with an exact segment and excludes --compare and "
+                         "--allow-anchor-only")
     if store is not None:  # an LMCache store knows its model by name: the one its keys were made for
         if prompt is not None:
             raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
         model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model)
     else:
-        with open_cache(cache) as c:  # the recorded model name is checked before any weights are loaded
+        with open_cache(cache, exact=exact_file) as c:  # the recorded model is checked before any weights load
             model = model_for_cache(c.info.properties, model)
+            if exact and not c.info.has_exact:
+                raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
@@ -206,8 +216,15 @@ def run(
     )
 
     def open_load():
-        return open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
+        load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
                                 allow_anchor_only=allow_anchor_only)
+        if not exact:
+            return load
+
+        def read_exact():
+            with open_cache(cache, residual=residual, exact=exact_file) as c:
+                return c.load_kv(exact=True)
+        return ExactLoad(load, read_exact)
 
     started = time.perf_counter()
     load = open_load()
@@ -241,6 +258,7 @@ def run(
             "token_ids": tokens,
             "text": loaded.tokenizer.decode(tokens, skip_special_tokens=True),
             "verified": stats.verified,
+            "verified_against": "exact" if exact else "full code",
             "stats": stats.to_dict(),
         }
         gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)

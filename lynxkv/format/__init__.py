@@ -1,16 +1,8 @@
 """The ``.lynx`` format v1 (spec/FORMAT.md): headers, page indexes and page records <-> bytes, no I/O."""
 
-from lynxkv.format.headers import (
-    PREFIX_SIZE,
-    AnchorHeader,
-    ResidualHeader,
-    SegmentEntry,
-    anchor_header_length,
-    check_residual_matches,
-    parse_anchor_header,
-    parse_residual_header,
-)
+from lynxkv.format.headers import PREFIX_SIZE, AnchorHeader, SegmentEntry, anchor_header_length, parse_anchor_header
 from lynxkv.format.layout import PageEntry
+from lynxkv.format.section_headers import ResidualHeader, check_residual_matches, parse_residual_header
 from lynxkv.format.reader import (
     PageReader,
     SectionIndex,

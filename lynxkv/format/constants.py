@@ -9,11 +9,13 @@ from __future__ import annotations
 # -- identity -----------------------------------------------------------------------------------------------
 ANCHOR_MAGIC = b"\x89LYNXA\r\n"  # PNG-style: a high byte and CR LF catch 7-bit and text-mode mangling
 RESIDUAL_MAGIC = b"\x89LYNXR\r\n"
+EXACT_MAGIC = b"\x89LYNXE\r\n"  # 1.4: the exact remainder's section header
 VERSION_MAJOR = 1
 VERSION_MINOR = 0  # what a writer writes unless a later minor's feature is used:
 MINOR_PROPERTIES = 1  # 1.1: the properties string
 MINOR_SCHEME = 2  # 1.2: the scheme fields value_axis and sink_tokens (reserved, i.e. zero, before)
 MINOR_KEY_ROTATION = 3  # 1.3: the flag KEY_ROTATION (the keys are Hadamard-rotated before quantization)
+MINOR_EXACT = 4  # 1.4: segment kind 3, the exact remainder (written only by a cache that has one)
 
 # -- anchor header: fixed part (spec table "Anchor header") --------------------------------------------------
 ANCHOR_FIXED_STRUCT = (
@@ -137,6 +139,53 @@ RESIDUAL_FIELD_OFFSETS = {
     "header_crc32": 68,
 }
 
+# -- exact header (spec table "Exact header", 1.4) -----------------------------------------------------------
+EXACT_STRUCT = (
+    "<"
+    "8s"  # 0  magic
+    "H"  # 8  version_major
+    "H"  # 10 version_minor
+    "I"  # 12 flags (must be 0)
+    "I"  # 16 header_length
+    "I"  # 20 reserved (must be 0)
+    "16s"  # 24 cache_id
+    "I"  # 40 layers
+    "I"  # 44 kv_heads
+    "I"  # 48 head_dim
+    "I"  # 52 tokens
+    "I"  # 56 page
+    "B"  # 60 dtype (the original dtype, as the anchor's)
+    "B"  # 61 coding (1: ordered difference, zigzag, byte planes)
+    "2s"  # 62 reserved (must be 0)
+    "I"  # 64 index_crc32
+    "I"  # 68 header_crc32
+)
+EXACT_HEADER_SIZE = 8 + 2 + 2 + 4 + 4 + 4 + 16 + 5 * 4 + 1 + 1 + 2 + 4 + 4  # 72
+EXACT_FIELD_OFFSETS = {
+    "magic": 0,
+    "version_major": 8,
+    "version_minor": 10,
+    "flags": 12,
+    "header_length": 16,
+    "reserved0": 20,
+    "cache_id": 24,
+    "layers": 40,
+    "kv_heads": 44,
+    "head_dim": 48,
+    "tokens": 52,
+    "page": 56,
+    "dtype": 60,
+    "coding": 61,
+    "reserved1": 62,
+    "index_crc32": 64,
+    "header_crc32": 68,
+}
+EXACT_CODING_PLANES = 1  # the ordered difference against the full code's decoding, zigzagged, in byte planes
+EXACT_CODINGS = {EXACT_CODING_PLANES: "ordered difference, byte planes"}
+KNOWN_EXACT_FLAGS = 0
+EXACT_RECORD_CRC_SIZE = 4  # an exact record starts with the CRC-32 of the page's original bytes (K then V)
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
 # -- page index entry (spec table "Page index entry") --------------------------------------------------------
 PAGE_ENTRY_STRUCT = (
     "<"
@@ -167,13 +216,15 @@ VALUE_AXIS_CODES = {"token": 0, "channel": 1}
 
 SEGMENT_ANCHOR = 1
 SEGMENT_RESIDUAL = 2
-SEGMENT_KINDS = {SEGMENT_ANCHOR: "anchor", SEGMENT_RESIDUAL: "residual"}  # 3 is kept for the exact remainder
+SEGMENT_EXACT = 3  # 1.4
+SEGMENT_KINDS = {SEGMENT_ANCHOR: "anchor", SEGMENT_RESIDUAL: "residual", SEGMENT_EXACT: "exact"}
 PLACEMENT_INLINE = 0
 PLACEMENT_EXTERNAL = 1
 
 CODEC_NONE = 0
 CODEC_ZSTD = 1
-CODEC_NAMES = {CODEC_NONE: "none", CODEC_ZSTD: "zstd"}
+CODEC_ZSTD_FRAMES = 2  # 1.4, exact pages only: Zstandard frames one after another, the record their contents joined
+CODEC_NAMES = {CODEC_NONE: "none", CODEC_ZSTD: "zstd", CODEC_ZSTD_FRAMES: "zstd-frames"}
 
 # -- caps: checked before anything a header claims is allocated ---------------------------------------------
 MAX_LAYERS = 4096
@@ -202,3 +253,4 @@ FINGERPRINT_HEX_LENGTH = 32
 
 # Default residual file name: the anchor path with this suffix in place of ``.lynx``.
 RESIDUAL_SUFFIX = ".lynxr"
+EXACT_SUFFIX = ".lynxe"  # and the exact remainder's (1.4)

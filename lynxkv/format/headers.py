@@ -1,5 +1,6 @@
-"""The headers of ``.lynx`` v1: the anchor header (with its segment table and properties) and the residual
-header, frozen dataclasses <-> bytes, with the structural checks of spec/FORMAT.md.
+"""The anchor header of ``.lynx`` v1 (with its segment table), a frozen dataclass <-> bytes, with the structural
+checks of spec/FORMAT.md, and the sizes it declares; the residual and exact headers are in
+:mod:`lynxkv.format.section_headers`, the properties string in :mod:`lynxkv.format.properties`.
 
 Parsing validates in spec order, bounded, before anything is allocated (magic -> version -> flags -> header
 length <= cap -> header CRC -> reserved fields -> counts <= caps -> strings); every error is a
@@ -9,22 +10,20 @@ and what was found. No torch, no file I/O, no policy.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 
-from lynxkv.errors import FormatError, InputError, SchemeError
+from lynxkv.errors import FormatError, SchemeError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
 from lynxkv.format.layout import anchor_record_layout, page_sinks, page_tokens, residual_record_layout
 from lynxkv.format.layout import field_error as _err
+from lynxkv.format.properties import pack_properties, parse_properties
 from lynxkv.quant.scheme import Scheme
 
 _ANCHOR_FIXED = struct.Struct(c.ANCHOR_FIXED_STRUCT)
 _SEGMENT = struct.Struct(c.SEGMENT_STRUCT)
-_RESIDUAL = struct.Struct(c.RESIDUAL_STRUCT)
 assert _ANCHOR_FIXED.size == c.ANCHOR_FIXED_SIZE and _SEGMENT.size == c.SEGMENT_SIZE  # the tables add up
-assert _RESIDUAL.size == c.RESIDUAL_HEADER_SIZE
 
 #: Bytes a reader needs to learn ``header_length`` (magic, version, flags, header_length).
 PREFIX_SIZE = 8 + 2 + 2 + 4 + 4
@@ -38,7 +37,7 @@ def _inv(d: dict) -> dict:
 class SegmentEntry:
     """One row of the anchor header's segment table."""
 
-    kind: int  # SEGMENT_ANCHOR | SEGMENT_RESIDUAL (3 reserved for a future exact-remainder segment)
+    kind: int  # SEGMENT_ANCHOR | SEGMENT_RESIDUAL | SEGMENT_EXACT (1.4)
     placement: int  # PLACEMENT_INLINE | PLACEMENT_EXTERNAL
     page_count: int
     offset: int  # inline: byte offset of the section in the anchor file; external: 0
@@ -78,21 +77,6 @@ class AnchorHeader:
             if s.kind == kind:
                 return s
         return None
-
-
-@dataclass(frozen=True)
-class ResidualHeader:
-    cache_id: bytes
-    layers: int
-    kv_heads: int
-    head_dim: int
-    tokens: int
-    page: int
-    residual_bits: int
-    index_crc32: int
-    flags: int = 0
-    version_minor: int = c.VERSION_MINOR
-    header_length: int = c.RESIDUAL_HEADER_SIZE
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -136,8 +120,9 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
-    minor = max(h.version_minor, c.MINOR_KEY_ROTATION if s.rotated("key") else c.MINOR_SCHEME if s.extended
-                else c.MINOR_PROPERTIES if properties else 0)
+    exact = any(seg.kind == c.SEGMENT_EXACT for seg in h.segments)
+    minor = max(h.version_minor, c.MINOR_EXACT if exact else c.MINOR_KEY_ROTATION if s.rotated("key")
+                else c.MINOR_SCHEME if s.extended else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
         c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
@@ -152,49 +137,8 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     return body + struct.pack("<I", crc32(body))
 
 
-def pack_properties(properties) -> bytes:
-    """The properties string: a JSON object of text keys and text values, keys sorted, no spaces, UTF-8."""
-    if not properties:
-        return b""
-    pairs = dict(properties)
-    if any(not _is_text(k) or not _is_text(v) or not k for k, v in pairs.items()):
-        raise InputError("properties: expected non-empty text keys with text values (valid Unicode)")
-    data = json.dumps(pairs, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    if len(data) > c.MAX_PROPERTIES_LENGTH:
-        raise InputError(f"properties: {len(data)} bytes, at most {c.MAX_PROPERTIES_LENGTH}")
-    return data
-
-
-def parse_properties(data: bytes, where: str) -> tuple[tuple[str, str], ...]:
-    """The properties string back as sorted (key, value) pairs; anything else is a ``properties`` error."""
-    try:  # a nesting too deep for the parser is a RecursionError; a repeated key would silently lose a value
-        pairs = json.loads(data.decode("utf-8"), object_pairs_hook=_Pairs)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise _err("properties", where, "a JSON object in UTF-8", repr(data[:64])) from None
-    if not isinstance(pairs, _Pairs) or any(not _is_text(k) or not k or not _is_text(v) for k, v in pairs):
-        raise _err("properties", where, "an object of non-empty text keys with text values", repr(data[:64]))
-    if len({k for k, _ in pairs}) != len(pairs):
-        raise _err("properties", where, "an object whose keys are all different", repr(data[:64]))
-    return tuple(sorted(pairs))
-
-
-class _Pairs(list):
-    """A JSON object as its (key, value) pairs in file order, repeated keys kept."""
-
-
-def _is_text(value) -> bool:
-    """A str that is valid Unicode: JSON's ``\\ud800`` escape gives a lone surrogate that UTF-8 cannot encode."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_header: int,
-                  file_size: int | None, what: str, flag_minors: dict | None = None) -> tuple[int, int, int]:
+def check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_header: int,
+                 file_size: int | None, what: str, flag_minors: dict | None = None) -> tuple[int, int, int]:
     """magic -> version -> flags -> header_length; returns (minor, flags, header_length). ``flag_minors``: the
     flag bits a later minor version introduced and that minor (a bit is unknown, so rejected, before it)."""
     if len(buf) < PREFIX_SIZE:
@@ -219,7 +163,7 @@ def _check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_head
     return minor, flags, length
 
 
-def _check_header_crc(buf, length: int, what: str) -> None:
+def check_header_crc(buf, length: int, what: str) -> None:
     """The whole header is there and its trailing CRC-32 matches bytes ``[0, length - 4)``."""
     if len(buf) < length:
         raise _err("header_length", f"{what} byte 16", f"<= {len(buf)} available bytes", length)
@@ -231,7 +175,7 @@ def _check_header_crc(buf, length: int, what: str) -> None:
 
 
 def _check_anchor_prefix(buf, file_size: int | None) -> tuple[int, int, int]:
-    return _check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
+    return check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
                          c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, "anchor", c.ANCHOR_FLAG_MINORS)
 
 
@@ -240,7 +184,8 @@ def anchor_header_length(prefix, file_size: int | None = None) -> int:
     return _check_anchor_prefix(prefix, file_size)[2]
 
 
-def _cap(name: str, value: int, cap: int, offsets: dict, what: str, low: int = 0) -> None:
+def check_range(name: str, value: int, cap: int, offsets: dict, what: str, low: int = 0) -> None:
+    """``low <= value <= cap``, or the field error naming ``name`` at its offset."""
     if not low <= value <= cap:
         raise _err(name, f"{what} byte {offsets[name]}", f"{low} <= {name} <= {cap}", value)
 
@@ -249,7 +194,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
     """Parse and validate an anchor header from ``buf`` (at least ``header_length`` bytes)."""
     what = "anchor"
     minor, flags, length = _check_anchor_prefix(buf, file_size)
-    _check_header_crc(buf, length, what)
+    check_header_crc(buf, length, what)
     (_, _, _, _, _, sink_tokens, layers, kv_heads, head_dim, tokens, dtype, compander, centring, meta_dtype,
      anchor_bits, residual_bits, grid, value_axis, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
      n_props) = _ANCHOR_FIXED.unpack_from(buf, 0)
@@ -258,16 +203,16 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
         for name, value in (("sink_tokens", sink_tokens), ("value_axis", value_axis)):
             if value:
                 raise _err(name, f"{what} byte {off[name]}", f"0 in a version 1.{minor} file", value)
-    _cap("layers", layers, c.MAX_LAYERS, off, what, 1)
-    _cap("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
-    _cap("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
-    _cap("tokens", tokens, c.MAX_TOKENS, off, what)
-    _cap("prompt_token_count", n_prompt, c.MAX_PROMPT_TOKENS, off, what)
-    _cap("segment_count", n_seg, c.MAX_SEGMENTS, off, what, 1)
-    _cap("fingerprint_length", n_fp, c.MAX_FINGERPRINT, off, what)
-    _cap("names_length", n_names, c.MAX_NAMES_LENGTH, off, what)
+    check_range("layers", layers, c.MAX_LAYERS, off, what, 1)
+    check_range("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
+    check_range("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
+    check_range("tokens", tokens, c.MAX_TOKENS, off, what)
+    check_range("prompt_token_count", n_prompt, c.MAX_PROMPT_TOKENS, off, what)
+    check_range("segment_count", n_seg, c.MAX_SEGMENTS, off, what, 1)
+    check_range("fingerprint_length", n_fp, c.MAX_FINGERPRINT, off, what)
+    check_range("names_length", n_names, c.MAX_NAMES_LENGTH, off, what)
     if flags & c.FLAG_PROPERTIES:
-        _cap("properties_length", n_props, c.MAX_PROPERTIES_LENGTH, off, what, 1)
+        check_range("properties_length", n_props, c.MAX_PROPERTIES_LENGTH, off, what, 1)
     else:
         n_props = 0  # unused without the flag: ignored
     enums = (("dtype", dtype, c.DTYPE_CODES), ("compander", compander, c.COMPANDER_CODES),
@@ -396,52 +341,9 @@ def inline_end(h: AnchorHeader) -> int:
 
 
 
-# ---------------------------------------------------------------------------------------------------------
-# residual header
-# ---------------------------------------------------------------------------------------------------------
-def pack_residual_header(h: ResidualHeader) -> bytes:
-    body = _RESIDUAL.pack(c.RESIDUAL_MAGIC, c.VERSION_MAJOR, h.version_minor, h.flags, c.RESIDUAL_HEADER_SIZE, 0,
-                          h.cache_id, h.layers, h.kv_heads, h.head_dim, h.tokens, h.page, h.residual_bits,
-                          b"\0\0\0", h.index_crc32, 0)
-    return body[: -c.CRC_SIZE] + struct.pack("<I", crc32(body[: -c.CRC_SIZE]))
-
-
-def parse_residual_header(buf, section_size: int | None = None) -> ResidualHeader:
-    what = "residual"
-    minor, flags, length = _check_prefix(buf, c.RESIDUAL_MAGIC, c.KNOWN_RESIDUAL_FLAGS, c.RESIDUAL_HEADER_SIZE,
-                                         c.RESIDUAL_HEADER_SIZE, section_size, what)
-    _check_header_crc(buf, length, what)
-    (_, _, _, _, _, reserved0, cache_id, layers, kv_heads, head_dim, tokens, page, residual_bits, reserved1,
-     index_crc, _) = _RESIDUAL.unpack_from(buf, 0)
-    off = c.RESIDUAL_FIELD_OFFSETS
-    if reserved0:
-        raise _err("reserved0", f"{what} byte {off['reserved0']}", 0, reserved0)
-    if any(reserved1):
-        raise _err("reserved1", f"{what} byte {off['reserved1']}", "00" * 3, reserved1.hex())
-    _cap("layers", layers, c.MAX_LAYERS, off, what, 1)
-    _cap("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
-    _cap("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
-    _cap("tokens", tokens, c.MAX_TOKENS, off, what)
-    _cap("page", page, 1 << 16, off, what, 1)
-    _cap("residual_bits", residual_bits, 7, off, what, 1)
-    return ResidualHeader(bytes(cache_id), layers, kv_heads, head_dim, tokens, page, residual_bits, index_crc,
-                          flags, minor, length)
-
-
-def check_residual_matches(a: AnchorHeader, r: ResidualHeader) -> None:
-    """The residual header must belong to this anchor header (same cache id, same counts)."""
-    if r.cache_id != a.cache_id:
-        raise FormatError(
-            f"`cache_id` at residual byte 24: the residual belongs to another cache "
-            f"(expected {a.cache_id.hex()}, got {r.cache_id.hex()})", field="cache_id", where="residual byte 24")
-    off = c.RESIDUAL_FIELD_OFFSETS
-    for name, want, got in (("layers", a.layers, r.layers), ("kv_heads", a.kv_heads, r.kv_heads),
-                            ("head_dim", a.head_dim, r.head_dim), ("tokens", a.tokens, r.tokens),
-                            ("page", a.scheme.page, r.page), ("residual_bits", a.scheme.residual_bits,
-                                                               r.residual_bits)):
-        if want != got:
-            raise _err(name, f"residual byte {off[name]}", f"{want} (as in the anchor header)", got)
-
+def exact_record_length(h: AnchorHeader, n: int) -> int:
+    """The raw exact record of a page of ``n`` tokens: the original bytes' CRC-32, then K and V's byte planes."""
+    return c.EXACT_RECORD_CRC_SIZE + 2 * h.kv_heads * n * h.head_dim * c.DTYPE_BYTES[h.dtype]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -460,6 +362,9 @@ def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:
         n = page_tokens(h.tokens, h.scheme.page, p)
         if kind == c.SEGMENT_ANCHOR:
             lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, p))
+        elif kind == c.SEGMENT_EXACT:
+            per_page.append(exact_record_length(h, n))
+            continue
         else:
             lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)
         per_page.append(lay.raw_length)

@@ -110,6 +110,8 @@ def parse_index(buf, count: int, *, first_offset: int, section_length: int, raw_
             raise field_error("page.reserved", at, "000000", reserved.hex())
         if codec not in c.CODEC_NAMES:
             raise field_error("page.codec", at, f"one of {sorted(c.CODEC_NAMES)}", codec)
+        if codec == c.CODEC_ZSTD_FRAMES and segment != c.SEGMENT_KINDS[c.SEGMENT_EXACT]:
+            raise field_error("page.codec", at, "0 or 1 (codec 2 is for exact pages only)", codec)
         if raw != raw_lengths[i]:
             raise field_error("page.raw_length", at, raw_lengths[i], raw)
         if codec == c.CODEC_NONE and stored != raw:

@@ -14,6 +14,8 @@ The steps are also public on their own, so that a transport that only has some b
    checks it and returns a :class:`SectionIndex` with absolute byte spans per (layer, page) in streaming order;
 3. :func:`decode_page` -- one page record from its stored bytes, CRC-32 checked first.
 
+The first two steps live in :mod:`lynxkv.format.sections` and are importable from here as well.
+
 Reads never go past ``size`` and nothing is allocated from a header's claims before the claims have been checked
 against caps and the source size.
 """
@@ -21,30 +23,29 @@ against caps and the source size.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
-from lynxkv.errors import ChecksumError, FormatError, InputError
+from lynxkv.errors import FormatError
 from lynxkv.format import constants as c
-from lynxkv.format.checksum import crc32
-from lynxkv.format.headers import (
-    PREFIX_SIZE,
-    AnchorHeader,
-    ResidualHeader,
-    anchor_header_length,
-    check_residual_matches,
-    inline_end,
-    parse_anchor_header,
-    parse_residual_header,
-    raw_lengths,
+from lynxkv.format.headers import AnchorHeader
+from lynxkv.format.section_headers import ExactHeader, ResidualHeader
+from lynxkv.format.sections import (
+    SectionIndex,
+    index_span,
+    parse_section_index,
+    read_anchor_header,
+    read_anchor_index,
+    read_bytes,
+    read_exact_section,
+    read_residual_section,
 )
+from lynxkv.format.exact_records import apply_exact_record
 from lynxkv.format.layout import (
     PageEntry,
     anchor_record_layout,
     page_sinks,
     page_tokens,
-    parse_index,
     residual_record_layout,
 )
 from lynxkv.quant import META_TORCH_DTYPE
@@ -61,150 +62,10 @@ from lynxkv.format.records import (
     residual_page,
 )
 
-
-def _read_exact(src, offset: int, length: int, field: str, what: str, in_place: bool = False) -> bytes:
-    """``length`` bytes at ``offset`` or a FormatError naming the field; ``in_place``: a view of a memory-mapped
-    file's bytes where the source has one (no copy), else a copy."""
-    if offset + length > src.size:
-        raise FormatError(f"`{field}` at {what} byte {offset}: expected {length} bytes, the file ends at {src.size} "
-                          "(truncated)", field=field, where=f"{what} byte {offset}")
-    view = getattr(src, "view", None) if in_place else None
-    data = view(offset, length) if view else src.read(offset, length)
-    if len(data) != length:
-        raise FormatError(f"`{field}` at {what} byte {offset}: expected {length} bytes, read {len(data)}",
-                          field=field, where=f"{what} byte {offset}")
-    return data
-
-
-# ---------------------------------------------------------------------------------------------------------
-# headers and indexes
-# ---------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SectionIndex:
-    """Where the pages of one segment are: absolute byte spans in the source holding the section."""
-
-    kind: int
-    base: int  # absolute offset of the section in its source
-    entries: tuple[PageEntry, ...]  # layer-major: layer 0 pages 0..n-1, layer 1 ...
-    pages_per_layer: int
-
-    @property
-    def name(self) -> str:
-        return c.SEGMENT_KINDS.get(self.kind, f"segment{self.kind}")
-
-    def entry(self, layer: int, page: int) -> PageEntry:
-        layers = len(self.entries) // max(self.pages_per_layer, 1)
-        if not (0 <= page < self.pages_per_layer and 0 <= layer < layers):
-            raise InputError(f"{self.name} page (layer {layer}, page {page}) does not exist")
-        return self.entries[layer * self.pages_per_layer + page]
-
-    def span(self, layer: int, page: int) -> tuple[int, int]:
-        """(absolute offset, stored length) of page ``page`` of layer ``layer``."""
-        e = self.entry(layer, page)
-        return self.base + e.offset, e.stored_length
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(e.stored_length for e in self.entries)
-
-    @property
-    def raw_bytes(self) -> int:
-        return sum(e.raw_length for e in self.entries)
-
-
-def read_anchor_header(src, *, exact_size: bool = True) -> AnchorHeader:
-    """Read and validate the anchor header; with ``exact_size`` also check the file length is exact."""
-    prefix = src.read(0, min(PREFIX_SIZE, src.size))
-    length = anchor_header_length(prefix, src.size)
-    h = parse_anchor_header(_read_exact(src, 0, length, "header", "anchor"), src.size)
-    if exact_size:
-        end = inline_end(h)
-        if end != src.size:
-            raise FormatError(f"`file_length` of anchor: expected {end} bytes (header + inline sections), got "
-                              f"{src.size} ({'truncated' if src.size < end else 'trailing bytes'})",
-                              field="file_length", where="anchor")
-    return h
-
-
-def index_span(h: AnchorHeader, kind: int) -> tuple[int, int]:
-    """(offset of the page index from the start of its section, index size in bytes) for a segment kind."""
-    seg = h.segment(kind)
-    if seg is None:
-        raise FormatError(f"`segments`: this cache has no {c.SEGMENT_KINDS.get(kind, kind)} segment",
-                          field="segments", where="anchor")
-    lead = c.RESIDUAL_HEADER_SIZE if kind == c.SEGMENT_RESIDUAL else 0
-    return lead, seg.page_count * c.PAGE_ENTRY_SIZE
-
-
-def parse_section_index(buf, h: AnchorHeader, kind: int, *, base: int,
-                        residual_header: ResidualHeader | None = None) -> SectionIndex:
-    """Check and parse a section's page index from its bytes (``index_span`` says where they are); ``base``
-    is the section's absolute offset in its source, kept so that :meth:`SectionIndex.span` is absolute."""
-    seg = h.segment(kind)
-    name = c.SEGMENT_KINDS.get(kind, f"segment{kind}")
-    index_at, size = index_span(h, kind)
-    first_page = index_at + size
-    if first_page > seg.length:
-        raise FormatError(f"`{name}.length`: expected >= {first_page} bytes for the header and the index of "
-                          f"{seg.page_count} pages, got {seg.length}", field=f"{name}.length", where=name)
-    if len(buf) != size:
-        raise FormatError(f"`{name}.index` at {name} byte {base + index_at}: expected {size} bytes, got {len(buf)}",
-                          field=f"{name}.index", where=name)
-    got = crc32(buf)
-    wants = [seg.index_crc32] + ([residual_header.index_crc32] if residual_header is not None else [])
-    for want in wants:
-        if got != want:
-            raise ChecksumError(f"`{name}.index_crc32` of the {name} page index at byte {base + index_at}: expected "
-                                f"{want:#010x}, got {got:#010x}", field=f"{name}.index_crc32", where=f"{name} index")
-    entries = parse_index(buf, seg.page_count, first_offset=first_page, section_length=seg.length,
-                          raw_lengths=raw_lengths(h, kind), segment=name,
-                          pages_per_layer=max(h.pages_per_layer, 1), index_at=base + index_at)
-    return SectionIndex(kind, base, tuple(entries), h.pages_per_layer)
-
-
-def _index(src, h: AnchorHeader, kind: int, base: int, residual_header: ResidualHeader | None = None) -> SectionIndex:
-    index_at, size = index_span(h, kind)
-    seg = h.segment(kind)
-    name = c.SEGMENT_KINDS[kind]
-    if index_at + size > seg.length:
-        raise FormatError(f"`{name}.length`: expected >= {index_at + size} bytes for the header and the index of "
-                          f"{seg.page_count} pages, got {seg.length}", field=f"{name}.length", where=name)
-    buf = _read_exact(src, base + index_at, size, f"{name}.index", name)
-    return parse_section_index(buf, h, kind, base=base, residual_header=residual_header)
-
-
-def read_anchor_index(src, h: AnchorHeader) -> SectionIndex:
-    """The anchor page index (checked against the segment table's index CRC and the section length)."""
-    return _index(src, h, c.SEGMENT_ANCHOR, h.segments[0].offset)
-
-
-def read_residual_section(src, h: AnchorHeader, *, base: int | None = None) -> tuple[ResidualHeader, SectionIndex]:
-    """The residual header and index from ``src`` (the residual file, or the anchor file itself when inline).
-
-    The residual must carry the anchor's cache id and counts, and its index CRC must match both its own
-    header and the anchor's segment table.
-    """
-    seg = h.segment(c.SEGMENT_RESIDUAL)
-    if seg is None:
-        raise FormatError("`segments`: this cache has no residual segment", field="segments", where="anchor")
-    if base is None:
-        base = seg.offset if seg.placement == c.PLACEMENT_INLINE else 0
-    if seg.placement == c.PLACEMENT_EXTERNAL and src.size != seg.length:
-        kind = "truncated" if src.size < seg.length else "trailing bytes"
-        # A different size may also mean another cache's residual: read its header first to say so.
-        if src.size >= c.RESIDUAL_HEADER_SIZE:
-            try:
-                check_residual_matches(h, parse_residual_header(src.read(0, c.RESIDUAL_HEADER_SIZE)))
-            except FormatError as exc:
-                if exc.field == "cache_id":
-                    raise
-        raise FormatError(f"`file_length` of residual: expected {seg.length} bytes (as the anchor header says), "
-                          f"got {src.size} ({kind})", field="file_length", where="residual")
-    head = _read_exact(src, base, c.RESIDUAL_HEADER_SIZE, "residual.header", "residual")
-    rh = parse_residual_header(head, seg.length)
-    check_residual_matches(h, rh)
-    index = _index(src, h, c.SEGMENT_RESIDUAL, base, rh)
-    return rh, index
+__all__ = [  # the section readers live in lynxkv.format.sections and are public here as before
+    "PageReader", "SectionIndex", "decode_page", "index_span", "parse_section_index", "read_anchor_header",
+    "read_anchor_index", "read_exact_section", "read_page", "read_residual_section",
+]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,6 +88,8 @@ def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int
     """Decode the record of (``layer``, ``page``) of segment ``kind`` from its stored bytes (CRC checked first)."""
     where = _where(c.SEGMENT_KINDS[kind], layer, page)
     raw = check_and_decompress(stored, entry, where)
+    if kind == c.SEGMENT_EXACT:  # applied to the full code's decoding (PageReader.apply_exact), not decoded alone
+        return raw
     lay = _record_layout(h, kind, page)
     if kind == c.SEGMENT_ANCHOR:
         return anchor_page(*decode_anchor_records([raw], lay, h.scheme, h.kv_heads, h.head_dim, where))
@@ -236,7 +99,7 @@ def decode_page(stored, entry: PageEntry, h: AnchorHeader, kind: int, layer: int
 def read_page(src, index: SectionIndex, layer: int, page: int, *, in_place: bool = False) -> bytes:
     """The stored bytes of one page (one byte-range read; ``in_place``: a view where the source has one)."""
     offset, length = index.span(layer, page)
-    return _read_exact(src, offset, length, "page", _where(index.name, layer, page), in_place=in_place)
+    return read_bytes(src, offset, length, "page", _where(index.name, layer, page), in_place=in_place)
 
 
 class PageReader:
@@ -251,6 +114,7 @@ class PageReader:
         self.anchor = anchor
         self.header = read_anchor_header(anchor, exact_size=exact_size)
         self.residual_header: ResidualHeader | None = None
+        self.exact_header: ExactHeader | None = None
         self._sources = {c.SEGMENT_ANCHOR: anchor}
         self._indexes: dict[int, SectionIndex] = {}
 
@@ -271,9 +135,40 @@ class PageReader:
         self._indexes[c.SEGMENT_RESIDUAL] = index
         return index
 
+    @property
+    def exact_inline(self) -> bool:
+        seg = self.header.segment(c.SEGMENT_EXACT)
+        return seg is not None and seg.placement == c.PLACEMENT_INLINE
+
+    def attach_exact(self, src=None, *, base: int | None = None) -> SectionIndex:
+        """Read the exact header and index (1.4) from ``src`` (default: the anchor source, for an inline exact
+        segment); ``base`` as for :meth:`attach_residual`."""
+        if src is None:
+            src = self.anchor
+        elif base is None:
+            base = 0
+        self.exact_header, index = read_exact_section(src, self.header, base=base)
+        self._sources[c.SEGMENT_EXACT] = src
+        self._indexes[c.SEGMENT_EXACT] = index
+        return index
+
+    def apply_exact(self, out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Turn ``out`` -- every layer decoded from the full code in the original dtype (:meth:`dequantize_layers`)
+        -- into the original values, in place, page by page from the exact segment; each page's original bytes are
+        checked against their CRC before the page is written. On an error ``out`` is partly rebuilt: callers
+        return nothing then."""
+        h = self.header
+        page = h.scheme.page
+        for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+            k, v = out[layer]
+            sl = slice(p * page, min((p + 1) * page, h.tokens))
+            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl])
+
     def source(self, kind: int):
         if kind not in self._sources:
-            if kind == c.SEGMENT_RESIDUAL and self.residual_inline:
+            if kind == c.SEGMENT_EXACT and self.exact_inline:
+                self.attach_exact()
+            elif kind == c.SEGMENT_RESIDUAL and self.residual_inline:
                 self.attach_residual()
             else:
                 raise FormatError(f"`segments`: the {c.SEGMENT_KINDS.get(kind, kind)} segment is not attached",
@@ -335,7 +230,7 @@ class PageReader:
             at.append(pos - entries[0].offset)
             pos += e.stored_length
         else:
-            data = _read_exact(src, index.base + entries[0].offset, pos - entries[0].offset, "page",
+            data = read_bytes(src, index.base + entries[0].offset, pos - entries[0].offset, "page",
                                _where(index.name, layer, 0), in_place=True)
             view = memoryview(data)
             for p, (e, a) in enumerate(zip(entries, at)):

@@ -1,4 +1,4 @@
-"""Page records: the bytes of one (layer, page) of one segment, and their codec (none | zstd).
+"""Page records: the bytes of one (layer, page) of one segment, and their codec (none | zstd | zstd frames).
 
 Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endian, no padding:
 
@@ -139,12 +139,25 @@ def compress(raw: bytes, codec: int, level: int = 3) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True).compress(raw)
 
 
-def choose_codec(raw: bytes, zstd: bool) -> tuple[int, bytes]:
-    """zstd only where it makes the page smaller; otherwise the page is stored raw (codec none)."""
+def compress_frames(raw, splits, level: int) -> bytes:
+    """Codec 2 (zstd frames, 1.4): one Zstandard frame per run of ``raw`` between consecutive ``splits`` (byte
+    offsets, increasing, within ``raw``), one after another; an empty run gets no frame."""
+    import zstandard
+
+    z = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+    view = memoryview(raw)
+    bounds = [0, *splits, len(raw)]
+    return b"".join(z.compress(view[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a)
+
+
+def choose_codec(raw: bytes, zstd: bool, level: int = 3, splits: list[int] | None = None) -> tuple[int, bytes]:
+    """zstd (at ``level``; with ``splits``, zstd frames split there: codec 2) only where it makes the page
+    smaller; otherwise the page is stored raw (codec none)."""
     if zstd and raw:
-        packed = compress(raw, c.CODEC_ZSTD)
+        codec = c.CODEC_ZSTD if splits is None else c.CODEC_ZSTD_FRAMES
+        packed = compress(raw, c.CODEC_ZSTD, level) if splits is None else compress_frames(raw, splits, level)
         if len(packed) < len(raw):
-            return c.CODEC_ZSTD, packed
+            return codec, packed
     return c.CODEC_NONE, raw
 
 
@@ -164,9 +177,10 @@ def check_and_decompress(stored, entry: PageEntry, where: str) -> bytes | memory
     import io
 
     # Streamed, and never more than raw_length + 1 bytes out, whatever the frame header claims: a frame that
-    # would inflate further is refused before it can allocate.
+    # would inflate further is refused before it can allocate. Codec 2: every frame, one after another.
+    across = entry.codec == c.CODEC_ZSTD_FRAMES
     try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=False) as r:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored), read_across_frames=across) as r:
             raw = r.read(entry.raw_length + 1)
             rest = r.read(1) if len(raw) == entry.raw_length else b""
     except zstandard.ZstdError as exc:

@@ -18,7 +18,7 @@ from lynxkv.format.reader import PageReader
 
 @dataclass(frozen=True)
 class Finding:
-    segment: str  # "anchor" | "residual"
+    segment: str  # "anchor" | "residual" | "exact"
     field: str  # the field or structure that is wrong, e.g. "header_crc32", "page.crc32", "file_length"
     message: str
     layer: int | None = None
@@ -50,10 +50,13 @@ def _pages(reader: PageReader, kind: int) -> list[Finding]:
     return found
 
 
-def verify_cache(anchor_src, open_residual: Callable[[], object] | None) -> list[Finding]:
+def verify_cache(anchor_src, open_residual: Callable[[], object] | None,
+                 open_exact: Callable[[], object] | None = None) -> list[Finding]:
     """All findings for the anchor file in ``anchor_src`` and its residual (``open_residual()`` returns the
     residual's byte source, or raises a LynxError when it cannot be reached; ``None`` skips an external
-    residual; an inline residual is always checked)."""
+    residual; an inline residual is always checked). An exact segment (1.4) is checked likewise through
+    ``open_exact``: its header, index and page CRCs, then exactness -- the full code decoded and every page rebuilt
+    from it must match the CRC of its original bytes."""
     found: list[Finding] = []
     try:
         reader = PageReader(anchor_src, exact_size=False)
@@ -86,4 +89,35 @@ def verify_cache(anchor_src, open_residual: Callable[[], object] | None) -> list
         found.append(_finding("residual", exc))
         return found
     found += _pages(reader, c.SEGMENT_RESIDUAL)
+    return found + _exact(reader, open_exact, clean=not found)
+
+
+def _exact(reader: PageReader, open_exact, clean: bool) -> list[Finding]:
+    """Findings for the exact segment: structure and page CRCs, then (when everything else is clean) exactness."""
+    seg = reader.header.segment(c.SEGMENT_EXACT)
+    if seg is None or (seg.placement == c.PLACEMENT_EXTERNAL and open_exact is None):
+        return []
+    try:
+        esrc = None if seg.placement == c.PLACEMENT_INLINE else open_exact()
+    except LynxError as exc:
+        return [Finding("exact", "location", f"exact segment not reachable: {exc}")]
+    try:
+        reader.attach_exact(esrc)
+    except FormatError as exc:
+        return [_finding("exact", exc)]
+    found = _pages(reader, c.SEGMENT_EXACT)
+    if found or not clean:
+        return found
+    import torch
+
+    from lynxkv.quant.remainder import TORCH_DTYPES
+
+    h = reader.header
+    dtype, shape = TORCH_DTYPES[h.dtype], (h.kv_heads, h.tokens, h.head_dim)
+    kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
+    try:
+        reader.dequantize_layers(kv)
+        reader.apply_exact(kv)
+    except LynxError as exc:
+        found.append(_finding("exact", exc))
     return found

@@ -18,18 +18,13 @@ from typing import Protocol
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
-from lynxkv.format.headers import (
-    AnchorHeader,
-    ResidualHeader,
-    SegmentEntry,
-    names_problem,
-    pack_anchor_header,
-    pack_properties,
-    pack_residual_header,
-)
+from lynxkv.format.headers import AnchorHeader, SegmentEntry, names_problem, pack_anchor_header
+from lynxkv.format.properties import pack_properties
+from lynxkv.format.section_headers import ExactHeader, ResidualHeader, pack_exact_header, pack_residual_header
+from lynxkv.format.exact_records import EXACT_ZSTD_LEVEL, encode_exact_layer
 from lynxkv.format.layout import PageEntry, pack_index
 from lynxkv.format.records import choose_codec, encode_layer_records
-from lynxkv.quant import EncodedTensor
+from lynxkv.quant import EncodedTensor, dequantize
 from lynxkv.quant.scheme import Scheme
 
 
@@ -60,6 +55,11 @@ class BuiltFiles:
     anchor_parts: tuple[bytes, ...]  # the anchor file (with the residual section inline when single_file)
     residual_parts: tuple[bytes, ...] | None  # the residual file, or None for a single file
     header: AnchorHeader
+    exact_parts: tuple[bytes, ...] | None = None  # 1.4: the exact segment's own file, when it has one
+
+    @property
+    def exact(self) -> bytes | None:
+        return None if self.exact_parts is None else b"".join(self.exact_parts)
 
     @property
     def anchor(self) -> bytes:
@@ -116,13 +116,14 @@ class _Section:
     """The index entries of a section's pages as they are stored; offsets section-relative, from ``lead`` (the
     bytes before the first page inside the section)."""
 
-    def __init__(self, lead: int, zstd: bool):
+    def __init__(self, lead: int, zstd: bool, level: int = 3):
         self.entries: list[PageEntry] = []
-        self._pos, self._zstd = lead, zstd
+        self._pos, self._zstd, self._level = lead, zstd, level
 
-    def store(self, raw: bytes) -> bytes:
-        """The stored bytes of a page record (zstd only where it makes the page smaller), its entry recorded."""
-        codec, data = choose_codec(raw, self._zstd)
+    def store(self, raw: bytes, splits: list[int] | None = None) -> bytes:
+        """The stored bytes of a page record (zstd only where it makes the page smaller; with ``splits``, zstd
+        frames split there: codec 2, exact pages), its entry recorded."""
+        codec, data = choose_codec(raw, self._zstd, self._level, splits)
         self.entries.append(PageEntry(self._pos, len(data), len(raw), codec, crc32(data)))
         self._pos += len(data)
         return data
@@ -169,49 +170,95 @@ def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_
 
 
 def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = None, *,
-                cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "") -> AnchorHeader:
+                cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "",
+                exact_kv: Sequence[tuple] | None = None, exact: PageSink | None = None,
+                exact_location: str = "") -> AnchorHeader:
     """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
     section inline after the anchor's) as the layers are read from ``enc.layers``: each layer's pages are written
     before the next layer is read, so a sequence that quantizes layers as they are read keeps only those it is
     working on. The header and the
     page indexes go last into the space reserved for them at the start: the bytes are those of
     :func:`build_files`. ``residual_location``: the residual file's path relative to the anchor file's
-    directory (or a URL), for two files. Returns the header as a reader parses it."""
+    directory (or a URL), for two files. ``exact_kv`` (1.4): the original ``(keys, values)`` ``[H, T, D]`` of each
+    layer, in the cache's dtype: an exact segment is written too, into ``exact`` (its own file, recorded as
+    ``exact_location``) or, when ``exact`` is None, inline after the other sections. Returns the header as a reader
+    parses it."""
     single_file = residual is None
     cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
     fields = _header_fields(enc, cache_id, single_file, residual_location)
     s = enc.scheme
     pages = len(enc.layers) * enc.pages_per_layer
     blank = [PageEntry(0, 0, 0, c.CODEC_NONE, 0)] * pages
-    lead = frame_sections(fields, blank, blank, single_file=single_file, residual_location=residual_location)
+    has_exact = exact_kv is not None
+    if has_exact and len(exact_kv) != len(enc.layers):
+        raise InputError(f"exact_kv: expected {len(enc.layers)} layers of originals, got {len(exact_kv)}")
+    if has_exact and exact is not None and not exact_location:
+        raise InputError("exact_location: an exact segment in its own file needs that file's location")
+    framing = dict(single_file=single_file, residual_location=residual_location,
+                   exact_location=exact_location if exact is not None else None)
+    lead = frame_sections(fields, blank, blank, blank if has_exact else None, **framing)
     index_size = pages * c.PAGE_ENTRY_SIZE
     residual_out = Parts() if single_file else residual  # inline: after the anchor pages, so held until then
+    exact_out = (exact if exact is not None else Parts()) if has_exact else None  # inline: after everything
     a_at, r_at = anchor.reserve(len(lead.anchor_lead)), residual_out.reserve(len(lead.residual_lead))
+    e_at = exact_out.reserve(len(lead.exact_lead)) if has_exact else None
     a_sec, r_sec = _Section(index_size, zstd), _Section(c.RESIDUAL_HEADER_SIZE + index_size, zstd)
+    e_sec = _Section(c.EXACT_HEADER_SIZE + index_size, True, EXACT_ZSTD_LEVEL)  # the remainder always pays
     sinks = min(s.sink_tokens, enc.tokens)
-    for keys, values in enc.layers:  # layer-major streaming order
+    for i, (keys, values) in enumerate(enc.layers):  # layer-major streaming order
         _check_layer(keys, values, s, sinks)
         for a_rec, r_rec in encode_layer_records(keys, values, s, enc.tokens):
             anchor.write(a_sec.store(a_rec))
             residual_out.write(r_sec.store(r_rec))
-    framed = frame_sections(fields, a_sec.entries, r_sec.entries, single_file=single_file,
-                            residual_location=residual_location)
+        if has_exact:
+            originals = _originals(exact_kv[i], enc, i)
+            predicted = tuple(dequantize(t, s, dtype=originals[0].dtype) for t in (keys, values))
+            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens):
+                exact_out.write(e_sec.store(e_rec, splits))
+    framed = frame_sections(fields, a_sec.entries, r_sec.entries, e_sec.entries if has_exact else None, **framing)
     anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
     residual_out.fill(r_at, framed.residual_lead)
+    if has_exact:
+        exact_out.fill(e_at, framed.exact_lead)
     if single_file:
         for part in residual_out.parts:
+            anchor.write(part)
+    if has_exact and exact is None:
+        for part in exact_out.parts:
             anchor.write(part)
     return framed.header
 
 
+def _originals(pair, enc: EncodedKV, layer: int) -> tuple:
+    """A layer's original keys and values as ``[H, T, D]`` CPU tensors of the cache's dtype (checked)."""
+    from lynxkv.quant.remainder import TORCH_DTYPES
+
+    want = (enc.kv_heads, enc.tokens, enc.head_dim)
+    out = []
+    for t in pair:
+        t = t.detach()
+        if t.dim() == 4 and t.shape[0] == 1:
+            t = t[0]
+        if tuple(t.shape) != want or t.dtype != TORCH_DTYPES[enc.dtype]:
+            raise InputError(f"exact_kv layer {layer}: expected {list(want)} {enc.dtype}, got {tuple(t.shape)} "
+                             f"{t.dtype}")
+        out.append(t.to("cpu"))
+    return tuple(out)
+
+
 def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: bool = False,
-                zstd: bool = False, residual_location: str = "") -> BuiltFiles:
+                zstd: bool = False, residual_location: str = "", exact_kv: Sequence[tuple] | None = None,
+                exact_location: str = "") -> BuiltFiles:
     """The bytes of a ``.lynx`` cache, in memory (:func:`write_files` into :class:`Parts`). ``residual_location``
     is the residual file's path relative to the anchor file's directory (or a URL); it is ignored for a single
-    file."""
+    file. ``exact_kv``: the originals, for an exact segment (1.4), inline unless ``exact_location`` names its own
+    file (then in ``BuiltFiles.exact_parts``)."""
     anchor, residual = Parts(), None if single_file else Parts()
-    header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=residual_location)
-    return BuiltFiles(tuple(anchor.parts), None if residual is None else tuple(residual.parts), header)
+    exact = Parts() if exact_kv is not None and exact_location else None
+    header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=residual_location,
+                         exact_kv=exact_kv, exact=exact, exact_location=exact_location)
+    return BuiltFiles(tuple(anchor.parts), None if residual is None else tuple(residual.parts), header,
+                      None if exact is None else tuple(exact.parts))
 
 
 @dataclass(frozen=True)
@@ -219,19 +266,28 @@ class FramedSections:
     anchor_lead: bytes  # the anchor header and the anchor page index: the anchor file up to its first page
     residual_lead: bytes  # the residual header and the residual page index: the section up to its first page
     header: AnchorHeader  # as a reader parses it (header_length filled in)
+    exact_lead: bytes = b""  # 1.4: the exact header and the exact page index
 
 
-def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residual_entries: list[PageEntry], *,
-                   single_file: bool = False, residual_location: str = "") -> FramedSections:
+def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residual_entries: list[PageEntry],
+                   exact_entries: list[PageEntry] | None = None, *, single_file: bool = False,
+                   residual_location: str = "", exact_location: str | None = None) -> FramedSections:
     """The bytes around the stored pages of a cache: both headers and both page indexes, from the index entries
     (offsets section-relative, as :func:`_section` places them) and ``fields`` (every header field but the segment
-    table, which is computed here). The pages themselves are the caller's: written after each lead, in order."""
+    table, which is computed here). The pages themselves are the caller's: written after each lead, in order.
+    ``exact_entries`` (1.4): an exact segment's, external at ``exact_location`` or, when that is None, inline after
+    the other inline sections."""
     a_index, r_index = pack_index(anchor_entries), pack_index(residual_entries)
     a_length = len(a_index) + sum(e.stored_length for e in anchor_entries)
     r_length = c.RESIDUAL_HEADER_SIZE + len(r_index) + sum(e.stored_length for e in residual_entries)
     r_head = pack_residual_header(ResidualHeader(fields.cache_id, fields.layers, fields.kv_heads, fields.head_dim,
                                                  fields.tokens, fields.scheme.page, fields.scheme.residual_bits,
                                                  crc32(r_index)))
+    e_index = pack_index(exact_entries) if exact_entries is not None else b""
+    e_length = c.EXACT_HEADER_SIZE + len(e_index) + sum(e.stored_length for e in exact_entries or ())
+    e_head = b"" if exact_entries is None else pack_exact_header(
+        ExactHeader(fields.cache_id, fields.layers, fields.kv_heads, fields.head_dim, fields.tokens, fields.scheme.page,
+                    fields.dtype, crc32(e_index)))
 
     def header(anchor_offset: int) -> AnchorHeader:
         anchor_seg = SegmentEntry(c.SEGMENT_ANCHOR, c.PLACEMENT_INLINE, len(anchor_entries), anchor_offset, a_length,
@@ -242,7 +298,16 @@ def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residu
         else:
             res_seg = SegmentEntry(c.SEGMENT_RESIDUAL, c.PLACEMENT_EXTERNAL, len(residual_entries), 0, r_length,
                                    crc32(r_index), residual_location)
-        return replace(fields, segments=(anchor_seg, res_seg),
+        segments = (anchor_seg, res_seg)
+        if exact_entries is not None:
+            if exact_location is None:  # inline: after every other inline section
+                end = anchor_offset + a_length + (r_length if single_file else 0)
+                segments += (SegmentEntry(c.SEGMENT_EXACT, c.PLACEMENT_INLINE, len(exact_entries), end, e_length,
+                                          crc32(e_index)),)
+            else:
+                segments += (SegmentEntry(c.SEGMENT_EXACT, c.PLACEMENT_EXTERNAL, len(exact_entries), 0, e_length,
+                                          crc32(e_index), exact_location),)
+        return replace(fields, segments=segments,
                        flags=fields.flags | (c.FLAG_PROPERTIES if fields.properties else 0),
                        version_minor=1 if fields.properties else c.VERSION_MINOR)
 
@@ -251,4 +316,4 @@ def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residu
     h = header(length)
     head = pack_anchor_header(h)
     assert len(head) == length  # offsets are fixed-width, so the length cannot change
-    return FramedSections(head + a_index, r_head + r_index, replace(h, header_length=length))
+    return FramedSections(head + a_index, r_head + r_index, replace(h, header_length=length), e_head + e_index)
