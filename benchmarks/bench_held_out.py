@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--rates", default="60Mbps", help="comma-separated, e.g. 12Mbps,60Mbps,200Mbps,1Gbps")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layered-verify", action="store_true", help="Pass --layered-verify to lynxkv run.")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write every row here.")
     a = ap.parse_args(argv)
 
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
                            check=True, capture_output=True, env=env)
             for rate in a.rates.split(","):
                 run = subprocess.run([LYNXKV, "run", str(cache), "--bandwidth", rate, "-n", "64", "--ignore-eos",
-                                      "--compare", "--repeats", str(a.repeats), "--json"],
+                                      "--compare", "--repeats", str(a.repeats), "--json",
+                                      *(["--layered-verify"] if a.layered_verify else [])],
                                      check=True, capture_output=True, text=True, env=env)
                 rows.append(row_of(json.loads(run.stdout), f"p{i}", rate))
                 r = rows[-1]

@@ -71,7 +71,7 @@ def test_the_layered_forward_equals_the_forward_on_the_whole_full_code(tmp_path,
 def test_a_run_verifies_layer_by_layer_and_equals_decoding_on_the_full_code(tmp_path, arch, eager):
     model, ids, path, full_kv = _stored(tmp_path, arch)
     with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0))
+        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0, layered_verify=True))
     s = result.stats
     assert s.verify_layered and s.drafted > 0 and s.verified
     assert s.verify_start_s < s.residual_ready_s <= s.verify_end_s  # it started before the last layer was in
@@ -82,7 +82,7 @@ def test_a_run_verifies_layer_by_layer_and_equals_decoding_on_the_full_code(tmp_
 def test_without_the_early_start_the_verify_waits_for_the_whole_residual(tmp_path):
     model, ids, path, full_kv = _stored(tmp_path, "llama")
     with open_progressive(path, bandwidth=_bandwidth(path, 0.5)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, verify_chunk=4))
+        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, verify_chunk=4, layered_verify=True))
     s = result.stats
     assert not s.verify_layered and s.verify_start_s >= s.residual_ready_s
     assert result.token_ids == decode_plain(model, full_kv, ids, 16)
@@ -100,7 +100,7 @@ def test_a_residual_layer_that_fails_during_the_layered_verify_ends_the_run_clea
     _corrupt_last_layer(path)
     with open_progressive(path, bandwidth=_bandwidth(path, 0.8)) as load:
         with pytest.raises(ResidualUnavailable, match="residual failed.*anchor-only"):
-            run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0))
+            run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, layered_verify=True))
 
 
 def test_with_anchor_only_allowed_a_failed_layer_falls_back_to_the_anchor(tmp_path, eager):
@@ -109,7 +109,8 @@ def test_with_anchor_only_allowed_a_failed_layer_falls_back_to_the_anchor(tmp_pa
         anchor_kv = c.load_kv(anchor_only=True)
     _corrupt_last_layer(path)
     with open_progressive(path, bandwidth=_bandwidth(path, 0.8), allow_anchor_only=True) as load:
-        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, allow_anchor_only=True))
+        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, allow_anchor_only=True,
+                                             layered_verify=True))
     s = result.stats
     assert s.verify_layered and not s.verified and "residual failed" in s.residual_error
     assert result.token_ids == decode_plain(model, anchor_kv, ids, 16)
@@ -121,3 +122,26 @@ def test_the_verify_estimate_learns_from_a_measured_verify(monkeypatch):
     assert layered.verify_estimate(model, 10, 0.1) == pytest.approx(0.1 * (1 + layered.ROW_COST * 10))
     layered.remember_verify(model, 10, 0.6, 0.1)  # 6 steps for 10 rows: half a step per row
     assert layered.verify_estimate(model, 20, 0.1) == pytest.approx(0.1 * (1 + 0.5 * 20))
+
+
+def test_the_layered_verify_is_off_unless_asked_for(tmp_path, eager):
+    model, ids, path, full_kv = _stored(tmp_path, "llama")
+    with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
+        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0))
+    assert not result.stats.verify_layered
+    assert result.token_ids == decode_plain(model, full_kv, ids, 24)
+
+
+def test_lynxkv_run_layered_verify_flag(tmp_path, eager, capsys):
+    import json
+
+    from lynxkv.cli import main
+    from runner_helpers import tiny_llama_cache
+
+    _, model_dir, path, _, _ = tiny_llama_cache(tmp_path)
+    code = main(["run", path, "--model", model_dir, "-n", "20", "--ignore-eos", "--bandwidth",
+                 f"{_bandwidth(path, 1.0):.0f}B/s", "--layered-verify", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    stats = json.loads(out.out)["stats"]
+    assert stats["verify_layered"] and stats["verify_start_s"] < stats["residual_ready_s"]

@@ -149,6 +149,8 @@ def run(
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
     verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
                                      "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
+    layered_verify: bool = typer.Option(False, "--layered-verify", help="Start the verify while the residual still "
+                                        "arrives, each layer once its own residual is in (experimental)."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
                                            "many seconds from the start."),
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual never arrives, "
@@ -212,7 +214,7 @@ def run(
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
-        stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
+        layered_verify=layered_verify, stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 
     def open_load():

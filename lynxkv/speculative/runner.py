@@ -60,6 +60,10 @@ class RunConfig:
     allow_anchor_only: bool = False  # on residual failure, continue unverified on the anchor (flagged)
     stop_token_ids: tuple[int, ...] = ()
     verify_chunk: int = 0  # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see _verify)
+    # Start the verify while the residual still arrives, each layer once its own residual is in
+    # (lynxkv.speculative.layered; needs a load with layer_in/full_layer, and verify_chunk 0). Off by default: on
+    # this project's 2-core CPU it does not pay yet (docs/speculative.md, "The layered verify").
+    layered_verify: bool = False
     # Draft only where it can pay (lynxkv.speculative.schedule): wait for the residual instead when, at anchor-ready,
     # it is due within this many decode steps. 0: always draft.
     min_window_steps: float = 2.0
@@ -205,11 +209,11 @@ def stream(
     pending = feed  # the tokens the next forward on the draft cache consumes
     step_times: list[float] = []
     # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
-    layers = False if config.verify_chunk > 0 or not hasattr(load, "layer_in") else None
+    layers = None if config.layered_verify and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
     while len(drafts) < cap and not residual.done():
-        if step_times and layers:
-            eta, step = load.residual_eta(), sum(step_times) / len(step_times)
+        if len(step_times) >= 2 and layers:  # the first step, on a fresh cache, is not a typical one
+            eta, step = load.residual_eta(), statistics.median(step_times[1:])
             if eta is not None and eta < verify_estimate(model, len(feed) + len(drafts), step) * (1 - 1 / len(layers)):
                 layered = True
                 break
