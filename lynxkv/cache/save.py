@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import secrets
 from collections.abc import Sequence
 
@@ -15,7 +16,8 @@ from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.writer import write_files
 from lynxkv.quant.scheme import DEFAULT, Scheme
-from lynxkv.storage import AtomicWriter, exists, has_protocol, record_location, remove, resolve_location, same_object
+from lynxkv.storage import (AtomicWriter, clean_stale_temps, exists, has_protocol, record_location, remove,
+                            resolve_location, same_object)
 
 
 def default_residual_path(anchor_path: str | os.PathLike) -> str:
@@ -86,6 +88,8 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                 if w is not None:
                     w.abort()
             raise
+        if residual_path is None and not has_protocol(rpath):  # a killed replacement's temporaries, under any of this cache's residual names
+            clean_stale_temps(rpath, _residual_names(rpath))
         orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
         for stale in ([old] if old is not None else []) + orphans:
             if not same_object(stale, rpath):
@@ -108,20 +112,24 @@ def residual_file_of(path: str) -> str | None:
         return None
 
 
+def _residual_names(rpath: str) -> re.Pattern:
+    """The file names of a cache's residual beside ``rpath``: ``x.lynxr`` and its fresh names ``x.<8 hex>.lynxr``."""
+    base = os.path.basename(rpath)
+    stem = base[:-len(c.RESIDUAL_SUFFIX)] if base.endswith(c.RESIDUAL_SUFFIX) else base
+    m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
+    stem = m.group(1) if m else stem
+    return re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(c.RESIDUAL_SUFFIX))
+
+
 def _orphan_residuals(rpath: str) -> list[str]:
     """Residuals under fresh names (``x.<8 hex>.lynxr``) beside ``rpath`` that a replacement killed before its
     anchor was renamed left behind; local files only."""
-    import re
-
     if has_protocol(rpath) or not rpath.endswith(c.RESIDUAL_SUFFIX):
         return []
-    d, base = os.path.split(os.path.abspath(rpath))
-    stem = base[:-len(c.RESIDUAL_SUFFIX)]
-    m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
-    stem = m.group(1) if m else stem
-    pattern = re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(c.RESIDUAL_SUFFIX) + "$")
+    d = os.path.dirname(os.path.abspath(rpath))
+    pattern = _residual_names(rpath)
     try:
-        return [os.path.join(d, n) for n in os.listdir(d) if pattern.match(n)]
+        return [os.path.join(d, n) for n in os.listdir(d) if pattern.fullmatch(n)]
     except OSError:
         return []
 
