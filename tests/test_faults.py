@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from lynxkv.cache import save_cache
+from lynxkv.cache import open_cache, save_cache, verify_file
+from lynxkv.cli import main
+from lynxkv.errors import InputError
 from lynxkv.quant.scheme import Scheme
 
+ROOT = Path(__file__).resolve().parents[1]
 SCHEME = Scheme(chunk=4, page=8)
 
 
@@ -34,3 +41,42 @@ def test_temporaries_of_a_killed_replacement_under_a_fresh_residual_name_are_cle
         p.write_bytes(b"half")
     save_cache(tmp_path / "c.lynx", kv(2), SCHEME)
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_tier_on_a_full_disk_removes_the_residual_copy_no_anchor_names(tmp_path, monkeypatch, capsys):
+    import lynxkv.stream.tier as tier
+
+    save_cache(tmp_path / "c.lynx", kv(1), SCHEME)
+    before = {n: (tmp_path / n).read_bytes() for n in names(tmp_path)}
+    real = tier.write_atomic
+
+    def full_for_anchors(url, data, **kw):
+        if str(url).endswith(".lynx"):
+            raise InputError(f"{url}: no space left on the device; nothing was written")
+        return real(url, data, **kw)
+
+    monkeypatch.setattr(tier, "write_atomic", full_for_anchors)
+    code = main(["tier", str(tmp_path / "c.lynx"), "--residual-out", str(tmp_path / "far" / "c.lynxr")])
+    assert code == 1 and "no space left" in capsys.readouterr().err
+    assert names(tmp_path / "far") == []  # the copy that was published first is gone again
+    assert {n: (tmp_path / n).read_bytes() for n in names(tmp_path) if n != "far"} == before
+    assert verify_file(tmp_path / "c.lynx") == []
+
+
+def test_stream_copy_on_a_full_disk_leaves_no_residual_behind(tmp_path, monkeypatch, capsys):
+    from lynxkv.storage import AtomicWriter
+
+    save_cache(tmp_path / "c.lynx", kv(1), SCHEME)
+    real, calls = AtomicWriter.commit, []
+
+    def commit(self):
+        calls.append(self.url)
+        if len(calls) == 2:  # the anchor, after the residual was published
+            self.abort()
+            raise InputError(f"{self.url}: no space left on the device; nothing was written")
+        return real(self)
+
+    monkeypatch.setattr(AtomicWriter, "commit", commit)
+    code = main(["stream", str(tmp_path / "c.lynx"), "-o", str(tmp_path / "dl" / "c.lynx")])
+    assert code == 1 and "no space left" in capsys.readouterr().err
+    assert calls[0].endswith(".lynxr") and names(tmp_path / "dl") == []

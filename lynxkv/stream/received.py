@@ -3,7 +3,8 @@
 A :class:`ReceivedCopy` is given to :func:`~lynxkv.stream.progressive.open_progressive` as its ``tee``: it keeps
 every block the load receives, and writes the files only once the load has verified every page (:meth:`commit`):
 the residual first, then the anchor, each atomically, so an anchor never points at a missing residual; then it
-reads both back and checks every page of every segment.
+reads both back and checks every page of every segment. A residual written for an anchor that then fails to
+be written (a full disk) is removed again.
 
 Where it writes: ``dest``, and the residual at ``residual_dest`` or else at the relative location the anchor
 records, which must stay inside ``dest``'s directory (:func:`lynxkv.storage.write_target`). An existing file is
@@ -12,6 +13,7 @@ replaced only with ``force``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from lynxkv.cache import residual_file_of
@@ -82,8 +84,14 @@ class ReceivedCopy:
             with AtomicWriter(rdest, make_dirs=True) as w:
                 w.write(residual)
             written["residual"] = rdest
-        with AtomicWriter(self.dest, make_dirs=True) as w:
-            w.write(anchor)
+        try:
+            with AtomicWriter(self.dest, make_dirs=True) as w:
+                w.write(anchor)
+        except BaseException:
+            if "residual" in written:  # no anchor names it (a full disk): not left behind
+                with contextlib.suppress(Exception):
+                    remove(written["residual"])
+            raise
         written["anchor"] = self.dest
         check_cache_bytes(read_all(self.dest), None if residual is None else read_all(written["residual"]))
         if old is not None and not same_object(old, written.get("residual", self.dest)):

@@ -7,7 +7,8 @@ Order of operations, so that a crash at any point leaves a usable cache under th
 2. publish the residual at its new location (atomic), read it back, check it page by page;
 3. publish the anchor (with the residual's new location in its header when that changed), read it back and check
    it page by page;
-4. only then delete the sources (unless ``keep``).
+4. only then delete the sources (unless ``keep``). If step 3 fails (a full disk), the residual copy of step 2,
+   which no anchor names, is removed again.
 
 :func:`relocate_residual` gives the anchor file's bytes with a new residual location in its header: the anchor
 section (index and pages) is copied unchanged; only the header, whose length depends on the location string, is
@@ -17,6 +18,7 @@ Page offsets in the index are relative to the section, so they stay valid.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Callable
 
@@ -149,8 +151,14 @@ def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = No
     if external and location != seg.location:
         anchor = relocate_residual(anchor, location)
     if not same_object(new_anchor, src) or external and location != seg.location:
-        check_cache_bytes(anchor, residual)
-        crc = _publish(new_anchor, anchor, lambda back: check_cache_bytes(back, residual))
+        try:
+            check_cache_bytes(anchor, residual)
+            crc = _publish(new_anchor, anchor, lambda back: check_cache_bytes(back, residual))
+        except BaseException:
+            if "residual" in moved:  # the copy no anchor names (the source cache is untouched): not left behind
+                with contextlib.suppress(Exception):
+                    remove(residual_to)
+            raise
         moved["anchor"] = {"from": src, "to": new_anchor, "bytes": len(anchor), "crc32": crc}
     if not keep:
         if "residual" in moved:
