@@ -17,7 +17,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.writer import write_files
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.storage import (AtomicWriter, clean_stale_temps, exists, has_protocol, record_location, remove,
-                            resolve_location, same_object)
+                            resolve_location, same_object, writer_lock)
 
 
 def default_residual_path(anchor_path: str | os.PathLike) -> str:
@@ -41,7 +41,8 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
 
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
-    residual removed; a crash at any point leaves the old cache or the new one, each complete.
+    residual removed; a crash at any point leaves the old cache or the new one, each complete. Writers of one
+    path take turns (:func:`lynxkv.storage.writer_lock`), so two at once leave one whole cache, never a mix.
     """
     if isinstance(kv_or_encoded, EncodedCache):
         enc = kv_or_encoded
@@ -56,6 +57,15 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     if properties is not None:
         enc.properties = dict(properties)
     path = os.fspath(path)
+    with writer_lock(path):  # one writer of this cache at a time: none removes what another is writing
+        rpath = _write_cache(path, enc, residual_path, residual_location, single_file, zstd, cache_id)
+        with open_cache(path, residual=rpath) as cache:
+            return cache.info
+
+
+def _write_cache(path: str, enc, residual_path, residual_location, single_file: bool, zstd: bool,
+                 cache_id) -> str | None:
+    """The files of :func:`save_cache`, under its writer lock; return the residual's path (None: single file)."""
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
@@ -88,15 +98,14 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                 if w is not None:
                     w.abort()
             raise
-        if residual_path is None and not has_protocol(rpath):  # a killed replacement's temporaries, under any of this cache's residual names
+        if residual_path is None and not has_protocol(rpath):  # a killed replacement's temporaries, any fresh name
             clean_stale_temps(rpath, _residual_names(rpath))
         orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
         for stale in ([old] if old is not None else []) + orphans:
             if not same_object(stale, rpath):
                 with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
                     remove(stale)
-    with open_cache(path, residual=rpath) as cache:
-        return cache.info
+    return rpath
 
 
 def residual_file_of(path: str) -> str | None:

@@ -1,6 +1,6 @@
 """Bytes at rest: the one place that opens paths and URLs, reads ranges, retries and writes atomically."""
 
-from lynxkv.storage.atomic import AtomicWriter, atomic_path, clean_stale_temps, write_atomic
+from lynxkv.storage.atomic import AtomicWriter, atomic_path, clean_stale_temps, write_atomic, writer_lock
 from lynxkv.storage.locations import (
     ALLOW_ENV,
     allowed_locations,
@@ -53,5 +53,6 @@ __all__ = [
     "same_object",
     "size_of",
     "write_atomic",
+    "writer_lock",
     "write_target",
 ]

@@ -19,7 +19,8 @@ import threading
 from lynxkv.cache import residual_file_of
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.storage import AtomicWriter, exists, read_all, record_location, remove, same_object, write_target
+from lynxkv.storage import (AtomicWriter, exists, read_all, record_location, remove, same_object, write_target,
+                            writer_lock)
 from lynxkv.stream.tier import check_cache_bytes, relocate_residual
 
 
@@ -56,7 +57,12 @@ class ReceivedCopy:
 
     def commit(self, load, *, anchor_only: bool) -> dict:
         """Write what ``load`` (finished) received; ``anchor_only``: its residual failed. Returns what was
-        written: ``{"anchor": path, "residual": path}``."""
+        written: ``{"anchor": path, "residual": path}``. Writers of one ``dest`` take turns
+        (:func:`lynxkv.storage.writer_lock`)."""
+        with writer_lock(self.dest, make_dirs=True):
+            return self._commit(load, anchor_only=anchor_only)
+
+    def _commit(self, load, *, anchor_only: bool) -> dict:
         seg = load.header.segment(c.SEGMENT_RESIDUAL)
         if seg is not None and seg.placement == c.PLACEMENT_INLINE:
             if anchor_only:
