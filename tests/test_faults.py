@@ -80,3 +80,21 @@ def test_stream_copy_on_a_full_disk_leaves_no_residual_behind(tmp_path, monkeypa
     code = main(["stream", str(tmp_path / "c.lynx"), "-o", str(tmp_path / "dl" / "c.lynx")])
     assert code == 1 and "no space left" in capsys.readouterr().err
     assert calls[0].endswith(".lynxr") and names(tmp_path / "dl") == []
+
+
+@pytest.mark.slow
+def test_fault_campaign_small(tmp_path):
+    """40 random SIGKILLs across encode, tier, stream -o and the LMCache tier's store, and 8 full disks: every
+    cache path old or new and whole, nothing left after the next writer."""
+    out = tmp_path / "faults.json"
+    proc = subprocess.run([sys.executable, "benchmarks/fault_campaign.py", "--kills", "40", "--full-disk", "8",
+                           "--json", str(out), "--tmp", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert out.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["failures"] == [] and proc.returncode == 0, proc.stdout[-3000:]
+    assert got["kills"] == 40 and got["landed"] > 10  # most kills land while the command runs
+    assert got["lost"] == 0 and got["mixed"] == 0 and got["leftovers_after_next_writer"] == 0
+    assert got["states"]["old"] > 0 and got["states"]["new"] > 0
+    assert got["full_disk"]["events"] == 8 and got["full_disk"]["failed_cleanly"] > 0
+    assert got["full_disk"]["other_rc"] == 0
