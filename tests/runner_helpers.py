@@ -123,3 +123,18 @@ def save_tiny_model_dir(model, path) -> str:
     with open(config, "w") as f:
         json.dump({**settings, "tokenizer_class": "TokenizersBackend"}, f)
     return str(path)
+
+
+def tiny_llama_cache(directory, seed: int = 4, tokens: int = 300):
+    """A 3-layer tiny Llama saved as a Hugging Face directory under ``directory`` and its prefill of a
+    ``tokens``-long prompt stored as ``directory/c.lynx``: (model, model dir, cache path, prompt ids, exact KV)."""
+    from conftest import make_tiny_llama
+    from lynxkv.cache import save_cache
+
+    model = make_tiny_llama(seed, layers=3, head_dim=32)
+    model_dir = save_tiny_model_dir(model, directory / "model")
+    ids = prompt_ids(seed, tokens)
+    kv, _ = prefill(model, torch.tensor(ids))
+    path = directory / "c.lynx"
+    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    return model, model_dir, str(path), ids, kv

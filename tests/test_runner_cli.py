@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import make_tiny_llama
-from lynxkv.cache import save_cache
 from lynxkv.cli import main
-from lynxkv.hf import prefill
-from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import decode_plain
 from lynxkv.speculative.simulated import split_kv
 from lynxkv.quant.scheme import get_scheme
-from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread, text_of
+from runner_helpers import save_tiny_model_dir, single_thread, text_of, tiny_llama_cache
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -23,14 +19,10 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory):
     d = tmp_path_factory.mktemp("runcli")
-    model = make_tiny_llama(4, layers=3, head_dim=32)
-    model_dir = save_tiny_model_dir(model, d / "model")
-    ids = prompt_ids(4, 300)
-    kv, _ = prefill(model, torch.tensor(ids))
-    save_cache(d / "c.lynx", kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    model, model_dir, path, ids, kv = tiny_llama_cache(d)
     _, full_kv = split_kv(kv, get_scheme())
     want = decode_plain(model, full_kv, ids, 24)
-    return model_dir, str(d / "c.lynx"), want, d
+    return model_dir, path, want, d
 
 
 def _run(capsys, *args):

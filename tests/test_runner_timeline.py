@@ -5,14 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from conftest import make_tiny_llama
-from lynxkv.cache import save_cache
 from lynxkv.cli import main
-from lynxkv.hf import prefill
-from lynxkv.hf.models import model_fingerprint
-from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread
+from runner_helpers import single_thread, tiny_llama_cache
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -22,12 +17,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory):
     d = tmp_path_factory.mktemp("timeline")
-    model = make_tiny_llama(4, layers=3, head_dim=32)
-    model_dir = save_tiny_model_dir(model, d / "model")
-    ids = prompt_ids(4, 300)
-    kv, _ = prefill(model, torch.tensor(ids))
-    save_cache(d / "c.lynx", kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
-    return model_dir, str(d / "c.lynx"), d
+    _, model_dir, path, _, _ = tiny_llama_cache(d)
+    return model_dir, path, d
 
 
 def _run(capsys, *args):

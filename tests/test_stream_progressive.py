@@ -250,16 +250,16 @@ def test_local_file_pages_are_read_in_place_and_dequantized_without_a_copy(cache
     load_kv's either way."""
     import mmap
 
-    from lynxkv.stream import progressive
+    from lynxkv.stream import assembly
 
     _, path, _, _, (ref_anchor, ref_full) = cache_dir
-    real, seen = progressive.dequantize_records, []
+    real, seen = assembly.dequantize_records, []
 
     def spy(anchor, anchor_at, residual, *args, **kwargs):
         seen.append((anchor, residual))
         return real(anchor, anchor_at, residual, *args, **kwargs)
 
-    monkeypatch.setattr(progressive, "dequantize_records", spy)
+    monkeypatch.setattr(assembly, "dequantize_records", spy)
     for name, options in sorted(TRANSPORTS.items()):
         seen.clear()
         with open_progressive(path, **options) as load:
@@ -454,17 +454,17 @@ def test_anchor_batches_decoded_on_workers_keep_the_order_and_the_values(cache_d
 
 
 def test_a_decode_error_on_a_worker_fails_the_anchor(cache_dir, monkeypatch):
-    import lynxkv.stream.progressive as progressive
+    import lynxkv.stream.assembly as assembly
 
     monkeypatch.setenv("LYNXKV_CPU_THREADS", "3")
-    real = progressive.dequantize_records
+    real = assembly.dequantize_records
 
     def bad_layer_1(*args, **kwargs):
         if args[-2](0).startswith("layer 1"):  # where(i) names the page
             raise FormatError("`page` anchor layer 1 page 0: metadata out of range")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(progressive, "dequantize_records", bad_layer_1)
+    monkeypatch.setattr(assembly, "dequantize_records", bad_layer_1)
     seen = []
     with open_progressive(cache_dir[1], on_event=seen.append) as load:
         with pytest.raises(FormatError, match="layer 1 page 0"):
@@ -476,7 +476,9 @@ def test_the_residual_is_dequantized_once_it_is_all_in_at_the_lowest_priority(ca
     import sys
 
     calls, priorities = [], []
-    real_residual, real_pages = ProgressiveLoad._dequantize_residual, ProgressiveLoad._dequantize_pages
+    from lynxkv.stream.assembly import KVAssembly
+
+    real_residual, real_pages = KVAssembly.residual, KVAssembly.pages
 
     def residual(self, items, anchors):
         calls.append([(it[1], it[2]) for it in items])
@@ -488,8 +490,8 @@ def test_the_residual_is_dequantized_once_it_is_all_in_at_the_lowest_priority(ca
         return real_pages(self, layer, pages, anchors, residuals, threads)
 
     monkeypatch.setenv("LYNXKV_CPU_THREADS", "2")
-    monkeypatch.setattr(ProgressiveLoad, "_dequantize_residual", residual)
-    monkeypatch.setattr(ProgressiveLoad, "_dequantize_pages", pages)
+    monkeypatch.setattr(KVAssembly, "residual", residual)
+    monkeypatch.setattr(KVAssembly, "pages", pages)
     _, path, _, _, (_, ref_full) = cache_dir
     with open_progressive(path) as load:
         assert kv_equal(load.residual.result(30), ref_full)

@@ -2,88 +2,47 @@
 
 ``open_progressive(source)`` returns a :class:`ProgressiveLoad` (the :class:`~lynxkv.cache.loading.CacheLoad` the decode
 runner consumes). It is the consumer half; the bytes come from a transport (:mod:`lynxkv.stream.transport`, picked
-by URL scheme), which owns the pumps, the range reads and the link. Threads and their roles:
-
-- the transport's *pump* per segment moves ordered blocks (ranged reads with several requests in flight for
-  storage URLs) through the shared emulated link into a bounded :class:`StreamBuffer`; a local file with no link,
-  fetch hook or tee needs no pump: it is memory-mapped and its pages are read in place, never copied;
-- one *parser* per segment walks the segment with the one page reader (:class:`~lynxkv.format.reader.PageReader`):
-  header, page index, then each page in file order (layer-major) as its bytes arrive, CRC-32 checked and
-  decompressed (no tensor work: the parsers stay off the cores the consumer and a model use); a page whose
-  checksum fails is never handed on. The residual's parser starts once the anchor is dequantized (its pages
-  would wait for that anyway), so that it takes no CPU from the anchor; its bytes keep arriving meanwhile;
-- one *consumer* takes the raw page records from a priority queue, anchor pages first (the receiver drains
-  anchor buffers before residual ones), holds residual pages back until the anchor is complete, emits the events
-  ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or ``residual_failed``), and
-  builds the dequantized KV straight from the record bytes (:func:`lynxkv.format.records.dequantize_records`,
-  compiled passes with the GIL released; the record checks run there): the anchor batch by batch as pages
-  arrive, on the CPU workers (anchor-only at ``anchor_ready``); the full code once the whole residual is in, a
-  layer per worker at the lowest CPU priority (full at ``residual_ready``). The residual streams while a model
-  drafts on the anchor with every core: decoding each residual layer as it landed stretched the draft step it
-  fell in by as long as the decode took (1.13x a plain step, median, on ~3K-token prompts at 60 Mbit/s).
-
-Memory. The transport is bounded: each segment's :class:`StreamBuffer` holds at most ``cap`` bytes (16 MiB) beyond
-what its parser has used, ranged reads keep ``inflight x block_size`` bytes in flight, and at most
-``max_pending_pages`` residual pages wait for the consumer. What the load produces is held as it must be:
-the anchor record of each page and its residual record until the residual is in (to rebuild the full code), and
-the two KV outputs.
-
-Residual failures. Transient transport errors are retried with backoff inside the pump (see ``transport``); what is left is final: a checksum mismatch (naming segment, layer and page), a truncated or missing
-object, a connection that keeps failing. Then ``residual`` fails with that LynxError and
-``timeline.residual_failed`` says why. With ``allow_anchor_only=False`` (the default) the whole load is failed:
-``wait_anchor`` and the event iterator raise too. With ``allow_anchor_only=True`` the anchor stays usable, the
-loss is flagged (``timeline.residual_failed``, ``anchor_only`` property, a ``residual_failed`` event) and the
-caller decides what to do with explicitly lossy anchor-only KV.
-
-Timeline. ``anchor_ready_s``/``residual_ready_s`` are the times the dequantized KV is ready; ``extra`` holds the
-times the first byte and the last verified byte of each segment arrived (``anchor_first_s``, ``anchor_arrived_s``,
-``residual_first_s``, ``residual_arrived_s``), when each layer's residual had arrived (``residual_layers``:
-``{"layer", "arrived_s", "bytes"}`` rows, :mod:`lynxkv.stream.arrivals`), the link's
-measured rates, and retry counts.
+by URL scheme), which owns the pumps, the range reads and the link. One *parser* thread per segment walks it with
+the page reader (CRC-32 checked, no tensor work); one *consumer* takes the page records from a priority queue,
+anchor pages first, emits ``anchor_page`` -> ``anchor_ready`` -> ``residual_page`` -> ``residual_ready`` (or
+``residual_failed``), and builds the KV (:mod:`lynxkv.stream.assembly`): the anchor batch by batch as its pages
+arrive, the full code once the whole residual is in, at the lowest CPU priority, so that a model drafting on the
+anchor keeps every core. Buffers are bounded (16 MiB per segment beyond what its parser used, ``inflight x
+block_size`` in flight, ``max_pending_pages`` residual pages). A final residual failure fails the whole load
+unless ``allow_anchor_only`` (then the anchor stays usable, flagged lossy). docs/tiers.md, "Inside the
+progressive reader", says why each choice was made and what the timeline records.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import queue
-import sys
 import threading
 import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from lynxkv.cache import check_decoded_size
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
-from lynxkv.format.layout import page_tokens
 from lynxkv.format.reader import PageReader
-from lynxkv.format.records import dequantize_records, join_records
 from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.cache.kv import KVPairs
 from lynxkv.cache.loading import LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import EmulatedLink
+from lynxkv.stream.assembly import KVAssembly
+from lynxkv.stream.events import LoadEvent
 from lynxkv.stream.arrivals import ArrivalTransfer, layer_arrivals
 from lynxkv.stream.transport import Fetch, open_transport
 from lynxkv.stream.units import parse_bandwidth, parse_duration
 
 _LIVE: "weakref.WeakSet[ProgressiveLoad]" = weakref.WeakSet()
-
-
-def _lowest_priority() -> None:
-    """Give the calling thread the lowest CPU priority (nice 19; Linux, where a thread has its own: elsewhere
-    the call would renice the whole process, so nothing is done)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @atexit.register
@@ -92,19 +51,6 @@ def _close_live_loads() -> None:
     shutdown aborts the process ("terminate called without an active exception")."""
     for load in list(_LIVE):
         load.close()
-
-
-EVENT_KINDS = ("anchor_page", "anchor_ready", "residual_page", "residual_ready", "residual_failed", "error")
-
-
-@dataclass(frozen=True)
-class LoadEvent:
-    kind: str  # one of EVENT_KINDS
-    t: float  # seconds since the load started
-    layer: int | None = None
-    page: int | None = None
-    bytes: int = 0  # stored bytes of this page (page events)
-    message: str | None = None  # residual_failed / error
 
 
 class ProgressiveLoad:
@@ -152,7 +98,7 @@ class ProgressiveLoad:
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._residual_bytes_total: int | None = None
-        self._kv_out: tuple = ([], [])
+        self._kv: KVAssembly | None = None  # the outputs, once the header is in
         self._reader: PageReader | None = None
         self._threads = [
             threading.Thread(target=self._guard, args=("anchor", self._anchor_worker), daemon=True,
@@ -379,15 +325,9 @@ class ProgressiveLoad:
                     return
                 if kind == "header":
                     h = item[1]
-                    # An anchor batch is one worker's unit: about 4 M elements, so that a batch is short next to
-                    # the load (a close waits for the batches under way) and still amortises the call.
-                    batch_pages = max(1, (4 << 20) // max(1, 2 * h.kv_heads * h.scheme.page * h.head_dim))
+                    batch_pages = KVAssembly.batch_pages(h)  # an anchor batch is one worker's unit
                     if self.decode:
-                        check_decoded_size(h, self.dtype)
-                        shape = (h.kv_heads, h.tokens, h.head_dim)
-                        self._kv_out = tuple([(torch.empty(shape, dtype=self.dtype),
-                                               torch.empty(shape, dtype=self.dtype)) for _ in range(h.layers)]
-                                             for _ in range(2))  # (anchor-only, full)
+                        self._kv = KVAssembly(h, self.dtype)
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
                     # Held, not dequantized yet: a model drafting on the anchor uses every core, and any work
@@ -399,7 +339,7 @@ class ProgressiveLoad:
                     continue
                 if kind == "residual_done" and self.decode and not self._future.done() and residual_held:
                     try:  # the records' own checks (padding bits) run here, before the pages are handed on
-                        self._dequantize_residual(residual_held, anchors)
+                        self._kv.residual(residual_held, anchors)
                     except LynxError as exc:
                         kind, item = "error", ("error", "residual", exc)
                     else:
@@ -427,16 +367,16 @@ class ProgressiveLoad:
                             anchors[(layer, page)] = raw
                     args = (item[1], [it[2] for it in batch], [it[3] for it in batch], None)
                     if pool is not None:  # whole batches on the workers, one thread each; this thread takes more
-                        decoding.append((pool.submit(self._dequantize_pages, *args, threads=1), batch))
+                        decoding.append((pool.submit(self._kv.pages, *args, threads=1), batch))
                         continue
                     if self.decode:
-                        self._dequantize_pages(*args)
+                        self._kv.pages(*args)
                     for _, layer, page, _, n in batch:
                         self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
                     continue
                 if kind == "anchor_done":
                     decoded(wait=True)
-                    self._anchor_kv = self._kv_out[0] if self.decode else None
+                    self._anchor_kv = self._kv.anchor if self.decode else None
                     self._timeline.anchor_ready_s = self._now()
                     anchor_complete = True
                     self._anchor_done.set()
@@ -461,7 +401,7 @@ class ProgressiveLoad:
                     self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
                     continue
                 if kind == "residual_done":
-                    full = self._kv_out[1] if self.decode else None
+                    full = self._kv.full if self.decode else None
                     self._timeline.residual_ready_s = self._now()
                     self._future.set_result(full)
                     self._emit(LoadEvent("residual_ready", self._now()))
@@ -513,40 +453,6 @@ class ProgressiveLoad:
                 break
             got.append(entry[2])
         return got
-
-    def _dequantize_residual(self, items: list[tuple], anchors: dict) -> None:
-        """The full code of every page in ``items`` (residual items, in file order), a layer per worker, on
-        threads of the lowest CPU priority: a model step under way when the residual lands goes first (its own
-        threads use every core), and the decode takes the cores the model leaves while it waits for it."""
-        layers: dict[int, list[tuple]] = {}
-        for it in items:
-            layers.setdefault(it[1], []).append(it)
-        jobs = [(layer, [it[2] for it in batch], [anchors.pop((layer, it[2])) for it in batch],
-                 [it[3] for it in batch]) for layer, batch in layers.items()]
-        pool = ThreadPoolExecutor(min(concurrent_tensors(), len(jobs)), thread_name_prefix="lynxkv-residual",
-                                  initializer=_lowest_priority)
-        try:
-            for done in [pool.submit(self._dequantize_pages, *job, threads=1) for job in jobs]:
-                done.result()  # in layer order: the first failing layer's error
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _dequantize_pages(self, layer: int, pages: list[int], anchors: list, residuals: list | None,
-                          threads: int | None = None) -> None:
-        """Dequantize raw records of pages of one layer into its output tensors: anchor-only (``residuals``
-        None) or full, straight from the record bytes (:func:`lynxkv.format.records.dequantize_records`).
-
-        A page is exactly P/C whole chunks, so dequantizing page by page equals dequantizing the whole tensor;
-        doing it as pages arrive overlaps the arithmetic with the transfer. On the consumer's workers: one
-        thread each (``threads=1``)."""
-        h = self.header
-        s = h.scheme
-        anchor, anchor_at = join_records(anchors)
-        residual, residual_at = (None, None) if residuals is None else join_records(residuals)
-        dequantize_records(anchor, anchor_at, residual, residual_at,
-                           [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages], s, h.kv_heads,
-                           h.head_dim, self._kv_out[0 if residuals is None else 1][layer],
-                           lambda i: f"layer {layer} page {pages[i]}", threads)
 
 
 def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
