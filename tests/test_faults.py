@@ -30,17 +30,104 @@ def names(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir())
 
 
-def test_temporaries_of_a_killed_replacement_under_a_fresh_residual_name_are_cleaned(tmp_path):
-    # A replacement writes its residual under a fresh name (c.<8 hex>.lynxr), so a killed one leaves a temporary
-    # named after that fresh name; the next writer of c.lynx uses another fresh name and must still remove it.
+def killed_at(point: int, fn) -> None:
+    """Run ``fn`` in a forked child that SIGKILLs itself at its ``point``-th atomic commit (0: at the first removal
+    of a replaced residual, after both commits), as a crash or ``kill -9`` would stop it."""
+    import signal
+
+    from lynxkv.storage import AtomicWriter
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import lynxkv.cache.save as save_mod
+            import lynxkv.stream.received as received_mod
+
+            real_commit, real_remove, calls = AtomicWriter.commit, save_mod.remove, []
+
+            def commit(self):
+                calls.append(self.url)
+                if len(calls) == point:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_commit(self)
+
+            def remove(url):
+                if point == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_remove(url)
+
+            AtomicWriter.commit = commit
+            save_mod.remove = received_mod.remove = remove
+            fn()
+        finally:
+            os._exit(3)  # not killed: the point was never reached
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"point {point} never reached"
+
+
+def whole_cache_files(d: Path, anchor: str) -> set[str]:
+    """The anchor and the residual it names (the cache must verify)."""
+    p = d / anchor
+    assert verify_file(p) == [], f"{anchor} is not whole: {names(d)}"
+    with open_cache(p) as cache:
+        loc = cache.info.residual_location
+    return {anchor} | ({Path(loc).name} if loc else set())
+
+
+@pytest.mark.parametrize("point", [1, 2, 0], ids=["before-residual-commit", "before-anchor-commit",
+                                                   "before-old-residual-removal"])
+def test_the_writer_after_a_killed_replacement_leaves_only_the_new_cache(tmp_path, point):
+    # The replacement writes its residual under a fresh name (c.<8 hex>.lynxr); the next writer, another fresh
+    # name, removes the killed one's temporaries, its residual and the lock file, whatever the point.
     save_cache(tmp_path / "c.lynx", kv(1), SCHEME)
-    dead = tmp_path / ".c.0badcafe.lynxr.999999999-0badcafe.tmp"  # its writer is gone
-    live = tmp_path / f".c.0badcafe.lynxr.{os.getpid()}-0badcafe.tmp"  # a writer still at work
-    other = tmp_path / ".d.0badcafe.lynxr.999999999-0badcafe.tmp"  # another cache's business
-    for p in (dead, live, other):
-        p.write_bytes(b"half")
-    save_cache(tmp_path / "c.lynx", kv(2), SCHEME)
-    assert not dead.exists() and live.exists() and other.exists()
+    save_cache(tmp_path / "c.lynx", kv(2), SCHEME)  # the cache in place keeps its residual under a fresh name
+    killed_at(point, lambda: save_cache(tmp_path / "c.lynx", kv(3), SCHEME))
+    assert verify_file(tmp_path / "c.lynx") == []  # the old cache or the new one, whole
+    assert len(names(tmp_path)) > 2  # the kill left something behind
+    save_cache(tmp_path / "c.lynx", kv(4), SCHEME)
+    assert names(tmp_path) == sorted(whole_cache_files(tmp_path, "c.lynx"))
+
+
+@pytest.mark.parametrize("point", [1, 2, 0], ids=["before-residual-commit", "before-anchor-commit",
+                                                   "before-old-residual-removal"])
+def test_the_stream_copy_after_a_killed_one_leaves_only_the_new_copy(tmp_path, point):
+    # lynxkv stream -o --force over a saved copy: its residual goes to a fresh name from the streamed cache's id,
+    # so the next copy of another cache uses another name; what the killed copy left must still go.
+    for which, seed in (("a", 1), ("b", 2), ("c", 3)):
+        (tmp_path / which).mkdir()
+        save_cache(tmp_path / which / "c.lynx", kv(seed), SCHEME)
+    dl = tmp_path / "dl"
+    assert main(["stream", str(tmp_path / "a" / "c.lynx"), "-o", str(dl / "c.lynx")]) == 0
+    killed_at(point, lambda: main(["stream", str(tmp_path / "b" / "c.lynx"), "-o", str(dl / "c.lynx"), "--force"]))
+    assert verify_file(dl / "c.lynx") == []
+    assert len(names(dl)) > 2
+    assert main(["stream", str(tmp_path / "c" / "c.lynx"), "-o", str(dl / "c.lynx"), "--force"]) == 0
+    assert names(dl) == sorted(whole_cache_files(dl, "c.lynx"))
+    with open_cache(dl / "c.lynx") as got, open_cache(tmp_path / "c" / "c.lynx") as want:
+        assert got.info.cache_id == want.info.cache_id
+
+
+def test_neighbours_of_a_cache_survive_its_replacements_and_killed_writers(tmp_path):
+    # x.1a2b3c4d.lynx and its residual x.1a2b3c4d.lynxr look like a fresh residual name of x.lynx; d.lynx (a
+    # tier move of an earlier x.lynx) names x.lynxr itself; a dead writer's temporary of the neighbour is its own
+    # writers' business. Replacing x.lynx, and the writer after a killed replacement, touch none of them.
+    neighbour = tmp_path / "x.1a2b3c4d.lynx"
+    save_cache(neighbour, kv(1), SCHEME)
+    save_cache(tmp_path / "x.lynx", kv(2), SCHEME)
+    assert main(["tier", str(tmp_path / "x.lynx"), str(tmp_path / "d.lynx")]) == 0  # d.lynx names x.lynxr
+    temp = tmp_path / ".x.1a2b3c4d.lynxr.999999999-0badcafe.tmp"
+    temp.write_bytes(b"half")
+    user = tmp_path / "x.0badcafe.lynxr.notes"
+    user.write_bytes(b"a user's file")
+    before = {n: (tmp_path / n).read_bytes() for n in names(tmp_path)}
+    for seed in (3, 4):
+        save_cache(tmp_path / "x.lynx", kv(seed), SCHEME)
+    killed_at(2, lambda: save_cache(tmp_path / "x.lynx", kv(5), SCHEME))
+    save_cache(tmp_path / "x.lynx", kv(6), SCHEME)
+    assert main(["stream", str(neighbour), "-o", str(tmp_path / "x.lynx"), "--force"]) == 0
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert verify_file(neighbour) == [] and verify_file(tmp_path / "d.lynx") == []
+    assert set(names(tmp_path)) == set(before) | whole_cache_files(tmp_path, "x.lynx")
 
 
 def test_tier_on_a_full_disk_removes_the_residual_copy_no_anchor_names(tmp_path, monkeypatch, capsys):
@@ -80,6 +167,80 @@ def test_stream_copy_on_a_full_disk_leaves_no_residual_behind(tmp_path, monkeypa
     code = main(["stream", str(tmp_path / "c.lynx"), "-o", str(tmp_path / "dl" / "c.lynx")])
     assert code == 1 and "no space left" in capsys.readouterr().err
     assert calls[0].endswith(".lynxr") and names(tmp_path / "dl") == []
+
+
+class SmallDisk:
+    """A disk with ``free`` bytes left, for lynxkv's writers: their files' writes and the writer lock's notes
+    fail with ENOSPC once the bytes are spent, part-way through a write as on a real disk."""
+
+    def __init__(self, monkeypatch, free: int):
+        import errno
+
+        import lynxkv.storage.atomic as atomic
+        import lynxkv.storage.lock as lock
+
+        self.free = free
+        real_fdopen, real_write = os.fdopen, os.write
+        disk = self
+
+        def spend(n: int) -> int:
+            if disk.free <= 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n = min(n, disk.free)
+            disk.free -= n
+            return n
+
+        class File:
+            def __init__(self, f):
+                self._f = f
+
+            def write(self, data):
+                view = memoryview(data).cast("B")
+                done = 0
+                while done < len(view):
+                    n = spend(len(view) - done)
+                    self._f.write(view[done:done + n])
+                    done += n
+                return done
+
+            def __getattr__(self, name):
+                return getattr(self._f, name)
+
+        def write(fd, data):
+            return real_write(fd, memoryview(data).cast("B")[:spend(len(data))])
+
+        monkeypatch.setattr(atomic.os, "fdopen", lambda fd, mode="r", *a, **k: File(real_fdopen(fd, mode, *a, **k)))
+        monkeypatch.setattr(lock.os, "write", write)
+
+
+def test_stream_copy_on_a_full_disk_fails_with_one_error_line_and_leaves_the_old_copy(tmp_path, monkeypatch,
+                                                                                        capsys):
+    # lynxkv stream -o --force over a saved copy, on a disk that fills at every point of the write (the lock's
+    # note, the residual, the anchor): one "lynxkv: error:" line, exit 1, the old copy byte for byte and nothing
+    # else; or, where it fits, the new copy and nothing else.
+    for which, seed in (("a", 1), ("b", 2)):
+        (tmp_path / which).mkdir()
+        save_cache(tmp_path / which / "c.lynx", kv(seed), SCHEME)
+    dl = tmp_path / "dl"
+    assert main(["stream", str(tmp_path / "a" / "c.lynx"), "-o", str(dl / "c.lynx")]) == 0
+    before = {n: (dl / n).read_bytes() for n in names(dl)}
+    need = sum(len(b) for b in before.values())
+    outcomes = set()
+    for free in [0, 40, 100, 200, 300, 500] + list(range(600, need + 800, 150)):
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            SmallDisk(m, free)
+            code = main(["stream", str(tmp_path / "b" / "c.lynx"), "-o", str(dl / "c.lynx"), "--force"])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("lynxkv: error:")]
+        if code == 0:
+            outcomes.add("fit")
+            assert names(dl) == sorted(whole_cache_files(dl, "c.lynx")), free
+            break
+        outcomes.add("full")
+        assert code == 1 and len(errors) == 1 and "no space left" in errors[0] and "Traceback" not in err, (free, err)
+        assert {n: (dl / n).read_bytes() for n in names(dl)} == before, free
+    assert outcomes == {"full", "fit"}
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import re
 import secrets
 from collections.abc import Sequence
 
@@ -16,8 +15,9 @@ from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.writer import write_files
 from lynxkv.quant.scheme import DEFAULT, Scheme
-from lynxkv.storage import (AtomicWriter, clean_stale_temps, exists, has_protocol, record_location, remove,
-                            resolve_location, same_object, writer_lock)
+from lynxkv.cache.replace import fresh_residual_name, names_residual, settle_dead_writers
+from lynxkv.storage import (AtomicWriter, exists, has_protocol, record_location, remove, resolve_location,
+                            same_object, writer_lock)
 
 
 def default_residual_path(anchor_path: str | os.PathLike) -> str:
@@ -42,7 +42,8 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), the anchor is renamed over the old one last, and only then is the old
     residual removed; a crash at any point leaves the old cache or the new one, each complete. Writers of one
-    path take turns (:func:`lynxkv.storage.writer_lock`), so two at once leave one whole cache, never a mix.
+    path take turns (:func:`lynxkv.storage.writer_lock`), so two at once leave one whole cache, never a mix, and
+    each first removes what a killed one left (:mod:`lynxkv.cache.replace`).
     """
     if isinstance(kv_or_encoded, EncodedCache):
         enc = kv_or_encoded
@@ -57,54 +58,61 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     if properties is not None:
         enc.properties = dict(properties)
     path = os.fspath(path)
-    with writer_lock(path):  # one writer of this cache at a time: none removes what another is writing
-        rpath = _write_cache(path, enc, residual_path, residual_location, single_file, zstd, cache_id)
+    with writer_lock(path) as lock:  # one writer of this cache at a time: none removes what another is writing
+        settle_dead_writers(lock, path)
+        rpath = _write_cache(lock, path, enc, residual_path, residual_location, single_file, zstd, cache_id)
         with open_cache(path, residual=rpath) as cache:
             return cache.info
 
 
-def _write_cache(path: str, enc, residual_path, residual_location, single_file: bool, zstd: bool,
+def _write_cache(lock, path: str, enc, residual_path, residual_location, single_file: bool, zstd: bool,
                  cache_id) -> str | None:
-    """The files of :func:`save_cache`, under its writer lock; return the residual's path (None: single file)."""
+    """The files of :func:`save_cache`, under its writer lock ``lock`` (each noted in it before it is created or
+    removed); return the residual's path (None: single file)."""
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
         old = residual_file_of(path)
+        if old is not None:
+            lock.note("old", old)
         with AtomicWriter(path) as anchor:
             write_files(enc, anchor, cache_id=cache_id, zstd=zstd)
         if old is not None:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual, now unreferenced
                 remove(old)
-        rpath = None
-    else:
-        rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
-        if same_object(rpath, path):
-            raise InputError(f"{path}: the residual path must differ from the anchor path")
-        cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
-        old = residual_file_of(path)
-        if residual_location is None and exists(rpath):
-            # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
-            # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
-            rpath = _fresh_residual_name(rpath, cache_id)
-        location = residual_location or record_location(path, rpath)
-        residual, anchor = AtomicWriter(rpath), None
-        try:
-            anchor = AtomicWriter(path)
-            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
-            residual.commit()  # first: an anchor never points at a missing residual
-            anchor.commit()
-        except BaseException:
-            for w in (residual, anchor):
-                if w is not None:
-                    w.abort()
-            raise
-        if residual_path is None and not has_protocol(rpath):  # a killed replacement's temporaries, any fresh name
-            clean_stale_temps(rpath, _residual_names(rpath))
-        orphans = _orphan_residuals(rpath) if residual_path is None else []  # only names this cache's own
-        for stale in ([old] if old is not None else []) + orphans:
-            if not same_object(stale, rpath):
-                with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
-                    remove(stale)
+        return None
+    rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
+    if same_object(rpath, path):
+        raise InputError(f"{path}: the residual path must differ from the anchor path")
+    cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+    old = residual_file_of(path)
+    if residual_location is None and exists(rpath):
+        # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
+        # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
+        rpath = fresh_residual_name(rpath, cache_id)
+    location = residual_location or record_location(path, rpath)
+    created = residual_location is None and not has_protocol(rpath) and not exists(rpath)
+    lock.note("new" if created else "tmp", rpath)  # a residual recorded elsewhere is the caller's to keep
+    if old is not None and not same_object(old, rpath):
+        lock.note("old", old)
+    residual, anchor, published = AtomicWriter(rpath), None, False
+    try:
+        anchor = AtomicWriter(path)
+        write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location)
+        residual.commit()  # first: an anchor never points at a missing residual
+        published = True
+        anchor.commit()
+    except BaseException:
+        for w in (residual, anchor):
+            if w is not None:
+                w.abort()
+        if published and created and names_residual(path, rpath) is False:  # the anchor failed (a full disk)
+            with contextlib.suppress(LynxError):
+                remove(rpath)
+        raise
+    if old is not None and not same_object(old, rpath):
+        with contextlib.suppress(LynxError):  # the old cache's residual, now unreferenced
+            remove(old)
     return rpath
 
 
@@ -119,36 +127,6 @@ def residual_file_of(path: str) -> str | None:
             return None if loc is None else resolve_location(old.name, loc)
     except LynxError:
         return None
-
-
-def _residual_names(rpath: str) -> re.Pattern:
-    """The file names of a cache's residual beside ``rpath``: ``x.lynxr`` and its fresh names ``x.<8 hex>.lynxr``."""
-    base = os.path.basename(rpath)
-    stem = base[:-len(c.RESIDUAL_SUFFIX)] if base.endswith(c.RESIDUAL_SUFFIX) else base
-    m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
-    stem = m.group(1) if m else stem
-    return re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(c.RESIDUAL_SUFFIX))
-
-
-def _orphan_residuals(rpath: str) -> list[str]:
-    """Residuals under fresh names (``x.<8 hex>.lynxr``) beside ``rpath`` that a replacement killed before its
-    anchor was renamed left behind; local files only."""
-    if has_protocol(rpath) or not rpath.endswith(c.RESIDUAL_SUFFIX):
-        return []
-    d = os.path.dirname(os.path.abspath(rpath))
-    pattern = _residual_names(rpath)
-    try:
-        return [os.path.join(d, n) for n in os.listdir(d) if pattern.fullmatch(n)]
-    except OSError:
-        return []
-
-
-def _fresh_residual_name(rpath: str, cache_id: bytes) -> str:
-    """``x.lynxr`` -> ``x.<8 hex digits of the cache id>.lynxr`` (any other name gets the digits appended)."""
-    tag = cache_id.hex()[:8]
-    if rpath.endswith(c.RESIDUAL_SUFFIX):
-        return f"{rpath[:-len(c.RESIDUAL_SUFFIX)]}.{tag}{c.RESIDUAL_SUFFIX}"
-    return f"{rpath}.{tag}"
 
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:

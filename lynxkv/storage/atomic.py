@@ -75,10 +75,10 @@ def _pid_alive(pid: int) -> bool:
 _TEMP_NAME = re.compile(r"^\.(?P<base>.+)\.(?P<pid>\d+)-[0-9a-f]{8}" + re.escape(_TMP_SUFFIX) + "$")
 
 
-def clean_stale_temps(final: str, names: re.Pattern | None = None) -> list[str]:
-    """Remove the temporary files that a killed writer of ``final`` left behind (their process is gone); with
-    ``names``, those of every file in ``final``'s directory whose name it matches in full (the residuals of one
-    cache under their fresh names)."""
+def clean_stale_temps(final: str, dead_pids=()) -> list[str]:
+    """Remove the temporary files that a killed writer of ``final`` left behind: exactly the names
+    ``.NAME.<pid>-<8 hex>.tmp`` that :class:`AtomicWriter` gives ``final``'s temporaries, whose process is gone
+    (or is one of ``dead_pids``: a writer known to have died, its number since taken by another process)."""
     d, base = os.path.split(os.path.abspath(final))
     removed = []
     try:
@@ -87,60 +87,14 @@ def clean_stale_temps(final: str, names: re.Pattern | None = None) -> list[str]:
         return removed
     for n in listing:
         m = _TEMP_NAME.match(n)
-        if m is None or not (m["base"] == base or names is not None and names.fullmatch(m["base"])):
+        if m is None or m["base"] != base:
             continue
-        if not _pid_alive(int(m["pid"])):
+        pid = int(m["pid"])
+        if pid in dead_pids or not _pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, n))
                 removed.append(n)
     return removed
-
-
-_LOCK_SUFFIX = ".lock"
-
-
-@contextlib.contextmanager
-def writer_lock(final: str | os.PathLike, *, make_dirs: bool = False) -> Iterator[None]:
-    """Hold the lock of the writers of ``final`` (a local path) while the block runs: writers that publish
-    several files as one object (a two-file cache) take it, so that one never removes what another is writing.
-
-    The lock is ``.NAME.lock`` beside ``final``, held with ``flock`` (released by the kernel if the process dies)
-    and removed on release; a waiter checks that the file it locked is still the one under the name, so removing
-    it is safe. Readers take no lock. Object stores and URLs: no lock (their writes are single PUTs)."""
-    final = os.fspath(final)
-    if not is_local(final):
-        yield
-        return
-    import fcntl
-
-    path = os.path.abspath(local_path(final))
-    d, base = os.path.split(path)
-    if make_dirs:
-        with contextlib.suppress(OSError):
-            os.makedirs(d, exist_ok=True)
-    if not os.path.isdir(d):
-        yield  # the writer reports the missing directory
-        return
-    lock = os.path.join(d, f".{base}{_LOCK_SUFFIX}")
-    while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as exc:
-            raise as_lynx_error(final, exc) from None
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            held, named = os.fstat(fd), os.stat(lock)
-            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # its holder removed it while we waited: lock the one under the name now
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(lock)  # before the unlock: a waiter on this file sees it is gone and retries
-        os.close(fd)
 
 
 def _fsync_dir(d: str) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import threading
 
 from lynxkv.cache import residual_file_of
+from lynxkv.cache.replace import fresh_residual_name, names_residual, settle_dead_writers
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.storage import (AtomicWriter, exists, read_all, record_location, remove, same_object, write_target,
@@ -58,26 +59,34 @@ class ReceivedCopy:
     def commit(self, load, *, anchor_only: bool) -> dict:
         """Write what ``load`` (finished) received; ``anchor_only``: its residual failed. Returns what was
         written: ``{"anchor": path, "residual": path}``. Writers of one ``dest`` take turns
-        (:func:`lynxkv.storage.writer_lock`)."""
-        with writer_lock(self.dest, make_dirs=True):
-            return self._commit(load, anchor_only=anchor_only)
+        (:func:`lynxkv.storage.writer_lock`), and each first removes what a killed one left
+        (:func:`lynxkv.cache.replace.settle_dead_writers`)."""
+        with writer_lock(self.dest, make_dirs=True) as lock:
+            settle_dead_writers(lock, self.dest)
+            return self._commit(lock, load, anchor_only=anchor_only)
 
-    def _commit(self, load, *, anchor_only: bool) -> dict:
+    def _commit(self, lock, load, *, anchor_only: bool) -> dict:
         seg = load.header.segment(c.SEGMENT_RESIDUAL)
         if seg is not None and seg.placement == c.PLACEMENT_INLINE:
             if anchor_only:
                 raise LynxError("the residual of this single-file cache failed; nothing was written")
             data = self._joined("anchor", "residual")
             check_cache_bytes(data)
+            old = residual_file_of(self.dest) if self.force else None  # a replaced two-file copy's residual
+            if old is not None:
+                lock.note("old", old)
             with AtomicWriter(self.dest, make_dirs=True) as w:
                 w.write(data)
             check_cache_bytes(read_all(self.dest))
+            if old is not None:
+                remove(old)
             return {"anchor": self.dest}
         written = {}
         anchor = self._joined("anchor")
         residual = None if anchor_only else self._joined("residual")
         check_cache_bytes(anchor, residual)
         old = residual_file_of(self.dest) if self.force else None  # the replaced copy's residual, removed last
+        created = False
         if residual is not None:
             rdest = self.residual_dest or write_target(self.dest, seg.location)
             self.refuse_existing(rdest)
@@ -85,8 +94,13 @@ class ReceivedCopy:
                 # Replacing (--force): the new residual under a fresh name and the anchor pointing at it, so a
                 # reader of dest sees the old copy or the new one, never a mix; the old residual goes last.
                 old = old or rdest
-                rdest = f"{rdest}.{load.header.cache_id.hex()[:8]}"
+                rdest = fresh_residual_name(rdest, load.header.cache_id)
                 anchor = relocate_residual(anchor, record_location(self.dest, rdest))
+            created = not exists(rdest)
+            lock.note("new" if created else "tmp", rdest)  # every note before the first file
+        if old is not None and not same_object(old, rdest if residual is not None else self.dest):
+            lock.note("old", old)
+        if residual is not None:
             with AtomicWriter(rdest, make_dirs=True) as w:
                 w.write(residual)
             written["residual"] = rdest
@@ -94,8 +108,8 @@ class ReceivedCopy:
             with AtomicWriter(self.dest, make_dirs=True) as w:
                 w.write(anchor)
         except BaseException:
-            if "residual" in written:  # no anchor names it (a full disk): not left behind
-                with contextlib.suppress(Exception):
+            if created and names_residual(self.dest, written["residual"]) is False:  # a full disk: no anchor
+                with contextlib.suppress(Exception):                              # names it, not left behind
                     remove(written["residual"])
             raise
         written["anchor"] = self.dest
