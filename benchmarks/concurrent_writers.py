@@ -1,9 +1,10 @@
 """Two processes replace the same two-file cache with different contents while readers open it.
 
-    python benchmarks/concurrent_writers.py --writes 200 --readers 2 [--json out.json]
+    python benchmarks/concurrent_writers.py --writes 200 --readers 2 [--via save|stream] [--json out.json]
 
-Writers A and B each call :func:`lynxkv.save_cache` on one path ``--writes`` times, A with cache A's KV and B with
-cache B's. Readers loop: read the anchor's cache id, load the whole cache (:meth:`LynxCache.load_kv`, every CRC and
+Writers A and B each write one path ``--writes`` times, A cache A and B cache B: with :func:`lynxkv.save_cache`
+(``--via save``, the writer of ``lynxkv encode``), or with ``lynxkv stream REF -o PATH --force`` (``--via stream``,
+each a copy of a saved reference cache, run through ``lynxkv.cli.main`` in the writer's process). Readers loop: read the anchor's cache id, load the whole cache (:meth:`LynxCache.load_kv`, every CRC and
 the residual's cache id checked), read the anchor's cache id again. A load that succeeds must equal cache A's or
 cache B's decoded KV exactly (else: *wrong data*). A load that fails while the same anchor stayed in place
 throughout (the same cache id before and after; ids are fresh per write) is a cache *broken in place*: its anchor
@@ -53,7 +54,17 @@ def same(a, b) -> bool:
     return all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
-def writer(path: str, which: str, writes: int) -> None:
+def writer(path: str, which: str, writes: int, via: str, ref: str) -> None:
+    if via == "stream":
+        from lynxkv.cli import main
+
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        for _ in range(writes):
+            if main(["stream", ref, "-o", path, "--force"]) != 0:
+                raise SystemExit(1)
+        return
     data = kv(ord(which))
     for _ in range(writes):
         save_cache(path, data, SCHEME, properties={"writer": which})
@@ -98,25 +109,25 @@ def fork(fn, *args) -> int:
     return pid
 
 
-def run(writes: int, readers: int, work: str) -> dict:
+def run(writes: int, readers: int, work: str, via: str = "save") -> dict:
     want = {}
     for w in "AB":  # the decoded KV each writer's cache must give, exactly
         ref = os.path.join(work, f"ref{w}.lynx")
-        save_cache(ref, kv(ord(w)), SCHEME)
+        save_cache(ref, kv(ord(w)), SCHEME, properties={"writer": w})
         with open_cache(ref) as cache:
             want[w] = cache.load_kv()
     os.makedirs(os.path.join(work, "c"))
     path, flag = os.path.join(work, "c", "c.lynx"), os.path.join(work, "stop")
     save_cache(path, kv(ord("A")), SCHEME, properties={"writer": "A"})
     t0 = time.perf_counter()
-    writers = [fork(writer, path, w, writes) for w in "AB"]
+    writers = [fork(writer, path, w, writes, via, os.path.join(work, f"ref{w}.lynx")) for w in "AB"]
     pids = [fork(reader, path, want, flag, os.path.join(work, f"r{i}.json")) for i in range(readers)]
     codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in writers]
     wall = time.perf_counter() - t0
     open(flag, "w").close()
     for p in pids:
         os.waitpid(p, 0)
-    out = {"writes_per_writer": writes, "writer_exit_codes": codes, "writers_wall_s": round(wall, 2),
+    out = {"via": via, "writes_per_writer": writes, "writer_exit_codes": codes, "writers_wall_s": round(wall, 2),
            "readers": readers}
     tallies = [json.load(open(os.path.join(work, f"r{i}.json"))) for i in range(readers)]
     for k in ("A", "B", "wrong_data", "broken_in_place", "raced_a_replacement", "absent"):
@@ -143,14 +154,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--writes", type=int, default=200, help="writes per writer")
     ap.add_argument("--readers", type=int, default=2)
+    ap.add_argument("--via", choices=("save", "stream"), default="save", help="save_cache, or lynxkv stream -o")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="lynx-concurrent-")
     try:
-        out = run(args.writes, args.readers, work)
+        out = run(args.writes, args.readers, work, args.via)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{args.writes} writes by each of 2 writers in {out['writers_wall_s']} s (exit codes {out['writer_exit_codes']}); "
+    print(f"{args.writes} writes ({args.via}) by each of 2 writers in {out['writers_wall_s']} s (exit codes {out['writer_exit_codes']}); "
           f"{args.readers} readers loaded cache A {out['A']} times, cache B {out['B']} times (median load "
           f"{out['reader_load_median_ms']} ms)")
     print(f"wrong data {out['wrong_data']}, broken in place {out['broken_in_place']}, failed across a replacement "

@@ -9,7 +9,7 @@ the LMCache tier's store (``LynxL2Adapter._store``, the method LMCache's worker 
 the five LMCache names the adapter imports, since LMCache is not installed in the main venv).
 
 Each kill: the child starts the command, the parent sends SIGKILL after a random delay drawn uniformly from 0 to
-1.1x the command's unkilled median duration, then checks the cache path with :func:`lynxkv.cache.verify_file`
+1.1x the command's unkilled median duration (from the fork to its exit), then checks the cache path with :func:`lynxkv.cache.verify_file`
 (every header, index and page CRC, the residual's cache id) and reads which cache it is (a header property, or the
 cache id). States: ``old``, ``new``, ``absent`` (only where no cache was there before: a first write) -- anything
 else is a cache *lost* (absent where one was) or *mixed* (present but not whole). Leftovers are files beside the
@@ -19,7 +19,8 @@ completion, which must be 0.
 
 Full disk: a tmpfs of fixed size mounted in a private mount namespace (``unshare(CLONE_NEWNS)``, needs root or
 a user namespace), filled by a filler file to leave a random share of what the write needs; the writer runs to
-the end and must fail with one error line (or succeed if it fit), leaving the old cache whole and no leftover.
+the end and must fail with exit code 1 and one ``lynxkv: error:`` line on its stderr, no traceback (or succeed
+if it fit), leaving the old cache whole and no leftover.
 Without mount rights it falls back to ``RLIMIT_FSIZE`` in the child (writes past the limit fail with EFBIG): that
 covers a write that fails part-way, not a full directory or a failing fsync.
 """
@@ -40,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import types
 
 CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x00020000, 0x4000, 0x40000
@@ -121,8 +123,9 @@ def lmcache_stand_ins() -> None:
 
 
 # ------------------------------------------------------------------------------------------ children
-def run_child(fn, *, fsize: int | None = None) -> int:
-    """Fork; the child runs ``fn()`` (returning an exit code) with stdout and stderr to /dev/null."""
+def run_child(fn, *, fsize: int | None = None, stderr: str | None = None) -> int:
+    """Fork; the child runs ``fn()`` (returning an exit code) with stdout to /dev/null, stderr too or to the file
+    ``stderr``. An exception that escapes ``fn`` exits 70 (what the CLI never does on its own)."""
     pid = os.fork()
     if pid == 0:
         code = 70
@@ -130,11 +133,13 @@ def run_child(fn, *, fsize: int | None = None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
-            os.dup2(null, 2)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stderr else null, 2)
             if fsize is not None:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
             code = fn()
+        except BaseException:
+            traceback.print_exc()
         finally:
             os._exit(code if isinstance(code, int) else 0)
     return pid
@@ -349,7 +354,7 @@ class LMCacheTier(Scenario):
 
         self.fast, self.bulk = os.path.join(root, "fast"), os.path.join(root, "bulk")
         self.adapter = LynxL2Adapter({"anchor_path": self.fast, "residual_path": self.bulk, "workers": 1})
-        globals()["object_name"] = object_name
+        self.object_name = object_name
         self.keys = [ObjectKey(bytes([i]) * 16, "m/x", 0, 0, None) for i in range(3)]
         g = torch.Generator().manual_seed(3)
         chunk = torch.randn(2, 4, 256, 128, generator=g).to(torch.bfloat16)
@@ -379,7 +384,7 @@ class LMCacheTier(Scenario):
 
     def owns(self, path):
         """Leftovers are a key's own business: the next store of that key replaces them."""
-        return object_name(self.key) in os.path.basename(path)
+        return self.object_name(self.key) in os.path.basename(path)
 
     def check(self, before, allowed):
         apath, _ = self.adapter.paths(self.key)
@@ -413,6 +418,7 @@ class Tally:
         self.failures: list[str] = []
         self.full_disk = {"events": 0, "failed_cleanly": 0, "fit": 0, "other_rc": 0}
         self.durations: dict[str, float] = {}
+        self.child_s: list[float] = []  # how long each unkilled command ran
 
     def judge(self, sc, got, before, allowed, where: str) -> None:
         for path, state in got.items():
@@ -435,10 +441,12 @@ class Tally:
 def one(sc, rng, tally: Tally, delay: float | None, fsize: int | None = None) -> int | None:
     before_id, allowed, fn = sc.prepare(rng)
     before = {p: sc.identity(p) for p in sc.anchors()}
+    t = time.perf_counter()
     pid = run_child(fn, fsize=fsize)
     rc = None
     if delay is None:
         rc = wait(pid)
+        tally.child_s.append(time.perf_counter() - t)
     else:
         tally.kills += 1
         if kill_after(pid, delay):
@@ -464,12 +472,11 @@ def one(sc, rng, tally: Tally, delay: float | None, fsize: int | None = None) ->
 
 
 def median_duration(sc, rng, n=5) -> float:
-    times = []
+    """The median time of the command, from the fork to its exit (the span a kill may fall in)."""
+    t = Tally()
     for _ in range(n):
-        t = time.perf_counter()
-        one(sc, rng, Tally(), None)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        one(sc, rng, t, None)
+    return statistics.median(t.child_s)
 
 
 def full_disk_event(name: str, assets: str, work: str, rng, tally: Tally, idx: int) -> None:
@@ -489,6 +496,7 @@ def full_disk_event(name: str, assets: str, work: str, rng, tally: Tally, idx: i
                              if os.path.isfile(os.path.join(d, n))))  # about what one write of this cache needs
         before_id, allowed, fn = sc.prepare(rng)
         before = {p: sc.identity(p) for p in sc.anchors()}
+        errfile = os.path.join(work, f"disk{idx}.stderr")  # off the full disk
         if mounted:
             free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
             keep = rng.randrange(0, need)
@@ -499,20 +507,27 @@ def full_disk_event(name: str, assets: str, work: str, rng, tally: Tally, idx: i
                 except OSError as exc:
                     if exc.errno != errno.ENOSPC:
                         raise
-            rc = run_child_wait(fn)
+            rc = run_child_wait(fn, stderr=errfile)
         else:
             filler = None
-            rc = run_child_wait(fn, fsize=rng.randrange(1024, need))
+            rc = run_child_wait(fn, fsize=rng.randrange(1024, need), stderr=errfile)
         if hasattr(sc, "done"):
             sc.done(rc)
         tally.full_disk["events"] += 1
         got, expect_before, allowed = sc.check(before, allowed)
         wrote = any(v in allowed and v != expect_before.get(p) for p, v in got.items())
         wrote = rc == 0 if name == "tier" else wrote  # a move leaves the same cache, elsewhere
-        failed = rc == 1 or name == "lmcache"  # the LMCache tier logs a failed store and reports it in its result
-        tally.full_disk["fit" if wrote else "failed_cleanly" if failed else "other_rc"] += 1
-        if not (wrote or failed):
-            tally.failures.append(f"full disk {name}: exit code {rc}, nothing written")
+        with open(errfile, errors="replace") as f:
+            err = f.read()
+        errors = [line for line in err.splitlines() if line.startswith("lynxkv: error:")]
+        clean = rc == 1 and len(errors) == 1 and "Traceback" not in err  # one error line, the usual exit code
+        failed = clean or name == "lmcache"  # the LMCache tier logs a failed store and reports it in its result
+        kind = ("fit" if rc == 0 or name == "lmcache" else "other_rc") if wrote else \
+            "failed_cleanly" if failed else "other_rc"
+        tally.full_disk[kind] += 1
+        if kind == "other_rc":
+            tally.failures.append(f"full disk {name}: exit code {rc}, {'written' if wrote else 'nothing written'}: "
+                                  f"{err.strip()[-600:]!r}")
         tally.judge(sc, got, expect_before, allowed, f"full disk {name}")
         left = leftovers(sc, ignore=[filler] if filler else [])
         if left:
