@@ -130,6 +130,19 @@ def test_neighbours_of_a_cache_survive_its_replacements_and_killed_writers(tmp_p
     assert set(names(tmp_path)) == set(before) | whole_cache_files(tmp_path, "x.lynx")
 
 
+def test_a_tier_move_after_a_killed_replacement_keeps_the_residual_its_anchor_names(tmp_path):
+    # Killed after the new anchor was renamed into place, before the old residual went: the journal names both
+    # residuals. tier moves the anchor away (to d.lynx, still naming the new residual); it settles the journal
+    # first, so the next writer of x.lynx finds nothing to remove that d.lynx needs.
+    save_cache(tmp_path / "x.lynx", kv(1), SCHEME)
+    save_cache(tmp_path / "x.lynx", kv(2), SCHEME)
+    killed_at(0, lambda: save_cache(tmp_path / "x.lynx", kv(3), SCHEME))
+    assert main(["tier", str(tmp_path / "x.lynx"), str(tmp_path / "d.lynx")]) == 0
+    save_cache(tmp_path / "x.lynx", kv(4), SCHEME)
+    assert verify_file(tmp_path / "d.lynx") == [] and verify_file(tmp_path / "x.lynx") == []
+    assert names(tmp_path) == sorted(whole_cache_files(tmp_path, "d.lynx") | whole_cache_files(tmp_path, "x.lynx"))
+
+
 def test_tier_on_a_full_disk_removes_the_residual_copy_no_anchor_names(tmp_path, monkeypatch, capsys):
     import lynxkv.stream.tier as tier
 

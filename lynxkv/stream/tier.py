@@ -22,6 +22,7 @@ import contextlib
 from dataclasses import replace
 from typing import Callable
 
+from lynxkv.cache.replace import settle_dead_writers
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
@@ -37,6 +38,7 @@ from lynxkv.storage import (
     same_object,
     size_of,
     write_atomic,
+    writer_lock,
 )
 
 Progress = Callable[[str, int, int], None]
@@ -122,7 +124,15 @@ def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = No
     """Move (or with ``keep`` copy) the anchor to ``dst`` and/or the residual to ``residual_to``.
 
     The residual is found under the trust rule of :func:`lynxkv.storage.resolve_location` (``allow_locations``);
-    a move whose source cannot be deleted afterwards (HTTP) is refused before anything is written."""
+    a move whose source cannot be deleted afterwards (HTTP) is refused before anything is written. It holds the
+    writer lock of ``src`` (:func:`lynxkv.storage.writer_lock`) and first settles what a killed writer of it left
+    (:func:`lynxkv.cache.replace.settle_dead_writers`), while the anchor there still names the files it keeps."""
+    with writer_lock(src) as lock:
+        settle_dead_writers(lock, src)
+        return _move_cache(src, dst, residual_to, keep, progress, allow_locations)
+
+
+def _move_cache(src: str, dst: str | None, residual_to: str | None, keep: bool, progress, allow_locations) -> dict:
     new_anchor = dst or src
     anchor = _read(src, "anchor", progress)
     h = anchor_header_of(anchor)
