@@ -15,7 +15,9 @@ from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.writer import write_files
 from lynxkv.quant.scheme import DEFAULT, Scheme
-from lynxkv.storage import AtomicWriter, exists, has_protocol, record_location, remove, resolve_location, same_object
+from lynxkv.cache.replace import fresh_residual_name, names_residual, settle_dead_writers
+from lynxkv.storage import (AtomicWriter, exists, has_protocol, record_location, remove, resolve_location,
+                            same_object, writer_lock)
 
 
 def default_residual_path(anchor_path: str | os.PathLike, suffix: str = c.RESIDUAL_SUFFIX) -> str:
@@ -51,7 +53,9 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), and so does the exact file (``x.<id>.lynxe``); the anchor is renamed over the
     old one last, and only then are the old residual and exact files removed; a crash at any point leaves the old
-    cache or the new one, each complete (never an anchor naming a missing or an old exact file).
+    cache or the new one, each complete (never an anchor naming a missing or an old exact file). Writers of one
+    path take turns (:func:`lynxkv.storage.writer_lock`), so two at once leave one whole cache, never a mix, and
+    each first removes what a killed one left (:mod:`lynxkv.cache.replace`).
     """
     if isinstance(kv_or_encoded, EncodedCache):
         enc = kv_or_encoded
@@ -71,59 +75,85 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                          "EncodedCache")
     exact_kv = enc.originals if exact else None
     path = os.fspath(path)
+    with writer_lock(path) as lock:  # one writer of this cache at a time: none removes what another is writing
+        settle_dead_writers(lock, path)
+        rpath, epath = _write_cache(lock, path, enc, residual_path, residual_location, single_file, zstd, cache_id,
+                                    exact_kv, exact_path)
+        with open_cache(path, residual=rpath, exact=epath) as cache:
+            return cache.info
+
+
+def _write_cache(lock, path: str, enc, residual_path, residual_location, single_file: bool, zstd: bool,
+                 cache_id, exact_kv, exact_path) -> tuple[str | None, str | None]:
+    """The files of :func:`save_cache`, under its writer lock ``lock`` (each noted in it before it is created or
+    removed); return the residual's and the exact file's paths (None: single file, or no exact segment)."""
+    exact = exact_kv is not None
     if single_file:
         if residual_path is not None:
             raise InputError("residual_path: a single-file cache keeps its residual inside the anchor file")
         if exact_path is not None:
             raise InputError("exact_path: a single-file cache keeps its exact segment inside the anchor file")
-        old, epath = _side_files_of(path), None
+        old = _side_files_of(path)
+        for f in old:
+            lock.note("old", f)
         with AtomicWriter(path) as anchor:
             write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv)
         for stale in old:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual and exact, unreferenced
                 remove(stale)
-        rpath = None
-    else:
-        rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
-        if same_object(rpath, path):
-            raise InputError(f"{path}: the residual path must differ from the anchor path")
-        cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
-        old = _side_files_of(path)
-        if residual_location is None and exists(rpath):
-            # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
-            # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
-            rpath = _fresh_name(rpath, cache_id, c.RESIDUAL_SUFFIX)
-        location = residual_location or record_location(path, rpath)
-        epath = (os.fspath(exact_path) if exact_path is not None else default_exact_path(path)) if exact else None
-        if epath is not None and (same_object(epath, path) or same_object(epath, rpath)):
-            raise InputError(f"{epath}: the exact segment's path must differ from the anchor's and the residual's")
-        if epath is not None and exists(epath):  # the same for the exact file: the old anchor keeps its own
-            epath = _fresh_name(epath, cache_id, c.EXACT_SUFFIX)
-        residual, anchor, exact_w = AtomicWriter(rpath), None, None
-        try:
-            exact_w = AtomicWriter(epath) if epath is not None else None
-            anchor = AtomicWriter(path)
-            write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location,
-                        exact_kv=exact_kv, exact=exact_w,
-                        exact_location=record_location(path, epath) if epath is not None else "")
-            residual.commit()  # first: an anchor never points at a missing residual
-            if exact_w is not None:
-                exact_w.commit()
-            anchor.commit()
-        except BaseException:
-            for w in (residual, exact_w, anchor):
-                if w is not None:
-                    w.abort()
-            raise
-        orphans = _orphans(rpath, c.RESIDUAL_SUFFIX) if residual_path is None else []  # only this cache's names
-        if epath is not None and exact_path is None:
-            orphans += _orphans(epath, c.EXACT_SUFFIX)
-        for stale in old + orphans:
-            if not same_object(stale, rpath) and not (epath is not None and same_object(stale, epath)):
-                with contextlib.suppress(LynxError):  # the old cache's residual (or a crash's), now unreferenced
-                    remove(stale)
-    with open_cache(path, residual=rpath, exact=epath) as cache:
-        return cache.info
+        return None, None
+    rpath = os.fspath(residual_path) if residual_path is not None else default_residual_path(path)
+    if same_object(rpath, path):
+        raise InputError(f"{path}: the residual path must differ from the anchor path")
+    cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
+    old = _side_files_of(path)
+    if residual_location is None and exists(rpath):
+        # Replacing a two-file cache: the new residual goes under a fresh name, so that the anchor now in
+        # place keeps its own residual until the new anchor replaces it (a reader sees old or new, never a mix).
+        rpath = fresh_residual_name(rpath, cache_id)
+    location = residual_location or record_location(path, rpath)
+    epath = (os.fspath(exact_path) if exact_path is not None else default_exact_path(path)) if exact else None
+    if epath is not None and (same_object(epath, path) or same_object(epath, rpath)):
+        raise InputError(f"{epath}: the exact segment's path must differ from the anchor's and the residual's")
+    if epath is not None and exists(epath):  # the same for the exact file: the old anchor keeps its own
+        epath = fresh_residual_name(epath, cache_id, c.EXACT_SUFFIX)
+    created = residual_location is None and not has_protocol(rpath) and not exists(rpath)
+    lock.note("new" if created else "tmp", rpath)  # a residual recorded elsewhere is the caller's to keep
+    exact_created = epath is not None and not has_protocol(epath) and not exists(epath)
+    if epath is not None:
+        lock.note("new" if exact_created else "tmp", epath)
+    for f in old:
+        if not same_object(f, rpath) and not (epath is not None and same_object(f, epath)):
+            lock.note("old", f)
+    residual, anchor, exact_w, published = AtomicWriter(rpath), None, None, []
+    try:
+        exact_w = AtomicWriter(epath) if epath is not None else None
+        anchor = AtomicWriter(path)
+        write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location,
+                    exact_kv=exact_kv, exact=exact_w,
+                    exact_location=record_location(path, epath) if epath is not None else "")
+        residual.commit()  # first: an anchor never points at a missing residual
+        if created:
+            published.append(rpath)
+        if exact_w is not None:
+            exact_w.commit()
+            if exact_created:
+                published.append(epath)
+        anchor.commit()
+    except BaseException:
+        for w in (residual, exact_w, anchor):
+            if w is not None:
+                w.abort()
+        for f in published:  # the anchor failed (a full disk): what this writer published, no anchor names
+            if names_residual(path, f) is False:
+                with contextlib.suppress(LynxError):
+                    remove(f)
+        raise
+    for stale in old:
+        if not same_object(stale, rpath) and not (epath is not None and same_object(stale, epath)):
+            with contextlib.suppress(LynxError):  # the old cache's residual and exact file, now unreferenced
+                remove(stale)
+    return rpath, epath
 
 
 def residual_file_of(path: str) -> str | None:
@@ -146,33 +176,6 @@ def _recorded_file_of(path: str, field: str) -> str | None:
 def _side_files_of(path: str) -> list[str]:
     """The residual and exact files of the cache now at ``path`` that a writer replacing it may delete afterwards."""
     return [f for f in (residual_file_of(path), _recorded_file_of(path, "exact_location")) if f is not None]
-
-
-def _orphans(side_path: str, suffix: str) -> list[str]:
-    """Side files under fresh names (``x.<8 hex>.lynxr``, ``x.<8 hex>.lynxe``) beside ``side_path`` that a
-    replacement killed before its anchor was renamed left behind; local files only."""
-    import re
-
-    if has_protocol(side_path) or not side_path.endswith(suffix):
-        return []
-    d, base = os.path.split(os.path.abspath(side_path))
-    stem = base[:-len(suffix)]
-    m = re.match(r"^(.*)\.[0-9a-f]{8}$", stem)
-    stem = m.group(1) if m else stem
-    pattern = re.compile(re.escape(stem) + r"(\.[0-9a-f]{8})?" + re.escape(suffix) + "$")
-    try:
-        return [os.path.join(d, n) for n in os.listdir(d) if pattern.match(n)]
-    except OSError:
-        return []
-
-
-def _fresh_name(side_path: str, cache_id: bytes, suffix: str) -> str:
-    """``x.lynxr`` -> ``x.<8 hex digits of the cache id>.lynxr`` (``suffix``: ``.lynxr`` or ``.lynxe``; any other
-    name gets the digits appended)."""
-    tag = cache_id.hex()[:8]
-    if side_path.endswith(suffix):
-        return f"{side_path[:-len(suffix)]}.{tag}{suffix}"
-    return f"{side_path}.{tag}"
 
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:

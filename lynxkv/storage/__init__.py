@@ -1,6 +1,7 @@
 """Bytes at rest: the one place that opens paths and URLs, reads ranges, retries and writes atomically."""
 
 from lynxkv.storage.atomic import AtomicWriter, atomic_path, clean_stale_temps, write_atomic
+from lynxkv.storage.lock import WriterLock, writer_lock
 from lynxkv.storage.locations import (
     ALLOW_ENV,
     allowed_locations,
@@ -33,6 +34,7 @@ __all__ = [
     "FileObjSource",
     "FileSource",
     "RetryPolicy",
+    "WriterLock",
     "allowed_locations",
     "atomic_path",
     "can_remove",
@@ -53,5 +55,6 @@ __all__ = [
     "same_object",
     "size_of",
     "write_atomic",
+    "writer_lock",
     "write_target",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -71,20 +72,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_temps(final: str) -> list[str]:
-    """Remove the temporary files that a killed writer of ``final`` left behind (their process is gone)."""
+_TEMP_NAME = re.compile(r"^\.(?P<base>.+)\.(?P<pid>\d+)-[0-9a-f]{8}" + re.escape(_TMP_SUFFIX) + "$")
+
+
+def clean_stale_temps(final: str, dead_pids=()) -> list[str]:
+    """Remove the temporary files that a killed writer of ``final`` left behind: exactly the names
+    ``.NAME.<pid>-<8 hex>.tmp`` that :class:`AtomicWriter` gives ``final``'s temporaries, whose process is gone
+    (or is one of ``dead_pids``: a writer known to have died, its number since taken by another process)."""
     d, base = os.path.split(os.path.abspath(final))
-    prefix = f".{base}."
     removed = []
     try:
-        names = os.listdir(d)
+        listing = os.listdir(d)
     except OSError:
         return removed
-    for n in names:
-        if not (n.startswith(prefix) and n.endswith(_TMP_SUFFIX)):
+    for n in listing:
+        m = _TEMP_NAME.match(n)
+        if m is None or m["base"] != base:
             continue
-        pid = n[len(prefix):-len(_TMP_SUFFIX)].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        pid = int(m["pid"])
+        if pid in dead_pids or not _pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(d, n))
                 removed.append(n)

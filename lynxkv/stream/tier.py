@@ -7,7 +7,8 @@ Order of operations, so that a crash at any point leaves a usable cache under th
 2. publish the residual at its new location (atomic), read it back, check it page by page;
 3. publish the anchor (with the residual's new location in its header when that changed), read it back and check
    it page by page;
-4. only then delete the sources (unless ``keep``).
+4. only then delete the sources (unless ``keep``). If step 3 fails (a full disk), the residual copy of step 2,
+   which no anchor names, is removed again.
 
 :func:`relocate_residual` gives the anchor file's bytes with a new residual location in its header: the anchor
 section (index and pages) is copied unchanged; only the header, whose length depends on the location string, is
@@ -17,9 +18,11 @@ Page offsets in the index are relative to the section, so they stay valid.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Callable
 
+from lynxkv.cache.replace import settle_dead_writers
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
@@ -35,6 +38,7 @@ from lynxkv.storage import (
     same_object,
     size_of,
     write_atomic,
+    writer_lock,
 )
 
 Progress = Callable[[str, int, int], None]
@@ -120,7 +124,15 @@ def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = No
     """Move (or with ``keep`` copy) the anchor to ``dst`` and/or the residual to ``residual_to``.
 
     The residual is found under the trust rule of :func:`lynxkv.storage.resolve_location` (``allow_locations``);
-    a move whose source cannot be deleted afterwards (HTTP) is refused before anything is written."""
+    a move whose source cannot be deleted afterwards (HTTP) is refused before anything is written. It holds the
+    writer lock of ``src`` (:func:`lynxkv.storage.writer_lock`) and first settles what a killed writer of it left
+    (:func:`lynxkv.cache.replace.settle_dead_writers`), while the anchor there still names the files it keeps."""
+    with writer_lock(src) as lock:
+        settle_dead_writers(lock, src)
+        return _move_cache(src, dst, residual_to, keep, progress, allow_locations)
+
+
+def _move_cache(src: str, dst: str | None, residual_to: str | None, keep: bool, progress, allow_locations) -> dict:
     new_anchor = dst or src
     anchor = _read(src, "anchor", progress)
     h = anchor_header_of(anchor)
@@ -149,8 +161,14 @@ def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = No
     if external and location != seg.location:
         anchor = relocate_residual(anchor, location)
     if not same_object(new_anchor, src) or external and location != seg.location:
-        check_cache_bytes(anchor, residual)
-        crc = _publish(new_anchor, anchor, lambda back: check_cache_bytes(back, residual))
+        try:
+            check_cache_bytes(anchor, residual)
+            crc = _publish(new_anchor, anchor, lambda back: check_cache_bytes(back, residual))
+        except BaseException:
+            if "residual" in moved:  # the copy no anchor names (the source cache is untouched): not left behind
+                with contextlib.suppress(Exception):
+                    remove(residual_to)
+            raise
         moved["anchor"] = {"from": src, "to": new_anchor, "bytes": len(anchor), "crc32": crc}
     if not keep:
         if "residual" in moved:

@@ -112,7 +112,11 @@ class LynxL2Adapter(L2AdapterInterface):
                 single = data[:anchor_length(data)]
                 anchor, residual = split_chunk(single, self._residual_location(apath, rpath))
                 write_atomic(rpath, residual)
-                write_atomic(apath, anchor)
+                try:
+                    write_atomic(apath, anchor)
+                except BaseException:
+                    _remove(rpath)  # a residual without its anchor is a miss that only fills the disk
+                    raise
                 nbytes += len(anchor) + len(residual)
                 stored.append(key)
                 sizes.append(len(anchor) + len(residual))
@@ -231,3 +235,11 @@ def _exists(url: str) -> bool:
         return True
     except (LynxError, OSError):
         return False
+
+
+def _remove(url: str) -> None:
+    try:
+        fs, path = filesystem(url)
+        fs.rm(path)
+    except (OSError, LynxError):
+        pass
