@@ -17,6 +17,7 @@ import torch
 
 from lynxkv.cache import check_decoded_size
 from lynxkv.cache.kv import KVPairs
+from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
 from lynxkv.format.records import dequantize_records, join_records
 from lynxkv.quant.dispatch import concurrent_tensors
@@ -60,11 +61,12 @@ class KVAssembly:
                            h.head_dim, (self.anchor if residuals is None else self.full)[layer],
                            lambda i: f"layer {layer} page {pages[i]}", threads)
 
-    def residual(self, items: list[tuple], anchors: dict) -> None:
+    def residual(self, items: list[tuple], anchors: dict, reader=None) -> None:
         """The full code of every page in ``items`` (``("residual", layer, page, raw, n)``, in file order; the
         pages' anchor records are taken out of ``anchors``), a layer per worker, on threads of the lowest CPU
         priority: a model step under way when the residual lands goes first (its own threads use every core),
-        and the decode takes the cores the model leaves while it waits for it."""
+        and the decode takes the cores the model leaves while it waits for it. ``reader`` (the load's page
+        reader) is told as each layer is done that its pages of both segments are no longer needed in memory."""
         layers: dict[int, list[tuple]] = {}
         for it in items:
             layers.setdefault(it[1], []).append(it)
@@ -73,7 +75,14 @@ class KVAssembly:
         pool = ThreadPoolExecutor(min(concurrent_tensors(), len(jobs)), thread_name_prefix="lynxkv-residual",
                                   initializer=lowest_priority)
         try:
-            for done in [pool.submit(self.pages, *job, threads=1) for job in jobs]:
+            for done in [pool.submit(self._full_layer, job, reader) for job in jobs]:
                 done.result()  # in layer order: the first failing layer's error
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _full_layer(self, job: tuple, reader) -> None:
+        layer = job[0]
+        self.pages(*job, threads=1)
+        if reader is not None:
+            for kind in (c.SEGMENT_ANCHOR, c.SEGMENT_RESIDUAL):
+                reader.drop_layer(kind, layer)
