@@ -49,3 +49,37 @@ def test_adjacent_views_join_without_a_copy(tmp_path):
         assert np.shares_memory(np.frombuffer(joined, np.uint8), first) == shared, name
     src.close()
     other.close()
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+def test_dropped_pages_leave_the_rss_and_read_back_unchanged(tmp_path):
+    """FileSource.drop: a mapped file's pages read once leave the process's RSS (what keeps a whole-cache load
+    at its output's size), and reading them again gives the same bytes."""
+    import mmap
+    import zlib
+
+    import pytest
+
+    if not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/status"):
+        pytest.skip("needs madvise(MADV_DONTNEED) and /proc (Linux)")
+    data = os.urandom(16 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    src = open_source(str(path))
+    view = src.view(0, len(data))
+    before = _rss_file()
+    assert zlib.crc32(view) == zlib.crc32(data)  # every page of the mapping read in place
+    read = _rss_file()
+    src.drop(100, len(data) - 200)  # all but the two partial pages at the ends
+    dropped = _rss_file()
+    assert read - before > 12 << 20 and read - dropped > 12 << 20, (before, read, dropped)
+    assert zlib.crc32(view) == zlib.crc32(data)  # faulted back in, unchanged
+    src.drop(0, 1 << 40)  # past the end: clipped
+    assert bytes(src.view(len(data) - 10, 10)) == data[-10:]
+    view.release()
+    src.close()
+    src.drop(0, 10)  # closed: nothing to drop, no error

@@ -480,9 +480,9 @@ def test_the_residual_is_dequantized_once_it_is_all_in_at_the_lowest_priority(ca
 
     real_residual, real_pages = KVAssembly.residual, KVAssembly.pages
 
-    def residual(self, items, anchors):
+    def residual(self, items, anchors, *rest):
         calls.append([(it[1], it[2]) for it in items])
-        return real_residual(self, items, anchors)
+        return real_residual(self, items, anchors, *rest)
 
     def pages(self, layer, pages, anchors, residuals, threads=None):
         if residuals is not None and sys.platform.startswith("linux"):

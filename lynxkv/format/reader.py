@@ -238,6 +238,17 @@ class PageReader:
             return data, at
         return join_records([self.raw(kind, layer, p) for p in range(len(entries))])
 
+    def drop_layer(self, kind: int, layer: int) -> None:
+        """Tell a source that can (a mapped file, :meth:`lynxkv.storage.FileSource.drop`) that one layer's pages
+        of segment ``kind`` are no longer needed in memory (they stay readable)."""
+        src, index = self.source(kind), self.index(kind)
+        drop = getattr(src, "drop", None)
+        if drop is None or not index.pages_per_layer:
+            return
+        first = index.entry(layer, 0)
+        last = index.entry(layer, index.pages_per_layer - 1)
+        drop(index.base + first.offset, last.offset + last.stored_length - first.offset)
+
     def dequantize_layers(self, out: list[tuple[torch.Tensor, torch.Tensor]], *, anchor_only: bool = False,
                           threads: int | None = None) -> None:
         """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
@@ -251,7 +262,8 @@ class PageReader:
         s = h.scheme
         tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
         workers = min(concurrent_tensors(threads), h.layers)
-        for kind in (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,)):
+        kinds = (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,))
+        for kind in kinds:
             self.index(kind)  # sources and indexes are opened here, once, not by the workers at the same time
 
         def records(layer: int):
@@ -262,6 +274,8 @@ class PageReader:
             (anchor, anchor_at), residual = recs
             dequantize_records(anchor, anchor_at, *(residual or (None, None)), tokens, s, h.kv_heads, h.head_dim,
                                out[layer], lambda p: f"layer {layer} page {p}", threads)
+            for kind in kinds:  # a mapped file's pages of this layer leave the RSS: the output is what stays
+                self.drop_layer(kind, layer)
 
         if workers <= 1:  # one layer at a time: the next layer's records are read and checked meanwhile
             with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-read") as pool:

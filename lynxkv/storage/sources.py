@@ -82,6 +82,23 @@ class FileSource:
             return memoryview(b"")
         return memoryview(mm)[offset:offset + length]
 
+    def drop(self, offset: int, length: int) -> None:
+        """The bytes ``[offset, offset + length)`` are not needed for now: the whole memory pages inside the range
+        leave this process's resident memory (``madvise(MADV_DONTNEED)``). The mapping stays valid: a later read
+        of them faults them back in from the page cache, unchanged. A reader that walks a file once calls this
+        behind itself, so that the file's mapped pages do not add up to the whole file in its RSS."""
+        mm = self._mm
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None:
+            return
+        start = -(-max(offset, 0) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only: a neighbour may be in use
+        end = min(offset + length, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            try:
+                mm.madvise(advice, start, end - start)
+            except (OSError, ValueError):  # closed on another thread meanwhile: nothing left to drop
+                pass
+
     def close(self) -> None:
         if self._mm is not None:
             try:

@@ -19,6 +19,7 @@ import torch
 from lynxkv.cache import check_decoded_size
 from lynxkv.cache.kv import KVPairs
 from lynxkv.errors import LynxError
+from lynxkv.format import constants as c
 from lynxkv.format.layout import page_tokens
 from lynxkv.format.records import dequantize_records, join_records
 from lynxkv.quant.dispatch import concurrent_tensors
@@ -52,6 +53,7 @@ class KVAssembly:
         self._in = [threading.Event() for _ in range(header.layers)]
         self._locks = [threading.Lock() for _ in range(header.layers)]
         self._done = [False] * header.layers
+        self.reader = None  # the load's page reader, told when a layer's records are no longer needed
         self.urgent = False  # a caller waits for layers (full_layer): the residual is on its critical path
 
     @staticmethod
@@ -109,14 +111,20 @@ class KVAssembly:
                     raise LynxError(f"layer {layer}'s residual is no longer held: the load failed or was closed")
                 self.pages(*job, threads=threads)
                 self._done[layer] = True
+                if self.reader is not None:
+                    for kind in (c.SEGMENT_ANCHOR, c.SEGMENT_RESIDUAL):
+                        self.reader.drop_layer(kind, layer)
         return self.full[layer]
 
-    def residual(self, items: list[tuple], anchors: dict) -> None:
+    def residual(self, items: list[tuple], anchors: dict, reader=None) -> None:
         """The full code of every page in ``items`` (``("residual", layer, page, raw, n)``, in file order; the
         pages' anchor records are taken out of ``anchors``), a layer per worker, on threads of the lowest CPU
         priority: a model step under way when the residual lands goes first (its own threads use every core),
         and the decode takes the cores the model leaves while it waits for it. Layers already dequantized by
-        :meth:`full_layer` are skipped."""
+        :meth:`full_layer` are skipped. ``reader`` (the load's page reader) is told as each layer is done that its
+        pages of both segments are no longer needed in memory."""
+        if reader is not None:
+            self.reader = reader
         self.take(items, anchors)
         layers = sorted({it[1] for it in items})
         if self.urgent:  # a layered verify dequantizes layers in order as it reaches them: meet it from the end,

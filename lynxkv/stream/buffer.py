@@ -157,6 +157,12 @@ class InPlaceBuffer:
     def release(self, upto: int, reader: str = "main") -> None:
         pass
 
+    def drop(self, offset: int, length: int) -> None:
+        """Bytes no longer needed in memory: the mapping's pages leave the RSS (:meth:`FileSource.drop`)."""
+        drop = getattr(self.source, "drop", None)
+        if drop is not None:
+            drop(offset, length)
+
     def finish(self) -> None:
         pass
 

@@ -335,7 +335,7 @@ class ProgressiveLoad:
                     continue
                 if kind == "residual_done" and self.decode and not self._future.done() and residual_held:
                     try:  # the records' own checks (padding bits) run here, before the pages are handed on
-                        self._kv.residual(residual_held, anchors)
+                        self._kv.residual(residual_held, anchors, self._reader)
                     except LynxError as exc:
                         kind, item = "error", ("error", "residual", exc)
                     else:

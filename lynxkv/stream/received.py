@@ -46,15 +46,23 @@ class ReceivedCopy:
         if not self.force and exists(path):
             raise InputError(f"{path} already exists; pass --force to replace it")
 
-    def _joined(self, *segments: str) -> bytes:
+    def _joined(self, *segments: str) -> bytearray:
         """The bytes of one object from the blocks of ``segments``, by offset (a single file arrives as the
-        anchor stream alone, or as two streams over the two sections)."""
-        out = bytearray()
-        for offset, data in sorted(b for s in segments for b in self._blocks[s]):
-            if offset != len(out):
-                raise LynxError(f"received blocks leave a gap at byte {len(out)}; nothing was written")
-            out += data
-        return bytes(out)
+        anchor stream alone, or as two streams over the two sections). The blocks are handed over: each is freed
+        once copied, so that the copy and the blocks never add up to twice the object."""
+        with self._lock:
+            blocks = sorted(b for s in segments for b in self._blocks[s])
+            for s in segments:
+                self._blocks[s] = []
+        out = bytearray(sum(len(data) for _, data in blocks))
+        at = 0
+        for i, (offset, data) in enumerate(blocks):
+            if offset != at:
+                raise LynxError(f"received blocks leave a gap at byte {at}; nothing was written")
+            out[at:at + len(data)] = data
+            at += len(data)
+            blocks[i] = None  # the last reference to the block: freed now
+        return out
 
     def commit(self, load, *, anchor_only: bool) -> dict:
         """Write what ``load`` (finished) received; ``anchor_only``: its residual failed. Returns what was
