@@ -21,6 +21,7 @@ from lynxkv.cli import main
 from lynxkv.errors import LynxError
 from lynxkv.stream import open_progressive
 from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
+from lynxkv.serve.connections import EVICT_AFTER
 
 pytestmark = pytest.mark.network
 
@@ -264,15 +265,16 @@ def test_idle_connections_are_bounded_cheap_and_dropped(big):
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(300)]
         slow = socket.create_connection(("127.0.0.1", srv.port))
         slow.sendall(b"GET /x.lynx HTTP/1.1\r\nHo")  # never finishes its headers
-        time.sleep(0.3)
-        assert srv.connections <= 100  # bounded: the longest-idle ones made room
+        time.sleep(EVICT_AFTER + 0.2)  # idle long enough to make room for a new client
+        # bounded: at most 100, and a few more admitted only to be answered 503 (lynxkv/serve/connections.py)
+        assert srv.connections <= 100 + srv.limits.extra_refusing
         assert threading.active_count() <= threads_before + 2  # one event-loop thread, not one per connection
         _victim_seconds(srv)  # a real client still gets in and is served
         t0 = time.monotonic()
         while srv.connections and time.monotonic() - t0 < 5:
             time.sleep(0.1)
         assert srv.connections == 0  # idle ones (and the half request) dropped after idle_timeout
-        assert srv.stats.evicted >= 200
+        assert srv.stats.evicted >= 100 and srv.stats.evicted + srv.stats.refused >= 301  # closed, or refused
         for s in idle + [slow]:
             s.close()
 

@@ -116,21 +116,31 @@ def serve(
                                   "anchor strictly first, clients served in turn."),
     dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of anchor responses (EF, AF41, 46)."),
     dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of residual responses (CS1)."),
-    max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open connections at most."),
+    max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open connections at most; "
+                                        "past it the longest-idle one makes room, or the new one gets a 503."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.1, help="Seconds a client has to "
+                                         "send a whole request header (from connecting, or its first byte)."),
     idle_timeout: float = typer.Option(30.0, "--idle-timeout", min=0.1, help="Seconds before an idle "
                                        "connection, or a client that stops reading, is dropped."),
+    write_buffer: str = typer.Option("256KiB", "--write-buffer", help="Bytes queued per connection (and its "
+                                     "kernel send buffer)."),
+    max_buffered: str = typer.Option("64MiB", "--max-buffered", help="Bytes queued for all connections "
+                                     "together; past it only clients that keep up get more."),
     once: bool = typer.Option(False, "--once", help="Exit after every byte of the cache has been sent once."),
-    as_json: bool = typer.Option(False, "--json", help="Print the address and the resources as JSON on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="Print the address and the resources as JSON on stdout, "
+                                 "and the server's counters when it exits."),
 ) -> None:
     """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests."""
     from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
-    from lynxkv.stream.units import format_rate, parse_bandwidth
+    from lynxkv.stream.units import format_bytes, format_rate, parse_bandwidth, parse_size
 
-    served = load_served_cache(cache, residual, allow=allow_location or ())
     bw = parse_bandwidth(bandwidth)
+    wbuf, maxbuf = parse_size(write_buffer), parse_size(max_buffered)
+    served = load_served_cache(cache, residual, allow=allow_location or ())
     server = CacheServer(served, host=host, port=port, bandwidth=bw, dscp_anchor=parse_dscp(dscp_anchor),
                          dscp_residual=parse_dscp(dscp_residual), max_connections=max_connections,
-                         idle_timeout=idle_timeout, log=lambda msg: err.print(msg, highlight=False))
+                         header_timeout=header_timeout, idle_timeout=idle_timeout, write_buffer=wbuf,
+                         max_buffered=maxbuf, log=lambda msg: err.print(msg, highlight=False))
     if as_json:
         print_json(server.describe())
     if served.relocated:
@@ -142,6 +152,13 @@ def serve(
         pass
     finally:
         server.close()
+        n = server.counters()
+        err.print(f"served {n['served']:,} requests; connections: peak {n['peak_connections']:,}, refused "
+                  f"{n['refused']:,}, closed idle {n['evicted']:,} ({n['header_timeouts']:,} without a whole "
+                  f"header in time), reset after taking nothing {n['abandoned']:,}; peak queued "
+                  f"{format_bytes(n['peak_buffered'])}", highlight=False, soft_wrap=True)
+        if as_json:
+            print_json(n)
 
 
 @app.command()

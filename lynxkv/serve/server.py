@@ -9,12 +9,12 @@ or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-
 405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
 itself gets aiohttp's 400.
 
-Bounds. At most ``max_connections`` connections (at the cap, the longest-idle one is closed to make room; if
-none is idle, the new one is); a connection with no request in progress for ``idle_timeout`` seconds is closed
-(that covers connections that never send a complete request); a response whose client takes no chunk for
-``idle_timeout`` seconds is abandoned. Per connection the server buffers at most about one chunk plus the
-transport's write-buffer limit; one thread runs the event loop whatever the number of clients, and a
-connection's state is dropped when it closes.
+Bounds (:mod:`lynxkv.serve.connections`). At most ``max_connections`` connections (at the cap the longest-idle
+one makes room; when all are busy the new one gets a 503); ``header_timeout`` to deliver a request header;
+``idle_timeout`` for an idle keep-alive connection and for a client that takes no bytes (then reset); at most
+``write_buffer`` bytes queued per connection and ``max_buffered`` for all of them, past which only clients that
+keep up get more. One thread runs the event loop whatever the number of clients, and a connection's state is
+dropped when it closes.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass, field
 from typing import Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from lynxkv.errors import LynxError
+from lynxkv.serve.connections import Connections, Limits, ServerStats, reset
 from lynxkv.serve.egress import QUANTUM, Egress
 from lynxkv.serve.resources import ServedCache, set_dscp
 from lynxkv.stream.link import ANCHOR, RESIDUAL
 
-WRITE_BUFFER = 256 << 10  # transport write-buffer high-water mark per connection, and its kernel send buffer
-# (a fixed SO_SNDBUF turns off the kernel's autotuning, which would let a client that stops reading swallow MBs)
+WRITE_BUFFER = Limits.write_buffer  # per connection: transport high-water mark and kernel send buffer (default)
 
 
 class HTTPRefusal(Exception):
@@ -76,35 +76,6 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, end
 
 
-@dataclass
-class ServerStats:
-    requests: list = field(default_factory=list)  # dicts: resource, start, end, sent, tos, status, seconds
-    refused: int = 0  # connections closed at the cap
-    evicted: int = 0  # idle connections closed to make room, or after idle_timeout
-    peak_connections: int = 0
-    _covered: dict = field(default_factory=lambda: {"anchor": [], "residual": []})
-
-    def cover(self, resource: str, start: int, end: int) -> None:
-        spans = sorted(self._covered[resource] + [(start, end)])
-        merged: list[tuple[int, int]] = []
-        for a, b in spans:
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        self._covered[resource] = merged
-
-    def covered(self, resource: str, size: int) -> bool:
-        """Every byte of the resource has been sent at least once."""
-        return self._covered[resource] == [(0, size)] or size == 0
-
-
-@dataclass
-class _Conn:
-    since: float  # when it last became idle (or connected)
-    active: int = 0  # requests in progress
-
-
 class CacheServer:
     """Serves one :class:`ServedCache` over HTTP on ``host:port`` (0: a free port); see the module docstring.
 
@@ -113,7 +84,9 @@ class CacheServer:
 
     def __init__(self, cache: ServedCache, *, host: str = "127.0.0.1", port: int = 0,
                  bandwidth: float | None = None, dscp_anchor: int | None = None, dscp_residual: int | None = None,
-                 max_connections: int = 1024, idle_timeout: float = 30.0, quantum: int = QUANTUM,
+                 max_connections: int = Limits.max_connections, idle_timeout: float = Limits.idle_timeout,
+                 header_timeout: float = Limits.header_timeout, write_buffer: int = Limits.write_buffer,
+                 max_buffered: int = Limits.max_buffered, quantum: int = QUANTUM,
                  log: Callable[[str], None] | None = None):
         self.cache = cache
         self.resources = {"/" + urllib.parse.quote(cache.anchor.path): cache.anchor}
@@ -121,15 +94,17 @@ class CacheServer:
             self.resources["/" + urllib.parse.quote(cache.residual.path)] = cache.residual
         self.bandwidth = bandwidth
         self.dscp = {"anchor": dscp_anchor, "residual": dscp_residual}
-        self.max_connections = max_connections
-        self.idle_timeout = idle_timeout
+        self.limits = Limits(max_connections=max_connections, header_timeout=header_timeout,
+                             idle_timeout=idle_timeout, write_buffer=write_buffer, max_buffered=max_buffered)
+        self.max_connections, self.idle_timeout = max_connections, idle_timeout
         self.quantum = quantum
         self.log = log or (lambda msg: None)
         self.stats = ServerStats()
-        self._sock = socket.create_server((host, port), backlog=256)
+        self._backlog = max(256, min(4096, max_connections))
+        self._sock = socket.create_server((host, port), backlog=self._backlog)
         self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
-        self._conns: dict = {}  # aiohttp RequestHandler -> _Conn
+        self._conns = Connections(self.limits, self.stats)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -157,6 +132,10 @@ class CacheServer:
     @property
     def connections(self) -> int:
         return len(self._conns)
+
+    def counters(self) -> dict:
+        """The server's counters (requests served, connections refused and closed by the limits, peaks)."""
+        return {**self.stats.counters(), "connections": len(self._conns), "buffered": self._conns.buffered}
 
     def sent_once(self) -> bool:
         """Every byte of the anchor and of the residual has gone out at least once."""
@@ -199,9 +178,11 @@ class CacheServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._egress = Egress(self.bandwidth)
-        server = _Server(self, self._handle, keepalive_timeout=self.idle_timeout, max_line_size=8190,
+        # aiohttp's own keep-alive timer is only a backstop: the watchdog applies the limits (and counts them)
+        backstop = max(self.limits.idle_timeout, self.limits.header_timeout) + 5.0
+        server = _Server(self, self._handle, keepalive_timeout=backstop, max_line_size=8190,
                          max_field_size=8190, logger=_OneLineLogger(self.log))
-        aserver = await self._loop.create_server(server, sock=self._sock, backlog=256)
+        aserver = await self._loop.create_server(server, sock=self._sock, backlog=self._backlog)
         watchdog = self._loop.create_task(self._watchdog(until))
         self._ready.set()
         try:
@@ -213,71 +194,46 @@ class CacheServer:
             self._egress.close()
             for t in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
                 t.cancel()
-            self._conns.clear()
+            for handler, _ in self._conns.items():
+                self._conns.drop(handler)
 
     async def _watchdog(self, until: Callable[[], bool] | None) -> None:
-        """Close connections idle for longer than ``idle_timeout``; stop once ``until()`` holds."""
+        """Close connections past their header or idle deadline and recount the bytes queued; stop once
+        ``until()`` holds."""
         while True:
-            await asyncio.sleep(min(0.2, self.idle_timeout / 4))
-            now = time.monotonic()
-            for handler, st in list(self._conns.items()):
-                if st.active == 0 and now - st.since > self.idle_timeout:
-                    self.stats.evicted += 1
-                    handler.force_close()
-                    if handler.transport is not None:
-                        handler.transport.abort()
+            await asyncio.sleep(min(0.2, self.limits.header_timeout / 4, self.limits.idle_timeout / 4))
+            self._conns.expire()
+            self._conns.recount()
             if until is not None and until():
                 # Stop only once every response has left this process: no request in progress and nothing in
                 # a transport's buffer (the kernel delivers what it holds after a graceful close).
                 t_end = time.monotonic() + self.idle_timeout
                 while time.monotonic() < t_end and any(
                         st.active or (h.transport is not None and h.transport.get_write_buffer_size())
-                        for h, st in list(self._conns.items())):
+                        for h, st in self._conns.items()):
                     await asyncio.sleep(0.05)
                 self._stop.set()
                 return
 
-    # -- connections (called by _Server)
-    def _connected(self, handler, transport) -> bool:
-        """Admit a new connection, or make room for it, or refuse it. Returns False when it was refused."""
-        if len(self._conns) >= self.max_connections:
-            idle = [(st.since, h) for h, st in self._conns.items() if st.active == 0]
-            if not idle:
-                self.stats.refused += 1
-                transport.abort()
-                return False
-            _, oldest = min(idle, key=lambda x: x[0])
-            self.stats.evicted += 1
-            self._conns.pop(oldest, None)
-            oldest.force_close()
-            if oldest.transport is not None:
-                oldest.transport.abort()
-        transport.set_write_buffer_limits(high=WRITE_BUFFER)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, WRITE_BUFFER)
-        self._conns[handler] = _Conn(time.monotonic())
-        self.stats.peak_connections = max(self.stats.peak_connections, len(self._conns))
-        return True
-
-    def _disconnected(self, handler) -> None:
-        self._conns.pop(handler, None)
-
     # -- requests
     async def _handle(self, request):
-        st = self._conns.get(request.protocol)
-        if st is not None:
-            st.active += 1
+        st = self._conns.started(request.protocol)
+        self.stats.served += 1
         try:
-            return await self._respond(request)
+            if st is not None and st.refusing:
+                n = self.limits.max_connections
+                resp = web.Response(status=503, text=f"lynxkv: server busy: {n} connections open, the limit; "
+                                    "retry later\n", headers={"Retry-After": "1"})
+                resp.force_close()
+                return resp
+            return await self._respond(request, st)
         except HTTPRefusal as exc:
             return web.Response(status=exc.status, text=f"lynxkv: {exc}\n", headers=exc.headers)
         finally:
             if st is not None:
-                st.active -= 1
-                st.since = time.monotonic()
+                self._conns.finished(st)
 
-    async def _respond(self, request):
+    async def _respond(self, request, st):
         if request.method not in ("GET", "HEAD"):
             raise HTTPRefusal(405, f"method {request.method} not allowed: GET or HEAD", {"Allow": "GET, HEAD"})
         if request.path in ("/", "/manifest.json"):
@@ -318,14 +274,18 @@ class CacheServer:
             for a in range(start, end, self.quantum):
                 b = min(a + self.quantum, end)
                 await self._egress.grant(cls, b - a)
+                if st is not None:
+                    await self._conns.room(st, request.transport)
                 await asyncio.wait_for(resp.write(view[a:b]), self.idle_timeout)
+                if st is not None:
+                    self._conns.account(st, request.transport)
                 record["sent"] += b - a
             await asyncio.wait_for(resp.write_eof(), self.idle_timeout)
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             self.log(f"{res.name} response to {request.remote} abandoned after {record['sent']} bytes: "
                      f"{type(exc).__name__}")
-            if request.transport is not None:
-                request.transport.abort()
+            self.stats.abandoned += 1
+            reset(request.transport)
             return resp
         record["seconds"] = time.perf_counter() - t0
         self.stats.cover(res.name, start, end)
@@ -354,17 +314,29 @@ class _OneLineLogger:
         pass
 
 
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, telling the connection table when request bytes arrive."""
+
+    def data_received(self, data: bytes) -> None:
+        if self._manager is not None:
+            self._manager.owner._conns.received(self)
+        super().data_received(data)
+
+
 class _Server(web.Server):
     """aiohttp's low-level server with the connection accounting of :class:`CacheServer`."""
 
     def __init__(self, owner: CacheServer, handler, **kwargs):
         super().__init__(handler, **kwargs)
-        self._owner = owner
+        self.owner = owner
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
 
     def connection_made(self, handler, transport) -> None:
-        if self._owner._connected(handler, transport):
-            super().connection_made(handler, transport)
+        self.owner._conns.admit(handler, transport)  # a refused one is reset once its handler has started
+        super().connection_made(handler, transport)
 
     def connection_lost(self, handler, exc=None) -> None:
-        self._owner._disconnected(handler)
+        self.owner._conns.drop(handler)
         super().connection_lost(handler, exc)

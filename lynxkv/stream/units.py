@@ -57,6 +57,25 @@ def parse_duration(text: str | float | int | None) -> float:
     return value
 
 
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]i?)?\s*(B)?\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """``"256KiB"`` -> 262144, ``"64MB"`` -> 64000000, ``"4096"`` -> 4096 (bytes)."""
+    if isinstance(text, int):
+        value = float(text)
+    else:
+        m = _SIZE.match(text)
+        if not m:
+            raise InputError(f"size {text!r}: expected a number of bytes, optionally with a unit such as 256KiB "
+                             "or 64MB")
+        prefix = m.group(2) or ""
+        value = float(m.group(1)) * (_BINARY[prefix] if prefix.endswith("i") else _PREFIX[prefix])
+    if not value > 0:
+        raise InputError(f"size {text!r}: must be positive")
+    return int(value)
+
+
 def format_rate(bytes_per_s: float | None) -> str:
     """125e6 -> ``"1.00 Gbit/s"``: rates are shown in bits per second, as links are sold."""
     if bytes_per_s is None:
