@@ -74,11 +74,7 @@ def parse_residual_header(buf, section_size: int | None = None) -> ResidualHeade
         raise _err("reserved0", f"{what} byte {off['reserved0']}", 0, reserved0)
     if any(reserved1):
         raise _err("reserved1", f"{what} byte {off['reserved1']}", "00" * 3, reserved1.hex())
-    check_range("layers", layers, c.MAX_LAYERS, off, what, 1)
-    check_range("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
-    check_range("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
-    check_range("tokens", tokens, c.MAX_TOKENS, off, what)
-    check_range("page", page, 1 << 16, off, what, 1)
+    _check_shape(off, what, layers, kv_heads, head_dim, tokens, page)
     check_range("residual_bits", residual_bits, 7, off, what, 1)
     return ResidualHeader(bytes(cache_id), layers, kv_heads, head_dim, tokens, page, residual_bits, index_crc,
                           flags, minor, length)
@@ -86,17 +82,8 @@ def parse_residual_header(buf, section_size: int | None = None) -> ResidualHeade
 
 def check_residual_matches(a: AnchorHeader, r: ResidualHeader) -> None:
     """The residual header must belong to this anchor header (same cache id, same counts)."""
-    if r.cache_id != a.cache_id:
-        raise FormatError(
-            f"`cache_id` at residual byte 24: the residual belongs to another cache "
-            f"(expected {a.cache_id.hex()}, got {r.cache_id.hex()})", field="cache_id", where="residual byte 24")
-    off = c.RESIDUAL_FIELD_OFFSETS
-    for name, want, got in (("layers", a.layers, r.layers), ("kv_heads", a.kv_heads, r.kv_heads),
-                            ("head_dim", a.head_dim, r.head_dim), ("tokens", a.tokens, r.tokens),
-                            ("page", a.scheme.page, r.page), ("residual_bits", a.scheme.residual_bits,
-                                                               r.residual_bits)):
-        if want != got:
-            raise _err(name, f"residual byte {off[name]}", f"{want} (as in the anchor header)", got)
+    _check_belongs(a, r, "residual", "the residual", c.RESIDUAL_FIELD_OFFSETS,
+                   (("residual_bits", a.scheme.residual_bits, r.residual_bits),))
 
 
 
@@ -122,11 +109,7 @@ def parse_exact_header(buf, section_size: int | None = None) -> ExactHeader:
         raise _err("reserved0", f"{what} byte {off['reserved0']}", 0, reserved0)
     if any(reserved1):
         raise _err("reserved1", f"{what} byte {off['reserved1']}", "00" * 2, reserved1.hex())
-    check_range("layers", layers, c.MAX_LAYERS, off, what, 1)
-    check_range("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
-    check_range("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
-    check_range("tokens", tokens, c.MAX_TOKENS, off, what)
-    check_range("page", page, 1 << 16, off, what, 1)
+    _check_shape(off, what, layers, kv_heads, head_dim, tokens, page)
     names = {v: k for k, v in c.DTYPE_CODES.items()}
     if dtype not in names:
         raise _err("dtype", f"{what} byte {off['dtype']}", f"one of {sorted(names)}", dtype)
@@ -138,13 +121,27 @@ def parse_exact_header(buf, section_size: int | None = None) -> ExactHeader:
 
 def check_exact_matches(a: AnchorHeader, e: ExactHeader) -> None:
     """The exact header must belong to this anchor header (same cache id, same shape and dtype)."""
-    if e.cache_id != a.cache_id:
+    _check_belongs(a, e, "exact", "the exact segment", c.EXACT_FIELD_OFFSETS, (("dtype", a.dtype, e.dtype),))
+
+
+def _check_shape(off: dict, what: str, layers: int, kv_heads: int, head_dim: int, tokens: int, page: int) -> None:
+    """The cache shape a residual or exact header repeats, each count within the format's bounds."""
+    check_range("layers", layers, c.MAX_LAYERS, off, what, 1)
+    check_range("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
+    check_range("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
+    check_range("tokens", tokens, c.MAX_TOKENS, off, what)
+    check_range("page", page, 1 << 16, off, what, 1)
+
+
+def _check_belongs(a: AnchorHeader, h, what: str, noun: str, off: dict, more: tuple) -> None:
+    """Header ``h`` of segment ``what`` belongs to anchor header ``a``: the same cache id, the same counts, and the
+    same ``more`` (name, anchor's value, header's value) fields."""
+    if h.cache_id != a.cache_id:
         raise FormatError(
-            f"`cache_id` at exact byte 24: the exact segment belongs to another cache "
-            f"(expected {a.cache_id.hex()}, got {e.cache_id.hex()})", field="cache_id", where="exact byte 24")
-    off = c.EXACT_FIELD_OFFSETS
-    for name, want, got in (("layers", a.layers, e.layers), ("kv_heads", a.kv_heads, e.kv_heads),
-                            ("head_dim", a.head_dim, e.head_dim), ("tokens", a.tokens, e.tokens),
-                            ("page", a.scheme.page, e.page), ("dtype", a.dtype, e.dtype)):
+            f"`cache_id` at {what} byte 24: {noun} belongs to another cache "
+            f"(expected {a.cache_id.hex()}, got {h.cache_id.hex()})", field="cache_id", where=f"{what} byte 24")
+    for name, want, got in (("layers", a.layers, h.layers), ("kv_heads", a.kv_heads, h.kv_heads),
+                            ("head_dim", a.head_dim, h.head_dim), ("tokens", a.tokens, h.tokens),
+                            ("page", a.scheme.page, h.page), *more):
         if want != got:
-            raise _err(name, f"exact byte {off[name]}", f"{want} (as in the anchor header)", got)
+            raise _err(name, f"{what} byte {off[name]}", f"{want} (as in the anchor header)", got)

@@ -152,48 +152,37 @@ def read_residual_section(src, h: AnchorHeader, *, base: int | None = None) -> t
     The residual must carry the anchor's cache id and counts, and its index CRC must match both its own
     header and the anchor's segment table.
     """
-    seg = h.segment(c.SEGMENT_RESIDUAL)
-    if seg is None:
-        raise FormatError("`segments`: this cache has no residual segment", field="segments", where="anchor")
-    if base is None:
-        base = seg.offset if seg.placement == c.PLACEMENT_INLINE else 0
-    if seg.placement == c.PLACEMENT_EXTERNAL and src.size != seg.length:
-        kind = "truncated" if src.size < seg.length else "trailing bytes"
-        # A different size may also mean another cache's residual: read its header first to say so.
-        if src.size >= c.RESIDUAL_HEADER_SIZE:
-            try:
-                check_residual_matches(h, parse_residual_header(src.read(0, c.RESIDUAL_HEADER_SIZE)))
-            except FormatError as exc:
-                if exc.field == "cache_id":
-                    raise
-        raise FormatError(f"`file_length` of residual: expected {seg.length} bytes (as the anchor header says), "
-                          f"got {src.size} ({kind})", field="file_length", where="residual")
-    head = read_bytes(src, base, c.RESIDUAL_HEADER_SIZE, "residual.header", "residual")
-    rh = parse_residual_header(head, seg.length)
-    check_residual_matches(h, rh)
-    index = _index(src, h, c.SEGMENT_RESIDUAL, base, rh)
-    return rh, index
+    return _side_section(src, h, c.SEGMENT_RESIDUAL, "residual", c.RESIDUAL_HEADER_SIZE, parse_residual_header,
+                         check_residual_matches, base)
 
 
 def read_exact_section(src, h: AnchorHeader, *, base: int | None = None) -> tuple[ExactHeader, SectionIndex]:
     """The exact header and index (1.4) from ``src`` (its own file, or the anchor file when inline): bound to the
     anchor by cache id, shape and dtype; its index CRC must match its own header and the anchor's segment table."""
-    seg = h.segment(c.SEGMENT_EXACT)
+    return _side_section(src, h, c.SEGMENT_EXACT, "exact", c.EXACT_HEADER_SIZE, parse_exact_header,
+                         check_exact_matches, base)
+
+
+def _side_section(src, h: AnchorHeader, kind: int, name: str, header_size: int, parse, check, base: int | None):
+    """The header and index of segment ``kind`` (residual or exact, called ``name``) from ``src``: its own file or,
+    inline, the anchor file; the header parsed by ``parse`` and bound to the anchor's by ``check``."""
+    seg = h.segment(kind)
     if seg is None:
-        raise FormatError("`segments`: this cache has no exact segment", field="segments", where="anchor")
+        raise FormatError(f"`segments`: this cache has no {name} segment", field="segments", where="anchor")
     if base is None:
         base = seg.offset if seg.placement == c.PLACEMENT_INLINE else 0
     if seg.placement == c.PLACEMENT_EXTERNAL and src.size != seg.length:
-        kind = "truncated" if src.size < seg.length else "trailing bytes"
-        if src.size >= c.EXACT_HEADER_SIZE:  # a different size may mean another cache's: say so first
+        kind_of = "truncated" if src.size < seg.length else "trailing bytes"
+        # A different size may also mean another cache's file: read its header first to say so.
+        if src.size >= header_size:
             try:
-                check_exact_matches(h, parse_exact_header(src.read(0, c.EXACT_HEADER_SIZE)))
+                check(h, parse(src.read(0, header_size)))
             except FormatError as exc:
                 if exc.field == "cache_id":
                     raise
-        raise FormatError(f"`file_length` of exact: expected {seg.length} bytes (as the anchor header says), "
-                          f"got {src.size} ({kind})", field="file_length", where="exact")
-    head = read_bytes(src, base, c.EXACT_HEADER_SIZE, "exact.header", "exact")
-    eh = parse_exact_header(head, seg.length)
-    check_exact_matches(h, eh)
-    return eh, _index(src, h, c.SEGMENT_EXACT, base, eh)
+        raise FormatError(f"`file_length` of {name}: expected {seg.length} bytes (as the anchor header says), "
+                          f"got {src.size} ({kind_of})", field="file_length", where=name)
+    head = read_bytes(src, base, header_size, f"{name}.header", name)
+    sh = parse(head, seg.length)
+    check(h, sh)
+    return sh, _index(src, h, kind, base, sh)
