@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from lynxkv.cache import open_cache, save_cache
 from lynxkv.format.exact_records import frame_splits
 from lynxkv.format.records import compress_frames
 from lynxkv.quant.remainder import element_order, group_sizes, remainder_planes
+from zstd_pages import median_time  # this folder's timer: benchmarks run as scripts from it
 from lynxkv.quant.scheme import DEFAULT
 
 
@@ -70,15 +70,6 @@ def llama_like_kv(tokens: int, layers: int = 8, heads: int = 8, dim: int = 128, 
 
 def raw_frames(kv) -> list[bytes]:
     return [t.contiguous().view(torch.uint8).numpy().tobytes() for pair in kv for t in pair]
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(name: str, kv, repeats: int, workdir: Path) -> dict:

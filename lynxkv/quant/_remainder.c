@@ -51,6 +51,17 @@ static void keys(const void *predicted, int64_t n, int32_t width, int32_t fp16, 
     }
 }
 
+/* The scratch memory of both passes (NULL when it cannot be allocated): n keys of the predicted elements, then
+ * n elements of width bytes; start[256] receives each key's first slot (counts as in slots()). */
+static uint8_t *scratch(const void *predicted, int64_t n, int32_t width, int32_t fp16, int64_t *start,
+                        int64_t *counts) {
+    uint8_t *key = malloc((size_t)n * (1 + width));
+    if (!key) return NULL;
+    keys(predicted, n, width, fp16, key);
+    slots(key, n, start, counts);
+    return key;
+}
+
 /* planes [width, n] from n original and n predicted elements, and counts[256] (if not NULL) the elements of each
  * key; returns 0, -1 for a width other than 2 and 4, -2 when the scratch memory cannot be allocated. */
 int64_t lynx_exact_planes(const void *original, const void *predicted, int64_t n, int32_t width, int32_t fp16,
@@ -58,12 +69,10 @@ int64_t lynx_exact_planes(const void *original, const void *predicted, int64_t n
     if (width != 2 && width != 4) return -1;
     if (counts) memset(counts, 0, 256 * sizeof(int64_t));
     if (n <= 0) return 0;
-    uint8_t *key = malloc((size_t)n * (1 + width));
+    int64_t start[256];
+    uint8_t *key = scratch(predicted, n, width, fp16, start, counts);
     if (!key) return -2;
     uint8_t *zbuf = key + n;
-    int64_t start[256];
-    keys(predicted, n, width, fp16, key);
-    slots(key, n, start, counts);
     if (width == 2) {
         const uint16_t *x = (const uint16_t *)original, *p = (const uint16_t *)predicted;
         uint16_t *z = (uint16_t *)zbuf;
@@ -101,12 +110,10 @@ int64_t lynx_exact_apply(const uint8_t *planes, const void *predicted, int64_t n
                          void *original) {
     if (width != 2 && width != 4) return -1;
     if (n <= 0) return 0;
-    uint8_t *key = malloc((size_t)n * (1 + width));
+    int64_t start[256];
+    uint8_t *key = scratch(predicted, n, width, fp16, start, NULL);
     if (!key) return -2;
     uint8_t *zbuf = key + n;
-    int64_t start[256];
-    keys(predicted, n, width, fp16, key);
-    slots(key, n, start, NULL);
     if (width == 2) {
         const uint16_t *p = (const uint16_t *)predicted;
         uint16_t *x = (uint16_t *)original, *z = (uint16_t *)zbuf;
