@@ -67,8 +67,8 @@ def start_server(path: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
 
 
 def stop_server(proc: subprocess.Popen) -> dict | None:
-    """SIGINT, then the counters the server prints as JSON on exit (None when it prints none)."""
-    proc.send_signal(signal.SIGINT)
+    """SIGTERM, then the counters the server prints as JSON on exit (None when it prints none)."""
+    proc.send_signal(signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

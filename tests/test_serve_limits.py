@@ -201,3 +201,51 @@ def test_limits_are_checked_and_the_cli_reports_its_counters(big, capsys):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _start_json_server(path: str, **popen) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "lynxkv", "serve", path, "--port", "0", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    lines = []
+    while not lines or lines[-1] != "}\n":
+        lines.append(proc.stdout.readline())
+        assert lines[-1], proc.stderr.read()
+    return proc, json.loads("".join(lines))["port"]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_closes_the_server_gracefully_with_its_counters(big, sig):
+    """What a process manager sends (SIGTERM) or a terminal (Ctrl-C): exit 0 with the counters printed, not a
+    kill or a traceback."""
+    import signal
+
+    path, anchor, _ = big
+    proc, port = _start_json_server(path)
+    try:
+        head, body = ranged(port, "/x.lynx", 0, 99)
+        assert b" 206 " in head and body == anchor[:100]
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert json.loads(out)["served"] == 1 and "served 1 requests" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigint_ignored_at_start_stays_ignored_and_sigterm_still_stops(big):
+    """A background job starts with SIGINT ignored: the server keeps it so, and SIGTERM still stops it."""
+    import signal
+
+    path, _, _ = big
+    proc, _ = _start_json_server(path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and json.loads(out)["served"] == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

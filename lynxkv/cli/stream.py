@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import typer
@@ -130,7 +131,10 @@ def serve(
     as_json: bool = typer.Option(False, "--json", help="Print the address and the resources as JSON on stdout, "
                                  "and the server's counters when it exits."),
 ) -> None:
-    """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests."""
+    """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests.
+
+    SIGTERM or Ctrl-C stops it gracefully: in-flight responses get a second to finish, then it prints its counters
+    (on stdout as JSON with --json) and exits 0."""
     from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
     from lynxkv.stream.units import format_bytes, format_rate, parse_bandwidth, parse_size
 
@@ -147,7 +151,8 @@ def serve(
         err.print(f"the anchor is served recording its residual as {served.residual.path}", highlight=False)
     err.print(f"serving {cache} at {server.url} (rate {format_rate(bw)})", highlight=False, soft_wrap=True)
     try:
-        server.serve_forever(until=server.sent_once if once else None)
+        server.serve_forever(until=server.sent_once if once else None,
+                             stop_signals=(signal.SIGTERM, signal.SIGINT))
     except KeyboardInterrupt:
         pass
     finally:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -151,8 +152,11 @@ class CacheServer:
             raise LynxError("the HTTP server did not start")
         return self
 
-    def serve_forever(self, until: Callable[[], bool] | None = None) -> None:
-        asyncio.run(self._main(until))
+    def serve_forever(self, until: Callable[[], bool] | None = None, *, stop_signals: tuple = ()) -> None:
+        """Serve until ``until()`` holds, :meth:`close` is called, or one of ``stop_signals`` arrives (main thread
+        only; e.g. ``(signal.SIGTERM, signal.SIGINT)``): each then closes the server gracefully and returns. A signal
+        the process ignored when it started (``SIGINT`` in a background job) stays ignored."""
+        asyncio.run(self._main(until, stop_signals))
 
     def close(self) -> None:
         loop, stop = self._loop, self._stop
@@ -174,9 +178,12 @@ class CacheServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    async def _main(self, until: Callable[[], bool] | None) -> None:
+    async def _main(self, until: Callable[[], bool] | None, stop_signals: tuple = ()) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        for sig in stop_signals:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self._loop.add_signal_handler(sig, self._stop.set)
         self._egress = Egress(self.bandwidth)
         # aiohttp's own keep-alive timer is only a backstop: the watchdog applies the limits (and counts them)
         backstop = max(self.limits.idle_timeout, self.limits.header_timeout) + 5.0
