@@ -6,8 +6,9 @@ is checked against the anchor, and its pages are applied, each checked, to a cop
 
 :class:`ExactLoad` wraps a :class:`~lynxkv.cache.loading.CacheLoad` (the progressive reader's, or any other):
 the anchor is the inner load's, as soon as it is ready, and ``residual`` completes with the cache's original
-tensors bit for bit -- the full code's decoding with the exact segment applied, read beside the inner load --
-once both the inner load's full code and the exact tensors are there. A runner that verifies its drafts
+tensors bit for bit -- the full code's decoding with the exact segment applied (``lynxkv run --exact``: the
+progressive load's own exact stage, :func:`read_exact_stage`) -- once both the inner load's full code and the
+exact tensors are there. A runner that verifies its drafts
 against ``residual`` then verifies against the original cache, so greedy output equals greedy decoding on it.
 The exact segment is checked (its header, index, page CRCs and the CRC of every rebuilt page) before anything
 is delivered; a wrong or corrupt one fails ``residual`` with its one clear error.
@@ -87,8 +88,9 @@ def read_exact_stage(load):
 
 
 class ExactLoad:
-    """A :class:`CacheLoad` whose ``residual`` is the exact KV: ``read_exact()`` (e.g. ``open_cache(path).load_kv(
-    exact=True)``) runs in a thread from construction; ``timeline.extra["exact_ready_s"]`` records when it was
+    """A :class:`CacheLoad` whose ``residual`` is the exact KV: ``read_exact()`` (e.g. ``load.exact.result`` of a
+    progressive load opened with ``exact=True``, or ``open_cache(path).load_kv(exact=True)``) runs in a thread
+    from construction; ``timeline.extra["exact_ready_s"]`` records when it was
     delivered (seconds since this load was made, right after the inner one, and never before the inner timeline's
     ``residual_ready_s``: the exact tensors are delivered only after the full code)."""
 
