@@ -285,8 +285,14 @@ def test_serve_and_stream_refuse_a_corrupt_or_untrusted_exact_segment(tmp_path, 
     (tmp_path / "sub").mkdir()
     (tmp_path / "d").mkdir()
     save_cache(tmp_path / "d" / "c.lynx", kv, exact_path=tmp_path / "sub" / "c.lynxe")
-    code, _, err = run(capsys, "serve", tmp_path / "d" / "c.lynx", "--port", "0")
-    assert code == 1 and "outside the anchor's directory" in one_error_line(err)
+    served = load_served_cache(str(tmp_path / "d" / "c.lynx"))  # served without it; a client asking is refused
+    assert served.exact is None and "outside the anchor's directory" in served.exact_skipped
+    with CacheServer(served) as srv:
+        with open_progressive(srv.url, exact=True) as load:
+            with pytest.raises(LynxError, match="outside the anchor's directory"):
+                load.exact.result(timeout=60)
+            assert load.residual.result() is not None
+        assert all(r["resource"] != "exact" for r in srv.stats.requests)
     served = load_served_cache(str(tmp_path / "d" / "c.lynx"), allow=[str(tmp_path / "sub")])
     assert served.exact.path == "c.lynxe" and served.relocated
     with CacheServer(served) as srv:

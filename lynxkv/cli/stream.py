@@ -159,6 +159,8 @@ def serve(
 ) -> None:
     """Serve one cache over HTTP: the anchor, the residual and the exact segment (when the cache has one) as
     separate resources with range requests, in that order of priority."""
+    from rich.markup import escape
+
     from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
     from lynxkv.stream.units import format_bytes, format_rate, parse_bandwidth, parse_size
 
@@ -172,6 +174,9 @@ def serve(
                          max_buffered=maxbuf, log=lambda msg: err.print(msg, highlight=False))
     if as_json:
         print_json(server.describe())
+    if served.exact_skipped:
+        err.print(f"[bold yellow]warning:[/] the exact segment is not served: {escape(served.exact_skipped)}",
+                  highlight=False)
     if served.relocated:
         sides = [f"its {r.name} as {r.path}" for r in (served.residual, served.exact) if r is not None]
         err.print(f"the anchor is served recording {' and '.join(sides)}", highlight=False)

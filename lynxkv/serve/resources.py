@@ -16,7 +16,10 @@ override), found under the same rules. All are read once at start-up and checked
 header, index and page CRC, and the residual's and the exact segment's magic and ``cache_id`` (and the exact
 segment's shape and dtype) against its anchor, so a header that names ``/etc/passwd`` or another cache's
 residual is refused, not served. The exact segment is a resource of its own (``GET /<its location>``), sent
-behind the residual. A recorded location that is absolute, a URL,
+behind the residual; an exact file that the trust rule does not let the server follow (recorded outside the
+anchor's directory and not allowed, or not a regular file there) is left out, and the cache is served without it
+(``exact_skipped`` says why; a client asking for it gets a clear error), while one that is there but damaged or
+another cache's is refused like the residual. A recorded location that is absolute, a URL,
 or leaves the anchor's directory is followed only as the storage layer's trust rule allows (named with
 ``--residual``, or under an ``--allow-location`` prefix); the anchor is then served with its header rewritten
 to record a relative name (the pages are unchanged), since a client cannot follow the server's own paths. The bytes are served from memory,
@@ -83,7 +86,8 @@ class ServedCache:
     anchor: Resource
     residual: Resource | None  # None for a single-file cache (its residual is inside the anchor file)
     relocated: bool  # the anchor header was rewritten to record a side segment's served path
-    exact: Resource | None = None  # 1.4: an external exact segment (None: none, or inline in the anchor file)
+    exact: Resource | None = None  # 1.4: an external exact segment (None: none, inline, or not served)
+    exact_skipped: str | None = None  # why an exact file the anchor records is not served (the trust rule)
 
 
 def _safe_relative(location: str) -> bool:
@@ -127,6 +131,7 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
     data: dict[int, bytes | None] = {c.SEGMENT_RESIDUAL: None, c.SEGMENT_EXACT: None}
     paths: dict[int, str] = {}
     moves: dict[int, str] = {}
+    skipped = None
     for kind, what, override, suffix in ((c.SEGMENT_RESIDUAL, "residual", residual, c.RESIDUAL_SUFFIX),
                                          (c.SEGMENT_EXACT, "exact", exact, c.EXACT_SUFFIX)):
         seg = h.segment(kind)
@@ -134,7 +139,14 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
             if override is not None and kind == c.SEGMENT_EXACT:
                 raise InputError(f"{cache}: --exact-file: this cache has no exact segment of its own file to serve")
             continue
-        data[kind] = read_all(override or resolve_location(cache, seg.location, allow=allow, what=what))
+        try:
+            where = override or resolve_location(cache, seg.location, allow=allow, what=what)
+        except InputError as exc:
+            if kind != c.SEGMENT_EXACT:
+                raise
+            skipped = f"{exc} (name it with --exact-file)"  # the exact tier is optional: served without it
+            continue
+        data[kind] = read_all(where)
         path, rewrite = _served_name(seg.location, taken, stem + suffix)
         if path in taken:  # the default name is taken too (a hostile header): one more letter
             path, rewrite = stem + suffix + "-" + what, True
@@ -150,4 +162,4 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
     res, ex = ((Resource(what, paths[kind], data[kind], crc32(data[kind])) if data[kind] is not None else None)
                for kind, what in ((c.SEGMENT_RESIDUAL, "residual"), (c.SEGMENT_EXACT, "exact")))
-    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, bool(moves), ex)
+    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, bool(moves), ex, skipped)
