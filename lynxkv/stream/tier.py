@@ -179,10 +179,10 @@ def _move_cache(src: str, dst: str | None, targets: dict, keep: bool, progress, 
     for kind, name in _SIDES:
         seg, to = h.segment(kind), targets[kind]
         external = seg is not None and seg.placement == c.PLACEMENT_EXTERNAL
+        if to and seg is None:
+            raise InputError(f"this cache has no {name} segment; there is nothing to move")
         if to and not external:
-            where = "inside the anchor file" if seg is not None else "nothing"
-            raise InputError(f"this cache keeps its {name} segment {where}; there is no {name} to move"
-                             if seg is not None else f"this cache has no {name} segment; there is nothing to move")
+            raise InputError(f"this cache keeps its {name} inside the anchor file; there is no {name} to move")
         if not external:
             continue
         old = resolve_location(src, seg.location, allow=allow_locations, what=name) \
