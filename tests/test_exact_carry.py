@@ -236,6 +236,8 @@ def test_serve_then_progressive_exact_over_http_is_bit_identical(tmp_path, dtype
             assert load.exact_url.endswith("/c.lynxe")
         order = [r["resource"] for r in srv.stats.requests if r["status"] == 206]
         assert order.index("exact") > max(i for i, r in enumerate(order) if r == "anchor")
+        assert verify_file(srv.url) == []  # ranged reads of every segment, the exactness check included
+        assert _same_bits(_exact_of(srv.url), kv)  # open_cache(url).load_kv(exact=True)
 
 
 @pytest.mark.network
