@@ -122,6 +122,9 @@ def stream(
         m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", format_seconds(report["anchor_ready_s"]))
         m.add_row("lynx full", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
                   format_seconds(report["residual_ready_s"]))
+        if report.get("exact_ready_s") is not None:
+            m.add_row("lynx exact", f"{report['anchor_bytes'] + report['residual_bytes'] + report['exact_bytes']:,}",
+                      format_seconds(report["exact_ready_s"]))
         out.print(m)
     if report.get("written"):
         err.print("wrote " + ", ".join(f"{k} {v}" for k, v in report["written"].items()), highlight=False)

@@ -53,9 +53,11 @@ def transfer_report(load, *, source: str) -> dict:
         out["anchor_rate"] = _rate(tl.anchor_bytes, ex.get("anchor_first_s"), ex.get("anchor_arrived_s"))
         out["residual_rate"] = _rate(tl.residual_bytes, ex.get("residual_first_s"), ex.get("residual_arrived_s"))
         end = ex.get("residual_arrived_s") or ex.get("anchor_arrived_s")
+        moved = tl.anchor_bytes + tl.residual_bytes
         if "exact_bytes" in out:
             out["exact_rate"] = _rate(out["exact_bytes"], ex.get("exact_first_s"), ex.get("exact_ready_s"))
-        total_rate = _rate(tl.anchor_bytes + tl.residual_bytes, ex.get("anchor_first_s"), end)
+            end, moved = ex.get("exact_ready_s") or end, moved + out["exact_bytes"]
+        total_rate = _rate(moved, ex.get("anchor_first_s"), end)
         latency = 0.0
     out["total_rate"] = total_rate
     if h is not None:
