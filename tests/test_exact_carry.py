@@ -300,3 +300,22 @@ def test_serve_and_stream_refuse_a_corrupt_or_untrusted_exact_segment(tmp_path, 
     with CacheServer(served) as srv:
         with open_progressive(srv.url, exact=True) as load:
             assert _same_bits(load.exact.result(timeout=60), kv)
+
+
+def test_tier_moves_the_exact_segment_to_an_object_store_and_back(tmp_path, capsys):
+    """Any fsspec URL is a tier (``memory://`` stands in for S3 here): the anchor records the URL, which a reader
+    follows only where allowed; the progressive reader streams the exact segment from it."""
+    kv = _kv(torch.bfloat16, layers=1)
+    save_cache(tmp_path / "c.lynx", kv, exact=True)
+    url = "memory://archive-27/c.lynxe"
+    code, out, _ = run(capsys, "tier", tmp_path / "c.lynx", "--exact-out", url, "--json")
+    assert code == 0 and json.loads(out)["exact_location"] == url and not (tmp_path / "c.lynxe").exists()
+    with pytest.raises(LynxError, match="outside the anchor's directory"):
+        _exact_of(tmp_path / "c.lynx")
+    assert _same_bits(_exact_of(tmp_path / "c.lynx", allow_locations=["memory://archive-27/"]), kv)
+    with open_progressive(str(tmp_path / "c.lynx"), exact=True, allow_locations=["memory://archive-27/"]) as load:
+        assert _same_bits(load.exact.result(timeout=60), kv) and load.exact_url == url
+    code, out, _ = run(capsys, "tier", tmp_path / "c.lynx", "--exact-out", tmp_path / "c.lynxe", "--json",
+                       "--allow-location", "memory://archive-27/")
+    assert code == 0 and json.loads(out)["exact_location"] == "c.lynxe"
+    assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
