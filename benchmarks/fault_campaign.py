@@ -4,7 +4,8 @@
 
 Writers (each the entry users run, in a child forked from this pre-imported process, so a kill costs a fork, not
 a torch import): ``lynxkv encode`` (``lynxkv.cli.main``) replacing a two-file cache, or writing it where none is;
-``lynxkv tier`` moving the residual and the anchor back and forth; ``lynxkv stream -o`` replacing a saved copy;
+``lynxkv tier`` moving the residual and the anchor back and forth, and (``tier-exact``) the exact segment of a
+format-1.4 cache and its anchor; ``lynxkv stream -o`` replacing a saved copy;
 the LMCache tier's store (``LynxL2Adapter._store``, the method LMCache's worker calls, run against stand-ins for
 the five LMCache names the adapter imports, since LMCache is not installed in the main venv).
 
@@ -205,9 +206,7 @@ def leftovers(sc, ignore=()) -> list[str]:
     for a in sc.anchors():
         if os.path.isfile(a):
             keep.add(os.path.abspath(a))
-            r = sc.residual_of(a)
-            if r:
-                keep.add(os.path.abspath(r))
+            keep.update(os.path.abspath(f) for f in sc.side_files(a))
     out = []
     for d in sc.dirs():
         for n in os.listdir(d):
@@ -241,6 +240,11 @@ class Scenario:
 
     def residual_of(self, anchor: str) -> str | None:
         return residual_of(anchor)
+
+    def side_files(self, anchor: str) -> list[str]:
+        """The files besides the anchor that the cache at ``anchor`` references."""
+        r = self.residual_of(anchor)
+        return [r] if r else []
 
     def owns(self, path: str) -> bool:
         return True
@@ -339,6 +343,53 @@ class Tier(Scenario):
         return got, {p: v for p, v in got.items() if v is None or v == "A"}, allowed
 
 
+class TierExact(Tier):
+    """``lynxkv tier`` on a format-1.4 cache: the exact segment to another directory and back, then the anchor to
+    another name and back (its recorded exact location rewritten each time)."""
+
+    name = "tier-exact"
+    MOVES = (("a", "--exact-out", "far/c.lynxe"), ("a", "--exact-out", "near/c.lynxe"),
+             ("a", "b", None), ("b", "a", None))
+
+    def __init__(self, root, assets):
+        Scenario.__init__(self, root, assets)
+        for d in ("near", "far"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+        self.a, self.b = os.path.join(root, "near", "c.lynx"), os.path.join(root, "near", "d.lynx")
+        self.step = 0
+        for suffix in (".lynx", ".lynxr", ".lynxe"):
+            shutil.copy(os.path.join(assets, "E", "c" + suffix), os.path.join(root, "near", "c" + suffix))
+
+    def prepare(self, rng):
+        src, dst, res = self.MOVES[self.step % len(self.MOVES)]
+        src_path = self.a if src == "a" else self.b
+        if res is not None:
+            argv = ["tier", src_path, "--exact-out", os.path.join(self.root, res)]
+        else:
+            argv = ["tier", src_path, self.a if dst == "a" else self.b]
+        self.pending = (src_path, argv)
+        return "E", {"E"}, cli(argv)
+
+    def side_files(self, anchor):
+        from lynxkv.storage import resolve_location
+
+        files = super().side_files(anchor)
+        try:
+            with open_cache(anchor, allow_locations=[self.root]) as cache:
+                loc = cache.info.exact_location
+                if loc is not None:
+                    files.append(resolve_location(cache.name, loc, allow=[self.root], what="exact segment"))
+        except LynxError:
+            pass
+        return files
+
+    def check(self, before, allowed):  # identity() verifies the exact segment too (its CRCs and rebuild)
+        got = {p: self.identity(p) for p in self.anchors()}
+        if all(v is None for v in got.values()):
+            return got, {p: "E" for p in got}, allowed
+        return got, {p: v for p, v in got.items() if v is None or v == "E"}, allowed
+
+
 class LMCacheTier(Scenario):
     """The LMCache tier's store of a chunk (``LynxL2Adapter._store``), anchors and residuals on two paths."""
 
@@ -391,7 +442,7 @@ class LMCacheTier(Scenario):
         return {apath: self.identity(apath)}, {apath: before[apath]}, allowed
 
 
-SCENARIOS = {s.name: s for s in (Encode, Tier, Stream, LMCacheTier)}
+SCENARIOS = {s.name: s for s in (Encode, Tier, TierExact, Stream, LMCacheTier)}
 
 
 def make_assets(assets: str) -> None:
@@ -400,6 +451,10 @@ def make_assets(assets: str) -> None:
         save_kv_safetensors(dump, kv(seed), metadata={WHICH: which})
         os.makedirs(os.path.join(assets, which), exist_ok=True)
         assert run_child_wait(cli(["encode", dump, "-o", os.path.join(assets, which, "c.lynx")])) == 0
+    dump = os.path.join(assets, "E.safetensors")  # a format-1.4 cache with an exact segment
+    save_kv_safetensors(dump, kv(3), metadata={WHICH: "E"})
+    os.makedirs(os.path.join(assets, "E"), exist_ok=True)
+    assert run_child_wait(cli(["encode", dump, "-o", os.path.join(assets, "E", "c.lynx"), "--exact"])) == 0
 
 
 def run_child_wait(fn, **kw) -> int:
@@ -490,7 +545,7 @@ def full_disk_event(name: str, assets: str, work: str, rng, tally: Tally, idx: i
     try:
         sc = SCENARIOS[name](os.path.join(disk, name), assets)
         for _ in range(2):  # an old cache in place (a tier move is ready as is)
-            if name != "tier":
+            if not name.startswith("tier"):
                 one(sc, rng, Tally(), None)
         need = max(4096, sum(os.path.getsize(os.path.join(d, n)) for d in sc.dirs() for n in os.listdir(d)
                              if os.path.isfile(os.path.join(d, n))))  # about what one write of this cache needs
@@ -516,7 +571,7 @@ def full_disk_event(name: str, assets: str, work: str, rng, tally: Tally, idx: i
         tally.full_disk["events"] += 1
         got, expect_before, allowed = sc.check(before, allowed)
         wrote = any(v in allowed and v != expect_before.get(p) for p, v in got.items())
-        wrote = rc == 0 if name == "tier" else wrote  # a move leaves the same cache, elsewhere
+        wrote = rc == 0 if name.startswith("tier") else wrote  # a move leaves the same cache, elsewhere
         with open(errfile, errors="replace") as f:
             err = f.read()
         errors = [line for line in err.splitlines() if line.startswith("lynxkv: error:")]

@@ -38,9 +38,9 @@ SHAPE = (2, 3, 256, 2 * 32)  # [K/V, layers, tokens, kv_heads * head_dim]
 SERDE = {"kv_heads": 2}
 
 
-def tier_spec(hot, cold, serde: dict = SERDE) -> dict:
+def tier_spec(hot, cold, serde: dict = SERDE, **params) -> dict:
     return {"type": "plugin", "module_path": "lynxkv.integrations.lmcache.adapter", "class_name": "LynxL2Adapter",
-            "adapter_params": {"anchor_path": str(hot), "residual_path": str(cold)},
+            "adapter_params": {"anchor_path": str(hot), "residual_path": str(cold), **params},
             "serde": {"type": "lynx", **serde}}
 
 
@@ -60,8 +60,8 @@ def wait(poll, timeout=30.0):
 class Tier:
     """The lynx tier and its serde as LMCache builds them from a tier spec, for chunks of ``shape`` and ``dtype``."""
 
-    def __init__(self, hot, cold, serde: dict = SERDE, shape=SHAPE, dtype=torch.float16):
-        spec = tier_spec(hot, cold, serde)
+    def __init__(self, hot, cold, serde: dict = SERDE, shape=SHAPE, dtype=torch.float16, **params):
+        spec = tier_spec(hot, cold, serde, **params)
         self.adapter = create_l2_adapter_from_registry(PluginL2AdapterConfig.from_dict(spec))
         self.serde = create_serde_processor(SerdeConfig("lynx", dict(serde)))
         self.shape, self.dtype = shape, dtype
@@ -219,6 +219,40 @@ def test_a_corrupted_object_is_a_miss_for_that_chunk_only(tmp_path):
         tier.close()
     assert got[0] is None and got[2] is None  # misses, never data
     assert torch.equal(got[1], full_code(str(hot), str(cold), ks[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_exact_chunks_are_stored_as_a_third_file_and_retrieved_bit_for_bit(tmp_path, dtype):
+    """Format 1.4: with ``exact`` in the serde each object carries the chunk's exact segment; the tier keeps it in
+    its own file on ``exact_path`` and checks it (CRCs, rebuild) on every load; the chunk comes back bit for bit.
+    A corrupt or missing exact file is a miss for that chunk only."""
+    hot, cold, arch = tmp_path / "hot", tmp_path / "cold", tmp_path / "archive"
+    tier = Tier(hot, cold, {**SERDE, "exact": True}, dtype=dtype, exact_path=str(arch), exact=True)
+    xs = [x.to(dtype) for x in chunks(3)]
+    try:
+        ks = keys(3)
+        tier.store(ks, xs)
+        from lynxkv.integrations.lmcache.adapter import object_name
+
+        names = [object_name(k) for k in ks]
+        assert sorted(os.listdir(arch)) == sorted(n + ".lynxe" for n in names)
+        assert tier.lookup(ks) == [0, 1, 2]
+        got = tier.retrieve(ks)
+        for x, y in zip(xs, got):
+            assert y.dtype == dtype and torch.equal(y.view(torch.uint8), x.view(torch.uint8))  # bit for bit
+        assert not torch.equal(full_code(str(hot), str(cold), ks[0]).to(dtype).view(torch.uint8),
+                               xs[0].view(torch.uint8))  # which the full code is not
+        e = arch / (names[0] + ".lynxe")
+        data = bytearray(e.read_bytes())
+        data[-3] ^= 0x20  # an exact page
+        e.write_bytes(bytes(data))
+        (arch / (names[2] + ".lynxe")).unlink()
+        assert tier.lookup(ks) == [0, 1]  # "exact": true wants the exact file too
+        got = tier.retrieve(ks)
+    finally:
+        tier.close()
+    assert got[0] is None and got[2] is None  # misses, never data
+    assert torch.equal(got[1].view(torch.uint8), xs[1].view(torch.uint8))
 
 
 def test_lmcache_server_runs_with_the_lynx_tier(tmp_path):

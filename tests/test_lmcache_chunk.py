@@ -13,6 +13,7 @@ from lynxkv.integrations.lmcache.chunk import (
     max_chunk_bytes,
     parse_layout,
     split_chunk,
+    split_segments,
 )
 from lynxkv.integrations.lmcache.source import name_fingerprint
 
@@ -115,3 +116,38 @@ def test_a_vllm_cpu_chunk_is_stored_as_the_models_layers_and_round_trips_to_the_
         parse_layout("vllm-cpu-amx:32")
     with pytest.raises(LynxError, match="shape|buffer"):  # a stored vLLM chunk does not fill a split-K/V buffer
         decode_chunk(single, torch.empty(2, 2, 256, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_a_chunk_with_its_exact_segment_decodes_bit_for_bit(dtype):
+    """Format 1.4: with ``exact`` the single file carries the chunk's exact segment; split_segments puts it in a
+    third file; either form decodes, with ``exact=True``, to the stored chunk bit for bit (the full code does not)."""
+    x = _chunk(tokens=300, dtype=dtype)
+    single = encode_chunk(x, kv_heads=2, exact=True)
+    assert len(single) <= max_chunk_bytes(tuple(x.shape), kv_heads=2, exact=True)
+    assert len(single) > len(encode_chunk(x, kv_heads=2))  # the exact segment rides along
+    anchor, residual, exact = split_segments(single, "obj.lynxr", "cold/obj.lynxe")
+    assert exact is not None and verify_file(anchor, residual=residual, exact=exact) == []
+    with open_cache(anchor) as c:
+        assert c.info.exact_location == "cold/obj.lynxe" and c.info.anchor_bytes == len(anchor)
+    for data in (single, anchor + residual + exact):
+        out = decode_chunk(data, torch.empty_like(x), exact=True)
+        assert torch.equal(out.view(torch.uint8), x.view(torch.uint8))
+    full = decode_chunk(anchor + residual + exact, torch.empty_like(x))
+    assert not torch.equal(full.view(torch.uint8), x.view(torch.uint8))
+    assert split_chunk(single, "obj.lynxr")[0] != anchor  # without an exact location it stays inline
+
+
+def test_a_chunk_with_a_corrupt_or_missing_exact_segment_writes_nothing():
+    x = _chunk(dtype=torch.bfloat16)
+    anchor, residual, exact = split_segments(encode_chunk(x, exact=True), "obj.lynxr", "obj.lynxe")
+    bad = bytearray(exact)
+    bad[-2] ^= 0x04
+    out = torch.zeros_like(x)
+    with pytest.raises(LynxError, match="crc32"):
+        decode_chunk(anchor + residual + bytes(bad), out, exact=True)
+    with pytest.raises(LynxError, match="exact bytes after the anchor"):
+        decode_chunk(anchor + residual, out, exact=True)
+    with pytest.raises(LynxError, match="no exact segment"):
+        decode_chunk(encode_chunk(x), out, exact=True)
+    assert not out.any()

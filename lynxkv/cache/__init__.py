@@ -10,7 +10,8 @@ from lynxkv.cache.opened import (
     open_cache,
     verify_file,
 )
-from lynxkv.cache.save import default_exact_path, default_residual_path, residual_file_of, save_cache, save_dump
+from lynxkv.cache.save import (default_exact_path, default_residual_path, exact_file_of, residual_file_of, save_cache,
+                               save_dump)
 
 __all__ = [
     "MAX_DECODED_ENV",
@@ -21,6 +22,7 @@ __all__ = [
     "default_exact_path",
     "default_residual_path",
     "encode_kv",
+    "exact_file_of",
     "max_decoded_bytes",
     "open_cache",
     "residual_file_of",

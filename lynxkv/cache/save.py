@@ -162,6 +162,11 @@ def residual_file_of(path: str) -> str | None:
     return _recorded_file_of(path, "residual_location")
 
 
+def exact_file_of(path: str) -> str | None:
+    """The exact file (1.4) of the cache now at ``path``, on the terms of :func:`residual_file_of`."""
+    return _recorded_file_of(path, "exact_location")
+
+
 def _recorded_file_of(path: str, field: str) -> str | None:
     if has_protocol(path) or not os.path.isfile(path):
         return None
@@ -175,7 +180,7 @@ def _recorded_file_of(path: str, field: str) -> str | None:
 
 def _side_files_of(path: str) -> list[str]:
     """The residual and exact files of the cache now at ``path`` that a writer replacing it may delete afterwards."""
-    return [f for f in (residual_file_of(path), _recorded_file_of(path, "exact_location")) if f is not None]
+    return [f for f in (residual_file_of(path), exact_file_of(path)) if f is not None]
 
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:

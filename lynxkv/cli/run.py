@@ -219,14 +219,9 @@ def run(
 
     def open_load():
         load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
-                                allow_anchor_only=allow_anchor_only)
-        if not exact:
-            return load
-
-        def read_exact():
-            with open_cache(cache, residual=residual, exact=exact_file) as c:
-                return c.load_kv(exact=True)
-        return ExactLoad(load, read_exact)
+                                allow_anchor_only=allow_anchor_only, exact=exact, exact_file=exact_file)
+        # the exact stage streams behind the residual in the same load (anchor -> full code -> exact)
+        return ExactLoad(load, load.exact.result) if exact else load
 
     started = time.perf_counter()
     load = open_load()

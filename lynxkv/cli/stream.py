@@ -31,6 +31,12 @@ def stream(
                                  "location the anchor header records."),
     residual_out: str = typer.Option(None, "--residual-out", help="Where to save the residual copy (default: "
                                      "the anchor's recorded relative location, next to --output)."),
+    exact: bool = typer.Option(False, "--exact", help="Also read the exact segment (format 1.4) behind the "
+                               "residual and check every page; -o copies it whenever the cache has one."),
+    exact_file: str = typer.Option(None, "--exact-file", help="Read the exact segment from here instead of the "
+                                   "location the anchor header records (implies --exact)."),
+    exact_out: str = typer.Option(None, "--exact-out", help="Where to save the exact segment's copy (default: "
+                                  "the anchor's recorded relative location, next to --output)."),
     bandwidth: str = typer.Option(None, "--bandwidth", help="Emulated link rate shared by both streams, e.g. "
                                   "1Gbps, 500Mbps, 100MB/s (the anchor has strict priority)."),
     latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
@@ -41,33 +47,47 @@ def stream(
     force: bool = typer.Option(False, "--force", help="Replace existing files when saving with -o."),
     as_json: bool = typer.Option(False, "--json", help="Print the timeline as JSON on stdout."),
 ) -> None:
-    """Load a cache progressively (anchor first, then residual), verifying every page; print a timeline."""
+    """Load a cache progressively (anchor first, then residual, then with --exact the exact segment), verifying
+    every page; print a timeline."""
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.received import ReceivedCopy
     from lynxkv.stream.summary import transfer_report
     from lynxkv.stream.units import format_rate, format_seconds
 
-    saver = ReceivedCopy(output, residual_out, force=force) if output else None
+    if exact_out is not None and output is None:
+        raise InputError("--exact-out needs -o (where the copy goes)")
+    want_exact = True if (exact or exact_file is not None) else (None if output else False)
+    saver = ReceivedCopy(output, residual_out, force=force, exact_dest=exact_out) if output else None
     load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
                             allow_anchor_only=allow_anchor_only, inflight=inflight, decode=False,
-                            tee=saver.tee if saver else None, allow_locations=allow_location or ())
+                            tee=saver.tee if saver else None, allow_locations=allow_location or (),
+                            exact=want_exact, exact_file=exact_file)
     try:
         with _progress() as bars:
             ta = bars.add_task("anchor", total=None)
             tr = bars.add_task("residual", total=None)
-            while not load.residual.done():
+            te = bars.add_task("exact", total=None, visible=False)
+
+            def update() -> None:
                 a_total, r_total = load.sizes
+                extra = load.timeline.extra
                 bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
                 bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
+                if "exact_total_bytes" in extra:  # the cache has an exact segment, and it is being read
+                    bars.update(te, completed=extra.get("exact_bytes", 0), total=extra["exact_total_bytes"],
+                                visible=True)
+
+            while not (load.residual.done() and (want_exact is False or load.exact.done())):
+                update()
                 time.sleep(0.05)
-            a_total, r_total = load.sizes
-            bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
-            bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
+            update()
         failure = load.residual.exception()
         if load.anchor_error is not None:
             raise load.anchor_error
         if failure is not None and not allow_anchor_only:
             raise failure
+        if want_exact is not False and failure is None and load.exact.exception() is not None:
+            raise load.exact.exception()
         report = transfer_report(load, source=source)
         if saver is not None:
             report["written"] = saver.commit(load, anchor_only=failure is not None)
@@ -88,7 +108,10 @@ def stream(
               format_rate(report["anchor_rate"]) if report["anchor_rate"] else "-")
     t.add_row("residual", format_seconds(report["residual_ready_s"]) if failure is None else "FAILED",
               f"{report['residual_bytes']:,}", format_rate(report["residual_rate"]) if report["residual_rate"] else "-")
-    t.add_row("total", "", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
+    if report.get("exact_bytes") is not None:
+        t.add_row("exact", format_seconds(report["exact_ready_s"]), f"{report['exact_bytes']:,}",
+                  format_rate(report["exact_rate"]) if report.get("exact_rate") else "-")
+    t.add_row("total", "", f"{report['anchor_bytes'] + report['residual_bytes'] + (report.get('exact_bytes') or 0):,}",
               format_rate(report["total_rate"]) if report["total_rate"] else "-")
     out.print(t)
     if report.get("monolithic"):
@@ -100,6 +123,9 @@ def stream(
         m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", format_seconds(report["anchor_ready_s"]))
         m.add_row("lynx full", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
                   format_seconds(report["residual_ready_s"]))
+        if report.get("exact_ready_s") is not None:
+            m.add_row("lynx exact", f"{report['anchor_bytes'] + report['residual_bytes'] + report['exact_bytes']:,}",
+                      format_seconds(report["exact_ready_s"]))
         out.print(m)
     if report.get("written"):
         err.print("wrote " + ", ".join(f"{k} {v}" for k, v in report["written"].items()), highlight=False)
@@ -112,11 +138,15 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     residual: str = typer.Option(None, "--residual", help="The residual to serve, when the anchor records it "
                                  "outside its own directory (absolute path or URL)."),
+    exact_file: str = typer.Option(None, "--exact-file", help="The exact segment to serve (format 1.4), when the "
+                                   "anchor records it outside its own directory (absolute path or URL)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     bandwidth: str = typer.Option(None, "--bandwidth", help="Pace all responses to this rate, e.g. 1Gbps: the "
                                   "anchor strictly first, clients served in turn."),
     dscp_anchor: str = typer.Option(None, "--dscp-anchor", help="DSCP class of anchor responses (EF, AF41, 46)."),
     dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of residual responses (CS1)."),
+    dscp_exact: str = typer.Option(None, "--dscp-exact", help="DSCP class of exact-segment responses (default: "
+                                   "the residual's)."),
     max_connections: int = typer.Option(1024, "--max-connections", min=1, help="Open connections at most; "
                                         "past it the longest-idle one makes room, or the new one gets a 503."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.1, help="Seconds a client has to "
@@ -131,24 +161,32 @@ def serve(
     as_json: bool = typer.Option(False, "--json", help="Print the address and the resources as JSON on stdout, "
                                  "and the server's counters when it exits."),
 ) -> None:
-    """Serve one cache over HTTP: the anchor and the residual as separate resources with range requests.
+    """Serve one cache over HTTP: the anchor, the residual and the exact segment (when the cache has one) as
+    separate resources with range requests, in that order of priority.
 
     SIGTERM or Ctrl-C stops it gracefully: in-flight responses get a second to finish, then it prints its counters
     (on stdout as JSON with --json) and exits 0."""
+    from rich.markup import escape
+
     from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
     from lynxkv.stream.units import format_bytes, format_rate, parse_bandwidth, parse_size
 
     bw = parse_bandwidth(bandwidth)
     wbuf, maxbuf = parse_size(write_buffer), parse_size(max_buffered)
-    served = load_served_cache(cache, residual, allow=allow_location or ())
+    served = load_served_cache(cache, residual, exact=exact_file, allow=allow_location or ())
     server = CacheServer(served, host=host, port=port, bandwidth=bw, dscp_anchor=parse_dscp(dscp_anchor),
-                         dscp_residual=parse_dscp(dscp_residual), max_connections=max_connections,
+                         dscp_residual=parse_dscp(dscp_residual), dscp_exact=parse_dscp(dscp_exact),
+                         max_connections=max_connections,
                          header_timeout=header_timeout, idle_timeout=idle_timeout, write_buffer=wbuf,
                          max_buffered=maxbuf, log=lambda msg: err.print(msg, highlight=False))
     if as_json:
         print_json(server.describe())
+    if served.exact_skipped:
+        err.print(f"[bold yellow]warning:[/] the exact segment is not served: {escape(served.exact_skipped)}",
+                  highlight=False)
     if served.relocated:
-        err.print(f"the anchor is served recording its residual as {served.residual.path}", highlight=False)
+        sides = [f"its {r.name} as {r.path}" for r in (served.residual, served.exact) if r is not None]
+        err.print(f"the anchor is served recording {' and '.join(sides)}", highlight=False)
     err.print(f"serving {cache} at {server.url} (rate {format_rate(bw)})", highlight=False, soft_wrap=True)
     try:
         server.serve_forever(until=server.sent_once if once else None,
@@ -171,19 +209,21 @@ def tier(
     src: str = typer.Argument(..., help="The cache's anchor file (path or URL)."),
     dst: str = typer.Argument(None, help="New location of the anchor file (default: leave it where it is)."),
     residual_out: str = typer.Option(None, "--residual-out", help="New location of the residual (path or URL)."),
+    exact_out: str = typer.Option(None, "--exact-out", help="New location of the exact segment (format 1.4; path "
+                                  "or URL)."),
     keep: bool = typer.Option(False, "--keep", help="Copy instead of move (keep the source files)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print what was moved as JSON on stdout."),
 ) -> None:
-    """Move a cache's anchor and/or residual between tiers (local, s3://, memory://, ...), atomically.
+    """Move a cache's anchor, residual and/or exact segment between tiers (local, s3://, memory://, ...), atomically.
 
     Each segment is read, checked page by page (CRC-32) and published only if it is intact; after the copy the
-    destination is read back and its CRC-32 compared. When the residual moves, the anchor header is rewritten to
-    record its new location (relative when it sits next to the anchor)."""
+    destination is read back and checked again. When the residual or the exact segment moves, the anchor header is
+    rewritten to record its new location (relative when it sits next to the anchor)."""
     from lynxkv.stream.tier import move_cache
 
-    if dst is None and residual_out is None:
-        raise InputError("nothing to do: give a destination for the anchor and/or --residual-out")
+    if dst is None and residual_out is None and exact_out is None:
+        raise InputError("nothing to do: give a destination for the anchor, --residual-out and/or --exact-out")
     with _progress() as bars:
         tasks: dict[str, int] = {}
 
@@ -192,7 +232,7 @@ def tier(
                 tasks[segment] = bars.add_task(segment, total=total)
             bars.update(tasks[segment], completed=done, total=total)
 
-        result = move_cache(src, dst, residual_to=residual_out, keep=keep, progress=progress,
+        result = move_cache(src, dst, residual_to=residual_out, exact_to=exact_out, keep=keep, progress=progress,
                             allow_locations=allow_location or ())
     if as_json:
         print_json(result)
@@ -200,3 +240,5 @@ def tier(
         for k, v in result["moved"].items():
             out.print(f"{k}: {v['from']} -> {v['to']} ({v['bytes']:,} bytes, crc32 {v['crc32']:08x})")
         out.print(f"residual location recorded in the anchor: {result['residual_location']}")
+        if result["exact_location"] is not None:
+            out.print(f"exact location recorded in the anchor: {result['exact_location']}")

@@ -69,7 +69,7 @@ class ServerStats:
     budget_waits: int = 0  # chunks that waited for the overall max_buffered budget
     peak_connections: int = 0
     peak_buffered: int = 0  # the most bytes queued in the server at once (an upper bound)
-    _covered: dict = field(default_factory=lambda: {"anchor": [], "residual": []})
+    _covered: dict = field(default_factory=lambda: {"anchor": [], "residual": [], "exact": []})
 
     def cover(self, resource: str, start: int, end: int) -> None:
         spans = sorted(self._covered[resource] + [(start, end)])

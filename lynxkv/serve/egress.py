@@ -1,8 +1,8 @@
 """The server's outgoing link (:class:`Egress`): strict anchor priority, round robin within a class, paced.
 
 Priority and fairness. With a rate (``bandwidth``) every response goes through one :class:`Egress`: a chunk of
-``quantum`` bytes at a time, anchor chunks strictly before residual chunks, first come first served within a
-class. A response asks for its next chunk only after the previous one was taken by the client's socket, so a
+``quantum`` bytes at a time, anchor chunks strictly before residual chunks and those before exact chunks (format
+1.4), first come first served within a class. A response asks for its next chunk only after the previous one was taken by the client's socket, so a
 client that stops reading stops asking: it holds no place in the queue and delays no one (the starvation of a
 "hold the link for the whole segment" design). Within a class the queue is round robin between connections.
 Without a rate nothing is paced; the order is then the network's: each resource's packets carry its DSCP class
@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from lynxkv.stream.link import TokenBucket
+from lynxkv.stream.link import STREAMS, TokenBucket
 
 QUANTUM = 64 << 10  # bytes per grant: 2.6 ms at 200 Mbit/s, so a residual chunk delays an anchor by little
 
 
 class Egress:
-    """The server's outgoing link: grants of ``quantum`` bytes, anchor strictly before residual, FIFO within a
+    """The server's outgoing link: grants of ``quantum`` bytes, anchor before residual before exact, FIFO within a
     class (round robin between the responses that are ready), paced by a token bucket when ``rate`` is set.
 
     Only a response that is ready to write waits here; a blocked or idle client is not in any queue."""
@@ -29,7 +29,7 @@ class Egress:
     def __init__(self, rate: float | None):
         self.rate = rate
         self._bucket = TokenBucket(rate, max(QUANTUM, int(rate * 0.005))) if rate else None
-        self._queues: tuple[collections.deque, collections.deque] = (collections.deque(), collections.deque())
+        self._queues = tuple(collections.deque() for _ in STREAMS)  # by class: anchor, residual, exact
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
 

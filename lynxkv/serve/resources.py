@@ -1,4 +1,5 @@
-"""What ``lynxkv serve`` serves: the anchor and the residual of one cache as separate resources, checked first.
+"""What ``lynxkv serve`` serves: the anchor, the residual and the exact segment of one cache as separate resources,
+checked first.
 
 Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
 ``<location>`` is the relative location its anchor header records, so the URL of the anchor is all a client
@@ -9,10 +10,16 @@ or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-
 405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
 itself gets aiohttp's 400.
 
-What is served. Only the cache the user named: the anchor file, and the residual its header records (or the
-``--residual`` override). Both are read once at start-up and checked before the port opens: every header, index
-and page CRC, and the residual's magic and ``cache_id`` against its anchor, so a header that names
-``/etc/passwd`` or another cache's residual is refused, not served. A recorded location that is absolute, a URL,
+What is served. Only the cache the user named: the anchor file, the residual its header records (or the
+``--residual`` override), and the exact segment (format 1.4) its header records (or the ``--exact-file``
+override), found under the same rules. All are read once at start-up and checked before the port opens: every
+header, index and page CRC, and the residual's and the exact segment's magic and ``cache_id`` (and the exact
+segment's shape and dtype) against its anchor, so a header that names ``/etc/passwd`` or another cache's
+residual is refused, not served. The exact segment is a resource of its own (``GET /<its location>``), sent
+behind the residual; an exact file that the trust rule does not let the server follow (recorded outside the
+anchor's directory and not allowed, or not a regular file there) is left out, and the cache is served without it
+(``exact_skipped`` says why; a client asking for it gets a clear error), while one that is there but damaged or
+another cache's is refused like the residual. A recorded location that is absolute, a URL,
 or leaves the anchor's directory is followed only as the storage layer's trust rule allows (named with
 ``--residual``, or under an ``--allow-location`` prefix); the anchor is then served with its header rewritten
 to record a relative name (the pages are unchanged), since a client cannot follow the server's own paths. The bytes are served from memory,
@@ -68,7 +75,7 @@ def set_dscp(sock, dscp: int) -> int:
 
 @dataclass(frozen=True)
 class Resource:
-    name: str  # "anchor" or "residual"
+    name: str  # "anchor", "residual" or "exact"
     path: str  # URL path, without the leading "/"
     data: bytes
     crc32: int
@@ -78,7 +85,9 @@ class Resource:
 class ServedCache:
     anchor: Resource
     residual: Resource | None  # None for a single-file cache (its residual is inside the anchor file)
-    relocated: bool  # the anchor header was rewritten to record the residual's served path
+    relocated: bool  # the anchor header was rewritten to record a side segment's served path
+    exact: Resource | None = None  # 1.4: an external exact segment (None: none, inline, or not served)
+    exact_skipped: str | None = None  # why an exact file the anchor records is not served (the trust rule)
 
 
 def _safe_relative(location: str) -> bool:
@@ -89,46 +98,68 @@ def _safe_relative(location: str) -> bool:
     return not (norm == "." or norm.startswith("../") or norm == "..") and norm == location
 
 
-def check_crcs(anchor: bytes, residual: bytes | None) -> None:
-    """Every header, index and page CRC of the cache, and the residual's magic and ``cache_id`` against the
+def check_crcs(anchor: bytes, residual: bytes | None, exact: bytes | None = None) -> None:
+    """Every header, index and page CRC of the cache, and the side segments' magic and ``cache_id`` against the
     anchor's (the page reader's checks, without decoding the records: a server only moves bytes)."""
-    from lynxkv.format.reader import PageReader
-    from lynxkv.storage import BytesSource
+    from lynxkv.stream.tier import check_cache_bytes
 
-    reader = PageReader(BytesSource(anchor, "anchor"))
-    if residual is not None:
-        reader.attach_residual(BytesSource(residual, "residual"))
-    kinds = [c.SEGMENT_ANCHOR] + ([c.SEGMENT_RESIDUAL] if residual is not None or reader.residual_inline else [])
-    for kind in kinds:
-        for _ in reader.pages(kind, decode=False):
-            pass
+    check_cache_bytes(anchor, residual, exact)
 
 
-def load_served_cache(cache: str, residual: str | None = None, *, allow=()) -> ServedCache:
+def _served_name(location: str, taken: set[str], default: str) -> tuple[str, bool]:
+    """The URL path a side segment recorded as ``location`` is served at, and whether the anchor must be rewritten
+    to record it: its own relative location when that is safe and free, else ``default`` next to the anchor."""
+    if _safe_relative(location) and location not in taken:
+        return location, False
+    return default, True
+
+
+def load_served_cache(cache: str, residual: str | None = None, *, exact: str | None = None,
+                      allow=()) -> ServedCache:
     """Read and check the cache the user named (see the module docstring); raise a LynxError if it is not
-    whole, or if its residual is not its own. The residual is the one ``residual`` names, or the location the
-    anchor records, followed under the storage layer's trust rule (``allow``: the allow-list)."""
+    whole, or if a side segment is not its own. The residual is the one ``residual`` names, or the location the
+    anchor records, followed under the storage layer's trust rule (``allow``: the allow-list); the exact segment
+    (1.4) likewise, ``exact`` or its recorded location, when the anchor names one."""
     from lynxkv.storage import local_path, read_all, resolve_location
-    from lynxkv.stream.tier import anchor_header_of, relocate_residual
+    from lynxkv.stream.tier import anchor_header_of, relocate_segments
 
     anchor = read_all(cache)
     h = anchor_header_of(anchor)
-    seg = h.segment(c.SEGMENT_RESIDUAL)
     name = posixpath.basename(local_path(cache).rstrip("/")) or "cache.lynx"
-    res_bytes = None
-    relocated = False
-    res_path = None
-    if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
-        res_bytes = read_all(residual or resolve_location(cache, seg.location, allow=allow))
-        if _safe_relative(seg.location) and seg.location != name:
-            res_path = seg.location
-        else:  # served next to the anchor: a client cannot follow the server's own paths
-            res_path = (name + "r") if name.endswith(".lynx") else name + ".lynxr"
-            anchor = relocate_residual(anchor, res_path)
-            relocated = True
+    stem = name[:-len(".lynx")] if name.endswith(".lynx") else name
+    taken = {name}
+    data: dict[int, bytes | None] = {c.SEGMENT_RESIDUAL: None, c.SEGMENT_EXACT: None}
+    paths: dict[int, str] = {}
+    moves: dict[int, str] = {}
+    skipped = None
+    for kind, what, override, suffix in ((c.SEGMENT_RESIDUAL, "residual", residual, c.RESIDUAL_SUFFIX),
+                                         (c.SEGMENT_EXACT, "exact", exact, c.EXACT_SUFFIX)):
+        seg = h.segment(kind)
+        if seg is None or seg.placement != c.PLACEMENT_EXTERNAL:
+            if override is not None and kind == c.SEGMENT_EXACT:
+                raise InputError(f"{cache}: --exact-file: this cache has no exact segment of its own file to serve")
+            continue
+        try:
+            where = override or resolve_location(cache, seg.location, allow=allow, what=what)
+        except InputError as exc:
+            if kind != c.SEGMENT_EXACT:
+                raise
+            skipped = f"{exc} (name it with --exact-file)"  # the exact tier is optional: served without it
+            continue
+        data[kind] = read_all(where)
+        path, rewrite = _served_name(seg.location, taken, stem + suffix)
+        if path in taken:  # the default name is taken too (a hostile header): one more letter
+            path, rewrite = stem + suffix + "-" + what, True
+        paths[kind] = path
+        taken.add(path)
+        if rewrite:  # served next to the anchor: a client cannot follow the server's own paths
+            moves[kind] = path
+    if moves:
+        anchor = relocate_segments(anchor, moves)
     try:
-        check_crcs(anchor, res_bytes)
+        check_crcs(anchor, data[c.SEGMENT_RESIDUAL], data[c.SEGMENT_EXACT])
     except LynxError as exc:
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
-    res = Resource("residual", res_path, res_bytes, crc32(res_bytes)) if res_bytes is not None else None
-    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, relocated)
+    res, ex = ((Resource(what, paths[kind], data[kind], crc32(data[kind])) if data[kind] is not None else None)
+               for kind, what in ((c.SEGMENT_RESIDUAL, "residual"), (c.SEGMENT_EXACT, "exact")))
+    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, bool(moves), ex, skipped)

@@ -1,8 +1,8 @@
 """``lynxkv serve``: one cache over HTTP (aiohttp): :class:`CacheServer`, range requests, connection bounds.
 
 Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
-``<location>`` is the relative location its anchor header records, so the URL of the anchor is all a client
-needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
+``<location>`` is the relative location its anchor header records, and an external exact segment (format 1.4)
+likewise, so the URL of the anchor is all a client needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
 or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-b``, ``a-``, ``-n`` -> 206 with
 ``Content-Range``), so any HTTP client resumes a transfer with a range request. ``GET /`` is a JSON manifest
 (resource paths, sizes, CRC-32s). Anything else is a clean 4xx with a one-line text body: 404 for another path,
@@ -36,7 +36,9 @@ from lynxkv.errors import LynxError
 from lynxkv.serve.connections import Connections, Limits, ServerStats, reset
 from lynxkv.serve.egress import QUANTUM, Egress
 from lynxkv.serve.resources import ServedCache, set_dscp
-from lynxkv.stream.link import ANCHOR, RESIDUAL
+from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL
+
+_CLASS = {"anchor": ANCHOR, "residual": RESIDUAL, "exact": EXACT}  # the egress class of each resource
 
 WRITE_BUFFER = Limits.write_buffer  # per connection: transport high-water mark and kernel send buffer (default)
 
@@ -85,16 +87,19 @@ class CacheServer:
 
     def __init__(self, cache: ServedCache, *, host: str = "127.0.0.1", port: int = 0,
                  bandwidth: float | None = None, dscp_anchor: int | None = None, dscp_residual: int | None = None,
+                 dscp_exact: int | None = None,
                  max_connections: int = Limits.max_connections, idle_timeout: float = Limits.idle_timeout,
                  header_timeout: float = Limits.header_timeout, write_buffer: int = Limits.write_buffer,
                  max_buffered: int = Limits.max_buffered, quantum: int = QUANTUM,
                  log: Callable[[str], None] | None = None):
         self.cache = cache
         self.resources = {"/" + urllib.parse.quote(cache.anchor.path): cache.anchor}
-        if cache.residual is not None:
-            self.resources["/" + urllib.parse.quote(cache.residual.path)] = cache.residual
+        for side in (cache.residual, cache.exact):
+            if side is not None:
+                self.resources["/" + urllib.parse.quote(side.path)] = side
         self.bandwidth = bandwidth
-        self.dscp = {"anchor": dscp_anchor, "residual": dscp_residual}
+        self.dscp = {"anchor": dscp_anchor, "residual": dscp_residual,
+                     "exact": dscp_residual if dscp_exact is None else dscp_exact}
         self.limits = Limits(max_connections=max_connections, header_timeout=header_timeout,
                              idle_timeout=idle_timeout, write_buffer=write_buffer, max_buffered=max_buffered)
         self.max_connections, self.idle_timeout = max_connections, idle_timeout
@@ -123,12 +128,12 @@ class CacheServer:
         return self.base_url + "/" + urllib.parse.quote(self.cache.anchor.path)
 
     def describe(self) -> dict:
-        res = self.cache.residual
-        return {"url": self.url, "host": self.host, "port": self.port,
-                "anchor": {"path": self.cache.anchor.path, "size": len(self.cache.anchor.data),
-                           "crc32": self.cache.anchor.crc32},
-                "residual": None if res is None else {"path": res.path, "size": len(res.data), "crc32": res.crc32},
-                "relocated": self.cache.relocated}
+        def row(r):
+            return None if r is None else {"path": r.path, "size": len(r.data), "crc32": r.crc32}
+
+        cache = self.cache
+        return {"url": self.url, "host": self.host, "port": self.port, "anchor": row(cache.anchor),
+                "residual": row(cache.residual), "exact": row(cache.exact), "relocated": cache.relocated}
 
     @property
     def connections(self) -> int:
@@ -139,10 +144,8 @@ class CacheServer:
         return {**self.stats.counters(), "connections": len(self._conns), "buffered": self._conns.buffered}
 
     def sent_once(self) -> bool:
-        """Every byte of the anchor and of the residual has gone out at least once."""
-        c = self.cache
-        return self.stats.covered("anchor", len(c.anchor.data)) and (
-            c.residual is None or self.stats.covered("residual", len(c.residual.data)))
+        """Every byte of every resource (anchor, residual, exact segment) has gone out at least once."""
+        return all(self.stats.covered(r.name, len(r.data)) for r in self.resources.values())
 
     # -- lifecycle
     def start(self) -> "CacheServer":
@@ -275,7 +278,7 @@ class CacheServer:
             return resp
         t0 = time.perf_counter()
         await resp.prepare(request)
-        cls = ANCHOR if res.name == "anchor" else RESIDUAL
+        cls = _CLASS[res.name]
         view = memoryview(res.data)
         try:
             for a in range(start, end, self.quantum):

@@ -13,7 +13,7 @@ import bisect
 import threading
 import time
 
-from lynxkv.stream.link import ANCHOR
+from lynxkv.stream.link import RESIDUAL
 from lynxkv.stream.transport import Transfer
 
 
@@ -41,7 +41,7 @@ class ArrivalTransfer(Transfer):
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
         super().received(stream, name, offset, data)
-        if stream != ANCHOR:
+        if stream == RESIDUAL:
             with self._lock:
                 self.residual_blocks.append((self.now(), offset + len(data), self.timeline.residual_bytes))
 

@@ -6,7 +6,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-EVENT_KINDS = ("anchor_page", "anchor_ready", "residual_page", "residual_ready", "residual_failed", "error")
+EVENT_KINDS = ("anchor_page", "anchor_ready", "residual_page", "residual_ready", "residual_failed", "exact_ready",
+               "exact_failed", "error")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class LoadEvent:
     layer: int | None = None
     page: int | None = None
     bytes: int = 0  # stored bytes of this page (page events)
-    message: str | None = None  # residual_failed / error
+    message: str | None = None  # residual_failed / exact_failed / error
 
 
 class EventLog:

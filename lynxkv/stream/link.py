@@ -1,7 +1,7 @@
-"""An emulated network link: one token bucket shared by the anchor and residual streams, strict priority.
+"""An emulated network link: one token bucket shared by the anchor, residual and exact streams, strict priority.
 
 Model. The link serialises bytes at ``bandwidth`` bytes/s and delivers each byte ``latency`` seconds after it was
-serialised (a pipe: latency adds once per stream, not once per block). Both streams draw from ONE token bucket:
+serialised (a pipe: latency adds once per stream, not once per block). The streams draw from ONE token bucket:
 
     tokens(t) = min(burst, tokens(t0) + bandwidth * (t - t0))      # refill, capped at `burst` bytes
     send(n):  tokens -= n;  sleep until tokens >= 0                  # debt model: exact long-run rate
@@ -9,7 +9,7 @@ serialised (a pipe: latency adds once per stream, not once per block). Both stre
 The cap ``burst`` absorbs scheduler hiccups (a thread woken late does not lose link time) without letting a
 stream exceed the rate for long. Strict priority: a residual block is granted only while no anchor block is
 waiting, so the residual gets exactly what the anchor leaves (the paper's rule; a stalled anchor source leaves
-the link to the residual). Blocks are granted whole, so a grant delays the anchor by at most one residual block:
+the link to the residual), and an exact block (format 1.4) only while neither is waiting. Blocks are granted whole, so a grant delays the anchor by at most one residual block:
 callers send in quanta of ``quantum`` bytes.
 
 Per stream the link records bytes and the first-grant / last-delivery times, from which the measured rates are
@@ -23,7 +23,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-ANCHOR, RESIDUAL = 0, 1
+ANCHOR, RESIDUAL, EXACT = 0, 1, 2
+STREAMS = ("anchor", "residual", "exact")  # by priority, highest first
 
 
 @dataclass
@@ -73,10 +74,10 @@ class EmulatedLink:
         self.burst = burst if burst is not None else int((bandwidth or 0) * 0.005)
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
-        self._waiting = [0, 0]  # blocks waiting for a grant, per stream
+        self._waiting = [0] * len(STREAMS)  # blocks waiting for a grant, per stream
         self._bucket = TokenBucket(bandwidth, self.burst) if bandwidth else None
         self._idle = True
-        self.stats = (StreamStats(), StreamStats())
+        self.stats = tuple(StreamStats() for _ in STREAMS)
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -142,15 +143,12 @@ class EmulatedLink:
 
     def report(self) -> dict:
         """Measured per-stream and total figures (bytes, seconds since the link was made, bytes/s)."""
-        a, r = self.stats
         firsts = [s.first_s for s in self.stats if s.first_s is not None]
         lasts = [s.last_s for s in self.stats if s.last_s is not None]
-        total = a.bytes + r.bytes
+        total = sum(s.bytes for s in self.stats)
         span = (max(lasts) - min(firsts)) if firsts and lasts else None
-        return {
-            "bandwidth": self.bandwidth,
-            "latency_s": self.latency,
-            "anchor": {"bytes": a.bytes, "first_s": a.first_s, "last_s": a.last_s, "rate": a.rate},
-            "residual": {"bytes": r.bytes, "first_s": r.first_s, "last_s": r.last_s, "rate": r.rate},
-            "total": {"bytes": total, "span_s": span, "rate": (total / span) if span else None},
-        }
+        out = {"bandwidth": self.bandwidth, "latency_s": self.latency}
+        for name, s in zip(STREAMS, self.stats):
+            out[name] = {"bytes": s.bytes, "first_s": s.first_s, "last_s": s.last_s, "rate": s.rate}
+        out["total"] = {"bytes": total, "span_s": span, "rate": (total / span) if span else None}
+        return out

@@ -9,8 +9,12 @@ anchor pages first, emits ``anchor_page`` -> ``anchor_ready`` -> ``residual_page
 arrive, the full code once the whole residual is in, at the lowest CPU priority, so that a model drafting on the
 anchor keeps every core. Buffers are bounded (16 MiB per segment beyond what its parser used, ``inflight x
 block_size`` in flight, ``max_pending_pages`` residual pages). A final residual failure fails the whole load
-unless ``allow_anchor_only`` (then the anchor stays usable, flagged lossy). docs/tiers.md, "Inside the
-progressive reader", says why each choice was made and what the timeline records.
+unless ``allow_anchor_only`` (then the anchor stays usable, flagged lossy). Asked for it (``exact``), an *exact*
+worker reads the exact segment (format 1.4) behind the residual, page by page, and once the full code is in
+applies it to a copy of the full code: ``load.exact`` completes with the original tensors bit for bit, or fails
+with one clear error (a wrong or corrupt exact segment) before any of them is handed out; the anchor and the full
+code stay usable. docs/tiers.md, "Inside the progressive reader", says why each choice was made and what the
+timeline records.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.reader import PageReader
 from lynxkv.quant.dispatch import concurrent_tensors
-from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.kv import TORCH_DTYPES, KVPairs
 from lynxkv.cache.loading import LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.assembly import KVAssembly
 from lynxkv.stream.events import EventLog, LoadEvent
+from lynxkv.stream.exact_load import exact_stage
 from lynxkv.stream.arrivals import ArrivalTransfer, layer_arrivals
 from lynxkv.stream.transport import Fetch, open_transport
 from lynxkv.stream.units import parse_bandwidth, parse_duration
@@ -59,14 +64,20 @@ class ProgressiveLoad:
     def __init__(self, source: str, *, residual: str | None = None, link: EmulatedLink | None = None,
                  on_event: Callable[[LoadEvent], None] | None = None, allow_anchor_only: bool = False,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
-                 retry: RetryPolicy | None = None, dtype: torch.dtype = torch.float32,
+                 retry: RetryPolicy | None = None, dtype: torch.dtype | None = None,
                  fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
-                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None, allow_locations=()):
+                 decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
+                 exact: bool | None = False, exact_file: str | None = None):
         self.source = source
         self.link = link
         self.allow_anchor_only = allow_anchor_only
-        self.dtype = dtype
+        self.dtype = dtype  # None: fp32, or with the exact stage the cache's own dtype (known from the header)
         self.decode = decode
+        self.exact_mode = True if exact_file is not None else exact  # None: when the cache has an exact segment
+        self._exact_file = exact_file
+        self._exact_future: Future = Future()
+        self._parts_left = 2 if self.exact_mode is not False else 1  # the consumer and the exact worker end the load
+        self._parts_lock = threading.Lock()
 
         self.header = None
         self.prompt_token_ids: list[int] | None = None
@@ -104,6 +115,11 @@ class ProgressiveLoad:
                              name="lynxkv-residual"),
             threading.Thread(target=self._consumer, daemon=True, name="lynxkv-consumer"),
         ]
+        if self.exact_mode is not False:
+            self._threads.append(threading.Thread(target=self._exact_worker, daemon=True, name="lynxkv-exact"))
+        else:
+            self._exact_future.set_exception(InputError("this load was not asked for the exact segment "
+                                                        "(open_progressive(..., exact=True))"))
         _LIVE.add(self)
         for t in self._threads:
             t.start()
@@ -121,6 +137,18 @@ class ProgressiveLoad:
     @property
     def residual(self) -> Future:
         return self._future
+
+    @property
+    def exact(self) -> Future:
+        """Completes once the exact segment (1.4) has arrived and checked out: with the original tensors bit for
+        bit (in the cache's dtype; ``None`` with ``decode=False``, or when ``exact=None`` and the cache has no
+        exact segment), or with the error that refused it."""
+        return self._exact_future
+
+    @property
+    def exact_url(self) -> str | None:
+        """Where the exact segment is being read from (once known)."""
+        return getattr(self._transport, "exact_url", None)
 
     @property
     def sizes(self) -> tuple[int | None, int | None]:
@@ -183,7 +211,8 @@ class ProgressiveLoad:
         return self._timeline
 
     def events(self, timeout: float | None = None) -> Iterator[LoadEvent]:
-        """Every event from the start, as it happens; ends after ``residual_ready`` / ``residual_failed``.
+        """Every event from the start, as it happens; ends after ``residual_ready`` / ``residual_failed`` (and, with
+        the exact stage, after ``exact_ready`` / ``exact_failed``).
         Raises the load's error at the end when the load failed (and anchor-only was not allowed)."""
         yield from self._log.follow(timeout)
         err = self._anchor_error or self._fatal
@@ -286,8 +315,23 @@ class ProgressiveLoad:
         finally:
             if self._kv is not None:
                 self._kv.release()
+            self._part_ended()
+
+    def _part_ended(self) -> None:
+        """The consumer or the exact worker is done; the last one closes the transport and ends the events."""
+        with self._parts_lock:
+            self._parts_left -= 1
+            last = self._parts_left == 0
+        if last:
             self._transport.close()
             self._log.finish()
+
+    # ------------------------------------------------------------------------------------------ exact (1.4)
+    def _exact_worker(self) -> None:
+        try:
+            exact_stage(self, self._exact_future, self._timeline, self._emit, self._now)
+        finally:
+            self._part_ended()
 
     def _consume(self) -> None:
         # No torch.set_num_threads here: it is process-wide (it would also slow down the model decoding beside
@@ -322,7 +366,8 @@ class ProgressiveLoad:
                     h = item[1]
                     batch_pages = KVAssembly.batch_pages(h)  # an anchor batch is one worker's unit
                     if self.decode:
-                        self._kv = KVAssembly(h, self.dtype)
+                        dtype = self.dtype or (TORCH_DTYPES[h.dtype] if self.exact_mode else torch.float32)
+                        self._kv = KVAssembly(h, dtype)
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
                     # Held, not dequantized yet: a model drafting on the anchor uses every core, and any work
@@ -455,10 +500,10 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      latency: str | float | None = None, on_event: Callable[[LoadEvent], None] | None = None,
                      allow_anchor_only: bool = False, storage_options: dict | None = None, inflight: int = 4,
                      block_size: int = 1 << 20, retry: RetryPolicy | None = None,
-                     dtype: torch.dtype = torch.float32, link: EmulatedLink | None = None,
+                     dtype: torch.dtype | None = None, link: EmulatedLink | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
-                     tee: Callable[[str, int, bytes], None] | None = None,
-                     allow_locations=()) -> ProgressiveLoad:
+                     tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
+                     exact: bool | None = False, exact_file: str | None = None) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.cache.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
@@ -471,7 +516,13 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     injection). ``decode=False`` moves and verifies the bytes only (``wait_anchor`` and ``residual`` then give
     ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
     order (to save a copy; commit it only once the load has verified every page). The KV is exactly what
-    ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page)."""
+    ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page), in ``dtype`` (default
+    fp32; with ``exact``, the cache's own dtype).
+
+    ``exact`` (format 1.4) adds a third stage: the exact segment, read behind every residual byte (from
+    ``exact_file`` when given, else inline or at its recorded location under the same trust rule as the
+    residual's), page by page; ``load.exact`` then completes with the original tensors bit for bit (see
+    :attr:`ProgressiveLoad.exact`). ``exact=None`` reads it only where the cache has one."""
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if residual is not None and isinstance(residual, os.PathLike):
@@ -484,4 +535,5 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
-                           fetch_hook=fetch_hook, decode=decode, tee=tee, allow_locations=allow_locations)
+                           fetch_hook=fetch_hook, decode=decode, tee=tee, allow_locations=allow_locations,
+                           exact=exact, exact_file=exact_file)

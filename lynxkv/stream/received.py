@@ -2,12 +2,13 @@
 
 A :class:`ReceivedCopy` is given to :func:`~lynxkv.stream.progressive.open_progressive` as its ``tee``: it keeps
 every block the load receives, and writes the files only once the load has verified every page (:meth:`commit`):
-the residual first, then the anchor, each atomically, so an anchor never points at a missing residual; then it
-reads both back and checks every page of every segment. A residual written for an anchor that then fails to
-be written (a full disk) is removed again.
+the residual first, then the exact segment (format 1.4, when the load read it), then the anchor, each atomically,
+so an anchor never points at a missing side file; then it reads them back and checks every page of every segment.
+A side file written for an anchor that then fails to be written (a full disk) is removed again.
 
-Where it writes: ``dest``, and the residual at ``residual_dest`` or else at the relative location the anchor
-records, which must stay inside ``dest``'s directory (:func:`lynxkv.storage.write_target`). An existing file is
+Where it writes: ``dest``, the residual at ``residual_dest`` and the exact segment at ``exact_dest``, or else each
+at the relative location the anchor records, which must stay inside ``dest``'s directory
+(:func:`lynxkv.storage.write_target`); the copy's anchor records where its side files went. An existing file is
 replaced only with ``force``.
 """
 
@@ -16,26 +17,30 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from lynxkv.cache import residual_file_of
+from lynxkv.cache import exact_file_of, residual_file_of
 from lynxkv.cache.replace import fresh_residual_name, names_residual, settle_dead_writers
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.storage import (AtomicWriter, exists, read_all, record_location, remove, same_object, write_target,
                             writer_lock)
-from lynxkv.stream.tier import check_cache_bytes, relocate_residual
+from lynxkv.stream.tier import check_cache_bytes, relocate_segments
+
+_SIDES = ((c.SEGMENT_RESIDUAL, "residual", c.RESIDUAL_SUFFIX), (c.SEGMENT_EXACT, "exact", c.EXACT_SUFFIX))
 
 
 class ReceivedCopy:
-    """Blocks of a load kept for writing to ``dest`` (the anchor) and ``residual_dest`` (default: the location
-    the anchor records, next to ``dest``)."""
+    """Blocks of a load kept for writing to ``dest`` (the anchor), ``residual_dest`` and ``exact_dest`` (default:
+    the locations the anchor records, next to ``dest``)."""
 
-    def __init__(self, dest: str, residual_dest: str | None = None, *, force: bool = False):
-        self.dest, self.residual_dest = dest, residual_dest
+    def __init__(self, dest: str, residual_dest: str | None = None, *, force: bool = False,
+                 exact_dest: str | None = None):
+        self.dest, self.residual_dest, self.exact_dest = dest, residual_dest, exact_dest
         self.force = force
         self.refuse_existing(dest)
-        if residual_dest is not None:
-            self.refuse_existing(residual_dest)
-        self._blocks: dict[str, list[tuple[int, bytes]]] = {"anchor": [], "residual": []}
+        for side in (residual_dest, exact_dest):
+            if side is not None:
+                self.refuse_existing(side)
+        self._blocks: dict[str, list[tuple[int, bytes]]] = {"anchor": [], "residual": [], "exact": []}
         self._lock = threading.Lock()
 
     def tee(self, segment: str, offset: int, data: bytes) -> None:
@@ -74,54 +79,70 @@ class ReceivedCopy:
             return self._commit(lock, load, anchor_only=anchor_only)
 
     def _commit(self, lock, load, *, anchor_only: bool) -> dict:
-        seg = load.header.segment(c.SEGMENT_RESIDUAL)
-        if seg is not None and seg.placement == c.PLACEMENT_INLINE:
-            if anchor_only:
-                raise LynxError("the residual of this single-file cache failed; nothing was written")
-            data = self._joined("anchor", "residual")
-            check_cache_bytes(data)
-            old = residual_file_of(self.dest) if self.force else None  # a replaced two-file copy's residual
-            if old is not None:
-                lock.note("old", old)
-            with AtomicWriter(self.dest, make_dirs=True) as w:
-                w.write(data)
-            check_cache_bytes(read_all(self.dest))
-            if old is not None:
-                remove(old)
-            return {"anchor": self.dest}
-        written = {}
-        anchor = self._joined("anchor")
-        residual = None if anchor_only else self._joined("residual")
-        check_cache_bytes(anchor, residual)
-        old = residual_file_of(self.dest) if self.force else None  # the replaced copy's residual, removed last
-        created = False
-        if residual is not None:
-            rdest = self.residual_dest or write_target(self.dest, seg.location)
-            self.refuse_existing(rdest)
-            if exists(rdest):
-                # Replacing (--force): the new residual under a fresh name and the anchor pointing at it, so a
-                # reader of dest sees the old copy or the new one, never a mix; the old residual goes last.
-                old = old or rdest
-                rdest = fresh_residual_name(rdest, load.header.cache_id)
-                anchor = relocate_residual(anchor, record_location(self.dest, rdest))
-            created = not exists(rdest)
-            lock.note("new" if created else "tmp", rdest)  # every note before the first file
-        if old is not None and not same_object(old, rdest if residual is not None else self.dest):
-            lock.note("old", old)
-        if residual is not None:
-            with AtomicWriter(rdest, make_dirs=True) as w:
-                w.write(residual)
-            written["residual"] = rdest
+        h = load.header
+        exact_in = h.segment(c.SEGMENT_EXACT) is not None and load.exact.done() and load.exact.exception() is None
+        inline, external = ["anchor"], {}
+        for kind, name, _ in _SIDES:
+            seg = h.segment(kind)
+            got = exact_in if kind == c.SEGMENT_EXACT else not anchor_only
+            if seg is not None and seg.placement == c.PLACEMENT_INLINE:
+                if not got:
+                    raise LynxError(f"the {name} segment of this single-file cache was not received; nothing was "
+                                    "written")
+                inline.append(name)
+            elif seg is not None and got:
+                external[kind] = self._joined(name)
+        anchor = self._joined(*inline)
+        check_cache_bytes(anchor, external.get(c.SEGMENT_RESIDUAL), external.get(c.SEGMENT_EXACT))
+        # the replaced copy's side files, removed last
+        old_of = {c.SEGMENT_RESIDUAL: residual_file_of(self.dest) if self.force else None,
+                  c.SEGMENT_EXACT: exact_file_of(self.dest) if self.force else None}
+        targets, moves = {}, {}
+        for kind, name, suffix in _SIDES:
+            if kind not in external:
+                continue
+            seg = h.segment(kind)
+            target = (self.residual_dest if kind == c.SEGMENT_RESIDUAL else self.exact_dest) \
+                or write_target(self.dest, seg.location, what=name)
+            self.refuse_existing(target)
+            if exists(target):
+                # Replacing (--force): the new side file under a fresh name and the anchor pointing at it, so a
+                # reader of dest sees the old copy or the new one, never a mix; the old file goes last.
+                old_of[kind] = old_of[kind] or target
+                target = fresh_residual_name(target, h.cache_id, suffix)
+            location = record_location(self.dest, target)
+            if location != seg.location:
+                moves[kind] = location
+            targets[kind] = target
+        if moves:
+            anchor = relocate_segments(anchor, moves)
+        created = {kind: not exists(t) for kind, t in targets.items()}
+        for kind, t in targets.items():  # every note before the first file
+            lock.note("new" if created[kind] else "tmp", t)
+        keep = [self.dest, *targets.values()]
+        old = [f for f in old_of.values() if f is not None and not any(same_object(f, k) for k in keep)]
+        for f in old:
+            lock.note("old", f)
+        written, published = {}, []
         try:
+            for kind, name, _ in _SIDES:  # the side files first: an anchor never names a missing one
+                if kind in targets:
+                    with AtomicWriter(targets[kind], make_dirs=True) as w:
+                        w.write(external.pop(kind))
+                    written[name] = targets[kind]
+                    if created[kind]:
+                        published.append(targets[kind])
             with AtomicWriter(self.dest, make_dirs=True) as w:
                 w.write(anchor)
         except BaseException:
-            if created and names_residual(self.dest, written["residual"]) is False:  # a full disk: no anchor
-                with contextlib.suppress(Exception):                              # names it, not left behind
-                    remove(written["residual"])
+            for f in published:  # a full disk: what no anchor names is not left behind
+                if names_residual(self.dest, f) is False:
+                    with contextlib.suppress(Exception):
+                        remove(f)
             raise
         written["anchor"] = self.dest
-        check_cache_bytes(read_all(self.dest), None if residual is None else read_all(written["residual"]))
-        if old is not None and not same_object(old, written.get("residual", self.dest)):
-            remove(old)
+        back = {kind: read_all(t) for kind, t in targets.items()}
+        check_cache_bytes(read_all(self.dest), back.get(c.SEGMENT_RESIDUAL), back.get(c.SEGMENT_EXACT))
+        for f in old:
+            remove(f)
         return written

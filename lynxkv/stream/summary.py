@@ -37,10 +37,15 @@ def transfer_report(load, *, source: str) -> dict:
         "anchor_only": tl.residual_failed is not None,
         "retries": list(tl.extra.get("retries", [])),
     }
+    if "exact_total_bytes" in tl.extra:  # the exact stage (format 1.4) was read
+        out.update(exact_source=getattr(load, "exact_url", None), exact_ready_s=tl.extra.get("exact_ready_s"),
+                   exact_bytes=tl.extra.get("exact_bytes", 0), exact_failed=tl.extra.get("exact_failed"))
     if link is not None:
         out["link"] = {"bandwidth_bytes_per_s": link["bandwidth"], "latency_s": link["latency_s"]}
         out["anchor_rate"] = link["anchor"]["rate"]
         out["residual_rate"] = link["residual"]["rate"]
+        if "exact_bytes" in out:
+            out["exact_rate"] = link["exact"]["rate"]
         total_rate = link["total"]["rate"]
         latency = link["latency_s"]
     else:
@@ -48,7 +53,11 @@ def transfer_report(load, *, source: str) -> dict:
         out["anchor_rate"] = _rate(tl.anchor_bytes, ex.get("anchor_first_s"), ex.get("anchor_arrived_s"))
         out["residual_rate"] = _rate(tl.residual_bytes, ex.get("residual_first_s"), ex.get("residual_arrived_s"))
         end = ex.get("residual_arrived_s") or ex.get("anchor_arrived_s")
-        total_rate = _rate(tl.anchor_bytes + tl.residual_bytes, ex.get("anchor_first_s"), end)
+        moved = tl.anchor_bytes + tl.residual_bytes
+        if "exact_bytes" in out:
+            out["exact_rate"] = _rate(out["exact_bytes"], ex.get("exact_first_s"), ex.get("exact_ready_s"))
+            end, moved = ex.get("exact_ready_s") or end, moved + out["exact_bytes"]
+        total_rate = _rate(moved, ex.get("anchor_first_s"), end)
         latency = 0.0
     out["total_rate"] = total_rate
     if h is not None:

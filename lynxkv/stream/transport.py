@@ -9,11 +9,14 @@ server)::
         anchor_size: int | None       # bytes of the anchor to transfer, once known
         def open_anchor(self) -> StreamBuffer             # the anchor file's bytes, from offset 0
         def open_residual(self, header) -> StreamBuffer   # the residual section's bytes (see below)
+        def open_exact(self, header) -> StreamBuffer      # optional (format 1.4): the exact section's bytes
         def abandon_residual(self, exc) -> None           # stop moving residual bytes (the load gave up on them)
         def close(self) -> None                           # stop everything, fail waiting readers
 
 ``open_residual`` returns a buffer whose offsets are those of the object holding the residual: from 0 for an
-external residual file, from the section's offset inside the anchor file for an inline one (``buffer.base``).
+external residual file, from the section's offset inside the anchor file for an inline one (``buffer.base``);
+``open_exact`` the same for the exact segment, whose bytes go behind the residual's. A transport without
+``open_exact`` does not carry the exact segment (a load that asks for it fails with one clear error).
 Both calls return at once; a pump thread feeds the buffer. A transport reports what it moved through
 :class:`Transfer` (bytes per stream, first-byte times, a ``tee`` of every block, retries) and charges the shared
 :class:`~lynxkv.stream.link.EmulatedLink` if there is one; the easiest way to do both is to turn the wire into
@@ -52,7 +55,7 @@ from lynxkv.storage import (
     size_of,
 )
 from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
-from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
+from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL, STREAMS, EmulatedLink
 
 Fetch = Callable[[int, int], bytes]
 
@@ -165,6 +168,7 @@ class Transfer:
         self.link = link
         self.tee = tee
         self.anchor_fetched = threading.Event()  # every anchor byte is in (set by the anchor's pump)
+        self.residual_fetched = threading.Event()  # every residual byte is in, or the residual stream ended
         self.residual_started_at: float | None = None  # perf_counter of the first residual byte
         self.closed = threading.Event()
         self._buffers: list[StreamBuffer | InPlaceBuffer] = []
@@ -204,10 +208,12 @@ class Transfer:
             self.tee(name, offset, data)
         if stream == ANCHOR:
             self.timeline.anchor_bytes += len(data)
-        else:
+        elif stream == RESIDUAL:
             if self.residual_started_at is None:
                 self.residual_started_at = time.perf_counter()
             self.timeline.residual_bytes += len(data)
+        else:  # the exact segment (1.4)
+            self.timeline.extra["exact_bytes"] = self.timeline.extra.get("exact_bytes", 0) + len(data)
 
     def pump(self, blocks: Iterable[tuple[int, bytes]], buf: StreamBuffer, stream: int, name: str, *,
              charge_link: bool) -> threading.Thread:
@@ -235,6 +241,8 @@ class Transfer:
             finally:
                 if stream == ANCHOR:
                     self.anchor_fetched.set()
+                elif stream == RESIDUAL:
+                    self.residual_fetched.set()
 
         t = threading.Thread(target=run, daemon=True, name=f"lynxkv-pump-{buf.name}")
         t.start()
@@ -295,6 +303,7 @@ class StorageTransport:
         self.retry = retry or RetryPolicy()
         self.fetch_hook = fetch_hook
         self.residual_url: str | None = None
+        self.exact_url: str | None = None
         self.anchor_size: int | None = None
         self._size = 0
         self._residual_buf: StreamBuffer | InPlaceBuffer | None = None
@@ -314,7 +323,7 @@ class StorageTransport:
         src = RangeStream(url, start, end, stream=stream, segment=name, link=t.link if link else None, fetch=fetch,
                           block_size=self.block_size, inflight=self.inflight, retry=self.retry,
                           storage_options=self.storage_options, on_retry=t.on_retry,
-                          after=t.anchor_fetched if stream == RESIDUAL else None)
+                          after={ANCHOR: None, RESIDUAL: t.anchor_fetched, EXACT: t.residual_fetched}[stream])
         t.add_closer(src.close)
         return src
 
@@ -357,6 +366,7 @@ class StorageTransport:
         t = self.transfer
         if seg.placement == c.PLACEMENT_INLINE and self._anchor_src is not None:
             self.residual_url = self.url
+            t.residual_fetched.set()  # in hand: nothing for the exact segment to yield to
             buf = self._residual_buf = t.in_place(self._anchor_src, "residual", RESIDUAL, base=seg.offset)
             return buf
         if seg.placement == c.PLACEMENT_INLINE:
@@ -367,22 +377,48 @@ class StorageTransport:
         else:
             url = self.residual_override or resolve_location(self.url, seg.location, allow=self.allow_locations)
             self.residual_url = url
-            if self._in_place(url):  # the page reader checks its length against the header
-                src = FileSource(local_path(url))
-                t.add_closer(src.close)
-                buf = self._residual_buf = t.in_place(src, "residual", RESIDUAL)
-                return buf
-            size = size_of(url, self.storage_options)
-            buf = t.buffer(size, "residual")
-            if size == seg.length:
-                t.pump(self._blocks(url, 0, size, RESIDUAL, "residual"), buf, RESIDUAL, "residual",
-                       charge_link=False)
-            else:
-                buf.finish()  # the page reader reports the length mismatch (truncated / trailing)
+            buf = self._side_buffer(url, seg, RESIDUAL)
         self._residual_buf = buf
         return buf
 
+    def _side_buffer(self, url: str, seg, stream: int) -> StreamBuffer | InPlaceBuffer:
+        """The buffer of a side segment in a file of its own at ``url`` (read in place, or pumped)."""
+        t, name = self.transfer, STREAMS[stream]
+        if self._in_place(url):  # the page reader checks its length against the header
+            src = FileSource(local_path(url))
+            t.add_closer(src.close)
+            if stream == RESIDUAL:
+                t.residual_fetched.set()
+            return t.in_place(src, name, stream)
+        size = size_of(url, self.storage_options)
+        buf = t.buffer(size, name)
+        if size == seg.length:
+            t.pump(self._blocks(url, 0, size, stream, name), buf, stream, name, charge_link=False)
+        else:
+            if stream == RESIDUAL:
+                t.residual_fetched.set()
+            buf.finish()  # the page reader reports the length mismatch (truncated / trailing)
+        return buf
+
+    def open_exact(self, header: AnchorHeader, override: str | None = None) -> StreamBuffer | InPlaceBuffer:
+        """The exact segment's bytes (1.4), behind every residual byte: inline in the anchor file, or at
+        ``override``, or at the location the header records under the trust rule (``allow_locations``)."""
+        seg = header.segment(c.SEGMENT_EXACT)
+        t = self.transfer
+        if seg.placement == c.PLACEMENT_INLINE:
+            self.exact_url = self.url
+            if self._anchor_src is not None:
+                return t.in_place(self._anchor_src, "exact", EXACT, base=seg.offset)
+            buf = t.buffer(self._size, "exact", base=seg.offset)
+            t.pump(self._blocks(self.url, seg.offset, seg.offset + seg.length, EXACT, "exact"), buf, EXACT, "exact",
+                   charge_link=False)
+            return buf
+        url = override or resolve_location(self.url, seg.location, allow=self.allow_locations, what="exact segment")
+        self.exact_url = url
+        return self._side_buffer(url, seg, EXACT)
+
     def abandon_residual(self, exc: BaseException) -> None:
+        self.transfer.residual_fetched.set()  # the exact segment need not wait for it any longer
         if self._residual_buf is not None:
             self._residual_buf.fail(ResidualUnavailable("residual abandoned"))
 

@@ -10,15 +10,18 @@ Loaded by ``lmcache server`` as a plugin tier, with the ``lynx`` serde in front 
                    "serde": {"type": "lynx", "kv_heads": 8}}'
 
 Objects. A chunk with key (model, kv_rank, object group, chunk hash, cache salt) is stored as
-``<anchor_path>/<name>.lynx`` and ``<residual_path>/<name>.lynxr`` where ``<name>`` is
+``<anchor_path>/<name>.lynx`` and ``<residual_path>/<name>.lynxr`` (and, when the serde writes exact segments,
+format 1.4, ``<exact_path>/<name>.lynxe``, ``exact_path`` defaulting to ``residual_path``) where ``<name>`` is
 ``<model with / as %2F>@<kv_rank>@<group>@<hash hex>[@<salt>]``: the model name is part of the key, and each
 file is a valid lynx segment (``lynxkv inspect``/``verify`` read them; the anchor records where its residual
-is, relative to it). The residual is written first, the anchor last, each atomically: a chunk is present exactly
-when its anchor is, and an anchor never points at a missing residual.
+is, relative to it). The residual is written first, then the exact segment, the anchor last, each atomically: a
+chunk is present exactly when its anchor is, and an anchor never points at a missing residual or exact file.
 
-Reads. A lookup is a hit when both objects exist. A load reads both and checks every header, index and page
-CRC and that the residual belongs to the anchor (``cache_id``) before it reports the chunk as loaded; anything
-wrong (missing, truncated, corrupted, another cache's residual) is a miss for that chunk only, logged with the
+Reads. A lookup is a hit when the anchor and the residual exist (and the exact file, with ``"exact": true`` in
+the adapter's parameters). A load reads them, and the exact file when the anchor records one, and checks every
+header, index and page CRC, that each side segment belongs to the anchor (``cache_id``) and that the exact
+segment rebuilds every page's original bytes, before it reports the chunk as loaded; anything wrong (missing,
+truncated, corrupted, another cache's residual or exact segment) is a miss for that chunk only, logged with the
 reason, and never reaches the KV buffer. Anchor objects stand alone: ``lynxkv decode --anchor-only`` and the
 progressive reader use them without the residual.
 """
@@ -40,8 +43,10 @@ from lmcache.v1.platform import create_event_notifier
 import lynxkv.integrations.lmcache.serde  # noqa: F401  (registers the "lynx" serde before LMCache builds it)
 from lynxkv.cache import verify_file
 from lynxkv.errors import InputError, LynxError
-from lynxkv.integrations.lmcache.chunk import anchor_length, split_chunk
-from lynxkv.storage import filesystem, read_all, size_of, write_atomic
+from lynxkv.format import constants as c
+from lynxkv.format.reader import read_anchor_header
+from lynxkv.integrations.lmcache.chunk import anchor_length, split_segments
+from lynxkv.storage import BytesSource, filesystem, read_all, size_of, write_atomic
 from lynxkv.integrations.lmcache.source import object_name, object_paths
 
 log = init_logger(__name__)  # LMCache's log, so that `lmcache server` shows what the lynx tier did
@@ -57,7 +62,9 @@ class LynxL2Adapter(L2AdapterInterface):
         except (KeyError, TypeError):
             raise InputError("lynx tier: adapter_params needs anchor_path (and optionally residual_path)") from None
         self.residual_path = str(params.get("residual_path") or self.anchor_path)
-        for p in {self.anchor_path, self.residual_path}:
+        self.exact_path = str(params.get("exact_path") or self.residual_path)
+        self.require_exact = bool(params.get("exact", False))  # a lookup also wants the exact file
+        for p in {self.anchor_path, self.residual_path, self.exact_path}:
             if "://" not in p:
                 os.makedirs(p, exist_ok=True)
         self._store_efd, self._lookup_efd, self._load_efd = (create_event_notifier() for _ in range(3))
@@ -73,8 +80,13 @@ class LynxL2Adapter(L2AdapterInterface):
     def paths(self, key: ObjectKey) -> tuple[str, str]:
         return object_paths(key, self.anchor_path, self.residual_path)
 
+    def exact_file(self, key: ObjectKey) -> str:
+        """Where the chunk's exact segment (1.4) goes: ``<exact_path>/<name>.lynxe``."""
+        return posixpath.join(self.exact_path, object_name(key) + c.EXACT_SUFFIX) if "://" in self.exact_path \
+            else os.path.join(self.exact_path, object_name(key) + c.EXACT_SUFFIX)
+
     def _residual_location(self, anchor: str, residual: str) -> str:
-        """What the anchor records: the residual's path relative to the anchor's directory (or its URL)."""
+        """What the anchor records: a side file's path relative to the anchor's directory (or its URL)."""
         if "://" in anchor or "://" in residual:
             return residual if posixpath.dirname(anchor) != posixpath.dirname(residual) else \
                 posixpath.basename(residual)
@@ -110,16 +122,22 @@ class LynxL2Adapter(L2AdapterInterface):
                     continue
                 data = bytes(memoryview(obj.byte_array).cast("B"))
                 single = data[:anchor_length(data)]
-                anchor, residual = split_chunk(single, self._residual_location(apath, rpath))
-                write_atomic(rpath, residual)
+                epath = self.exact_file(key)
+                anchor, residual, exact = split_segments(single, self._residual_location(apath, rpath),
+                                                         self._residual_location(apath, epath))
+                sides = [(rpath, residual)] + ([(epath, exact)] if exact is not None else [])
                 try:
+                    for path, payload in sides:
+                        write_atomic(path, payload)
                     write_atomic(apath, anchor)
                 except BaseException:
-                    _remove(rpath)  # a residual without its anchor is a miss that only fills the disk
+                    for path, _ in sides:  # side files without their anchor are a miss that only fills the disk
+                        _remove(path)
                     raise
-                nbytes += len(anchor) + len(residual)
+                n = len(anchor) + sum(len(p) for _, p in sides)
+                nbytes += n
                 stored.append(key)
-                sizes.append(len(anchor) + len(residual))
+                sizes.append(n)
             except Exception as exc:  # noqa: BLE001 - LMCache wants a task result, not an exception
                 log.warning("lynx tier: cannot store %s: %s", object_name(key), exc)
                 ok = False
@@ -145,7 +163,7 @@ class LynxL2Adapter(L2AdapterInterface):
     def _lookup(self, tid: int, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         for i, key in enumerate(keys):
-            if all(_exists(p) for p in self.paths(key)):
+            if all(_exists(p) for p in self.paths(key)) and (not self.require_exact or _exists(self.exact_file(key))):
                 bitmap.set(i)
         with self._lock:
             self._lookups[tid] = bitmap
@@ -164,26 +182,34 @@ class LynxL2Adapter(L2AdapterInterface):
         self._pool.submit(self._load, tid, keys, objects)
         return tid
 
-    def read_chunk(self, key: ObjectKey) -> tuple[bytes, bytes]:
-        """(anchor, residual) of one chunk, every CRC checked; a LynxError if either is missing or bad."""
+    def read_chunk(self, key: ObjectKey) -> tuple[bytes, ...]:
+        """(anchor, residual) of one chunk, and its exact file when the anchor records one of its own (1.4), every
+        CRC checked (and the exact segment's rebuild); a LynxError if any is missing or bad."""
         apath, rpath = self.paths(key)
         anchor, residual = read_all(apath), read_all(rpath)
-        findings = verify_file(anchor, residual=residual)
+        h = read_anchor_header(BytesSource(anchor, "anchor"), exact_size=False)
+        ex = h.segment(c.SEGMENT_EXACT)
+        exact = read_all(self.exact_file(key)) if ex is not None and ex.placement == c.PLACEMENT_EXTERNAL else None
+        if self.require_exact and ex is None:
+            raise LynxError("this chunk was stored without an exact segment")
+        findings = verify_file(anchor, residual=residual, exact=exact)
         if findings:
             raise LynxError(f"{findings[0]}" + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""))
-        return anchor, residual
+        return (anchor, residual) if exact is None else (anchor, residual, exact)
 
     def _load(self, tid: int, keys: list[ObjectKey], objects: list) -> None:
         bitmap = Bitmap(len(keys))
         for i, (key, obj) in enumerate(zip(keys, objects)):
             try:
-                anchor, residual = self.read_chunk(key)
+                files = self.read_chunk(key)
                 buf = memoryview(obj.byte_array).cast("B")
-                n = len(anchor) + len(residual)
+                n = sum(len(f) for f in files)
                 if n > len(buf):
                     raise LynxError(f"{n} bytes do not fit the {len(buf)}-byte buffer")
-                buf[:len(anchor)] = anchor
-                buf[len(anchor):n] = residual
+                at = 0
+                for f in files:  # the anchor, then the residual, then the exact file (open_chunk's order)
+                    buf[at:at + len(f)] = f
+                    at += len(f)
                 bitmap.set(i)
             except Exception as exc:  # noqa: BLE001 - a bad chunk is a miss, never data
                 log.warning("lynx tier: %s is a miss: %s", object_name(key), exc)
@@ -206,7 +232,7 @@ class LynxL2Adapter(L2AdapterInterface):
         for key in keys:
             size = 0
             apath, rpath = self.paths(key)
-            for p in (apath, rpath):  # the anchor first: a chunk without an anchor is absent
+            for p in (apath, rpath, self.exact_file(key)):  # the anchor first: a chunk without one is absent
                 try:
                     fs, path = filesystem(p)
                     size += fs.size(path)
@@ -221,7 +247,7 @@ class LynxL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict:
         return {"is_healthy": True, "type": "LynxL2Adapter", "anchor_path": self.anchor_path,
-                "residual_path": self.residual_path}
+                "residual_path": self.residual_path, "exact_path": self.exact_path}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

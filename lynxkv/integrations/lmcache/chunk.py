@@ -10,7 +10,9 @@ that backend's raw memory: the keys as ``[head_dim, B]``, then the values as ``[
 the header's ``lynxkv.lmcache_layout`` property); :func:`split_chunk` turns that file into an anchor file and a
 residual file (what the lynx tier stores on two paths); :func:`decode_chunk` reads either form back into a
 chunk tensor in the recorded layout, exactly the full code's values (:func:`lynxkv.open_cache` ``.load_kv()``),
-every CRC checked.
+every CRC checked. With ``exact`` (format 1.4) the chunk also carries its exact segment (inline in the single
+file, a third file after :func:`split_segments`), and :func:`decode_chunk` ``exact=True`` gives back the chunk
+bit for bit in its own dtype.
 """
 
 from __future__ import annotations
@@ -128,10 +130,10 @@ def kv_to_chunk(kv, out: torch.Tensor, layout: ChunkLayout = ChunkLayout()) -> t
 
 
 def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEFAULT_CHUNK, model_name: str = "",
-                 cache_id: bytes | None = None, layout: ChunkLayout = ChunkLayout()) -> bytes:
-    """One chunk (in ``layout``) as a single-file ``.lynx`` cache. The header's fingerprint is the model's
-    :func:`~lynxkv.integrations.lmcache.source.name_fingerprint` of ``model_name`` (the name itself is in the object's
-    key and file name)."""
+                 cache_id: bytes | None = None, layout: ChunkLayout = ChunkLayout(), exact: bool = False) -> bytes:
+    """One chunk (in ``layout``) as a single-file ``.lynx`` cache (``exact``: with its exact segment, 1.4). The
+    header's fingerprint is the model's :func:`~lynxkv.integrations.lmcache.source.name_fingerprint` of
+    ``model_name`` (the name itself is in the object's key and file name)."""
     from lynxkv.cache import encode_kv
     from lynxkv.format.writer import build_files
 
@@ -139,18 +141,34 @@ def encode_chunk(chunk: torch.Tensor, *, kv_heads: int = 1, scheme: Scheme = DEF
     enc = encode_kv(kv, scheme, model_fingerprint=name_fingerprint(model_name) if model_name else None)
     if layout != ChunkLayout():
         enc.properties = {LAYOUT_PROPERTY: str(layout)}
-    return build_files(enc, cache_id=cache_id, single_file=True).anchor
+    return build_files(enc, cache_id=cache_id, single_file=True, exact_kv=kv if exact else None).anchor
 
 
 def split_chunk(single: bytes, residual_location: str) -> tuple[bytes, bytes]:
-    """A single-file cache -> (anchor file recording its residual at ``residual_location``, residual file)."""
-    from lynxkv.stream.tier import relocate_residual
+    """A single-file cache -> (anchor file recording its residual at ``residual_location``, residual file); an
+    inline exact segment stays in the anchor file (:func:`split_segments` puts it in a file of its own)."""
+    anchor, residual, _ = split_segments(single, residual_location)
+    return anchor, residual
+
+
+def split_segments(single: bytes, residual_location: str, exact_location: str | None = None
+                   ) -> tuple[bytes, bytes, bytes | None]:
+    """A single-file cache -> (anchor file, residual file, exact file or None): the anchor records its residual
+    at ``residual_location`` and, with ``exact_location``, its exact segment there (an inline exact segment
+    otherwise stays inline). Each file is its section byte for byte."""
+    from lynxkv.stream.tier import relocate_segments
 
     h = read_anchor_header(BytesSource(single, "chunk"))
     seg = h.segment(c.SEGMENT_RESIDUAL)
     if seg is None or seg.placement != c.PLACEMENT_INLINE:
         raise InputError("split_chunk: expected a single-file cache")
-    return relocate_residual(single, residual_location), single[seg.offset:seg.offset + seg.length]
+    locations = {c.SEGMENT_RESIDUAL: residual_location}
+    ex = h.segment(c.SEGMENT_EXACT)
+    exact = None
+    if exact_location is not None and ex is not None and ex.placement == c.PLACEMENT_INLINE:
+        locations[c.SEGMENT_EXACT] = exact_location
+        exact = single[ex.offset:ex.offset + ex.length]
+    return relocate_segments(single, locations), single[seg.offset:seg.offset + seg.length], exact
 
 
 def anchor_length(data: bytes) -> int:
@@ -161,23 +179,27 @@ def anchor_length(data: bytes) -> int:
 
 
 def open_chunk(data: bytes):
-    """Open ``data`` (a single-file cache, or an anchor file followed by its residual file) as a LynxCache."""
+    """Open ``data`` (a single-file cache, or an anchor file followed by its residual file, and by its exact file
+    when it records one of its own) as a LynxCache."""
     from lynxkv.cache import open_cache
 
     n = anchor_length(data)
     h = read_anchor_header(BytesSource(bytes(data[:n]), "anchor"))
-    seg = h.segment(c.SEGMENT_RESIDUAL)
-    if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
-        if len(data) < n + seg.length:
-            raise FormatError(f"chunk: {len(data) - n} residual bytes after the anchor, expected {seg.length}",
-                              field="length", where="residual")
-        return open_cache(bytes(data[:n]), residual=bytes(data[n:n + seg.length]))
-    return open_cache(bytes(data[:n]))
+    files, at = {}, n
+    for kind, name in ((c.SEGMENT_RESIDUAL, "residual"), (c.SEGMENT_EXACT, "exact")):
+        seg = h.segment(kind)
+        if seg is not None and seg.placement == c.PLACEMENT_EXTERNAL:
+            if len(data) < at + seg.length:
+                raise FormatError(f"chunk: {max(len(data) - at, 0)} {name} bytes after the anchor, expected "
+                                  f"{seg.length}", field="length", where=name)
+            files[name], at = bytes(data[at:at + seg.length]), at + seg.length
+    return open_cache(bytes(data[:n]), **files)
 
 
-def decode_chunk(data: bytes, out: torch.Tensor, *, anchor_only: bool = False) -> torch.Tensor:
+def decode_chunk(data: bytes, out: torch.Tensor, *, anchor_only: bool = False, exact: bool = False) -> torch.Tensor:
     """Fill ``out`` (a chunk tensor in the layout the header records) with the chunk stored in ``data``; its
-    layers, tokens, heads and head dim must match."""
+    layers, tokens, heads and head dim must match. ``exact``: the stored chunk bit for bit, from its exact
+    segment (``out`` in the chunk's own dtype; every page checked before ``out`` is written)."""
     with open_chunk(data) as cache:
         h = cache.header
         try:
@@ -189,13 +211,14 @@ def decode_chunk(data: bytes, out: torch.Tensor, *, anchor_only: bool = False) -
         if dims != (h.layers, h.tokens, h.kv_heads, h.head_dim):
             raise FormatError(f"chunk: the stored cache is {h.layers} layers x {h.tokens} tokens x {h.kv_heads} "
                               f"heads x {h.head_dim} ({layout}), the buffer is {list(out.shape)}", field="shape")
-        kv = cache.load_kv(anchor_only=anchor_only, dtype=out.dtype)
+        kv = cache.load_kv(anchor_only=anchor_only, dtype=out.dtype, exact=exact)
     return kv_to_chunk(kv, out, layout)
 
 
 def max_chunk_bytes(shape: tuple[int, ...], scheme: Scheme = DEFAULT_CHUNK, *, kv_heads: int = 1,
-                    layout: ChunkLayout = ChunkLayout()) -> int:
-    """An upper bound on :func:`encode_chunk`'s output for a chunk of ``shape`` (what LMCache allocates)."""
+                    layout: ChunkLayout = ChunkLayout(), exact: bool = False) -> int:
+    """An upper bound on :func:`encode_chunk`'s output for a chunk of ``shape`` (what LMCache allocates);
+    ``exact``: with its exact segment, which stores at most the chunk's own bytes (fp32 at most) plus headers."""
     layers, tokens, heads, d = layout.dims(shape, kv_heads)
     channels = heads * d
     elements = 2 * layers * tokens * channels
@@ -203,4 +226,5 @@ def max_chunk_bytes(shape: tuple[int, ...], scheme: Scheme = DEFAULT_CHUNK, *, k
     meta = 2 * layers * channels * chunks * 2 * 4  # offset + scale per channel and chunk, for K and V, <= 4 bytes
     pages = -(-tokens // scheme.page) * layers
     codes = -(-elements * (scheme.anchor_bits + scheme.residual_bits) // 8)
-    return codes + meta + pages * 2 * 64 + 64 * 1024  # page index entries and headers, generously
+    exact_bytes = elements * 4 + pages * 2 * 64 + 64 * 1024 if exact else 0
+    return codes + meta + pages * 2 * 64 + 64 * 1024 + exact_bytes  # page index entries and headers, generously

@@ -9,7 +9,8 @@ identically), ``layout`` (how the chunk tensor holds K and V, :class:`~lynxkv.in
 ``B``, whose objects LMCache gathers as ``[layers, tokens, kv_heads * 2 * head_dim]`` blocks of that backend's raw
 memory: the lynx object is then a cache of the model's layers, heads and head dim), ``scheme`` (a lynxkv scheme
 name, default ``default``; stored without sink tokens, :func:`~lynxkv.integrations.lmcache.chunk.chunk_scheme`),
-``max_workers``.
+``exact`` (format 1.4: each object also carries the chunk's exact segment, and deserializing gives the chunk back
+bit for bit instead of the full code's values; an object without one is then refused), ``max_workers``.
 
 A deserialize failure fails LMCache's whole load batch; the lynx tier (``adapter.py``) therefore checks every CRC
 per chunk before it reports a hit, so that a corrupted object is a miss for that chunk only.
@@ -32,12 +33,14 @@ SERDE_TYPE = "lynx"
 
 
 class LynxSerializer(Serializer):
-    def __init__(self, kv_heads: int = 1, scheme: Scheme | None = None, layout: ChunkLayout = ChunkLayout()):
+    def __init__(self, kv_heads: int = 1, scheme: Scheme | None = None, layout: ChunkLayout = ChunkLayout(),
+                 exact: bool = False):
         self.kv_heads, self.scheme, self.layout = kv_heads, chunk_scheme(scheme or get_scheme()), layout
+        self.exact = exact
 
     def serialize(self, src, dst, key: ObjectKey) -> int:
         data = encode_chunk(src.tensor, kv_heads=self.kv_heads, scheme=self.scheme, model_name=key.model_name,
-                            cache_id=key_cache_id(key), layout=self.layout)
+                            cache_id=key_cache_id(key), layout=self.layout, exact=self.exact)
         buf = memoryview(dst.byte_array).cast("B")
         if len(data) > len(buf):
             raise InputError(f"lynx serde: {len(data)} bytes do not fit the {len(buf)}-byte buffer")
@@ -47,19 +50,33 @@ class LynxSerializer(Serializer):
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         if len(layout_desc.shapes) != 1:
             raise InputError(f"lynx serde: expected one KV tensor per chunk, got {len(layout_desc.shapes)}")
-        return max_chunk_bytes(tuple(layout_desc.shapes[0]), self.scheme, kv_heads=self.kv_heads, layout=self.layout)
+        return max_chunk_bytes(tuple(layout_desc.shapes[0]), self.scheme, kv_heads=self.kv_heads, layout=self.layout,
+                               exact=self.exact)
 
 
 class LynxDeserializer(Deserializer):
+    def __init__(self, exact: bool = False):
+        self.exact = exact
+
     def deserialize(self, src, dst, key: ObjectKey) -> None:
-        decode_chunk(bytes(memoryview(src.byte_array).cast("B")), dst.tensor)
+        decode_chunk(bytes(memoryview(src.byte_array).cast("B")), dst.tensor, exact=self.exact)
 
 
 def create_lynx_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     scheme = get_scheme(str(kwargs.get("scheme", "default")))
     layout = parse_layout(str(kwargs.get("layout", "kv")))
-    return AsyncSerdeProcessor(LynxSerializer(int(kwargs.get("kv_heads", 1)), scheme, layout), LynxDeserializer(),
-                               max_workers=int(kwargs.get("max_workers", 1)))
+    exact = _flag(kwargs.get("exact", False))
+    return AsyncSerdeProcessor(LynxSerializer(int(kwargs.get("kv_heads", 1)), scheme, layout, exact),
+                               LynxDeserializer(exact), max_workers=int(kwargs.get("max_workers", 1)))
+
+
+def _flag(value) -> bool:
+    """A boolean option as JSON or a command line gives it (``true``, ``"true"``, ``1``)."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no", ""):
+            raise InputError(f"lynx serde: exact: expected true or false, got {value[:40]!r}")
+        return value.lower() in ("true", "1", "yes")
+    return bool(value)
 
 
 if SERDE_TYPE not in get_registered_serde_types():
