@@ -4,10 +4,10 @@
 #
 #   bash benchmarks/gpu_check.sh
 #
-# lynxkv need not be installed: the script builds a throw-away import root in which `lynxkv` points at the
-# repository's lynxkv/ and `lynxkv.kernels` at kernels/ (the package-dir mapping of pyproject.toml), and runs
-# every Python command from that root (so the repository's own lynxkv/, which has no kernels/, is never the one
-# imported). Needs python3 with torch (CUDA), triton, numpy, pytest. Takes 1-3 minutes.
+# lynxkv need not be installed: the script builds a throw-away import root (a temporary directory) whose lynxkv/
+# holds links to the repository's lynxkv/ entries and `lynxkv/kernels` to kernels/, and runs every Python command
+# from that root, never from the checkout (whose top-level kernels/ must not be importable as `kernels`). It writes
+# nothing into the checkout. Needs python3 with torch (CUDA), triton, numpy, pytest. Takes 1-3 minutes.
 #
 # GPU_CHECK_DRY=1 runs the same plumbing on a CPU under TRITON_INTERPRET=1 at toy sizes (to test the script).
 set -uo pipefail
@@ -25,9 +25,11 @@ trap 'rm -rf "$ROOT"' EXIT
 mkdir -p "$ROOT/lynxkv"
 for entry in "$REPO"/lynxkv/*; do
     name="$(basename "$entry")"
-    [ "$name" = "__pycache__" ] || ln -s "$entry" "$ROOT/lynxkv/$name"
+    # lynxkv/kernels (a link to ../kernels) is made below: linking it here too would make the next `ln` put its
+    # link inside the repository's kernels/ (ln into an existing directory).
+    case "$name" in __pycache__|kernels) ;; *) ln -s "$entry" "$ROOT/lynxkv/$name" ;; esac
 done
-ln -s "$REPO/kernels" "$ROOT/lynxkv/kernels"
+ln -sn "$REPO/kernels" "$ROOT/lynxkv/kernels"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
 if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi

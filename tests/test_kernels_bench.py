@@ -40,9 +40,11 @@ def test_bench_codec_quick(tmp_path):
 
 def test_gpu_check_script_dry_run(tmp_path):
     """gpu_check.sh's plumbing (import root without installing lynxkv, the test run, the benchmark, the files
-    under $OUT) on a CPU under the Triton interpreter at toy sizes."""
+    under $OUT) on a CPU under the Triton interpreter at toy sizes. It leaves the checkout as it found it (its
+    import root once put a link named kernels inside kernels/)."""
     pytest.importorskip("triton")
     out = tmp_path / "out"
+    before = _entries()
     proc = subprocess.run(
         ["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "PYTHON": sys.executable},
@@ -55,3 +57,9 @@ def test_gpu_check_script_dry_run(tmp_path):
     assert {r["op"] for r in data["rows"]} >= {"device copy", "encode (fused Triton)", "decode full (fused Triton)"}
     assert (out / "gpu_check.log").read_text().count("== done: tests rc=0, benchmark rc=0") == 1
     assert (out / "gpu_tests.xml").exists()
+    assert _entries() == before
+
+
+def _entries() -> dict[str, list[str]]:
+    """What the checkout's kernels/ and lynxkv/ hold (links included, bytecode caches left out)."""
+    return {d: sorted(p.name for p in (ROOT / d).iterdir() if p.name != "__pycache__") for d in ("kernels", "lynxkv")}

@@ -1,5 +1,5 @@
-"""The README is the front door: short, every command in it a real one, every link resolving, its Python example
-running as written."""
+"""The README is the front door: short, every command in it a real one that runs as written (at small sizes), every
+link in it and in the other pages resolving, its Python example running as written."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import re
 import shlex
 
 import pytest
+from fixtures_s3 import s3_server  # noqa: F401 (fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md")),
+         *(ROOT / d / n for d, n in (("spec", "FORMAT.md"), ("benchmarks", "README.md"), ("kernels", "README.md")))]
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -22,13 +24,24 @@ def test_readme_fits_on_a_few_screens():
     assert len(README.splitlines()) <= 250
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_every_relative_link_resolves(page):
+    missing = _missing_links(page)
+    assert not missing, f"{page.relative_to(ROOT)}: {missing}"
+
+
+def _missing_links(page: pathlib.Path) -> list[str]:
     text = page.read_text()
     links = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r'<img [^>]*src="([^"]+)"', text)
     local = [link.split("#")[0] for link in links if "://" not in link and not link.startswith(("#", "mailto:"))]
-    missing = [link for link in local if link and not (page.parent / link).exists()]
-    assert not missing, f"{page.relative_to(ROOT)}: {missing}"
+    return [link for link in local if link and not (page.parent / link).exists()]
+
+
+def test_the_link_check_catches_a_missing_file(tmp_path):
+    (tmp_path / "there.md").write_text("")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md), [gone](docs/gone.md#part), ![img](img/none.png), [web](https://example.org/x)")
+    assert _missing_links(page) == ["docs/gone.md", "img/none.png"]
 
 
 def _readme_commands() -> list[list[str]]:
@@ -79,3 +92,106 @@ def test_readme_python_example_runs_as_written(smollm2, tmp_path, monkeypatch, c
     result = ns["result"]
     assert result.token_ids == decode_plain(smollm2.model, full, prompt, 32,
                                             first_forward=result.stats.draft_token_ids)
+
+
+# ---------------------------------------------------------------------------------------------- run as written
+# Every ``lynxkv`` line of the README runs here as written, on the offline SmolLM2. Only what would take minutes on
+# a 2-core CPU is made smaller (options appended, which override the README's), ``s3://bucket/`` is a bucket on a
+# loopback S3 server and port 9000 a free port.
+
+
+def _smaller(argv: list[str]) -> list[str]:
+    if argv[0] == "encode" and "--model" in argv:
+        return ["--tokens", "160"]
+    if argv[0] == "run":
+        return ["-n", "8"]
+    if argv[0] == "eval":
+        return ["--tokens", "96", "--prompts", "1", "--window", "8", "--ppl-tokens", "8"]
+    return []
+
+
+def _as_run(line: list[str], index: int, bucket: str, port: int) -> list[str]:
+    argv = [a.replace("s3://bucket/", f"s3://{bucket}/{index}/").replace("9000", str(port)) for a in line[1:]]
+    return argv + _smaller(argv)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """What the README's lines start from: ``doc.lynx`` + ``doc.lynxr`` of SmolLM2, and ``kv.safetensors``, a KV
+    dump (that cache's full code)."""
+    from lynxkv.cli import main
+
+    d = tmp_path_factory.mktemp("stored")
+    assert main(["encode", "--model", "smollm2", "--tokens", "160", "-o", str(d / "doc.lynx")]) == 0
+    assert main(["decode", str(d / "doc.lynx"), "-o", str(d / "kv.safetensors")]) == 0
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_every_readme_command_runs_as_written(stored, s3_server, tmp_path, monkeypatch, capsys):
+    """Each line runs in a copy of ``stored`` with the files it writes removed first, and exits 0 with them
+    written (on disk or on S3); ``serve`` runs as its own process, and the ``stream`` line after it copies the
+    cache from it: every page verified, both files byte for byte."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lynxkv.cache import verify_file
+    from lynxkv.cli import main
+
+    lines = [argv for argv in _readme_commands() if argv[0] == "lynxkv"]
+    assert {argv[1] for argv in lines} >= {"encode", "inspect", "verify", "decode", "tier", "serve", "stream",
+                                           "run", "eval"}
+    port = _free_port()
+    server = None
+    try:
+        for i, line in enumerate(lines):
+            argv = _as_run(line, i, s3_server.bucket, port)
+            if server is None:
+                work = tmp_path / str(i)
+                shutil.copytree(stored, work)
+            monkeypatch.chdir(work)
+            outputs = [argv[argv.index(flag) + 1] for flag in ("-o", "--residual-out", "--timeline") if flag in argv]
+            for name in (n for n in outputs if "://" not in n):
+                for path in (work / name, (work / name).with_suffix(".lynxr")):
+                    path.unlink(missing_ok=True)
+            if argv[0] == "serve":  # runs until stopped; the stream line after it reads from it
+                log = work / "serve.log"
+                with open(log, "w") as f:
+                    server = subprocess.Popen([sys.executable, "-m", "lynxkv", *argv], cwd=work, stderr=f)
+                deadline = time.monotonic() + 60
+                while "serving" not in log.read_text() and server.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert "serving" in log.read_text(), f"{' '.join(line)}: {log.read_text()[-2000:]}"
+                continue
+            code = main(argv)
+            assert code == 0, f"{' '.join(line)}: {capsys.readouterr().err[-2000:]}"
+            capsys.readouterr()
+            for name in outputs:
+                if "://" in name:
+                    assert s3_server.fs().exists(name.removeprefix("s3://")), name
+                else:
+                    assert (work / name).exists(), name
+            if argv[0] == "stream" and server is not None:
+                server.send_signal(signal.SIGINT)
+                assert server.wait(30) == 0
+                server = None
+                assert verify_file(work / "copy" / "doc.lynx") == []
+                for name in ("doc.lynx", "doc.lynxr"):
+                    assert (work / "copy" / name).read_bytes() == (work / name).read_bytes(), name
+        assert server is None, "a serve line with no stream line after it"
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()

@@ -108,3 +108,26 @@ def test_eta_guard_waits_instead_of_drafting(setup):
     res = run(model, load, RunConfig(max_new_tokens=6, max_window=6, eta_guard=1e6))
     assert res.stats.waited_on_eta and res.stats.drafted == 1
     assert res.token_ids == decode_plain(model, full_kv, ids, 6)
+
+
+def test_each_draft_step_reads_the_residual_eta_once(setup):
+    """The layered verify's check and the ETA guard share one reading per draft step (an ETA costs a lock and a
+    look at the link on a real load); with the residual far off neither fires and every draft is made."""
+    model, ids, _, anchor_kv, full_kv = setup
+    readings = []
+
+    class FarOff(StepLoad):
+        def residual_eta(self):
+            readings.append(len(readings))
+            return 1e9
+
+        def layer_in(self, layer, timeout=None):  # offers the layered verify; never reached with this ETA
+            raise AssertionError("layer_in called")
+
+    load = FarOff(model, ids, anchor_kv, full_kv)
+    config = RunConfig(max_new_tokens=8, max_window=6, layered_verify=True, eta_guard=0.5, min_window_steps=0)
+    res = run(model, load, config)
+    assert res.stats.drafted == 6 and not res.stats.waited_on_eta
+    # one reading before each draft step but the first, and one to plan the window after the first
+    assert len(readings) == res.stats.drafted, readings
+    assert res.token_ids == decode_plain(model, full_kv, ids, 8)

@@ -498,3 +498,31 @@ def test_the_residual_is_dequantized_once_it_is_all_in_at_the_lowest_priority(ca
     assert calls == [[(layer, p) for layer in range(3) for p in range(3)]]  # one pass, when every page was in
     if sys.platform.startswith("linux"):
         assert priorities and set(priorities) == {19}
+
+
+def test_layer_in_waits_without_spinning_until_the_outputs_exist(cache_dir, monkeypatch):
+    """Between the header's arrival and the consumer making the KV outputs, ``layer_in`` sleeps on a condition (it
+    once polled an event already set, in a busy loop); once the outputs exist it returns True for a layer that is
+    all in."""
+    from lynxkv.stream import consumer
+    from lynxkv.stream.assembly import KVAssembly
+
+    go = threading.Event()
+
+    class HeldAssembly(KVAssembly):
+        def __init__(self, *args, **kwargs):
+            go.wait(30)  # the consumer has the header but holds off making the outputs
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(consumer, "KVAssembly", HeldAssembly)
+    _, path, _, _, (_, ref_full) = cache_dir
+    with open_progressive(path) as load:
+        assert load._header_ready.wait(30)
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        assert load.layer_in(0, timeout=0.5) is False
+        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+        go.set()
+        assert load.layer_in(2, timeout=30) is True
+        assert kv_equal(load.residual.result(30), ref_full)
+    assert wall >= 0.5
+    assert cpu < 0.1 * wall, f"layer_in used {cpu:.3f} s of CPU in {wall:.3f} s of waiting"

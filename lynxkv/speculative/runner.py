@@ -212,13 +212,16 @@ def stream(
     layers = None if config.layered_verify and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
     while len(drafts) < cap and not residual.done():
-        if len(step_times) >= 2 and layers:  # the first step, on a fresh cache, is not a typical one
-            eta, step = load.residual_eta(), statistics.median(step_times[1:])
+        check_layered = len(step_times) >= 2 and layers  # the first step, on a fresh cache, is not a typical one
+        check_guard = bool(step_times) and config.eta_guard > 0
+        eta = load.residual_eta() if check_layered or check_guard else None  # read once for both checks
+        if check_layered:
+            step = statistics.median(step_times[1:])
             if eta is not None and eta < verify_estimate(model, len(feed) + len(drafts), step) * (1 - 1 / len(layers)):
                 layered = True
                 break
-        if step_times and config.eta_guard > 0:
-            eta, step = load.residual_eta(), sum(step_times) / len(step_times)
+        if check_guard:
+            step = sum(step_times) / len(step_times)
             if eta is not None and eta < config.eta_guard * step:
                 stats.waited_on_eta = True
                 concurrent.futures.wait([residual], timeout=eta + 2 * step + 0.01)  # slack for a late wake-up

@@ -1,0 +1,214 @@
+"""The consumer half of the progressive reader (:class:`lynxkv.stream.progressive.ProgressiveLoad`).
+
+One consumer thread per load takes the page records the two parser threads queue, in drain order: anchor pages
+first, batch by batch onto the CPU workers as they arrive, ``anchor_ready`` once the last is dequantized; residual
+pages held back until then, and dequantized together once the whole residual is in (a model drafting on the
+anchor keeps every core meanwhile), unless a layered verify asks for a layer first (:meth:`KVAssembly.take`). It
+emits the load's events and ends the load: ``residual`` resolved, or the load failed (:meth:`_fail_all`), or the
+residual alone lost under ``allow_anchor_only`` (:meth:`_residual_failed`). docs/tiers.md, "Inside the
+progressive reader", says why.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from lynxkv.cache.kv import TORCH_DTYPES
+from lynxkv.errors import LynxError
+from lynxkv.quant.dispatch import concurrent_tensors
+from lynxkv.stream.assembly import KVAssembly
+from lynxkv.stream.buffer import StreamClosed
+from lynxkv.stream.events import LoadEvent
+
+
+class LoadConsumer:
+    """The consumer thread's side of a :class:`~lynxkv.stream.progressive.ProgressiveLoad`, which derives from it
+    and sets up what it reads: the queue (``_queue``: ``(priority, sequence, item)``, 0 for the anchor, 1 for the
+    residual), the load's flags and outcome (``_closed``, ``_anchor_done``, ``_residual_go``, ``_future``,
+    ``_fatal``, ``_anchor_error``), the residual's page slots, the page reader, the transport, and the plumbing
+    (``_emit``, ``_now``, ``_next_seq``), and how many parts still end the load (``_parts_left`` under
+    ``_parts_lock``: the consumer, and the exact worker when there is one). ``_consumer`` is the thread's target;
+    ``layer_in`` waits on ``_outputs_ready``, which the consumer sets once it has read the header."""
+
+    def _consumer(self) -> None:
+        """Run the consumer loop, then end the load: once the loop's frame is gone, so are its references to the
+        page records (views of a mapped file), and closing the transport closes and unmaps the files at once
+        rather than at close(), which a caller keeping the KV may never call. The events end after that."""
+        try:
+            self._consume()
+        finally:
+            if self._kv is not None:
+                self._kv.release()
+            self._part_ended()
+
+    def _part_ended(self) -> None:
+        """The consumer or the exact worker is done; the last one closes the transport and ends the events."""
+        with self._parts_lock:
+            self._parts_left -= 1
+            last = self._parts_left == 0
+        if last:
+            self._transport.close()
+            self._log.finish()
+
+    def _consume(self) -> None:
+        # No torch.set_num_threads here: it is process-wide (it would also slow down the model decoding beside
+        # this load); the dequantization runs in compiled workers, anchor pages on all of them, residual on one.
+        anchors: dict[tuple[int, int], object] = {}
+        held: list[tuple] = []
+        anchor_complete = False
+        decoding: deque = deque()  # (future, batch) of anchor pages being dequantized, in arrival order
+        residual_held: list[tuple] = []  # residual pages taken, dequantized when the last one is in
+        workers = concurrent_tensors()
+        batch_pages = 64
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-anchor") if self.decode and workers > 1 else None
+
+        def decoded(wait: bool) -> None:
+            """Emit ``anchor_page`` for the batches dequantized so far, in order (all of them: ``wait``); a batch's
+            error is raised here."""
+            while decoding and (wait or decoding[0][0].done()):
+                future, batch = decoding.popleft()
+                future.result()
+                for _, layer, page, _, n in batch:
+                    self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
+
+        try:
+            while True:
+                decoded(wait=False)
+                _, _, item = self._queue.get()
+                kind = item[0]
+                if kind == "stop" or self._closed.is_set():
+                    self._fail_all(StreamClosed("load closed"))
+                    return
+                if kind == "header":
+                    h = item[1]
+                    batch_pages = KVAssembly.batch_pages(h)  # an anchor batch is one worker's unit
+                    if self.decode:
+                        dtype = self.dtype or (TORCH_DTYPES[h.dtype] if self.exact_mode else torch.float32)
+                        self._kv = KVAssembly(h, dtype)
+                    self._outputs_ready.set()  # layer_in may ask the outputs now
+                    continue
+                if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
+                    # Held, not dequantized yet: a model drafting on the anchor uses every core, and any work
+                    # beside it stretches its steps by as much. The residual is dequantized at once when it is in.
+                    taken = [item] + self._take_more(lambda it: it[0] == "residual")
+                    for _ in taken:
+                        self._residual_slots.release()
+                    residual_held += taken
+                    self._kv.take(taken, anchors)  # a layer all in can be asked for (full_layer)
+                    continue
+                if kind == "residual_done" and self.decode and not self._future.done() and residual_held:
+                    try:  # the records' own checks (padding bits) run here, before the pages are handed on
+                        self._kv.residual(residual_held, anchors, self._reader)
+                    except LynxError as exc:
+                        kind, item = "error", ("error", "residual", exc)
+                    else:
+                        for _, layer, page, _, n in residual_held:
+                            self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
+                    residual_held = []
+                if kind == "error":
+                    residual_held = []  # pages not dequantized yet: the residual failed
+                    _, segment, exc = item
+                    if segment == "anchor" or not self.allow_anchor_only:
+                        self._fail_all(exc)  # without the anchor, or without leave to go lossy, the load fails
+                        return
+                    self._residual_failed(exc)
+                    for it in held:
+                        self._residual_slots.release()
+                    held.clear()
+                    if anchor_complete:
+                        return
+                    continue  # keep loading the anchor; anchor_done then ends the load, flagged lossy
+                if kind == "anchor":
+                    batch = [item] + self._take_more(lambda it: it[0] == "anchor" and it[1] == item[1],
+                                                     batch_pages - 1)
+                    if self.decode:
+                        for _, layer, page, raw, _ in batch:
+                            anchors[(layer, page)] = raw
+                    args = (item[1], [it[2] for it in batch], [it[3] for it in batch], None)
+                    if pool is not None:  # whole batches on the workers, one thread each; this thread takes more
+                        decoding.append((pool.submit(self._kv.pages, *args, threads=1), batch))
+                        continue
+                    if self.decode:
+                        self._kv.pages(*args)
+                    for _, layer, page, _, n in batch:
+                        self._emit(LoadEvent("anchor_page", self._now(), layer, page, n))
+                    continue
+                if kind == "anchor_done":
+                    decoded(wait=True)
+                    self._anchor_kv = self._kv.anchor if self.decode else None
+                    self._timeline.anchor_ready_s = self._now()
+                    anchor_complete = True
+                    self._anchor_done.set()
+                    self._residual_go.set()
+                    self._emit(LoadEvent("anchor_ready", self._now()))
+                    if self._future.done():  # the residual already failed
+                        return
+                    for it in held:
+                        self._queue.put((1, it[0], it[1]))
+                    held.clear()
+                    continue
+                if not anchor_complete:  # residual items wait for the anchor (the paper's drain order)
+                    held.append((self._next_seq(), item))
+                    continue
+                if self._future.done():  # the residual already failed: drop what is still queued
+                    if kind == "residual":
+                        self._residual_slots.release()
+                    continue
+                if kind == "residual":  # decode=False: checked only
+                    _, layer, page, _, n = item
+                    self._residual_slots.release()
+                    self._emit(LoadEvent("residual_page", self._now(), layer, page, n))
+                    continue
+                if kind == "residual_done":
+                    full = self._kv.full if self.decode else None
+                    self._timeline.residual_ready_s = self._now()
+                    self._future.set_result(full)
+                    self._emit(LoadEvent("residual_ready", self._now()))
+                    return
+        except BaseException as exc:  # noqa: BLE001 - e.g. a dequantization failure
+            self._fail_all(exc if isinstance(exc, LynxError) else LynxError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            if pool is not None:  # the workers leave the compiled code before the consumer does
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _residual_failed(self, exc: BaseException) -> None:
+        if self._future.done():
+            return
+        self._timeline.residual_failed = str(exc)
+        if not self.allow_anchor_only:
+            self._fatal = exc
+        self._future.set_exception(exc)
+        self._emit(LoadEvent("residual_failed", self._now(), message=str(exc)))
+        self._transport.abandon_residual(exc)  # stop the residual transport
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fatal = exc
+        if not self._anchor_done.is_set():
+            self._anchor_error = exc
+            self._anchor_done.set()
+        self._residual_go.set()
+        if not self._future.done():
+            self._timeline.residual_failed = str(exc)
+            self._future.set_exception(exc)
+        self._emit(LoadEvent("error", self._now(), message=str(exc)))
+
+    # ------------------------------------------------------------------------------------------ KV
+    def _take_more(self, fits: Callable[[tuple], bool], limit: int = 64) -> list[tuple]:
+        """Further queued items that ``fits`` accepts, in queue order, as many as are already there (at most
+        ``limit``): pages that arrived while the last batch was dequantized are dequantized together."""
+        got: list[tuple] = []
+        while len(got) < limit:
+            try:
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if not fits(entry[2]):
+                self._queue.put(entry)  # same (priority, sequence): its place in the queue is kept
+                break
+            got.append(entry[2])
+        return got
