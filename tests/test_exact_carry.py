@@ -319,3 +319,18 @@ def test_tier_moves_the_exact_segment_to_an_object_store_and_back(tmp_path, caps
                        "--allow-location", "memory://archive-27/")
     assert code == 0 and json.loads(out)["exact_location"] == "c.lynxe"
     assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_progressive_exact_only_where_there_is_one_decodes_in_the_cache_dtype(tmp_path, dtype):
+    """``exact=None`` reads the exact segment of a cache that has one exactly as ``exact=True`` does (the full code
+    in the cache's own dtype, so that the exact pages apply to it), and leaves a cache without one in fp32."""
+    kv = _kv(DTYPES[dtype], layers=1)
+    save_cache(tmp_path / "e.lynx", kv, exact=True)
+    save_cache(tmp_path / "n.lynx", kv)
+    with open_progressive(str(tmp_path / "e.lynx"), exact=None) as load:
+        assert _same_bits(load.exact.result(timeout=60), kv)
+        assert load.residual.result()[0][0].dtype == DTYPES[dtype]
+    with open_progressive(str(tmp_path / "n.lynx"), exact=None) as load:
+        assert load.exact.result(timeout=60) is None
+        assert load.residual.result()[0][0].dtype == torch.float32

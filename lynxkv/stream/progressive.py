@@ -366,7 +366,9 @@ class ProgressiveLoad:
                     h = item[1]
                     batch_pages = KVAssembly.batch_pages(h)  # an anchor batch is one worker's unit
                     if self.decode:
-                        dtype = self.dtype or (TORCH_DTYPES[h.dtype] if self.exact_mode else torch.float32)
+                        # with the exact stage (exact=None: where the cache has one), the cache's own dtype
+                        exact = self.exact_mode or (self.exact_mode is None and h.segment(c.SEGMENT_EXACT))
+                        dtype = self.dtype or (TORCH_DTYPES[h.dtype] if exact else torch.float32)
                         self._kv = KVAssembly(h, dtype)
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
@@ -517,7 +519,7 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
     order (to save a copy; commit it only once the load has verified every page). The KV is exactly what
     ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page), in ``dtype`` (default
-    fp32; with ``exact``, the cache's own dtype).
+    fp32; with ``exact`` -- ``exact=None``: when the cache has an exact segment -- the cache's own dtype).
 
     ``exact`` (format 1.4) adds a third stage: the exact segment, read behind every residual byte (from
     ``exact_file`` when given, else inline or at its recorded location under the same trust rule as the
