@@ -334,3 +334,29 @@ def test_progressive_exact_only_where_there_is_one_decodes_in_the_cache_dtype(tm
     with open_progressive(str(tmp_path / "n.lynx"), exact=None) as load:
         assert load.exact.result(timeout=60) is None
         assert load.residual.result()[0][0].dtype == torch.float32
+
+
+def test_a_failed_read_back_of_the_rewritten_anchor_keeps_the_exact_copy_it_names(tmp_path, monkeypatch):
+    """The anchor was published naming the exact segment's copy, and only reading it back failed (a flaky store):
+    the copy it names stays, so the anchor never names a missing exact file."""
+    import lynxkv.stream.tier as tier
+
+    kv = _kv(torch.float16, layers=1)
+    save_cache(tmp_path / "c.lynx", kv, exact=True)
+    real, reads = tier.read_range, []
+
+    def flaky_anchor_reads(url, start, end, *a, **kw):
+        if str(url).endswith(".lynx"):
+            reads.append(url)
+            if len(reads) == 2:  # the first read is the move's own; the second reads the published anchor back
+                raise LynxError(f"{url}: connection reset")
+        return real(url, start, end, *a, **kw)
+
+    monkeypatch.setattr(tier, "read_range", flaky_anchor_reads)
+    with pytest.raises(LynxError, match="connection reset"):
+        move_cache(str(tmp_path / "c.lynx"), exact_to=str(tmp_path / "cold" / "c.lynxe"))
+    monkeypatch.undo()
+    with open_cache(tmp_path / "c.lynx") as cache:
+        named = cache.info.exact_location
+    assert (tmp_path / named).exists(), named
+    assert verify_file(tmp_path / "c.lynx") == [] and _same_bits(_exact_of(tmp_path / "c.lynx"), kv)

@@ -22,7 +22,7 @@ import contextlib
 from dataclasses import replace
 from typing import Callable
 
-from lynxkv.cache.replace import settle_dead_writers
+from lynxkv.cache.replace import names_residual, settle_dead_writers
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
@@ -228,9 +228,10 @@ def _move_cache(src: str, dst: str | None, targets: dict, keep: bool, progress, 
                                                                               data[c.SEGMENT_EXACT]))
             moved["anchor"] = {"from": src, "to": new_anchor, "bytes": len(anchor), "crc32": crc}
     except BaseException:
-        for url in published:  # copies no anchor names (the source cache is untouched): not left behind
-            with contextlib.suppress(Exception):
-                remove(url)
+        for url in published:  # copies no anchor names (the source cache is untouched): not left behind; one
+            if names_residual(new_anchor, url) is False:  # the published anchor names (its read-back failed) stays
+                with contextlib.suppress(Exception):
+                    remove(url)
         raise
     if not keep:
         for kind, d in side.items():
