@@ -360,3 +360,23 @@ def test_a_failed_read_back_of_the_rewritten_anchor_keeps_the_exact_copy_it_name
         named = cache.info.exact_location
     assert (tmp_path / named).exists(), named
     assert verify_file(tmp_path / "c.lynx") == [] and _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+
+
+def test_an_exact_segment_outside_the_anchor_directory_names_the_exact_options(tmp_path, capsys):
+    """The error names the options that name the exact segment (--exact-file, --exact-out), never the residual's:
+    following the hint must not point lynxkv at the residual instead."""
+    kv = _kv(torch.float16, layers=1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    save_cache(tmp_path / "a" / "c.lynx", kv, exact_path=tmp_path / "elsewhere" / "c.lynxe")
+    code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "--exact")
+    line = one_error_line(err)
+    assert code == 1 and "--exact-file" in line and "--residual" not in line, line
+    code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "-o", tmp_path / "o" / "c.lynx",
+                       "--allow-location", tmp_path / "elsewhere")
+    line = one_error_line(err)
+    assert code == 1 and "--exact-out" in line and "--residual" not in line, line
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+    code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "-o", tmp_path / "o" / "c.lynx",
+                       "--allow-location", tmp_path / "elsewhere", "--exact-out", tmp_path / "o" / "c.lynxe")
+    assert code == 0 and _same_bits(_exact_of(tmp_path / "o" / "c.lynx"), kv)
