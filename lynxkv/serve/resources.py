@@ -103,7 +103,7 @@ def check_crcs(anchor: bytes, residual: bytes | None, exact: bytes | None = None
     anchor's (the page reader's checks, without decoding the records: a server only moves bytes)."""
     from lynxkv.stream.tier import check_cache_bytes
 
-    check_cache_bytes(anchor, residual, exact)
+    check_cache_bytes(anchor, residual, exact, decode=False)
 
 
 def _served_name(location: str, taken: set[str], default: str) -> tuple[str, bool]:
