@@ -380,3 +380,12 @@ def test_an_exact_segment_outside_the_anchor_directory_names_the_exact_options(t
     code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "-o", tmp_path / "o" / "c.lynx",
                        "--allow-location", tmp_path / "elsewhere", "--exact-out", tmp_path / "o" / "c.lynxe")
     assert code == 0 and _same_bits(_exact_of(tmp_path / "o" / "c.lynx"), kv)
+
+
+def test_serve_says_once_how_to_name_an_exact_file_it_leaves_out(tmp_path):
+    kv = _kv(torch.float16, layers=1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    save_cache(tmp_path / "a" / "c.lynx", kv, exact_path=tmp_path / "elsewhere" / "c.lynxe")
+    skipped = load_served_cache(str(tmp_path / "a" / "c.lynx")).exact_skipped
+    assert skipped.count("--exact-file") == 1 and "--residual" not in skipped, skipped

@@ -144,7 +144,7 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
         except InputError as exc:
             if kind != c.SEGMENT_EXACT:
                 raise
-            skipped = f"{exc} (name it with --exact-file)"  # the exact tier is optional: served without it
+            skipped = str(exc)  # the exact tier is optional: served without it (the message names --exact-file)
             continue
         data[kind] = read_all(where)
         path, rewrite = _served_name(seg.location, taken, stem + suffix)
