@@ -319,3 +319,73 @@ def test_tier_moves_the_exact_segment_to_an_object_store_and_back(tmp_path, caps
                        "--allow-location", "memory://archive-27/")
     assert code == 0 and json.loads(out)["exact_location"] == "c.lynxe"
     assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_progressive_exact_only_where_there_is_one_decodes_in_the_cache_dtype(tmp_path, dtype):
+    """``exact=None`` reads the exact segment of a cache that has one exactly as ``exact=True`` does (the full code
+    in the cache's own dtype, so that the exact pages apply to it), and leaves a cache without one in fp32."""
+    kv = _kv(DTYPES[dtype], layers=1)
+    save_cache(tmp_path / "e.lynx", kv, exact=True)
+    save_cache(tmp_path / "n.lynx", kv)
+    with open_progressive(str(tmp_path / "e.lynx"), exact=None) as load:
+        assert _same_bits(load.exact.result(timeout=60), kv)
+        assert load.residual.result()[0][0].dtype == DTYPES[dtype]
+    with open_progressive(str(tmp_path / "n.lynx"), exact=None) as load:
+        assert load.exact.result(timeout=60) is None
+        assert load.residual.result()[0][0].dtype == torch.float32
+
+
+def test_a_failed_read_back_of_the_rewritten_anchor_keeps_the_exact_copy_it_names(tmp_path, monkeypatch):
+    """The anchor was published naming the exact segment's copy, and only reading it back failed (a flaky store):
+    the copy it names stays, so the anchor never names a missing exact file."""
+    import lynxkv.stream.tier as tier
+
+    kv = _kv(torch.float16, layers=1)
+    save_cache(tmp_path / "c.lynx", kv, exact=True)
+    real, reads = tier.read_range, []
+
+    def flaky_anchor_reads(url, start, end, *a, **kw):
+        if str(url).endswith(".lynx"):
+            reads.append(url)
+            if len(reads) == 2:  # the first read is the move's own; the second reads the published anchor back
+                raise LynxError(f"{url}: connection reset")
+        return real(url, start, end, *a, **kw)
+
+    monkeypatch.setattr(tier, "read_range", flaky_anchor_reads)
+    with pytest.raises(LynxError, match="connection reset"):
+        move_cache(str(tmp_path / "c.lynx"), exact_to=str(tmp_path / "cold" / "c.lynxe"))
+    monkeypatch.undo()
+    with open_cache(tmp_path / "c.lynx") as cache:
+        named = cache.info.exact_location
+    assert (tmp_path / named).exists(), named
+    assert verify_file(tmp_path / "c.lynx") == [] and _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+
+
+def test_an_exact_segment_outside_the_anchor_directory_names_the_exact_options(tmp_path, capsys):
+    """The error names the options that name the exact segment (--exact-file, --exact-out), never the residual's:
+    following the hint must not point lynxkv at the residual instead."""
+    kv = _kv(torch.float16, layers=1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    save_cache(tmp_path / "a" / "c.lynx", kv, exact_path=tmp_path / "elsewhere" / "c.lynxe")
+    code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "--exact")
+    line = one_error_line(err)
+    assert code == 1 and "--exact-file" in line and "--residual" not in line, line
+    code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "-o", tmp_path / "o" / "c.lynx",
+                       "--allow-location", tmp_path / "elsewhere")
+    line = one_error_line(err)
+    assert code == 1 and "--exact-out" in line and "--residual" not in line, line
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+    code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "-o", tmp_path / "o" / "c.lynx",
+                       "--allow-location", tmp_path / "elsewhere", "--exact-out", tmp_path / "o" / "c.lynxe")
+    assert code == 0 and _same_bits(_exact_of(tmp_path / "o" / "c.lynx"), kv)
+
+
+def test_serve_says_once_how_to_name_an_exact_file_it_leaves_out(tmp_path):
+    kv = _kv(torch.float16, layers=1)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    save_cache(tmp_path / "a" / "c.lynx", kv, exact_path=tmp_path / "elsewhere" / "c.lynxe")
+    skipped = load_served_cache(str(tmp_path / "a" / "c.lynx")).exact_skipped
+    assert skipped.count("--exact-file") == 1 and "--residual" not in skipped, skipped

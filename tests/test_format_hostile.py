@@ -450,3 +450,21 @@ def test_non_finite_metadata_of_a_format_1_2_cache_is_named(tmp_path, field, anc
     with open_cache(tmp_path / "c.lynx") as cache, pytest.raises(LynxError) as err:
         cache.load_kv(anchor_only=anchor_only)
     assert f"`{field}`" in str(err.value) and "layer 1 page 1" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("how", ["tier-residual", "tier-anchor", "stream-o"])
+def test_a_page_that_passes_its_crc_but_does_not_decode_is_not_copied(tmp_path, capsys, how):
+    """A page whose CRC holds but whose record does not decode (a NaN scale, written by a hostile writer) is
+    refused by tier and stream -o before anything is written: their check decodes every record."""
+    enc = encode_kv(kv(), SCHEME)
+    enc.layers[1][0].scale[0, 1, 2] = float("nan")
+    _write(tmp_path, build_files(enc, residual_location="c.lynxr"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = {"tier-residual": ("tier", tmp_path / "c.lynx", "--residual-out", tmp_path / "cold" / "c.lynxr"),
+            "tier-anchor": ("tier", tmp_path / "c.lynx", tmp_path / "warm" / "c.lynx", "--keep"),
+            "stream-o": ("stream", tmp_path / "c.lynx", "-o", tmp_path / "got" / "c.lynx")}[how]
+    code, out, err = cli(capsys, *argv)
+    assert code == 1 and "NaN or infinity" in err.strip().splitlines()[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == before
+    assert not any(p.is_file() for d in ("cold", "warm", "got") if (tmp_path / d).exists()
+                   for p in (tmp_path / d).iterdir())

@@ -255,6 +255,21 @@ def test_exact_chunks_are_stored_as_a_third_file_and_retrieved_bit_for_bit(tmp_p
     assert torch.equal(got[1].view(torch.uint8), xs[1].view(torch.uint8))
 
 
+@pytest.mark.parametrize("value", ["false", "0", "no"])
+def test_exact_false_as_a_string_does_not_make_lookups_want_an_exact_file(tmp_path, value):
+    """``"exact"`` in the adapter's parameters is read as the serde reads it: the string "false" is false, so
+    chunks stored without an exact segment are hits."""
+    tier = Tier(tmp_path / "hot", tmp_path / "cold", exact=value)
+    try:
+        ks = keys(2)
+        tier.store(ks, chunks(2))
+        assert tier.lookup(ks) == [0, 1]
+    finally:
+        tier.close()
+    with pytest.raises(LynxError, match="exact"):
+        Tier(tmp_path / "hot", tmp_path / "cold", exact="maybe")
+
+
 def test_lmcache_server_runs_with_the_lynx_tier(tmp_path):
     """The README's command line: the server starts, loads the plugin tier and its serde, and serves."""
     import socket

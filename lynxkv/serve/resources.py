@@ -103,7 +103,7 @@ def check_crcs(anchor: bytes, residual: bytes | None, exact: bytes | None = None
     anchor's (the page reader's checks, without decoding the records: a server only moves bytes)."""
     from lynxkv.stream.tier import check_cache_bytes
 
-    check_cache_bytes(anchor, residual, exact)
+    check_cache_bytes(anchor, residual, exact, decode=False)
 
 
 def _served_name(location: str, taken: set[str], default: str) -> tuple[str, bool]:
@@ -144,7 +144,7 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
         except InputError as exc:
             if kind != c.SEGMENT_EXACT:
                 raise
-            skipped = f"{exc} (name it with --exact-file)"  # the exact tier is optional: served without it
+            skipped = str(exc)  # the exact tier is optional: served without it (the message names --exact-file)
             continue
         data[kind] = read_all(where)
         path, rewrite = _served_name(seg.location, taken, stem + suffix)

@@ -55,12 +55,19 @@ def _regular_file(path: str, what: str) -> None:
         raise InputError(f"{what} {path} is not a regular file; refusing to read it")
 
 
+def _option(what: str, *, out: bool = False) -> str:
+    """The command-line option that names the segment ``what`` explicitly (``out``: where its copy goes)."""
+    if what.startswith("exact"):
+        return "--exact-out" if out else "--exact-file"
+    return "--residual-out" if out else "--residual"
+
+
 def _check_characters(location: str, what: str) -> None:
     """A recorded location is a path or URL: no control characters (a NUL that the OS cannot take, a newline or
     terminal escape that would forge lines of output)."""
     if any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in location):
         raise InputError(f"the anchor records its {what} at {location!r}, which contains control characters; "
-                         f"pass --residual to name the {what} explicitly")
+                         f"pass {_option(what)} to name the {what} explicitly")
 
 
 def _beside(anchor: str, location: str) -> tuple[str, str, bool]:
@@ -89,7 +96,7 @@ def resolve_location(anchor: str | None, location: str, *, allow=(), what: str =
 
     Anything else is an InputError that names the location and how to allow it (``--residual`` names the
     segment explicitly and bypasses this function)."""
-    hint = (f"pass --residual to name the {what} explicitly, or allow its place with --allow-location PREFIX "
+    hint = (f"pass {_option(what)} to name the {what} explicitly, or allow its place with --allow-location PREFIX "
             f"(or ${ALLOW_ENV})")
     _check_characters(location, what)
     if has_protocol(location) or location.startswith("/"):
@@ -118,7 +125,7 @@ def write_target(dest_anchor: str, location: str, *, what: str = "residual") -> 
     _check_characters(location, what)
     if has_protocol(location) or location.startswith("/"):
         raise InputError(f"the anchor records its {what} at the absolute location {location}; say where to write "
-                         f"the copy with --residual-out")
+                         f"the copy with {_option(what, out=True)}")
     target, base, remote = _beside(dest_anchor, location)
     if remote:
         inside = _under(_normal(target), _normal(base))
@@ -126,7 +133,7 @@ def write_target(dest_anchor: str, location: str, *, what: str = "residual") -> 
         inside = _under(target, base) and not os.path.islink(target)
     if not inside:
         raise InputError(f"the anchor records its {what} at {location!r}, which leads outside the directory of "
-                         f"{dest_anchor}; say where to write the copy with --residual-out")
+                         f"{dest_anchor}; say where to write the copy with {_option(what, out=True)}")
     return target
 
 

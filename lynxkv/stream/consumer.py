@@ -20,6 +20,7 @@ import torch
 
 from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.errors import LynxError
+from lynxkv.format import constants as c
 from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.stream.assembly import KVAssembly
 from lynxkv.stream.buffer import StreamClosed
@@ -88,7 +89,9 @@ class LoadConsumer:
                     h = item[1]
                     batch_pages = KVAssembly.batch_pages(h)  # an anchor batch is one worker's unit
                     if self.decode:
-                        dtype = self.dtype or (TORCH_DTYPES[h.dtype] if self.exact_mode else torch.float32)
+                        # with the exact stage (exact=None: where the cache has one), the cache's own dtype
+                        exact = self.exact_mode or (self.exact_mode is None and h.segment(c.SEGMENT_EXACT))
+                        dtype = self.dtype or (TORCH_DTYPES[h.dtype] if exact else torch.float32)
                         self._kv = KVAssembly(h, dtype)
                     self._outputs_ready.set()  # layer_in may ask the outputs now
                     continue

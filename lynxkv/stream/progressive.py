@@ -337,7 +337,7 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
     order (to save a copy; commit it only once the load has verified every page). The KV is exactly what
     ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page), in ``dtype`` (default
-    fp32; with ``exact``, the cache's own dtype).
+    fp32; with ``exact`` -- ``exact=None``: when the cache has an exact segment -- the cache's own dtype).
 
     ``exact`` (format 1.4) adds a third stage: the exact segment, read behind every residual byte (from
     ``exact_file`` when given, else inline or at its recorded location under the same trust rule as the

@@ -22,7 +22,7 @@ import contextlib
 from dataclasses import replace
 from typing import Callable
 
-from lynxkv.cache.replace import settle_dead_writers
+from lynxkv.cache.replace import names_residual, settle_dead_writers
 from lynxkv.errors import InputError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
@@ -50,11 +50,14 @@ def anchor_header_of(anchor: bytes) -> AnchorHeader:
     return PageReader(BytesSource(anchor, "anchor")).header
 
 
-def check_cache_bytes(anchor: bytes, residual: bytes | None = None, exact: bytes | None = None) -> int:
+def check_cache_bytes(anchor: bytes, residual: bytes | None = None, exact: bytes | None = None, *,
+                      decode: bool = True) -> int:
     """Check every header, index and page CRC of a cache held in memory -- the anchor file ``anchor`` and, for a
     two-file cache, its residual file ``residual`` and its exact file ``exact`` (``None``: that external segment is
     not checked); an inline residual or exact segment is always checked. An exact segment's header must belong to
-    the anchor (cache id, shape, dtype). Return the number of pages checked; raise the first FormatError."""
+    the anchor (cache id, shape, dtype). ``decode``: also decode every anchor and residual record (finite metadata,
+    record layout, padding), as a load would; ``False`` checks the CRCs only (a server that just moves bytes).
+    Return the number of pages checked; raise the first FormatError."""
     reader = PageReader(BytesSource(anchor, "anchor"))
     kinds = [c.SEGMENT_ANCHOR]
     if reader.residual_inline:
@@ -71,7 +74,7 @@ def check_cache_bytes(anchor: bytes, residual: bytes | None = None, exact: bytes
         kinds.append(c.SEGMENT_EXACT)
     pages = 0
     for kind in kinds:
-        for _ in reader.pages(kind, decode=False):
+        for _ in reader.pages(kind, decode=decode):
             pages += 1
     return pages
 
@@ -228,9 +231,10 @@ def _move_cache(src: str, dst: str | None, targets: dict, keep: bool, progress, 
                                                                               data[c.SEGMENT_EXACT]))
             moved["anchor"] = {"from": src, "to": new_anchor, "bytes": len(anchor), "crc32": crc}
     except BaseException:
-        for url in published:  # copies no anchor names (the source cache is untouched): not left behind
-            with contextlib.suppress(Exception):
-                remove(url)
+        for url in published:  # copies no anchor names (the source cache is untouched): not left behind; one
+            if names_residual(new_anchor, url) is False:  # the published anchor names (its read-back failed) stays
+                with contextlib.suppress(Exception):
+                    remove(url)
         raise
     if not keep:
         for kind, d in side.items():

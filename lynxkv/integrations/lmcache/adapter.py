@@ -47,7 +47,8 @@ from lynxkv.format import constants as c
 from lynxkv.format.reader import read_anchor_header
 from lynxkv.integrations.lmcache.chunk import anchor_length, split_segments
 from lynxkv.storage import BytesSource, filesystem, read_all, size_of, write_atomic
-from lynxkv.integrations.lmcache.source import object_name, object_paths
+from lynxkv.integrations.lmcache.serde import parse_flag
+from lynxkv.integrations.lmcache.source import exact_object_path, object_name, object_paths
 
 log = init_logger(__name__)  # LMCache's log, so that `lmcache server` shows what the lynx tier did
 
@@ -63,7 +64,7 @@ class LynxL2Adapter(L2AdapterInterface):
             raise InputError("lynx tier: adapter_params needs anchor_path (and optionally residual_path)") from None
         self.residual_path = str(params.get("residual_path") or self.anchor_path)
         self.exact_path = str(params.get("exact_path") or self.residual_path)
-        self.require_exact = bool(params.get("exact", False))  # a lookup also wants the exact file
+        self.require_exact = parse_flag(params.get("exact", False), "lynx tier: exact")  # lookups want it too
         for p in {self.anchor_path, self.residual_path, self.exact_path}:
             if "://" not in p:
                 os.makedirs(p, exist_ok=True)
@@ -82,8 +83,7 @@ class LynxL2Adapter(L2AdapterInterface):
 
     def exact_file(self, key: ObjectKey) -> str:
         """Where the chunk's exact segment (1.4) goes: ``<exact_path>/<name>.lynxe``."""
-        return posixpath.join(self.exact_path, object_name(key) + c.EXACT_SUFFIX) if "://" in self.exact_path \
-            else os.path.join(self.exact_path, object_name(key) + c.EXACT_SUFFIX)
+        return exact_object_path(key, self.exact_path)
 
     def _residual_location(self, anchor: str, residual: str) -> str:
         """What the anchor records: a side file's path relative to the anchor's directory (or its URL)."""

@@ -65,16 +65,16 @@ class LynxDeserializer(Deserializer):
 def create_lynx_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     scheme = get_scheme(str(kwargs.get("scheme", "default")))
     layout = parse_layout(str(kwargs.get("layout", "kv")))
-    exact = _flag(kwargs.get("exact", False))
+    exact = parse_flag(kwargs.get("exact", False))
     return AsyncSerdeProcessor(LynxSerializer(int(kwargs.get("kv_heads", 1)), scheme, layout, exact),
                                LynxDeserializer(exact), max_workers=int(kwargs.get("max_workers", 1)))
 
 
-def _flag(value) -> bool:
-    """A boolean option as JSON or a command line gives it (``true``, ``"true"``, ``1``)."""
+def parse_flag(value, what: str = "lynx serde: exact") -> bool:
+    """A boolean option as JSON or a command line gives it (``true``, ``"true"``, ``1``; ``"false"`` is false)."""
     if isinstance(value, str):
         if value.lower() not in ("true", "false", "1", "0", "yes", "no", ""):
-            raise InputError(f"lynx serde: exact: expected true or false, got {value[:40]!r}")
+            raise InputError(f"{what}: expected true or false, got {value[:40]!r}")
         return value.lower() in ("true", "1", "yes")
     return bool(value)
 
