@@ -192,3 +192,39 @@ def test_smollm2_finds_the_key_and_lynx_full_keeps_its_perplexity(smollm2):
     assert ppl["kivi2"]["ppl_delta"] > 0.01
     pk = tasks.run_passkey(smollm2.model, smollm2.tokenizer, ids, grid, codecs)["codecs"]
     assert pk["fp32"]["hits"] == 2 and pk["lynx-default"]["cells"] == pk["fp32"]["cells"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_row_feeds_the_model_its_own_kv_through_the_code_in_the_models_dtype(dtype, monkeypatch):
+    """A fair comparison in either dtype: the original row's forward reads the KV the model itself produced, bit
+    for bit, and Lynx's row reads that KV through the full code decoded straight to the model's dtype (what
+    ``dequantize(..., dtype=)`` gives a decoder of that cache), both as the same kind of cache."""
+    import lynxkv.eval.draft
+    from lynxkv.quant import dequantize, quantize
+    from lynxkv.quant.scheme import get_scheme
+
+    model = make_tiny_llama(6).to(dtype)
+    torch.manual_seed(6)
+    ids = torch.randint(0, 128, (48,)).tolist()
+    grid = tasks.Grid(tasks=("perplexity",), context=32, scored=16, documents=1)
+    read: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    real_forward = lynxkv.eval.draft.forward
+
+    def spy(model, input_ids, cache):
+        read.append([(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers])
+        return real_forward(model, input_ids, cache)
+
+    monkeypatch.setattr(lynxkv.eval.draft, "forward", spy)
+    tasks.run_perplexity(model, ids, grid, tasks.task_codecs("lynx-default"))
+    monkeypatch.undo()
+    own, _ = prefill(model, torch.tensor(ids[:31]))
+    scheme = get_scheme("default")
+    decoded = [(dequantize(quantize(k, scheme, "key"), scheme, dtype=dtype),
+                dequantize(quantize(v, scheme, "value"), scheme, dtype=dtype)) for k, v in own]
+    assert len(read) == 2  # the original, then Lynx's full code
+    for seen, expected in zip(read, (own, decoded)):
+        assert len(seen) == len(expected)
+        for (k, v), (ek, ev) in zip(seen, expected):
+            assert k.dtype == v.dtype == dtype
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(own, decoded))  # the code did change the cache
