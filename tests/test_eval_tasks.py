@@ -159,10 +159,15 @@ def test_cli_task_run_on_a_tiny_model(tiny_dir, words_dir, tmp_path, capsys):
         (["--task", "passkey", "--lengths", "1K,8K"], "--lengths 8K: needs 8192 tokens but model"),
         (["--task", "perplexity", "--tokens", "4000", "--ppl-tokens", "256"], "needs 4256 tokens"),
         (["--task", "all", "--corpus", "EMPTY"], "holds no non-empty .txt, .md, .rst file"),
+        (["--task", "all", "--corpus", "NOTEXT"], "holds no non-empty .txt, .md, .rst file"),
+        (["--task", "all", "--corpus", "MISSING"], "is not a directory"),
+        (["--task", "all", "--dtype", "fp16"], "--dtype: expected fp32 or bf16"),
+        (["--task", "passkey", "--depths", "0,2"], "--depths: expected fractions between 0 and 1"),
         (["--task", "all", "--corpus", "choosing"], "tasks never read the choosing corpus"),
         (["--task", "all", "--kv", "x.safetensors"], "--task excludes --kv"),
     ],
-    ids=["unknown-task", "context-too-short", "ppl-context-too-short", "empty-corpus", "choosing", "kv"],
+    ids=["unknown-task", "context-too-short", "ppl-context-too-short", "empty-corpus", "no-text-file-corpus",
+         "missing-corpus", "dtype", "depth", "choosing", "kv"],
 )
 def test_bad_task_input_is_one_line_before_any_model_is_loaded(args, message, tiny_dir, tmp_path, capsys,
                                                                monkeypatch):
@@ -171,8 +176,12 @@ def test_bad_task_input_is_one_line_before_any_model_is_loaded(args, message, ti
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("  \n", encoding="utf-8")
+    notext = tmp_path / "notext"
+    notext.mkdir()
+    (notext / "words.bin").write_text(random_words(7, 400), encoding="utf-8")  # text, but not a suffix read
     monkeypatch.setattr(lynxkv.hf.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    args = [str(empty) if a == "EMPTY" else a for a in args]
+    named = {"EMPTY": str(empty), "NOTEXT": str(notext), "MISSING": str(tmp_path / "missing")}
+    args = [named.get(a, a) for a in args]
     assert run_cli(["eval", "--model", tiny_dir, *args]) != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("lynxkv: error: ") and message in err and len(err.splitlines()) == 1, err
