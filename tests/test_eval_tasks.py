@@ -131,15 +131,20 @@ def test_cli_task_run_on_a_tiny_model(tiny_dir, words_dir, tmp_path, capsys):
     assert rc == 0, captured.err
     result = json.loads(captured.out)
     assert "2 text file(s)" in result["corpus"] and "2 text file(s)" in captured.err
-    assert list(result["codecs"]) == ["fp32", "lynx-default", "lynx-default-anchor", "int8-tensor", "int4-g64",
-                                      "kivi4", "kivi2"]
+    assert list(result["codecs"]) == ["fp32", "lynx-default", "lynx-default-exact", "lynx-default-anchor",
+                                      "int8-tensor", "int4-g64", "kivi4", "kivi2"]
     ppl, pk = result["perplexity"]["codecs"], result["passkey"]["codecs"]
     assert ppl["fp32"]["ppl_delta"] == 0.0 and ppl["kivi2"]["bits"] < ppl["lynx-default-anchor"]["bits"]
     assert pk["fp32"]["trials"] == 8 and [b["trials"] for b in pk["fp32"]["by_length"]] == [4, 4]
     assert all(len(s["cells"]) == 2 and len(s["cells"][0]) == 2 for s in pk.values())
     lo, hi = pk["kivi2"]["interval"]
     assert lo <= pk["kivi2"]["accuracy"] <= hi
-    assert {t["target"].split(":")[0] for t in result["targets"]} == {"lynx full", "lynx anchor"}
+    assert {t["target"].split(":")[0] for t in result["targets"]} == {"lynx full", "lynx anchor", "lynx exact tier"}
+    exact = ppl["lynx-default-exact"]
+    assert exact["nll_documents"] == ppl["fp32"]["nll_documents"] and pk["lynx-default-exact"]["cells"] == pk["fp32"][
+        "cells"]
+    assert ppl["lynx-default"]["bits"] < exact["bits"] < 32.0  # the full code plus a remainder, under the original
+    assert [t["met"] for t in result["targets"] if t["target"].startswith("lynx exact")] == [True]
     for name in ("task_accuracy_vs_bits.png", "passkey_depth_length.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -207,7 +212,8 @@ def test_smollm2_finds_the_key_and_lynx_full_keeps_its_perplexity(smollm2):
 def test_every_row_feeds_the_model_its_own_kv_through_the_code_in_the_models_dtype(dtype, monkeypatch):
     """A fair comparison in either dtype: the original row's forward reads the KV the model itself produced, bit
     for bit, and Lynx's row reads that KV through the full code decoded straight to the model's dtype (what
-    ``dequantize(..., dtype=)`` gives a decoder of that cache), both as the same kind of cache."""
+    ``dequantize(..., dtype=)`` gives a decoder of that cache), both as the same kind of cache; the exact tier's
+    row reads the model's own KV again (through save_cache and load_kv)."""
     import lynxkv.eval.draft
     from lynxkv.quant import dequantize, quantize
     from lynxkv.quant.scheme import get_scheme
@@ -224,14 +230,14 @@ def test_every_row_feeds_the_model_its_own_kv_through_the_code_in_the_models_dty
         return real_forward(model, input_ids, cache)
 
     monkeypatch.setattr(lynxkv.eval.draft, "forward", spy)
-    tasks.run_perplexity(model, ids, grid, tasks.task_codecs("lynx-default"))
+    tasks.run_perplexity(model, ids, grid, tasks.task_codecs("lynx-default,lynx-default-exact"))
     monkeypatch.undo()
     own, _ = prefill(model, torch.tensor(ids[:31]))
     scheme = get_scheme("default")
     decoded = [(dequantize(quantize(k, scheme, "key"), scheme, dtype=dtype),
                 dequantize(quantize(v, scheme, "value"), scheme, dtype=dtype)) for k, v in own]
-    assert len(read) == 2  # the original, then Lynx's full code
-    for seen, expected in zip(read, (own, decoded)):
+    assert len(read) == 3  # the original, Lynx's full code, the full code with the exact tier
+    for seen, expected in zip(read, (own, decoded, own)):
         assert len(seen) == len(expected)
         for (k, v), (ek, ev) in zip(seen, expected):
             assert k.dtype == v.dtype == dtype
