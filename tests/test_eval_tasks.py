@@ -48,6 +48,14 @@ def test_parsers_and_the_wilson_interval():
     assert tasks.wilson(10, 10)[1] == 1.0
 
 
+def test_task_codecs_put_the_original_first_and_know_the_exact_tier():
+    assert [c.name for c in tasks.task_codecs(None)] == list(tasks.DEFAULT_CODECS)
+    assert [c.name for c in tasks.task_codecs("kivi4, lynx-default-exact")] == ["fp32", "kivi4", "lynx-default-exact"]
+    for bad, message in (("nope", "unknown codec 'nope'"), (" , ", "no codec named")):
+        with pytest.raises(InputError, match=message):
+            tasks.task_codecs(bad)
+
+
 def test_passkey_prompt_holds_the_key_at_its_depth_and_exactly_the_length():
     tok = byte_tokenizer()
     filler = tok(random_words(3, 400)).input_ids

@@ -132,8 +132,11 @@ def task_codecs(names: str | None) -> list:
     from lynxkv.eval.baselines import select
 
     pool = {**registry(), EXACT_CODEC: ExactTier()}
-    wanted = [n.strip() for n in names.split(",") if n.strip()] if names else list(DEFAULT_CODECS)
-    codecs = [pool[n] if n == EXACT_CODEC else select(n)[0] for n in wanted] if names else [pool[n] for n in wanted]
+    if not names:
+        codecs = [pool[n] for n in DEFAULT_CODECS]
+    else:  # the exact tier is a task codec only (it needs the cache in its own dtype), the rest as for --schemes
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        codecs = [pool[n] if n == EXACT_CODEC else select(n)[0] for n in wanted]
     if not codecs:
         raise InputError("--schemes: no codec named")
     ref = [c for c in codecs if c.name == REFERENCE] or [pool[REFERENCE]]
