@@ -48,6 +48,14 @@ def test_parsers_and_the_wilson_interval():
     assert tasks.wilson(10, 10)[1] == 1.0
 
 
+def test_task_codecs_put_the_original_first_and_know_the_exact_tier():
+    assert [c.name for c in tasks.task_codecs(None)] == list(tasks.DEFAULT_CODECS)
+    assert [c.name for c in tasks.task_codecs("kivi4, lynx-default-exact")] == ["fp32", "kivi4", "lynx-default-exact"]
+    for bad, message in (("nope", "unknown codec 'nope'"), (" , ", "no codec named")):
+        with pytest.raises(InputError, match=message):
+            tasks.task_codecs(bad)
+
+
 def test_passkey_prompt_holds_the_key_at_its_depth_and_exactly_the_length():
     tok = byte_tokenizer()
     filler = tok(random_words(3, 400)).input_ids
@@ -131,15 +139,20 @@ def test_cli_task_run_on_a_tiny_model(tiny_dir, words_dir, tmp_path, capsys):
     assert rc == 0, captured.err
     result = json.loads(captured.out)
     assert "2 text file(s)" in result["corpus"] and "2 text file(s)" in captured.err
-    assert list(result["codecs"]) == ["fp32", "lynx-default", "lynx-default-anchor", "int8-tensor", "int4-g64",
-                                      "kivi4", "kivi2"]
+    assert list(result["codecs"]) == ["fp32", "lynx-default", "lynx-default-exact", "lynx-default-anchor",
+                                      "int8-tensor", "int4-g64", "kivi4", "kivi2"]
     ppl, pk = result["perplexity"]["codecs"], result["passkey"]["codecs"]
     assert ppl["fp32"]["ppl_delta"] == 0.0 and ppl["kivi2"]["bits"] < ppl["lynx-default-anchor"]["bits"]
     assert pk["fp32"]["trials"] == 8 and [b["trials"] for b in pk["fp32"]["by_length"]] == [4, 4]
     assert all(len(s["cells"]) == 2 and len(s["cells"][0]) == 2 for s in pk.values())
     lo, hi = pk["kivi2"]["interval"]
     assert lo <= pk["kivi2"]["accuracy"] <= hi
-    assert {t["target"].split(":")[0] for t in result["targets"]} == {"lynx full", "lynx anchor"}
+    assert {t["target"].split(":")[0] for t in result["targets"]} == {"lynx full", "lynx anchor", "lynx exact tier"}
+    exact = ppl["lynx-default-exact"]
+    assert exact["nll_documents"] == ppl["fp32"]["nll_documents"] and pk["lynx-default-exact"]["cells"] == pk["fp32"][
+        "cells"]
+    assert ppl["lynx-default"]["bits"] < exact["bits"] < 32.0  # the full code plus a remainder, under the original
+    assert [t["met"] for t in result["targets"] if t["target"].startswith("lynx exact")] == [True]
     for name in ("task_accuracy_vs_bits.png", "passkey_depth_length.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -159,10 +172,15 @@ def test_cli_task_run_on_a_tiny_model(tiny_dir, words_dir, tmp_path, capsys):
         (["--task", "passkey", "--lengths", "1K,8K"], "--lengths 8K: needs 8192 tokens but model"),
         (["--task", "perplexity", "--tokens", "4000", "--ppl-tokens", "256"], "needs 4256 tokens"),
         (["--task", "all", "--corpus", "EMPTY"], "holds no non-empty .txt, .md, .rst file"),
+        (["--task", "all", "--corpus", "NOTEXT"], "holds no non-empty .txt, .md, .rst file"),
+        (["--task", "all", "--corpus", "MISSING"], "is not a directory"),
+        (["--task", "all", "--dtype", "fp16"], "--dtype: expected fp32 or bf16"),
+        (["--task", "passkey", "--depths", "0,2"], "--depths: expected fractions between 0 and 1"),
         (["--task", "all", "--corpus", "choosing"], "tasks never read the choosing corpus"),
         (["--task", "all", "--kv", "x.safetensors"], "--task excludes --kv"),
     ],
-    ids=["unknown-task", "context-too-short", "ppl-context-too-short", "empty-corpus", "choosing", "kv"],
+    ids=["unknown-task", "context-too-short", "ppl-context-too-short", "empty-corpus", "no-text-file-corpus",
+         "missing-corpus", "dtype", "depth", "choosing", "kv"],
 )
 def test_bad_task_input_is_one_line_before_any_model_is_loaded(args, message, tiny_dir, tmp_path, capsys,
                                                                monkeypatch):
@@ -171,8 +189,12 @@ def test_bad_task_input_is_one_line_before_any_model_is_loaded(args, message, ti
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "blank.txt").write_text("  \n", encoding="utf-8")
+    notext = tmp_path / "notext"
+    notext.mkdir()
+    (notext / "words.bin").write_text(random_words(7, 400), encoding="utf-8")  # text, but not a suffix read
     monkeypatch.setattr(lynxkv.hf.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    args = [str(empty) if a == "EMPTY" else a for a in args]
+    named = {"EMPTY": str(empty), "NOTEXT": str(notext), "MISSING": str(tmp_path / "missing")}
+    args = [named.get(a, a) for a in args]
     assert run_cli(["eval", "--model", tiny_dir, *args]) != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("lynxkv: error: ") and message in err and len(err.splitlines()) == 1, err
@@ -192,3 +214,40 @@ def test_smollm2_finds_the_key_and_lynx_full_keeps_its_perplexity(smollm2):
     assert ppl["kivi2"]["ppl_delta"] > 0.01
     pk = tasks.run_passkey(smollm2.model, smollm2.tokenizer, ids, grid, codecs)["codecs"]
     assert pk["fp32"]["hits"] == 2 and pk["lynx-default"]["cells"] == pk["fp32"]["cells"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_row_feeds_the_model_its_own_kv_through_the_code_in_the_models_dtype(dtype, monkeypatch):
+    """A fair comparison in either dtype: the original row's forward reads the KV the model itself produced, bit
+    for bit, and Lynx's row reads that KV through the full code decoded straight to the model's dtype (what
+    ``dequantize(..., dtype=)`` gives a decoder of that cache), both as the same kind of cache; the exact tier's
+    row reads the model's own KV again (through save_cache and load_kv)."""
+    import lynxkv.eval.draft
+    from lynxkv.quant import dequantize, quantize
+    from lynxkv.quant.scheme import get_scheme
+
+    model = make_tiny_llama(6).to(dtype)
+    torch.manual_seed(6)
+    ids = torch.randint(0, 128, (48,)).tolist()
+    grid = tasks.Grid(tasks=("perplexity",), context=32, scored=16, documents=1)
+    read: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    real_forward = lynxkv.eval.draft.forward
+
+    def spy(model, input_ids, cache):
+        read.append([(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers])
+        return real_forward(model, input_ids, cache)
+
+    monkeypatch.setattr(lynxkv.eval.draft, "forward", spy)
+    tasks.run_perplexity(model, ids, grid, tasks.task_codecs("lynx-default,lynx-default-exact"))
+    monkeypatch.undo()
+    own, _ = prefill(model, torch.tensor(ids[:31]))
+    scheme = get_scheme("default")
+    decoded = [(dequantize(quantize(k, scheme, "key"), scheme, dtype=dtype),
+                dequantize(quantize(v, scheme, "value"), scheme, dtype=dtype)) for k, v in own]
+    assert len(read) == 3  # the original, Lynx's full code, the full code with the exact tier
+    for seen, expected in zip(read, (own, decoded, own)):
+        assert len(seen) == len(expected)
+        for (k, v), (ek, ev) in zip(seen, expected):
+            assert k.dtype == v.dtype == dtype
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(own, decoded))  # the code did change the cache

@@ -16,7 +16,8 @@ Two tasks, each on text from :mod:`lynxkv.eval.prose` (no part in choosing any d
   their Wilson 95% interval.
 
 Every cache is built in the model's dtype (fp32 or bf16): the original cache is what the model produced, each
-codec's reconstruction is cast back to that dtype before the forward.
+codec's reconstruction is cast back to that dtype before the forward (the exact tier's is that dtype already:
+:mod:`lynxkv.eval.exact_tier`).
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ import torch
 from lynxkv.errors import InputError
 from lynxkv.eval.baselines import bits_kv, registry
 from lynxkv.eval.draft import forward_logits
+from lynxkv.eval.exact_tier import EXACT_CODEC, ExactTier
 from lynxkv.eval.harness import roundtrip_cache
 from lynxkv.hf import prefill
 
 TASKS = ("perplexity", "passkey")
 
-#: The codecs a task run compares by default: the original cache, Lynx's full code and its anchor, plain INT8
-#: (per tensor), INT4 per token (groups of 64), KIVI-4 and KIVI-2; the exact tier joins when a codec of that name
-#: exists (segment kind 3 is reserved in format 1.x, not yet written).
-DEFAULT_CODECS = ("fp32", "lynx-default", "lynx-default-exact", "lynx-default-anchor", "int8-tensor", "int4-g64",
-                  "kivi4", "kivi2")
+#: The codecs a task run compares by default: the original cache, Lynx's full code, the full code with the exact
+#: tier (format 1.4), the anchor alone, plain INT8 (per tensor), INT4 per token (groups of 64), KIVI-4 and KIVI-2.
+DEFAULT_CODECS = ("fp32", "lynx-default", EXACT_CODEC, "lynx-default-anchor", "int8-tensor", "int4-g64", "kivi4",
+                  "kivi2")
 REFERENCE = "fp32"  # the identity codec: the cache as the model produced it
 
 DEFAULT_LENGTHS = (1024, 2048)
@@ -127,11 +128,17 @@ def tokens_label(n: int) -> str:
 
 
 def task_codecs(names: str | None) -> list:
-    """The codecs named (comma-separated; ``None``: :data:`DEFAULT_CODECS` that exist), the original first."""
+    """The codecs named (comma-separated; ``None``: :data:`DEFAULT_CODECS`), the original first."""
     from lynxkv.eval.baselines import select
 
-    pool = registry()
-    codecs = select(names) if names else [pool[n] for n in DEFAULT_CODECS if n in pool]
+    pool = {**registry(), EXACT_CODEC: ExactTier()}
+    if not names:
+        codecs = [pool[n] for n in DEFAULT_CODECS]
+    else:  # the exact tier is a task codec only (it needs the cache in its own dtype), the rest as for --schemes
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        codecs = [pool[n] if n == EXACT_CODEC else select(n)[0] for n in wanted]
+    if not codecs:
+        raise InputError("--schemes: no codec named")
     ref = [c for c in codecs if c.name == REFERENCE] or [pool[REFERENCE]]
     return ref + [c for c in codecs if c.name != REFERENCE]
 
@@ -165,6 +172,19 @@ def _bits(codec, kv, model_dtype: torch.dtype) -> float:
     return (bits_kv(codec, shape, "key") + bits_kv(codec, shape, "value")) / 2
 
 
+def stored(codec, kv) -> tuple[list, float]:
+    """The cache the model reads after ``kv`` (its own prefill, in its dtype) is stored in ``codec``, and the bits
+    per element: the exact tier through the cache API, every other codec's round trip in fp32 (cast back to the
+    model's dtype by the forward)."""
+    if isinstance(codec, ExactTier):
+        return codec.store(kv)
+    return roundtrip_cache(codec, _float_kv(kv)), _bits(codec, kv, kv[0][0].dtype)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def documents(ids: list[int], grid: Grid) -> list[list[int]]:
     """The perplexity documents: consecutive pieces of ``context + scored`` tokens from the start of ``ids``."""
     size = grid.context + grid.scored
@@ -178,16 +198,16 @@ def documents(ids: list[int], grid: Grid) -> list[list[int]]:
 @torch.no_grad()
 def run_perplexity(model, ids: list[int], grid: Grid, codecs: list, tick: Tick | None = None) -> dict:
     nll: dict[str, list[float]] = {c.name: [] for c in codecs}
-    bits: dict[str, float] = {}
+    bits: dict[str, list[float]] = {c.name: [] for c in codecs}
     for doc in documents(ids, grid):
-        kv, _ = prefill(model, torch.tensor(doc[: grid.context - 1]))
-        kv = _float_kv(kv)
+        kv, _ = prefill(model, torch.tensor(doc[: grid.context - 1]))  # the model's dtype
         inputs = torch.tensor(doc[grid.context - 1 : grid.context - 1 + grid.scored])
         targets = torch.tensor(doc[grid.context : grid.context + grid.scored])
         for codec in codecs:
-            logits = forward_logits(model, roundtrip_cache(codec, kv), inputs)  # [scored, V]
+            approx, b = stored(codec, kv)
+            logits = forward_logits(model, approx, inputs)  # [scored, V]
             nll[codec.name].append(float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum")))
-            bits.setdefault(codec.name, _bits(codec, kv, model.dtype))
+            bits[codec.name].append(b)
             if tick:
                 tick()
     ref = nll[REFERENCE]
@@ -197,7 +217,7 @@ def run_perplexity(model, ids: list[int], grid: Grid, codecs: list, tick: Tick |
         mine = nll[codec.name]
         per_doc = [math.exp((a - b) / grid.scored) - 1.0 for a, b in zip(mine, ref)]
         sem = _std(per_doc) / math.sqrt(len(per_doc)) if len(per_doc) > 1 else 0.0
-        out[codec.name] = {"bits": bits[codec.name], "ppl": math.exp(sum(mine) / count),
+        out[codec.name] = {"bits": _mean(bits[codec.name]), "ppl": math.exp(sum(mine) / count),
                            "ppl_delta": math.exp((sum(mine) - sum(ref)) / count) - 1.0, "ppl_delta_sem": sem,
                            "nll_documents": mine}
     return {"context": grid.context, "scored": grid.scored, "documents": len(ref), "codecs": out}
@@ -222,7 +242,7 @@ def passkey_prompt(tokenizer, filler: list[int], length: int, depth: float, key:
 @torch.no_grad()
 def run_passkey(model, tokenizer, ids: list[int], grid: Grid, codecs: list, tick: Tick | None = None) -> dict:
     hits = {c.name: [[0] * len(grid.depths) for _ in grid.lengths] for c in codecs}
-    bits: dict[str, float] = {}
+    bits: dict[str, list[float]] = {c.name: [] for c in codecs}
     for li, length in enumerate(grid.lengths):
         for di, depth in enumerate(grid.depths):
             for trial in range(grid.trials):
@@ -231,12 +251,12 @@ def run_passkey(model, tokenizer, ids: list[int], grid: Grid, codecs: list, tick
                 start = rng.randrange(max(len(ids) - length, 1))
                 prompt, answer = passkey_prompt(tokenizer, ids[start:], length, depth, key)
                 kv, _ = prefill(model, torch.tensor(prompt[:-1]))
-                kv = _float_kv(kv)
                 inputs = torch.tensor(prompt[-1:] + answer[:-1])
                 for codec in codecs:
-                    logits = forward_logits(model, roundtrip_cache(codec, kv), inputs)
+                    approx, b = stored(codec, kv)
+                    logits = forward_logits(model, approx, inputs)
                     hits[codec.name][li][di] += int(logits.argmax(-1).tolist() == answer)
-                    bits.setdefault(codec.name, _bits(codec, kv, model.dtype))
+                    bits[codec.name].append(b)
                     if tick:
                         tick()
     n_len = grid.trials * len(grid.depths)
@@ -247,7 +267,7 @@ def run_passkey(model, tokenizer, ids: list[int], grid: Grid, codecs: list, tick
         lo, hi = wilson(total, n)
         by_length = [{"tokens": length, "hits": sum(row), "trials": n_len,
                       "interval": list(wilson(sum(row), n_len))} for length, row in zip(grid.lengths, h)]
-        out[codec.name] = {"bits": bits[codec.name], "hits": total, "trials": n, "accuracy": total / n,
+        out[codec.name] = {"bits": _mean(bits[codec.name]), "hits": total, "trials": n, "accuracy": total / n,
                            "interval": [lo, hi], "by_length": by_length, "cells": h}
     return {"lengths": list(grid.lengths), "depths": list(grid.depths), "trials_per_cell": grid.trials,
             "codecs": out}
@@ -266,19 +286,26 @@ def estimated_steps(grid: Grid, codecs: list) -> dict[str, int]:
 def targets(result: dict) -> list[dict]:
     """The issue's targets, checked on a result: Lynx's full code within 0.05% of the original's perplexity and
     its retrieval accuracy inside the original's interval; the anchor's perplexity increase no larger than
-    KIVI-4's and its retrieval accuracy inside KIVI-4's interval. Only those whose codecs ran."""
+    KIVI-4's and its retrieval accuracy inside KIVI-4's interval; and the exact tier's answers those of the
+    original cache, document by document and trial by trial. Only those whose codecs ran."""
     rows = []
     ppl = result.get("perplexity", {}).get("codecs", {})
     pk = result.get("passkey", {}).get("codecs", {})
     full, anchor, kivi = "lynx-default", "lynx-default-anchor", "kivi4"
     if full in ppl:
-        d = ppl[full]["ppl_delta"]
-        rows.append({"target": "lynx full: |ΔPPL| ≤ 0.05%", "value": f"{d:+.3%}", "met": abs(d) <= 5e-4})
+        d, sem, n = ppl[full]["ppl_delta"], ppl[full]["ppl_delta_sem"], len(ppl[full]["nll_documents"])
+        rows.append({"target": "lynx full: |ΔPPL| ≤ 0.05%", "value": f"{d:+.3%} ± {sem:.3%} (s.e.m., {n} documents)",
+                     "met": abs(d) <= 5e-4})
     if full in pk:
         lo, hi = pk[REFERENCE]["interval"]
         acc = pk[full]["accuracy"]
         rows.append({"target": "lynx full: passkey accuracy inside the original's 95% interval",
                      "value": f"{acc:.3f} in [{lo:.3f}, {hi:.3f}]", "met": lo <= acc <= hi})
+    if EXACT_CODEC in ppl or EXACT_CODEC in pk:
+        same = [ppl[EXACT_CODEC]["nll_documents"] == ppl[REFERENCE]["nll_documents"]] if EXACT_CODEC in ppl else []
+        same += [pk[EXACT_CODEC]["cells"] == pk[REFERENCE]["cells"]] if EXACT_CODEC in pk else []
+        rows.append({"target": "lynx exact tier: every loss and passkey answer identical to the original's",
+                     "value": "identical" if all(same) else "different", "met": all(same)})
     if anchor in ppl and kivi in ppl:
         a, k = ppl[anchor], ppl[kivi]
         rows.append({"target": "lynx anchor: ΔPPL ≤ KIVI-4's (bits/el)",
