@@ -45,6 +45,10 @@ class LoadConsumer:
         finally:
             if self._kv is not None:
                 self._kv.release()
+            if self._future.cancelled() or (self._future.done() and self._future.exception() is not None):
+                # The full code failed: the exact stage, which needs it, ends now (its reads fail) rather than
+                # once its bytes are in, which they may never be (behind a residual no one reads any more).
+                self._transport.close()
             self._part_ended()
 
     def _part_ended(self) -> None:
