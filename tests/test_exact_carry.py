@@ -221,6 +221,40 @@ def test_progressive_exact_follows_the_trust_rule(tmp_path):
         assert _same_bits(load.exact.result(timeout=60), kv)
 
 
+def test_a_failed_load_ends_the_exact_stage_at_once_with_its_error(tmp_path):
+    """``lynxkv stream --exact`` (decode=False) reads exact pages as they come; once the load has failed the exact
+    stage cannot succeed, so it ends then with the load's error and the events end, instead of waiting for exact
+    bytes that may never come (behind an emulated link they wait for a residual nobody reads any more)."""
+    import threading
+
+    kv = _kv(torch.bfloat16, layers=1)
+    save_cache(tmp_path / "c.lynx", kv, exact=True)
+    (tmp_path / "c.lynxr").unlink()  # the residual is gone: the load fails (no anchor-only leave)
+    release = threading.Event()
+
+    def hook(segment, fetch):
+        if segment != "exact":
+            return fetch
+
+        def held(a, b):  # exact bytes that do not come while the test runs
+            release.wait(60)
+            return fetch(a, b)
+        return held
+
+    events = []
+    try:
+        with open_progressive(str(tmp_path / "c.lynx"), exact=True, decode=False, fetch_hook=hook,
+                              on_event=events.append) as load:
+            with pytest.raises(LynxError, match="c.lynxr") as failed:
+                load.exact.result(timeout=5)
+            with pytest.raises(LynxError):
+                list(load.events(timeout=5))  # the events end (then the load's error is raised)
+            assert failed.value is load.residual.exception()
+            assert [e.kind for e in events][-2:] == ["error", "exact_failed"]
+    finally:
+        release.set()
+
+
 # -- serve, stream, stream -o ----------------------------------------------------------------------------------
 @pytest.mark.network
 @pytest.mark.parametrize("dtype", list(DTYPES))

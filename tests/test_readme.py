@@ -96,8 +96,8 @@ def test_readme_python_example_runs_as_written(smollm2, tmp_path, monkeypatch, c
 
 # ---------------------------------------------------------------------------------------------- run as written
 # Every ``lynxkv`` line of the README runs here as written, on the offline SmolLM2. Only what would take minutes on
-# a 2-core CPU is made smaller (options appended, which override the README's), ``s3://bucket/`` is a bucket on a
-# loopback S3 server and port 9000 a free port.
+# a 2-core CPU is made smaller (options appended, which override the README's), ``s3://bucket/`` (and any other
+# bucket a line names) is a bucket on a loopback S3 server and port 9000 a free port.
 
 
 def _smaller(argv: list[str]) -> list[str]:
@@ -111,7 +111,7 @@ def _smaller(argv: list[str]) -> list[str]:
 
 
 def _as_run(line: list[str], index: int, bucket: str, port: int) -> list[str]:
-    argv = [a.replace("s3://bucket/", f"s3://{bucket}/{index}/").replace("9000", str(port)) for a in line[1:]]
+    argv = [re.sub(r"^s3://[^/]+/", f"s3://{bucket}/{index}/", a).replace("9000", str(port)) for a in line[1:]]
     return argv + _smaller(argv)
 
 
@@ -125,12 +125,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
-    """What the README's lines start from: ``doc.lynx`` + ``doc.lynxr`` of SmolLM2, and ``kv.safetensors``, a KV
-    dump (that cache's full code)."""
+    """What the README's lines start from: ``doc.lynx`` + ``doc.lynxr`` + ``doc.lynxe`` of SmolLM2 (encoded with
+    ``--exact``, as the exact tier's line says), and ``kv.safetensors``, a KV dump (that cache's full code)."""
     from lynxkv.cli import main
 
     d = tmp_path_factory.mktemp("stored")
-    assert main(["encode", "--model", "smollm2", "--tokens", "160", "-o", str(d / "doc.lynx")]) == 0
+    assert main(["encode", "--model", "smollm2", "--tokens", "160", "--exact", "-o", str(d / "doc.lynx")]) == 0
     assert main(["decode", str(d / "doc.lynx"), "-o", str(d / "kv.safetensors")]) == 0
     return d
 
@@ -162,7 +162,8 @@ def test_every_readme_command_runs_as_written(stored, s3_server, tmp_path, monke
                 work = tmp_path / str(i)
                 shutil.copytree(stored, work)
             monkeypatch.chdir(work)
-            outputs = [argv[argv.index(flag) + 1] for flag in ("-o", "--residual-out", "--timeline") if flag in argv]
+            outputs = [argv[argv.index(flag) + 1] for flag in ("-o", "--residual-out", "--exact-out", "--timeline")
+                       if flag in argv]
             for name in (n for n in outputs if "://" not in n):
                 for path in (work / name, (work / name).with_suffix(".lynxr")):
                     path.unlink(missing_ok=True)

@@ -249,3 +249,20 @@ def test_sigint_ignored_at_start_stays_ignored_and_sigterm_still_stops(big):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stop_signal_right_after_the_address_is_printed_still_stops_gracefully(big):
+    """A script reads the JSON address and may stop the server at once: SIGTERM then already stops it gracefully
+    (exit 0, counters printed), not with the default action of a signal no one handles yet."""
+    import signal
+
+    path, _, _ = big
+    proc, _ = _start_json_server(path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, (proc.returncode, err)
+        assert json.loads(out)["served"] == 0 and "served 0 requests" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -307,6 +307,28 @@ def test_a_finished_load_holds_no_file_open(tmp_path, transport, single):
     failed.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+@pytest.mark.parametrize("corrupt", ["anchor", "residual", "exact"])
+def test_a_load_a_corrupt_page_failed_holds_no_file_open_once_ended(tmp_path, corrupt):
+    """As a finished load, one that a corrupt page failed closes and unmaps its files once its events are over,
+    although the error it keeps (``residual``, ``exact``) was raised while those pages were being read."""
+    from lynxkv.cache import save_cache
+
+    save_cache(tmp_path / "c.lynx", random_kv(layers=3, dim=64), exact=True)
+    name = {"anchor": "c.lynx", "residual": "c.lynxr", "exact": "c.lynxe"}[corrupt]
+    data = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(_flip(data, len(data) * 2 // 3))
+    load = open_progressive(str(tmp_path / "c.lynx"), exact=True)
+    with pytest.raises(ChecksumError):
+        load.exact.result(30)
+    try:
+        list(load.events(timeout=30))
+    except LynxError:
+        assert corrupt != "exact"  # the load itself fails only without its anchor or full code
+    assert _files_open_under(tmp_path) == []
+    load.close()
+
+
 @pytest.mark.parametrize("allow", [False, True], ids=["fail", "anchor-only"])
 def test_corrupted_residual_page_is_never_delivered(tmp_path, cache_dir, allow, transport):
     _, _, anchor, residual, (ref_anchor, _) = cache_dir

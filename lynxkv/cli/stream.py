@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import typer
@@ -179,6 +180,13 @@ def serve(
                          max_connections=max_connections,
                          header_timeout=header_timeout, idle_timeout=idle_timeout, write_buffer=wbuf,
                          max_buffered=maxbuf, log=lambda msg: err.print(msg, highlight=False))
+    # A SIGTERM from here until the server's loop takes the signal over (a script may stop the server as soon as
+    # it has read the address) is kept for the loop's first look, not left to the default action (killed, no
+    # counters). A signal ignored at start stays ignored.
+    stopping = threading.Event()
+    before = signal.getsignal(signal.SIGTERM)
+    if before is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     if as_json:
         print_json(server.describe())
     if served.exact_skipped:
@@ -189,11 +197,13 @@ def serve(
         err.print(f"the anchor is served recording {' and '.join(sides)}", highlight=False)
     err.print(f"serving {cache} at {server.url} (rate {format_rate(bw)})", highlight=False, soft_wrap=True)
     try:
-        server.serve_forever(until=server.sent_once if once else None,
+        server.serve_forever(until=(lambda: stopping.is_set() or server.sent_once()) if once else stopping.is_set,
                              stop_signals=(signal.SIGTERM, signal.SIGINT))
     except KeyboardInterrupt:
         pass
     finally:
+        if before is not signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
         server.close()
         n = server.counters()
         err.print(f"served {n['served']:,} requests; connections: peak {n['peak_connections']:,}, refused "

@@ -12,6 +12,7 @@ progressive reader", says why.
 from __future__ import annotations
 
 import queue
+import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -39,13 +40,36 @@ class LoadConsumer:
     def _consumer(self) -> None:
         """Run the consumer loop, then end the load: once the loop's frame is gone, so are its references to the
         page records (views of a mapped file), and closing the transport closes and unmaps the files at once
-        rather than at close(), which a caller keeping the KV may never call. The events end after that."""
+        rather than at close(), which a caller keeping the KV may never call (the errors the load keeps let go of
+        their frames' locals first). The events end after that."""
         try:
             self._consume()
         finally:
             if self._kv is not None:
                 self._kv.release()
+            failure = self._failure(self._future)
+            self._drop_locals(self._fatal, self._anchor_error, failure)
+            if failure is not None or self._future.cancelled():
+                # The full code failed: the exact stage, which needs it, ends now (its reads fail) rather than
+                # once its bytes are in, which they may never be (behind a residual no one reads any more).
+                self._transport.close()
             self._part_ended()
+
+    @staticmethod
+    def _failure(future) -> BaseException | None:
+        return future.exception() if future.done() and not future.cancelled() else None
+
+    @staticmethod
+    def _drop_locals(*errors: BaseException | None) -> None:
+        """Clear the finished frames in the tracebacks of ``errors`` (and of their causes), which the load keeps
+        as its outcome: a page that failed its check was read through the parser's frames, whose locals would
+        otherwise keep views of a mapped file, and the file open, for as long as the load is kept."""
+        for exc in errors:
+            for _ in range(8):  # a chain of causes is short; this bounds a cycle
+                if exc is None:
+                    break
+                traceback.clear_frames(exc.__traceback__)  # a frame still running is left as it is
+                exc = exc.__cause__ or exc.__context__
 
     def _part_ended(self) -> None:
         """The consumer or the exact worker is done; the last one closes the transport and ends the events."""

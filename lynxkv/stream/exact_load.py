@@ -74,11 +74,17 @@ def read_exact_stage(load):
         raise InputError(f"{load.source}: this source does not carry the exact segment")
     load._timeline.extra.setdefault("exact_bytes", 0)
     load._timeline.extra["exact_total_bytes"] = seg.length
-    buf = open_exact(h, load._exact_file)
-    reader.attach_exact(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)  # bound to the anchor
+    try:
+        buf = open_exact(h, load._exact_file)
+        reader.attach_exact(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)  # bound to the anchor
+        if not load.decode:
+            for _ in reader.pages(c.SEGMENT_EXACT, decode=False):  # CRC checked here, page by page
+                pass
+    except StreamClosed:
+        if load.residual.done():  # the full code failed, which closed the load: its error is this stage's too
+            load.residual.result()
+        raise
     if not load.decode:
-        for _ in reader.pages(c.SEGMENT_EXACT, decode=False):  # CRC checked here, page by page
-            pass
         load.residual.result()  # the stages end in order: anchor, full code, exact
         return None
     full = load.residual.result()  # the full code (its failure is the exact stage's too)

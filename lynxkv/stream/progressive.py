@@ -313,6 +313,7 @@ class ProgressiveLoad(LoadConsumer):
         try:
             exact_stage(self, self._exact_future, self._timeline, self._emit, self._now)
         finally:
+            self._drop_locals(self._failure(self._exact_future))
             self._part_ended()
 
 
