@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from conftest import TINY_ARCHS, make_tiny_model
-from runner_helpers import StepLoad, caches, prompt_ids
+from runner_helpers import StepLoad, caches, prompt_ids, single_thread
 from lynxkv.cache.loading import PreparedLoad
 from lynxkv.errors import ChecksumError
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import RunConfig, SamplingParams, decode_plain, run
 from lynxkv.speculative.batch import BatchRequest, run_batch
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 LENGTHS = (7, 12, 19, 26, 33, 41, 48, 60, 23)  # 9 requests of different lengths
 WINDOWS = (0, 1, 3, 5, 8, 2, 12, 4, 6)  # drafts before each request's residual lands
@@ -29,7 +31,7 @@ def _setup(model, n=len(LENGTHS), scale=None):
 
 def _configs(sampled: bool, n: int):
     params = SamplingParams(temperature=0.9, top_p=0.95) if sampled else SamplingParams()
-    return [RunConfig(max_new_tokens=10 + 3 * i, max_window=WINDOWS[i], sampling=params, seed=100 + i,
+    return [RunConfig(max_new_tokens=6 + 2 * i, max_window=WINDOWS[i], sampling=params, seed=100 + i,
                       min_window_steps=0) for i in range(n)]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -55,7 +55,6 @@ class RequestResult:
     stats: RunStats
     error: str | None = None  # why the request ended without its output (the others were not affected)
     arrival_s: float = 0.0
-    load: CacheLoad | None = field(default=None, repr=False)
 
     @property
     def verified(self) -> bool:
@@ -112,8 +111,11 @@ class _Request:
         self.cache = None  # the cache the next forward runs on (anchor while drafting, full after the verify)
         self.pending: list[int] = []
         self.verified = True
+        self.anchor_kv = None
 
     # ---- clock and commits ----------------------------------------------------------------------------------
+    t0 = 0.0
+
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
@@ -151,7 +153,7 @@ class _Request:
         if self.phase == "arrive":
             if time.perf_counter() < batch_t0 + self.spec.arrival_s:
                 return
-            self.t0 = time.perf_counter()
+            self.t0 = batch_t0 + self.spec.arrival_s  # its times count from its arrival, opening the load included
             spec_load = self.spec.load
             self.load = spec_load() if callable(spec_load) and not hasattr(spec_load, "wait_anchor") else spec_load
             self.load.residual.add_done_callback(self._on_residual)
@@ -163,7 +165,9 @@ class _Request:
                 if cfg.anchor_timeout is not None and self.now() > cfg.anchor_timeout:
                     raise LynxError(f"the anchor did not arrive within {cfg.anchor_timeout:g} s") from None
                 return
-            self.stats.anchor_ready_s = self.now()
+            # when the anchor was in (the load's own record; this loop only sees it between steps)
+            seen = self.load.timeline.anchor_ready_s
+            self.stats.anchor_ready_s = self.now() if seen is None else min(seen, self.now())
             self.prompt = check_load(self.load, self.fingerprint)
             new = [int(t) for t in (self.spec.new_token_ids or ())]
             self.stats.cached_prompt_tokens = len(self.prompt)
@@ -268,7 +272,16 @@ class _Request:
         self.stats.draft_token_ids = list(self.drafts)
         if self.load is not None:
             self.stats.load = asdict(self.load.timeline)
-        return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s, self.load)
+        return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
+
+    def leave(self, close: bool) -> None:
+        """The request is over: keep its load's timeline, close the load and let its caches go."""
+        if self.load is not None:
+            self.stats.load = asdict(self.load.timeline)
+            if close:
+                self.load.close()
+        self.load = self.cache = self.anchor_kv = None
+        self.draft_probs.clear()
 
 
 def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = None, max_batch: int | None = None,
@@ -288,8 +301,8 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
             for r in reqs:
                 if r.phase != "done":
                     r.advance(t0)
-                    if r.phase == "done" and close_loads and r.load is not None:
-                        r.load.close()
+                    if r.phase == "done":
+                        r.leave(close_loads)
             live = [r for r in reqs if r.phase != "done"]
             if not live:
                 break
@@ -305,13 +318,13 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
             steps.append([start - t0, end - t0, len(ready), sum(len(r.pending) for r in ready)])
             for r, x in zip(ready, rows):
                 r.take_rows(x, start, end)
+                if r.phase == "done":
+                    r.leave(close_loads)
             if on_step is not None:
                 on_step([r.result() for r in reqs])
     finally:
-        if close_loads:
-            for r in reqs:
-                if r.load is not None:
-                    r.load.close()
+        for r in reqs:
+            r.leave(close_loads)
     return BatchResult([r.result() for r in reqs], steps, time.perf_counter() - t0)
 
 

@@ -5,7 +5,8 @@ Anchor bytes go straight to the shared :class:`~lynxkv.stream.link.EmulatedLink`
 waiting anchor block before any residual block, whichever load it belongs to. A residual may use the link only
 while it holds the *turn*: one residual at a time, so a residual finishes as early as the link allows instead of
 sharing the rate with all the others. The turn passes when the holder has sent its whole residual (``size``
-bytes) or is released (its load finished, failed or closed), to the waiting lane the policy puts first:
+bytes) or is released (its load finished, failed or closed), to the lane the policy puts first among those whose
+load has opened (:meth:`_Lane.join`) and whose residual is not done yet:
 
     fifo   the order the lanes were made in (arrival order)
     srf    shortest residual first (fewest bytes; ties in arrival order), not preempting the holder
@@ -41,39 +42,48 @@ class LinkQueue:
         self._made = 0
         self.order: list[str] = []  # the names of the lanes, in the order they got the turn
 
-    def lane(self, size: int | None = None, name: str = "") -> "_Lane":
-        """A link for one load whose residual has ``size`` bytes (None: unknown, sorted last by ``srf``)."""
+    def lane(self, size: int | None = None, name: str = "", *, whole: bool = False) -> "_Lane":
+        """A link for one load whose residual has ``size`` bytes (None: unknown, sorted last by ``srf``).
+        ``whole``: the anchor waits for the turn too and ``size`` counts both (a monolithic transfer, one
+        cache after another, for the baselines)."""
         with self._cond:
             self._made += 1
-            return _Lane(self, size, self._made, name or str(self._made))
+            return _Lane(self, size, self._made, name or str(self._made), whole)
 
     def _key(self, lane: "_Lane"):
         if self.policy == "fifo":
             return (lane.seq,)
         return (lane.size is None, lane.size or 0, lane.seq)
 
+    def _join(self, lane: "_Lane") -> None:
+        with self._cond:
+            if not lane.released and lane not in self._waiting:
+                self._waiting.append(lane)
+            self._cond.notify_all()
+
     def _acquire(self, lane: "_Lane") -> None:
+        """Block until ``lane`` holds the turn: no holder, and the policy puts it first among the lanes that have
+        joined (opened their load) and not finished."""
         with self._cond:
             if self._holder is lane:
                 return
-            if lane.released:
-                raise _Released()
-            self._waiting.append(lane)
-            try:
-                while True:
-                    if lane.released:
-                        raise _Released()
-                    if self._holder is None and min(self._waiting, key=self._key) is lane:
-                        self._holder = lane
-                        self.order.append(lane.name)
-                        return
-                    self._cond.wait()
-            finally:
-                self._waiting.remove(lane)
+            if lane not in self._waiting:
+                self._waiting.append(lane)
+            while True:
+                if lane.released:
+                    raise _Released()
+                if self._holder is None and min(self._waiting, key=self._key) is lane:
+                    self._holder = lane
+                    self._waiting.remove(lane)
+                    self.order.append(lane.name)
+                    return
+                self._cond.wait()
 
     def _release(self, lane: "_Lane") -> None:
         with self._cond:
             lane.released = True
+            if lane in self._waiting:
+                self._waiting.remove(lane)
             if self._holder is lane:
                 self._holder = None
             self._cond.notify_all()
@@ -86,8 +96,8 @@ class _Released(Exception):
 class _Lane:
     """One load's view of the shared link: the :class:`EmulatedLink` interface the transports use."""
 
-    def __init__(self, queue: LinkQueue, size: int | None, seq: int, name: str):
-        self.queue, self.size, self.seq, self.name = queue, size, seq, name
+    def __init__(self, queue: LinkQueue, size: int | None, seq: int, name: str, whole: bool = False):
+        self.queue, self.size, self.seq, self.name, self.whole = queue, size, seq, name, whole
         self.sent = 0
         self.released = False
 
@@ -100,7 +110,7 @@ class _Lane:
         return self.queue.link.bandwidth
 
     def send(self, stream: int, nbytes: int) -> float:
-        if stream == ANCHOR:
+        if stream == ANCHOR and not self.whole:
             return self.queue.link.send(stream, nbytes)
         try:
             self.queue._acquire(self)
@@ -111,6 +121,11 @@ class _Lane:
         if self.size is not None and self.sent >= self.size:
             self.release()
         return delivered
+
+    def join(self) -> None:
+        """The load has opened: from now on the policy counts this residual as waiting, whether or not its first
+        block is ready yet (so a short residual that is a moment late still goes before a long one)."""
+        self.queue._join(self)
 
     def release(self) -> None:
         """Give the turn up for good (the residual is complete, failed, or no longer wanted)."""
