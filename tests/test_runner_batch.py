@@ -125,3 +125,40 @@ def test_foreign_cache_ends_only_its_request(tiny_model):
     got = run_batch(model, reqs)
     assert "another model" in got.requests[1].error and got.requests[1].token_ids == []
     assert all(got.requests[i].error is None and len(got.requests[i].token_ids) == 8 for i in (0, 2))
+
+
+def test_32_staggered_requests_release_what_they_finish_with(tiny_model):
+    """32 requests arriving over time, at most 8 in a forward: all finish with their tokens, and a finished
+    request's caches are let go while the others still run (memory follows the live requests, not all of them)."""
+    import gc
+    import weakref
+
+    model = tiny_model
+    fp = model_fingerprint(model)
+    refs, alive_after_done = {}, []
+    reqs = []
+    for i in range(32):
+        ids = prompt_ids(200 + i, 10 + (7 * i) % 40)
+
+        def open_load(i=i, ids=ids):
+            _, a, f = caches(model, ids)
+            refs[i] = weakref.ref(f[0][0])  # the full code's first key tensor: held only by the load and the run
+            return PreparedLoad(a, f, residual_delay=0.01 * (i % 4), prompt_token_ids=ids, model_fingerprint=fp)
+        reqs.append(BatchRequest(open_load, RunConfig(max_new_tokens=6 + i % 5, min_window_steps=0),
+                                 arrival_s=0.01 * i, name=str(i)))
+
+    def on_step(results):
+        gc.collect()
+        for r in results:
+            i = int(r.name)
+            if len(r.token_ids) == reqs[i].config.max_new_tokens and i in refs and refs[i]() is not None:
+                alive_after_done.append(i)
+
+    got = run_batch(model, reqs, max_batch=8, on_step=on_step)
+    assert got.aggregate()["max_batch"] == 8 and got.aggregate()["failed"] == 0
+    assert not alive_after_done
+    for r, spec in zip(got.requests, reqs):
+        full = caches(model, prompt_ids(200 + int(r.name), 10 + (7 * int(r.name)) % 40))[2]
+        ids = prompt_ids(200 + int(r.name), 10 + (7 * int(r.name)) % 40)
+        assert r.token_ids == decode_plain(model, full, ids, spec.config.max_new_tokens,
+                                           first_forward=r.stats.draft_token_ids)

@@ -1,0 +1,155 @@
+"""Many requests at once: ``lynxkv run A B ... H`` (one batch, one link) against the same requests one by one.
+
+Eight SmolLM2 caches of 500-2,000 tokens (the built-in prompt from eight different starts, encoded once into
+``--dir``), all arriving together over one emulated link (default 60 Mbit/s), 64 tokens each, greedy. Every
+repeat runs, interleaved, through the CLI in this process (``lynxkv.cli.main``, ``--json``):
+
+    lynx-srf   the batch, residuals shortest first          lynx-fifo   the batch, residuals in arrival order
+    mono-srf   the batch on the monolithic full code (``--compare``; each cache whole, shortest first)
+    one-by-one each cache alone on its own link, one after another (batch 1)
+    decode-8 / decode-1   with --decode-only, the same without a link (caches on local disk): decode alone
+
+and prints the medians over the repeats: aggregate tokens/s (batch 8 against batch 1), per-request TT64 of Lynx
+against the batched monolithic full code (the gain in units of Δ = min(t_res, 64·TPOT)), mean TT64 with either
+link order, and whether every request's tokens equal its batch-1 run's.
+
+    python benchmarks/bench_batch.py --repeats 3 [--dir /tmp/bench-batch] [--bandwidth 60Mbps] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+LENGTHS = (500, 700, 900, 1100, 1300, 1500, 1750, 2000)
+
+
+def encode(folder: str) -> list[str]:
+    from lynxkv.hf.models import load_model
+    from lynxkv.hf.prefill import encode_model
+    from lynxkv.hf.prompts import builtin_prompt
+    from lynxkv.quant.scheme import get_scheme
+
+    os.makedirs(folder, exist_ok=True)
+    tok = load_model().tokenizer
+    paths = []
+    for i, n in enumerate(LENGTHS):
+        path = os.path.join(folder, f"c{i}.lynx")
+        if not os.path.exists(path):
+            encode_model(None, path, get_scheme("default"), prompt=builtin_prompt(tok, n, start=37 * i))
+        paths.append(path)
+    return paths
+
+
+def cli(*args: str) -> tuple[dict, float]:
+    """``lynxkv run ARGS --json`` in this process: (its JSON, seconds)."""
+    from lynxkv.cli import main
+
+    buf = io.StringIO()
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["run", *args, "--json"])
+    wall = time.perf_counter() - t
+    if code != 0:
+        raise SystemExit(f"lynxkv run {' '.join(args)} exited {code}")
+    return json.loads(buf.getvalue()), wall
+
+
+def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> dict:
+    common = ["-n", str(n), "--ignore-eos"]
+    out = {}
+    srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--compare")
+    fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo")
+    singles, walls = [], []
+    for p in paths:
+        doc, wall = cli(p, *common, *link)
+        singles.append(doc)
+        walls.append(wall)
+    tokens = sum(len(r["token_ids"]) for r in srf["requests"])
+    out["tps_batch8"] = tokens / out["wall_srf"]
+    out["tps_batch1"] = tokens / sum(walls)
+    out["tps_decode8"] = out["tps_decode1"] = None
+    if decode_only:
+        out["wall_decode8"] = cli(*paths, *common)[1]
+        out["tps_decode8"] = tokens / out["wall_decode8"]
+        out["tps_decode1"] = tokens / sum(cli(p, *common)[1] for p in paths)
+    rows = []
+    for r, s in zip(srf["requests"], singles):
+        st = r["stats"]
+        delta = None
+        if st["residual_after_anchor_s"] is not None and st["tpot_s"] is not None:
+            delta = min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
+        mono = r["compare"]["monolithic_full"]["tt64_s"]
+        rows.append({"name": r["name"], "prompt": st["prompt_tokens"], "tt1": st["tt1_s"], "tt64": st["tt64_s"],
+                     "tt64_mono": mono, "gain": r["compare"]["gain_tt64_s"], "delta": delta,
+                     "kept": f"{st['accepted']}/{st['drafted']}", "tt64_batch1": s["stats"]["tt64_s"],
+                     "same_as_mono": r["compare"]["monolithic_full"]["same_tokens_as_lynx"],
+                     "same_as_batch1": r["token_ids"] == s["token_ids"]})
+    out["rows"] = rows
+    out["tt64_mean_srf"] = srf["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_fifo"] = fifo["aggregate"]["tt64_mean_s"]
+    out["acceptance"] = srf["aggregate"]["acceptance_rate"]
+    out["verify_per_token"] = srf["aggregate"]["verify_s_per_token"]
+    out["same_fifo_tokens"] = [r["token_ids"] for r in fifo["requests"]] == [r["token_ids"] for r in srf["requests"]]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/lynxkv-bench-batch")
+    ap.add_argument("--bandwidth", default="60Mbps")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
+                    "a link (decode throughput alone)")
+    a = ap.parse_args()
+    paths = encode(a.dir)
+    rounds = []
+    for k in range(a.repeats):
+        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only))
+        print(f"round {k + 1} of {a.repeats} done", file=sys.stderr, flush=True)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rounds, f, indent=1)
+    med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
+    print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link; "
+          f"medians of {a.repeats} interleaved rounds\n")
+    print("| request | prompt | TT1 | TT64 batch 8 | TT64 monolithic batch 8 | gain | Δ | gain / Δ | drafts kept "
+          "| TT64 batch 1 | = monolithic | = batch 1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
+    ratios = []
+    for i in range(len(paths)):
+        rs = [r["rows"][i] for r in rounds]
+        g, d = med([r["gain"] for r in rs]), med([r["delta"] for r in rs])
+        ratio = g / d if g is not None and d else None
+        ratios.append(ratio)
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {rs[0]['name']} | {rs[0]['prompt']} | {f(med([r['tt1'] for r in rs]))} | "
+              f"{f(med([r['tt64'] for r in rs]))} | {f(med([r['tt64_mono'] for r in rs]))} | {f(g)} | {f(d)} | "
+              f"{f(ratio)} | {', '.join(r['kept'] for r in rs)} | {f(med([r['tt64_batch1'] for r in rs]))} | "
+              f"{'yes' if all(r['same_as_mono'] for r in rs) else 'NO'} | "
+              f"{'yes' if all(r['same_as_batch1'] for r in rs) else 'NO'} |")
+    t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
+    d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
+    fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
+    print()
+    print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x")
+    if d8 is not None:
+        print(f"aggregate tokens/s without a link (decode): batch 8 {d8:.1f}, one by one {d1:.1f}: {d8 / d1:.2f}x")
+    print(f"median per-request gain over the batched monolithic full code: "
+          f"{statistics.median([r for r in ratios if r is not None]):.2f} Δ")
+    print(f"mean TT64: srf {fs:.2f} s, fifo {ff:.2f} s: srf {ff - fs:+.2f} s ({(ff - fs) / ff:+.1%}) "
+          f"(same tokens either way: {all(r['same_fifo_tokens'] for r in rounds)})")
+    print(f"acceptance {med([r['acceptance'] for r in rounds]):.2f}; verify per accepted token "
+          f"{1e3 * med([r['verify_per_token'] for r in rounds]):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
