@@ -28,6 +28,8 @@ import sys
 import time
 
 LENGTHS = (500, 700, 900, 1100, 1300, 1500, 1750, 2000)
+# The order the requests are given in (FIFO's order): not by size, so that shortest-residual-first differs from it.
+ORDER = (7, 0, 5, 2, 6, 1, 4, 3)
 
 
 def encode(folder: str) -> list[str]:
@@ -100,6 +102,51 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> d
     return out
 
 
+def step_times(repeats: int, steps: int = 4) -> None:
+    """Decode throughput alone, without links or speculation: per repeat (interleaved) one decode step of each of
+    the eight caches' lengths at batch 1, then one packed step of all eight; and how the packed step splits
+    between attention (per request, over its own cache) and the rest (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative.model_ops import forward_tokens, start_cache
+    from lynxkv.speculative.packed import forward_packed
+
+    model = load_model().model
+    layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    g = torch.Generator().manual_seed(0)
+    kvs = [[(torch.randn(heads, n, dim, generator=g), torch.randn(heads, n, dim, generator=g)) for _ in range(layers)]
+           for n in LENGTHS]  # the values do not change the time of a step
+    single = [start_cache(model, kv, n) for kv, n in zip(kvs, LENGTHS)]
+    packed = [start_cache(model, kv, n) for kv, n in zip(kvs, LENGTHS)]
+    for c in single:
+        forward_tokens(model, c, [1])
+    forward_packed(model, packed, [[1]] * len(packed))
+    one, eight = [], []
+    for _ in range(repeats):
+        for _ in range(steps):
+            t = time.perf_counter()
+            for c in single:
+                forward_tokens(model, c, [1])
+            one.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            forward_packed(model, packed, [[1]] * len(packed))
+            eight.append(time.perf_counter() - t)
+    m1, m8 = statistics.median(one), statistics.median(eight)
+    print(f"decode step, {len(LENGTHS)} requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens: one by one {m1:.3f} s, packed "
+          f"{m8:.3f} s: {m1 / m8:.2f}x the tokens per second (medians of {len(one)} interleaved steps, "
+          f"{torch.get_num_threads()} threads)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward_packed(model, packed, [[1]] * len(packed))
+    total = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    attn = sum(v for k, v in total.items() if "scaled_dot_product" in k or "flash_attention" in k)
+    dense = sum(v for k, v in total.items() if k in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul"))
+    whole = sum(total.values())
+    print(f"packed step by operator (self CPU time): attention {attn / whole:.0%}, matrix products {dense / whole:.0%}, "
+          f"the rest {(whole - attn - dense) / whole:.0%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/lynxkv-bench-batch")
@@ -107,10 +154,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--steps-only", action="store_true", help="only the decode step at batch 1 against batch 8")
     ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
                     "a link (decode throughput alone)")
     a = ap.parse_args()
-    paths = encode(a.dir)
+    if a.steps_only:
+        step_times(a.repeats)
+        return
+    paths = [encode(a.dir)[i] for i in ORDER]
     rounds = []
     for k in range(a.repeats):
         rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only))
