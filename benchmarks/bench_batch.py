@@ -63,11 +63,19 @@ def cli(*args: str) -> tuple[dict, float]:
     return json.loads(buf.getvalue()), wall
 
 
+def _delta(st: dict) -> float | None:
+    """Δ = min(t_res, 64·TPOT) of one request's stats."""
+    if st["residual_after_anchor_s"] is None or st["tpot_s"] is None:
+        return None
+    return min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
+
+
 def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> dict:
     common = ["-n", str(n), "--ignore-eos"]
     out = {}
     srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--compare")
     fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo")
+    turn, out["wall_cache_turn"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache")
     singles, walls = [], []
     for p in paths:
         doc, wall = cli(p, *common, *link)
@@ -82,7 +90,7 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> d
         out["tps_decode8"] = tokens / out["wall_decode8"]
         out["tps_decode1"] = tokens / sum(cli(p, *common)[1] for p in paths)
     rows = []
-    for r, s in zip(srf["requests"], singles):
+    for r, s, c in zip(srf["requests"], singles, turn["requests"]):
         st = r["stats"]
         delta = None
         if st["residual_after_anchor_s"] is not None and st["tpot_s"] is not None:
@@ -91,11 +99,17 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> d
         rows.append({"name": r["name"], "prompt": st["prompt_tokens"], "tt1": st["tt1_s"], "tt64": st["tt64_s"],
                      "tt64_mono": mono, "gain": r["compare"]["gain_tt64_s"], "delta": delta,
                      "kept": f"{st['accepted']}/{st['drafted']}", "tt64_batch1": s["stats"]["tt64_s"],
+                     "tt64_cache_turn": c["stats"]["tt64_s"],
+                     "delta_cache_turn": _delta(c["stats"]),
+                     "kept_cache_turn": f"{c['stats']['accepted']}/{c['stats']['drafted']}",
+                     "same_cache_turn": c["token_ids"] == r["token_ids"],
                      "same_as_mono": r["compare"]["monolithic_full"]["same_tokens_as_lynx"],
                      "same_as_batch1": r["token_ids"] == s["token_ids"]})
     out["rows"] = rows
     out["tt64_mean_srf"] = srf["aggregate"]["tt64_mean_s"]
     out["tt64_mean_fifo"] = fifo["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_cache_turn"] = turn["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_mono"] = srf["aggregate"]["monolithic_full"]["tt64_mean_s"]
     out["acceptance"] = srf["aggregate"]["acceptance_rate"]
     out["verify_per_token"] = srf["aggregate"]["verify_s_per_token"]
     out["same_fifo_tokens"] = [r["token_ids"] for r in fifo["requests"]] == [r["token_ids"] for r in srf["requests"]]
@@ -190,6 +204,24 @@ def main() -> None:
     t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
     d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
     fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
+    print()
+    print("--link-turn cache (one cache at a time, its anchor then its residual), srf order:")
+    print("| request | TT64 | TT64 monolithic | gain | Δ | gain / Δ | drafts kept | = lynx |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    turn_ratios = []
+    for i in range(len(paths)):
+        rs = [r["rows"][i] for r in rounds]
+        tt, mono = med([r["tt64_cache_turn"] for r in rs]), med([r["tt64_mono"] for r in rs])
+        g = med([r["tt64_mono"] - r["tt64_cache_turn"] for r in rs if r["tt64_mono"] and r["tt64_cache_turn"]])
+        d = med([r["delta_cache_turn"] for r in rs])
+        ratio = g / d if g is not None and d else None
+        turn_ratios.append(ratio)
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {rs[0]['name']} | {f(tt)} | {f(mono)} | {f(g)} | {f(d)} | {f(ratio)} | "
+              f"{', '.join(r['kept_cache_turn'] for r in rs)} | {'yes' if all(r['same_cache_turn'] for r in rs) else 'NO'} |")
+    print(f"median gain / Δ with --link-turn cache: {statistics.median([r for r in turn_ratios if r is not None]):.2f}; "
+          f"mean TT64: cache turn {med([r['tt64_mean_cache_turn'] for r in rounds]):.2f} s, residual turn "
+          f"{med([r['tt64_mean_srf'] for r in rounds]):.2f} s, monolithic {med([r['tt64_mean_mono'] for r in rounds]):.2f} s")
     print()
     print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x")
     if d8 is not None:

@@ -54,11 +54,11 @@ def _check_tokens(model, refs, doc, n):
         assert r["token_ids"] == want, r["name"]
 
 
-@pytest.mark.parametrize("order", ["fifo", "srf"])
-def test_several_caches_json(batch_dir, capsys, order):
+@pytest.mark.parametrize("order, turn", [("fifo", "residual"), ("srf", "residual"), ("srf", "cache")])
+def test_several_caches_json(batch_dir, capsys, order, turn):
     model, model_dir, paths, refs, _ = batch_dir
     code, out, err = _run(capsys, *paths, "--model", model_dir, "-n", "16", "--ignore-eos", "--bandwidth", "4MB/s",
-                          "--link-order", order, "--json")
+                          "--link-order", order, "--link-turn", turn, "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert [r["cache"] for r in doc["requests"]] == paths  # in the order given
@@ -68,6 +68,7 @@ def test_several_caches_json(batch_dir, capsys, order):
         assert r["stats"]["committed"] == 16 and r["stats"]["anchor_ready_s"] <= r["stats"]["residual_ready_s"]
     agg = doc["aggregate"]
     assert agg["requests"] == 8 and agg["tokens"] == 8 * 16 and agg["max_batch"] > 1 and agg["link_order"] == order
+    assert agg["link_turn"] == turn
     # the residuals took the link one at a time in the policy's order (fifo: as given; srf: fewest bytes first)
     sizes = [r["stats"]["load"]["residual_bytes"] for r in doc["requests"]]
     expect = list(range(8)) if order == "fifo" else sorted(range(8), key=lambda i: (sizes[i], i))

@@ -165,7 +165,10 @@ def run(
     link_order: str = typer.Option("srf", "--link-order", help="Several caches: the order their residuals take the "
                                    "shared link, fifo or srf (shortest residual first)."),
     max_batch: int = typer.Option(None, "--max-batch", min=1, help="Several caches: at most this many requests "
-                                  "share a forward."),
+                                  "open at once (the next is admitted when one leaves)."),
+    link_turn: str = typer.Option("residual", "--link-turn", help="Several caches: 'residual': every anchor "
+                                  "first, then one residual at a time; 'cache': one cache at a time, its anchor "
+                                  "then its residual."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
@@ -205,7 +208,7 @@ def run(
                              rate=parse_bandwidth(bandwidth), delay=parse_duration(latency), link_order=link_order,
                              max_batch=max_batch, compare=compare, as_json=as_json, timeline=timeline,
                              prompt=read_text(prompt_file) if prompt_file is not None else prompt,
-                             ignore_eos=ignore_eos)
+                             ignore_eos=ignore_eos, link_turn=link_turn)
     cache = caches[0]
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")

@@ -73,7 +73,7 @@ def read_requests(path: str) -> list[Spec]:
 
 def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay, link_order: str,
              max_batch: int | None, compare: bool, as_json: bool, timeline: Path | None, prompt: str | None,
-             ignore_eos: bool) -> dict:
+             ignore_eos: bool, link_turn: str = "residual") -> dict:
     """Decode every request together (lynxkv.speculative.batch) and report one row per request and the aggregate."""
     import torch
 
@@ -85,6 +85,8 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
 
     if link_order not in POLICIES:
         raise InputError(f"--link-order: expected one of {', '.join(POLICIES)}, got {link_order!r}")
+    if link_turn not in ("residual", "cache"):
+        raise InputError(f"--link-turn: expected residual or cache, got {link_turn!r}")
     sizes = []
     for spec in specs:  # every cache's recorded model is checked before any weights load
         with open_cache(spec.cache) as c:
@@ -103,10 +105,11 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
         requests.append((spec, _config(cfg, spec), new))
 
     lynx = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, cfg.allow_anchor_only,
-                     speculate=True, progress=not as_json)
+                     speculate=True, progress=not as_json, link_turn=link_turn)
     report = {"requests": [_request_report(loaded, r, spec, ids + (new or []))
                            for r, (spec, _, new), (_, _, ids) in zip(lynx.requests, requests, sizes)],
-              "aggregate": {**lynx.aggregate(), "link_order": link_order, "link": _link_text(rate, delay),
+              "aggregate": {**lynx.aggregate(), "link_order": link_order, "link_turn": link_turn,
+                            "link": _link_text(rate, delay),
                             "residuals_sent_in_order": lynx.link_order}}
     if compare:
         err.print("running the monolithic full code on the same link, batched the same way ...")
@@ -146,7 +149,8 @@ def _config(cfg, spec: Spec):
                    max_new_tokens=spec.max_new_tokens or cfg.max_new_tokens)
 
 
-def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress):
+def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress,
+              link_turn: str = "residual"):
     from lynxkv.speculative.batch import BatchRequest, run_batch
     from lynxkv.stream.link_queue import LinkQueue
     from lynxkv.stream.progressive import open_progressive
@@ -156,7 +160,9 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
     def opener(spec, anchor_bytes, residual_bytes):
         lane = None
         if queue is not None:
-            whole = not speculate  # the monolithic baseline sends each cache whole, one after another
+            # the monolithic baseline, and Lynx with --link-turn cache: each cache whole (its anchor first), one after
+            # another; Lynx by default: every anchor first, then the residuals one at a time
+            whole = not speculate or link_turn == "cache"
             lane = queue.lane(anchor_bytes + residual_bytes if whole else residual_bytes, spec.name, whole=whole)
 
         def open_load():

@@ -288,7 +288,9 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
               on_step: Callable[[list[RequestResult]], None] | None = None, close_loads: bool = True) -> BatchResult:
     """Decode every request, all of them together (see the module docstring); results in the order given.
 
-    ``max_batch`` caps how many requests share a forward (the others wait their turn, oldest first).
+    ``max_batch`` caps how many requests are open at once (loading, drafting, verifying or decoding): the next
+    to arrive is admitted, and its load opened, only when one of them has left, so memory holds at most
+    ``max_batch`` requests' caches whatever the number of requests; its times still count from its arrival.
     ``on_step(partial results)`` is called after every step (a progress display). Each load is closed when its
     request ends unless ``close_loads`` is False.
     """
@@ -298,9 +300,14 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     steps: list[list[float]] = []
     try:
         while True:
+            opened = sum(1 for r in reqs if r.phase not in ("arrive", "done"))
             for r in reqs:
+                if r.phase == "arrive" and max_batch is not None and opened >= max_batch:
+                    continue  # it waits to be admitted: nothing of it is loaded before there is room
                 if r.phase != "done":
+                    arriving = r.phase == "arrive"
                     r.advance(t0)
+                    opened += arriving and r.phase not in ("arrive", "done")
                     if r.phase == "done":
                         r.leave(close_loads)
             live = [r for r in reqs if r.phase != "done"]
