@@ -157,13 +157,15 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
 
     queue = LinkQueue(rate, delay, policy=link_order) if rate is not None or delay > 0 else None
 
-    def opener(spec, anchor_bytes, residual_bytes):
+    def opener(index, spec, anchor_bytes, residual_bytes):
         lane = None
         if queue is not None:
             # the monolithic baseline, and Lynx with --link-turn cache: each cache whole (its anchor first), one after
             # another; Lynx by default: every anchor first, then the residuals one at a time
             whole = not speculate or link_turn == "cache"
             lane = queue.lane(anchor_bytes + residual_bytes if whole else residual_bytes, spec.name, whole=whole)
+            if spec.arrival_s == 0 and (max_batch is None or index < max_batch):
+                lane.join()  # opened in the batch's first pass: waiting from the start, not from when its turn came
 
         def open_load():
             if lane is None:
@@ -178,9 +180,9 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
             return _LaneLoad(load, lane)
         return open_load
 
-    batch = [BatchRequest(opener(spec, a, r), replace(c, speculate=speculate, allow_anchor_only=allow_anchor_only),
+    batch = [BatchRequest(opener(i, spec, a, r), replace(c, speculate=speculate, allow_anchor_only=allow_anchor_only),
                           new_token_ids=new, arrival_s=spec.arrival_s, name=spec.name)
-             for (spec, c, new), (a, r, _) in zip(requests, sizes)]
+             for i, ((spec, c, new), (a, r, _)) in enumerate(zip(requests, sizes))]
     with _Progress(requests, enabled=progress and err.is_terminal) as bar:
         result = run_batch(loaded.model, batch, fingerprint=loaded.fingerprint, max_batch=max_batch,
                            on_step=bar.update)
