@@ -129,7 +129,7 @@ def compare_table(compare: dict, link_text: str):
 
 @app.command()
 def run(
-    cache: str = typer.Argument(..., help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve, lmcache://MODEL?anchor_path=DIR&tokens=IDS for an LMCache store)."),
+    caches: list[str] = typer.Argument(..., metavar="CACHE...", help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve, lmcache://MODEL?anchor_path=DIR&tokens=IDS for an LMCache store). Several caches, or one .jsonl request file, are decoded together in one batch over one link."),
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
     dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
                               "cache is converted to it, whatever dtype it stores)."),
@@ -162,6 +162,13 @@ def run(
     timeline: Path = typer.Option(None, "--timeline", help="Draw the run's timeline (with --compare: one row per "
                                   "method) to this PNG file; --json carries the same data under timelines."),
     as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
+    link_order: str = typer.Option("srf", "--link-order", help="Several caches: the order their residuals take the "
+                                   "shared link, fifo or srf (shortest residual first)."),
+    max_batch: int = typer.Option(None, "--max-batch", min=1, help="Several caches: at most this many requests "
+                                  "open at once (the next is admitted when one leaves)."),
+    link_turn: str = typer.Option("residual", "--link-turn", help="Several caches: 'residual': every anchor "
+                                  "first, then one residual at a time; 'cache': one cache at a time, its anchor "
+                                  "then its residual."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
@@ -179,7 +186,30 @@ def run(
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
+    from lynxkv.cli import run_batch as many
+
     torch_dtype = parse_dtype(dtype)
+    if len(caches) > 1 or many.is_request_file(caches):
+        unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
+                       "--layered-verify": layered_verify, "--repeats": repeats > 1}
+        named = [k for k, v in unsupported.items() if v]
+        if named:
+            raise InputError(f"{', '.join(named)}: one cache at a time (not with several caches)")
+        if prompt is not None and prompt_file is not None:
+            raise InputError("--prompt and --prompt-file exclude each other")
+        if timeline is not None:
+            _check_timeline_path(timeline)
+        specs = (many.read_requests(caches[0]) if many.is_request_file(caches)
+                 else [many.Spec(cache=c, name=f"{i}:{Path(c).name}") for i, c in enumerate(caches)])
+        cfg = RunConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, top_p=top_p),
+                        seed=seed, max_window=max_window, residual_timeout=residual_timeout,
+                        allow_anchor_only=allow_anchor_only)
+        return many.run_many(specs, model=model, torch_dtype=torch_dtype, dtype_name=dtype, cfg=cfg,
+                             rate=parse_bandwidth(bandwidth), delay=parse_duration(latency), link_order=link_order,
+                             max_batch=max_batch, compare=compare, as_json=as_json, timeline=timeline,
+                             prompt=read_text(prompt_file) if prompt_file is not None else prompt,
+                             ignore_eos=ignore_eos, link_turn=link_turn)
+    cache = caches[0]
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")
     if repeats > 1 and not compare:

@@ -10,16 +10,20 @@ from lynxkv.speculative.runner import (
     run,
     stream,
 )
+from lynxkv.speculative.batch import BatchRequest, BatchResult, RequestResult, run_batch
 from lynxkv.speculative.plain import decode_plain
 from lynxkv.speculative.sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs
 from lynxkv.speculative.stats import RunStats
 
 __all__ = [
     "AcceptanceTracker",
+    "BatchRequest",
+    "BatchResult",
     "Event",
     "ResidualUnavailable",
     "RunConfig",
     "RunResult",
+    "RequestResult",
     "RunStats",
     "SamplingParams",
     "accept_greedy",
@@ -28,5 +32,6 @@ __all__ = [
     "decode_plain",
     "logits_to_probs",
     "run",
+    "run_batch",
     "stream",
 ]

@@ -120,3 +120,35 @@ def _label(tl: dict) -> str:
     if tl["method"] == "lynx" and tl["drafted"]:
         name += f"\n{tl['accepted']}/{tl['drafted']} drafts kept"
     return name
+
+
+def render_batch_png(requests: list[dict], *, title: str | None = None, dpi: int = 80) -> bytes:
+    """A PNG of committed tokens over time, one line per request of a batch (``requests``: the objects of
+    ``lynxkv run A B ... --json``), on the batch's clock (a request's own times plus its arrival): a flat stretch
+    is a request waiting (for its anchor or its residual), a jump a verify that kept drafts. The residual's
+    arrival is marked on each line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for r in requests:
+        s, at = r["stats"], r["arrival_s"]
+        times = [at + t for t in s["commit_times_s"]]
+        line, = ax.step([at, *times], [0, *range(1, len(times) + 1)], where="post", linewidth=1.2,
+                        label=r["name"] + (" (error)" if r["error"] else ""))
+        if s["residual_ready_s"] is not None:
+            t = at + s["residual_ready_s"]
+            done = sum(1 for x in times if x <= t)
+            ax.plot([t], [done], marker="D", color=line.get_color(), markersize=4, linestyle="none")
+    ax.set_xlabel("seconds since the batch started (◆: the request's residual ready)")
+    ax.set_ylabel("tokens committed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2 if len(requests) > 8 else 1, loc="upper left")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()

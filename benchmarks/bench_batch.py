@@ -1,0 +1,238 @@
+"""Many requests at once: ``lynxkv run A B ... H`` (one batch, one link) against the same requests one by one.
+
+Eight SmolLM2 caches of 500-2,000 tokens (the built-in prompt from eight different starts, encoded once into
+``--dir``), all arriving together over one emulated link (default 60 Mbit/s), 64 tokens each, greedy. Every
+repeat runs, interleaved, through the CLI in this process (``lynxkv.cli.main``, ``--json``):
+
+    lynx-srf   the batch, residuals shortest first          lynx-fifo   the batch, residuals in arrival order
+    mono-srf   the batch on the monolithic full code (``--compare``; each cache whole, shortest first)
+    one-by-one each cache alone on its own link, one after another (batch 1)
+    decode-8 / decode-1   with --decode-only, the same without a link (caches on local disk): decode alone
+
+and prints the medians over the repeats: aggregate tokens/s (batch 8 against batch 1), per-request TT64 of Lynx
+against the batched monolithic full code (the gain in units of Δ = min(t_res, 64·TPOT)), mean TT64 with either
+link order, and whether every request's tokens equal its batch-1 run's.
+
+    python benchmarks/bench_batch.py --repeats 3 [--dir /tmp/bench-batch] [--bandwidth 60Mbps] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+LENGTHS = (500, 700, 900, 1100, 1300, 1500, 1750, 2000)
+# The order the requests are given in (FIFO's order): not by size, so that shortest-residual-first differs from it.
+ORDER = (7, 0, 5, 2, 6, 1, 4, 3)
+
+
+def encode(folder: str) -> list[str]:
+    from lynxkv.hf.models import load_model
+    from lynxkv.hf.prefill import encode_model
+    from lynxkv.hf.prompts import builtin_prompt
+    from lynxkv.quant.scheme import get_scheme
+
+    os.makedirs(folder, exist_ok=True)
+    tok = load_model().tokenizer
+    paths = []
+    for i, n in enumerate(LENGTHS):
+        path = os.path.join(folder, f"c{i}.lynx")
+        if not os.path.exists(path):
+            encode_model(None, path, get_scheme("default"), prompt=builtin_prompt(tok, n, start=37 * i))
+        paths.append(path)
+    return paths
+
+
+def cli(*args: str) -> tuple[dict, float]:
+    """``lynxkv run ARGS --json`` in this process: (its JSON, seconds)."""
+    from lynxkv.cli import main
+
+    buf = io.StringIO()
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["run", *args, "--json"])
+    wall = time.perf_counter() - t
+    if code != 0:
+        raise SystemExit(f"lynxkv run {' '.join(args)} exited {code}")
+    return json.loads(buf.getvalue()), wall
+
+
+def _delta(st: dict) -> float | None:
+    """Δ = min(t_res, 64·TPOT) of one request's stats."""
+    if st["residual_after_anchor_s"] is None or st["tpot_s"] is None:
+        return None
+    return min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
+
+
+def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> dict:
+    common = ["-n", str(n), "--ignore-eos"]
+    out = {}
+    srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--compare")
+    fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo")
+    turn, out["wall_cache_turn"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache")
+    singles, walls = [], []
+    for p in paths:
+        doc, wall = cli(p, *common, *link)
+        singles.append(doc)
+        walls.append(wall)
+    tokens = sum(len(r["token_ids"]) for r in srf["requests"])
+    out["tps_batch8"] = tokens / out["wall_fifo"]  # the srf call also ran the monolithic batch (--compare)
+    out["tps_batch1"] = tokens / sum(walls)
+    out["tps_decode8"] = out["tps_decode1"] = None
+    if decode_only:
+        out["wall_decode8"] = cli(*paths, *common)[1]
+        out["tps_decode8"] = tokens / out["wall_decode8"]
+        out["tps_decode1"] = tokens / sum(cli(p, *common)[1] for p in paths)
+    rows = []
+    for r, s, c in zip(srf["requests"], singles, turn["requests"]):
+        st = r["stats"]
+        delta = None
+        if st["residual_after_anchor_s"] is not None and st["tpot_s"] is not None:
+            delta = min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
+        mono = r["compare"]["monolithic_full"]["tt64_s"]
+        rows.append({"name": r["name"], "prompt": st["prompt_tokens"], "tt1": st["tt1_s"], "tt64": st["tt64_s"],
+                     "tt64_mono": mono, "gain": r["compare"]["gain_tt64_s"], "delta": delta,
+                     "kept": f"{st['accepted']}/{st['drafted']}", "tt64_batch1": s["stats"]["tt64_s"],
+                     "tt64_cache_turn": c["stats"]["tt64_s"],
+                     "delta_cache_turn": _delta(c["stats"]),
+                     "kept_cache_turn": f"{c['stats']['accepted']}/{c['stats']['drafted']}",
+                     "same_cache_turn": c["token_ids"] == r["token_ids"],
+                     "same_as_mono": r["compare"]["monolithic_full"]["same_tokens_as_lynx"],
+                     "same_as_batch1": r["token_ids"] == s["token_ids"]})
+    out["rows"] = rows
+    out["tt64_mean_srf"] = srf["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_fifo"] = fifo["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_cache_turn"] = turn["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_mono"] = srf["aggregate"]["monolithic_full"]["tt64_mean_s"]
+    out["acceptance"] = srf["aggregate"]["acceptance_rate"]
+    out["verify_per_token"] = srf["aggregate"]["verify_s_per_token"]
+    out["same_fifo_tokens"] = [r["token_ids"] for r in fifo["requests"]] == [r["token_ids"] for r in srf["requests"]]
+    return out
+
+
+def step_times(repeats: int, steps: int = 4) -> None:
+    """Decode throughput alone, without links or speculation: per repeat (interleaved) one decode step of each of
+    the eight caches' lengths at batch 1, then one packed step of all eight; and how the packed step splits
+    between attention (per request, over its own cache) and the rest (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative.model_ops import forward_tokens, start_cache
+    from lynxkv.speculative.packed import forward_packed
+
+    model = load_model().model
+    layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    g = torch.Generator().manual_seed(0)
+    kvs = [[(torch.randn(heads, n, dim, generator=g), torch.randn(heads, n, dim, generator=g)) for _ in range(layers)]
+           for n in LENGTHS]  # the values do not change the time of a step
+    single = [start_cache(model, kv, n) for kv, n in zip(kvs, LENGTHS)]
+    packed = [start_cache(model, kv, n) for kv, n in zip(kvs, LENGTHS)]
+    for c in single:
+        forward_tokens(model, c, [1])
+    forward_packed(model, packed, [[1]] * len(packed))
+    one, eight = [], []
+    for _ in range(repeats):
+        for _ in range(steps):
+            t = time.perf_counter()
+            for c in single:
+                forward_tokens(model, c, [1])
+            one.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            forward_packed(model, packed, [[1]] * len(packed))
+            eight.append(time.perf_counter() - t)
+    m1, m8 = statistics.median(one), statistics.median(eight)
+    print(f"decode step, {len(LENGTHS)} requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens: one by one {m1:.3f} s, packed "
+          f"{m8:.3f} s: {m1 / m8:.2f}x the tokens per second (medians of {len(one)} interleaved steps, "
+          f"{torch.get_num_threads()} threads)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward_packed(model, packed, [[1]] * len(packed))
+    total = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    attn = sum(v for k, v in total.items() if "scaled_dot_product" in k or "flash_attention" in k)
+    dense = sum(v for k, v in total.items() if k in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul"))
+    whole = sum(total.values())
+    print(f"packed step by operator (self CPU time): attention {attn / whole:.0%}, matrix products {dense / whole:.0%}, "
+          f"the rest {(whole - attn - dense) / whole:.0%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/lynxkv-bench-batch")
+    ap.add_argument("--bandwidth", default="60Mbps")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--steps-only", action="store_true", help="only the decode step at batch 1 against batch 8")
+    ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
+                    "a link (decode throughput alone)")
+    a = ap.parse_args()
+    if a.steps_only:
+        step_times(a.repeats)
+        return
+    paths = [encode(a.dir)[i] for i in ORDER]
+    rounds = []
+    for k in range(a.repeats):
+        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only))
+        print(f"round {k + 1} of {a.repeats} done", file=sys.stderr, flush=True)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rounds, f, indent=1)
+    med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
+    print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link; "
+          f"medians of {a.repeats} interleaved rounds\n")
+    print("| request | prompt | TT1 | TT64 batch 8 | TT64 monolithic batch 8 | gain | Δ | gain / Δ | drafts kept "
+          "| TT64 batch 1 | = monolithic | = batch 1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
+    ratios = []
+    for i in range(len(paths)):
+        rs = [r["rows"][i] for r in rounds]
+        g, d = med([r["gain"] for r in rs]), med([r["delta"] for r in rs])
+        ratio = g / d if g is not None and d else None
+        ratios.append(ratio)
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {rs[0]['name']} | {rs[0]['prompt']} | {f(med([r['tt1'] for r in rs]))} | "
+              f"{f(med([r['tt64'] for r in rs]))} | {f(med([r['tt64_mono'] for r in rs]))} | {f(g)} | {f(d)} | "
+              f"{f(ratio)} | {', '.join(r['kept'] for r in rs)} | {f(med([r['tt64_batch1'] for r in rs]))} | "
+              f"{'yes' if all(r['same_as_mono'] for r in rs) else 'NO'} | "
+              f"{'yes' if all(r['same_as_batch1'] for r in rs) else 'NO'} |")
+    t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
+    d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
+    fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
+    print()
+    print("--link-turn cache (one cache at a time, its anchor then its residual), srf order:")
+    print("| request | TT64 | TT64 monolithic | gain | Δ | gain / Δ | drafts kept | = lynx |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    turn_ratios = []
+    for i in range(len(paths)):
+        rs = [r["rows"][i] for r in rounds]
+        tt, mono = med([r["tt64_cache_turn"] for r in rs]), med([r["tt64_mono"] for r in rs])
+        g = med([r["tt64_mono"] - r["tt64_cache_turn"] for r in rs if r["tt64_mono"] and r["tt64_cache_turn"]])
+        d = med([r["delta_cache_turn"] for r in rs])
+        ratio = g / d if g is not None and d else None
+        turn_ratios.append(ratio)
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {rs[0]['name']} | {f(tt)} | {f(mono)} | {f(g)} | {f(d)} | {f(ratio)} | "
+              f"{', '.join(r['kept_cache_turn'] for r in rs)} | {'yes' if all(r['same_cache_turn'] for r in rs) else 'NO'} |")
+    print(f"median gain / Δ with --link-turn cache: {statistics.median([r for r in turn_ratios if r is not None]):.2f}; "
+          f"mean TT64: cache turn {med([r['tt64_mean_cache_turn'] for r in rounds]):.2f} s, residual turn "
+          f"{med([r['tt64_mean_srf'] for r in rounds]):.2f} s, monolithic {med([r['tt64_mean_mono'] for r in rounds]):.2f} s")
+    print()
+    print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x")
+    if d8 is not None:
+        print(f"aggregate tokens/s without a link (decode): batch 8 {d8:.1f}, one by one {d1:.1f}: {d8 / d1:.2f}x")
+    print(f"median per-request gain over the batched monolithic full code: "
+          f"{statistics.median([r for r in ratios if r is not None]):.2f} Δ")
+    print(f"mean TT64: srf {fs:.2f} s, fifo {ff:.2f} s: srf {ff - fs:+.2f} s ({(ff - fs) / ff:+.1%}) "
+          f"(same tokens either way: {all(r['same_fifo_tokens'] for r in rounds)})")
+    print(f"acceptance {med([r['acceptance'] for r in rounds]):.2f}; verify per accepted token "
+          f"{1e3 * med([r['verify_per_token'] for r in rounds]):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""``lynxkv run a.lynx b.lynx ...`` or ``lynxkv run requests.jsonl``: many requests decoded together over one link.
+
+A request file has one JSON object per line: ``{"cache": "a.lynx"}`` and optionally ``"prompt"`` (new text after
+the cached prompt), ``"max_new_tokens"``, ``"temperature"``, ``"top_p"``, ``"seed"``, ``"arrival_s"`` (seconds
+after the start) and ``"name"``; a relative cache path is relative to the file's folder. Options given on the
+command line are every request's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from lynxkv.cli.console import err, out, read_text
+from lynxkv.errors import InputError
+from lynxkv.stream.units import format_seconds as _s
+
+_KEYS = {"cache", "prompt", "max_new_tokens", "temperature", "top_p", "seed", "arrival_s", "name"}
+
+
+@dataclass
+class Spec:
+    cache: str
+    name: str
+    prompt: str | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    arrival_s: float = 0.0
+
+
+def is_request_file(args: list[str]) -> bool:
+    return len(args) == 1 and args[0].endswith(".jsonl")
+
+
+def read_requests(path: str) -> list[Spec]:
+    """The requests of a JSONL file, each checked; one clear error naming the line otherwise."""
+    base = Path(path).parent
+    specs = []
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise InputError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("cache"), str):
+            raise InputError(f'{where}: expected an object with a "cache" path')
+        unknown = set(obj) - _KEYS
+        if unknown:
+            raise InputError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(_KEYS))})")
+        types = {"prompt": str, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
+                 "seed": int, "arrival_s": (int, float), "name": str}
+        for key, kind in types.items():
+            if key in obj and (not isinstance(obj[key], kind) or isinstance(obj[key], bool)):
+                raise InputError(f"{where}: {key!r} has the wrong type ({type(obj[key]).__name__})")
+        if obj.get("max_new_tokens", 1) < 1 or obj.get("arrival_s", 0) < 0:
+            raise InputError(f"{where}: max_new_tokens must be >= 1 and arrival_s >= 0")
+        cache = obj["cache"]
+        if "://" not in cache and not os.path.isabs(cache):
+            cache = str(base / cache)
+        specs.append(Spec(cache=cache, name=obj.get("name") or f"{len(specs)}:{Path(cache).name}",
+                          **{k: obj[k] for k in ("prompt", "max_new_tokens", "temperature", "top_p", "seed",
+                                                 "arrival_s") if k in obj}))
+    if not specs:
+        raise InputError(f"{path}: no requests")
+    return specs
+
+
+def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay, link_order: str,
+             max_batch: int | None, compare: bool, as_json: bool, timeline: Path | None, prompt: str | None,
+             ignore_eos: bool, link_turn: str = "residual") -> dict:
+    """Decode every request together (lynxkv.speculative.batch) and report one row per request and the aggregate."""
+    import torch
+
+    from lynxkv.cache import open_cache
+    from lynxkv.cli.console import model_label, print_json, progress_step
+    from lynxkv.hf import continuation_ids
+    from lynxkv.hf.models import load_model, model_for_cache
+    from lynxkv.stream.link_queue import POLICIES
+
+    if link_order not in POLICIES:
+        raise InputError(f"--link-order: expected one of {', '.join(POLICIES)}, got {link_order!r}")
+    if link_turn not in ("residual", "cache"):
+        raise InputError(f"--link-turn: expected residual or cache, got {link_turn!r}")
+    sizes = []
+    for spec in specs:  # every cache's recorded model is checked before any weights load
+        with open_cache(spec.cache) as c:
+            model = model_for_cache(c.info.properties, model)
+            sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
+    with progress_step(f"loading model {model_label(model)} ({dtype_name})"):
+        loaded = load_model(model, dtype=torch_dtype)
+        with torch.no_grad():
+            loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
+    eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    cfg = replace(cfg, stop_token_ids=() if ignore_eos or eos is None else (int(eos),))
+    requests = []
+    for spec, (_, _, ids) in zip(specs, sizes):
+        text = spec.prompt if spec.prompt is not None else prompt
+        new = continuation_ids(loaded.tokenizer, ids, text) if text is not None and ids else None
+        requests.append((spec, _config(cfg, spec), new))
+
+    lynx = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, cfg.allow_anchor_only,
+                     speculate=True, progress=not as_json, link_turn=link_turn)
+    report = {"requests": [_request_report(loaded, r, spec, ids + (new or []))
+                           for r, (spec, _, new), (_, _, ids) in zip(lynx.requests, requests, sizes)],
+              "aggregate": {**lynx.aggregate(), "link_order": link_order, "link_turn": link_turn,
+                            "link": _link_text(rate, delay),
+                            "residuals_sent_in_order": lynx.link_order}}
+    if compare:
+        err.print("running the monolithic full code on the same link, batched the same way ...")
+        mono = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, False, speculate=False,
+                         progress=False)
+        for row, m in zip(report["requests"], mono.requests):
+            tt_l, tt_m = row["stats"]["tt64_s"], m.stats.tt(64)
+            row["compare"] = {"monolithic_full": {"tt1_s": m.stats.tt(1), "tt64_s": tt_m, "error": m.error,
+                                                  "same_tokens_as_lynx": m.token_ids == row["token_ids"]},
+                              "gain_tt64_s": None if tt_l is None or tt_m is None else tt_m - tt_l}
+        report["aggregate"]["monolithic_full"] = mono.aggregate()
+    if timeline is not None:
+        from lynxkv.speculative.timeline import render_batch_png
+        from lynxkv.storage import write_atomic
+
+        write_atomic(timeline, render_batch_png(report["requests"], title=f"lynxkv run: {len(specs)} requests"))
+        err.print(f"tokens over time written to {timeline}")
+    if as_json:
+        print_json(report)
+    else:
+        out.print(batch_table(report, compare))
+    failed = [r for r in report["requests"] if r["error"]]
+    for r in failed:
+        err.print(f"lynxkv: error: request {r['name']}: {r['error']}")
+    if failed:
+        raise SystemExit(1)  # every other request's output is above
+    return report
+
+
+def _config(cfg, spec: Spec):
+    from lynxkv.speculative import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=cfg.sampling.temperature if spec.temperature is None else float(spec.temperature),
+        top_p=cfg.sampling.top_p if spec.top_p is None else float(spec.top_p))
+    return replace(cfg, sampling=sampling, seed=cfg.seed if spec.seed is None else spec.seed,
+                   max_new_tokens=spec.max_new_tokens or cfg.max_new_tokens)
+
+
+def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress,
+              link_turn: str = "residual"):
+    from lynxkv.speculative.batch import BatchRequest, run_batch
+    from lynxkv.stream.link_queue import LinkQueue
+    from lynxkv.stream.progressive import open_progressive
+
+    queue = LinkQueue(rate, delay, policy=link_order) if rate is not None or delay > 0 else None
+
+    def opener(index, spec, anchor_bytes, residual_bytes):
+        lane = None
+        if queue is not None:
+            # the monolithic baseline, and Lynx with --link-turn cache: each cache whole (its anchor first), one after
+            # another; Lynx by default: every anchor first, then the residuals one at a time
+            whole = not speculate or link_turn == "cache"
+            lane = queue.lane(anchor_bytes + residual_bytes if whole else residual_bytes, spec.name, whole=whole)
+            if spec.arrival_s == 0 and (max_batch is None or index < max_batch):
+                lane.join()  # opened in the batch's first pass: waiting from the start, not from when its turn came
+
+        def open_load():
+            if lane is None:
+                return open_progressive(spec.cache, allow_anchor_only=allow_anchor_only)
+            lane.join()
+            try:
+                load = open_progressive(spec.cache, link=lane, allow_anchor_only=allow_anchor_only)
+            except BaseException:
+                lane.release()
+                raise
+            load.residual.add_done_callback(lambda _: lane.release())
+            return _LaneLoad(load, lane)
+        return open_load
+
+    batch = [BatchRequest(opener(i, spec, a, r), replace(c, speculate=speculate, allow_anchor_only=allow_anchor_only),
+                          new_token_ids=new, arrival_s=spec.arrival_s, name=spec.name)
+             for i, ((spec, c, new), (a, r, _)) in enumerate(zip(requests, sizes))]
+    with _Progress(requests, enabled=progress and err.is_terminal) as bar:
+        result = run_batch(loaded.model, batch, fingerprint=loaded.fingerprint, max_batch=max_batch,
+                           on_step=bar.update)
+    result.link_order = list(queue.order) if queue is not None else []
+    return result
+
+
+class _LaneLoad:
+    """A load that gives its lane's turn up when it is closed, whatever state its residual is in."""
+
+    def __init__(self, load, lane):
+        self._load, self._lane = load, lane
+
+    def __getattr__(self, name):
+        return getattr(self._load, name)
+
+    def close(self) -> None:
+        try:
+            self._load.close()
+        finally:
+            self._lane.release()
+
+
+class _Progress:
+    """One bar per request on stderr (tokens committed of max_new_tokens), on a terminal only."""
+
+    def __init__(self, requests, enabled: bool):
+        self.requests, self.enabled, self.bars = requests, enabled, None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
+                                 transient=True)
+            self.bars.start()
+            self.tasks = [self.bars.add_task(spec.name, total=c.max_new_tokens) for spec, c, _ in self.requests]
+        return self
+
+    def update(self, results) -> None:
+        if self.bars is not None:
+            for task, r in zip(self.tasks, results):
+                self.bars.update(task, completed=len(r.token_ids))
+
+    def __exit__(self, *exc):
+        if self.bars is not None:
+            self.bars.stop()
+
+
+def _request_report(loaded, r, spec: Spec, prompt_ids: list[int]) -> dict:
+    """One request's object: what ``lynxkv run --json`` prints for one cache, plus its name, arrival and error."""
+    return {
+        "name": r.name,
+        "cache": spec.cache,
+        "arrival_s": spec.arrival_s,
+        "error": r.error,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": r.token_ids,
+        "text": loaded.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+        "verified": r.verified,
+        "verified_against": "full code",
+        "stats": r.stats.to_dict(),
+    }
+
+
+def _link_text(rate, delay) -> str:
+    from lynxkv.stream.units import format_rate
+
+    return "no link emulation" if rate is None and not delay else (
+        f"{format_rate(rate) if rate else 'unlimited'}, latency {delay * 1e3:.1f} ms")
+
+
+def batch_table(report: dict, compare: bool):
+    from rich.table import Table
+
+    agg = report["aggregate"]
+    t = Table(title=f"lynx run: {agg['requests']} requests, one link ({agg['link']}, residuals in {agg['link_order']} "
+                    "order)", title_justify="left")
+    cols = ["request", "prompt", "arrival", "anchor", "residual", "TT1", "TT64", "tokens", "drafted / kept",
+            "verify", "verified"]
+    if compare:
+        cols += ["TT64 monolithic", "gain", "= lynx"]
+    for c in cols:
+        t.add_column(c, no_wrap=True)
+    for r in report["requests"]:
+        s = r["stats"]
+        cells = [r["name"], str(s["prompt_tokens"]), _s(r["arrival_s"]), _s(s["anchor_ready_s"]),
+                 _s(s["residual_ready_s"]), _s(s["tt1_s"]), _s(s["tt64_s"]), str(s["committed"]),
+                 f"{s['drafted']} / {s['accepted']}", _s(s["verify_s"], "ms"),
+                 "ERROR" if r["error"] else ("yes" if r["verified"] else "NO (anchor only)")]
+        if compare:
+            c = r["compare"]
+            cells += [_s(c["monolithic_full"]["tt64_s"]), _s(c["gain_tt64_s"]),
+                      "yes" if c["monolithic_full"]["same_tokens_as_lynx"] else "no"]
+        t.add_row(*cells)
+    acc = agg["acceptance_rate"]
+    vpt = agg["verify_s_per_token"]
+    t.caption = (f"aggregate: {agg['tokens']} tokens in {_s(agg['wall_s'])} = {agg['tokens_per_s'] or 0:.1f} tokens/s; "
+                 f"{agg['steps']} steps, mean batch {agg['mean_batch'] or 0:.1f} (max {agg['max_batch']}); acceptance "
+                 f"{'-' if acc is None else f'{acc:.2f}'}; verify per accepted token {_s(vpt, 'ms')}; "
+                 f"mean TT64 {_s(agg['tt64_mean_s'])}")
+    t.caption_justify = "left"
+    return t

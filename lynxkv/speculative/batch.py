@@ -1,0 +1,347 @@
+"""Many requests at once: each drafts on its own anchor, is verified when its own residual lands, then decodes on
+its full code, and every step runs all of them in ONE packed forward (lynxkv.speculative.packed).
+
+    arrive  ->  open its load (at its arrival time); it joins the next step once its anchor is in
+    draft   ->  its last token on its anchor cache, in the step's forward, until its residual is in or its window
+                is full (then it waits while the others go on)
+    verify  ->  [fed prompt tokens, d0 .. d(k-1)] on its full cache, in the step's forward; accept as the single
+                runner does (greedy: argmax match; sampling: min(1, p/q)), commit, drop the rejected tokens
+    decode  ->  one token per step on its full cache, until its max_new_tokens or a stop token; then it leaves
+
+A request's committed tokens are those of :func:`lynxkv.speculative.run` on the same load with the same config
+and the same drafts: the same first step (:func:`~lynxkv.speculative.model_ops.first_step`), the same forward
+shapes per request, the same acceptance rules and the same order of draws from its own seeded generator. A
+request whose residual fails or is late ends with its own error (or, with ``allow_anchor_only``, goes on
+unverified on its anchor); the others are not affected. Not supported here (the single runner has them):
+``verify_chunk``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
+is full. Times in each request's stats are seconds since its own arrival (when its load was opened).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from lynxkv.cache.loading import CacheLoad
+from lynxkv.errors import LynxError, ResidualUnavailable
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, start_cache
+from lynxkv.speculative.packed import forward_packed
+from lynxkv.speculative.runner import RunConfig, check_load
+from lynxkv.speculative.sampling import accept_greedy, accept_sampled, choose, logits_to_probs
+from lynxkv.speculative.stats import RunStats
+
+
+@dataclass
+class BatchRequest:
+    """One request: its load (or a function that opens it at the arrival time), its config, new prompt tokens."""
+
+    load: CacheLoad | Callable[[], CacheLoad]
+    config: RunConfig = RunConfig()
+    new_token_ids: list[int] | None = None
+    arrival_s: float = 0.0  # seconds after the batch started
+    name: str = ""
+
+
+@dataclass
+class RequestResult:
+    name: str
+    token_ids: list[int]
+    stats: RunStats
+    error: str | None = None  # why the request ended without its output (the others were not affected)
+    arrival_s: float = 0.0
+
+    @property
+    def verified(self) -> bool:
+        return self.error is None and self.stats.verified
+
+
+@dataclass
+class BatchResult:
+    requests: list[RequestResult]
+    steps: list[list[float]]  # [start, end, requests in the step, tokens in the step] per packed forward
+    wall_s: float
+
+    def aggregate(self) -> dict:
+        tokens = sum(len(r.token_ids) for r in self.requests)
+        sizes = [s[2] for s in self.steps]
+        tt64 = [r.stats.tt(64) for r in self.requests if r.stats.tt(64) is not None]
+        drafted = sum(r.stats.drafted for r in self.requests)
+        accepted = sum(r.stats.accepted for r in self.requests)
+        verify = [r.stats.verify_s for r in self.requests if r.stats.verify_s is not None]
+        return {
+            "requests": len(self.requests),
+            "failed": sum(1 for r in self.requests if r.error is not None),
+            "tokens": tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": tokens / self.wall_s if self.wall_s > 0 else None,
+            "steps": len(self.steps),
+            "mean_batch": statistics.fmean(sizes) if sizes else None,
+            "max_batch": max(sizes) if sizes else 0,
+            "step_s_median": statistics.median([e - s for s, e, *_ in self.steps]) if self.steps else None,
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "verify_s_per_token": sum(verify) / accepted if accepted else None,
+            "tt64_mean_s": statistics.fmean(tt64) if tt64 else None,
+            "tt64_median_s": statistics.median(tt64) if tt64 else None,
+        }
+
+
+class _Request:
+    """One request's state between steps: what it feeds the next packed forward and what it does with the rows."""
+
+    def __init__(self, spec: BatchRequest, index: int, model, fingerprint: str):
+        self.spec, self.index, self.model, self.fingerprint = spec, index, model, fingerprint
+        self.cfg = spec.config
+        self.name = spec.name or str(index)
+        self.stats = RunStats()
+        self.tokens: list[int] = []
+        self.error: str | None = None
+        self.phase = "arrive"
+        self.load: CacheLoad | None = None
+        self.gen = torch.Generator().manual_seed(self.cfg.seed) if self.cfg.seed is not None else None
+        self.drafts: list[int] = []
+        self.draft_probs: list[torch.Tensor] = []
+        self.cache = None  # the cache the next forward runs on (anchor while drafting, full after the verify)
+        self.pending: list[int] = []
+        self.verified = True
+        self.anchor_kv = None
+
+    # ---- clock and commits ----------------------------------------------------------------------------------
+    t0 = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def commit(self, tokens: list[int]) -> None:
+        room = self.cfg.max_new_tokens - len(self.tokens)
+        tokens = tokens[:room]
+        for i, tok in enumerate(tokens):
+            if tok in self.cfg.stop_token_ids:
+                tokens = tokens[: i + 1]
+                break
+        t = self.now()
+        self.tokens.extend(tokens)
+        self.stats.commit_times_s.extend([t] * len(tokens))
+        if tokens and self.stats.first_commit_s is None:
+            self.stats.first_commit_s = t
+
+    def finished(self) -> bool:
+        return len(self.tokens) >= self.cfg.max_new_tokens or (
+            bool(self.tokens) and self.tokens[-1] in self.cfg.stop_token_ids)
+
+    def fail(self, message: str) -> None:
+        self.error, self.phase = message, "done"
+        self.cache = None
+
+    # ---- phases that need no forward --------------------------------------------------------------------------
+    def advance(self, batch_t0: float) -> None:
+        """Move through the phases that wait on the load (arrival, anchor, residual) as far as they are ready."""
+        try:
+            self._advance(batch_t0)
+        except (LynxError, OSError) as exc:  # this request's own input: it ends, the others go on
+            self.fail(str(exc))
+
+    def _advance(self, batch_t0: float) -> None:
+        cfg = self.cfg
+        if self.phase == "arrive":
+            if time.perf_counter() < batch_t0 + self.spec.arrival_s:
+                return
+            self.t0 = batch_t0 + self.spec.arrival_s  # its times count from its arrival, opening the load included
+            spec_load = self.spec.load
+            self.load = spec_load() if callable(spec_load) and not hasattr(spec_load, "wait_anchor") else spec_load
+            self.load.residual.add_done_callback(self._on_residual)
+            self.phase = "anchor"
+        if self.phase == "anchor":
+            try:
+                self.anchor_kv = self.load.wait_anchor(0)
+            except TimeoutError:
+                if cfg.anchor_timeout is not None and self.now() > cfg.anchor_timeout:
+                    raise LynxError(f"the anchor did not arrive within {cfg.anchor_timeout:g} s") from None
+                return
+            # when the anchor was in (the load's own record; this loop only sees it between steps)
+            seen = self.load.timeline.anchor_ready_s
+            self.stats.anchor_ready_s = self.now() if seen is None else min(seen, self.now())
+            self.prompt = check_load(self.load, self.fingerprint)
+            new = [int(t) for t in (self.spec.new_token_ids or ())]
+            self.stats.cached_prompt_tokens = len(self.prompt)
+            self.stats.prompt_tokens = len(self.prompt) + len(new)
+            check_kv(self.anchor_kv, self.model.config, len(self.prompt), "anchor")
+            self.keep, self.feed = first_step(self.prompt, new)
+            self.cap = min(cfg.max_window, cfg.max_new_tokens) if cfg.speculate else 0
+            self.stats.window_cap = self.cap
+            self.phase = "wait"
+            if self.cap and not self.load.residual.done():
+                self.cache, self.pending, self.phase = start_cache(self.model, self.anchor_kv, self.keep), self.feed, "draft"
+        if self.phase == "draft" and (self.load.residual.done() or len(self.drafts) >= self.cap):
+            self.phase = "wait"
+        if self.phase == "wait":
+            self._take_residual()
+
+    def _on_residual(self, fut) -> None:
+        if not fut.cancelled() and fut.exception() is None and self.stats.residual_ready_s is None:
+            self.stats.residual_ready_s = self.now()
+
+    def _take_residual(self) -> None:
+        cfg = self.cfg
+        error = None
+        try:
+            full_kv = self.load.residual.result(timeout=0)
+        except concurrent.futures.TimeoutError:
+            if cfg.residual_timeout is None or self.now() < cfg.residual_timeout:
+                return
+            error = f"the residual did not arrive within {cfg.residual_timeout:g} s"
+        except Exception as exc:  # the transport's failure, whatever its type
+            error = f"the residual failed: {exc}"
+        self.stats.drafted, self.stats.draft_token_ids = len(self.drafts), list(self.drafts)
+        if error is not None:
+            if not cfg.allow_anchor_only:
+                raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
+            self.stats.verified, self.stats.residual_error, self.verified = False, error, False
+            if self.cache is None:
+                self.cache, self.pending = start_cache(self.model, self.anchor_kv, self.keep), self.feed
+            self.commit(self.drafts)
+            self.phase = "done" if self.finished() else "decode"
+            return
+        self.stats.residual_seen_s = self.now()
+        check_kv(full_kv, self.model.config, len(self.prompt), "full")
+        self.cache = start_cache(self.model, full_kv, self.keep)  # the anchor cache goes with it
+        self.anchor_kv = None
+        self.pending, self.phase = self.feed + self.drafts, "verify"
+
+    # ---- after a forward ----------------------------------------------------------------------------------------
+    def take_rows(self, rows: torch.Tensor, start: float, end: float) -> None:
+        """Use this request's logits ``[len(pending), V]`` of the step that ran ``[start, end]`` (perf_counter)."""
+        params = self.cfg.sampling
+        ts, te = start - self.t0, end - self.t0
+        if self.phase == "draft":
+            token, probs = choose(rows[-1], params, self.gen)
+            self.stats.draft_steps.append([ts, te])
+            self.drafts.append(token)
+            if probs is not None:
+                self.draft_probs.append(probs)
+            if self.stats.first_draft_s is None:
+                self.stats.first_draft_s = self.now()
+            self.pending = [token]
+            if token in self.cfg.stop_token_ids or len(self.drafts) >= self.cap:
+                self.phase = "wait"
+        elif self.phase == "verify":
+            k = len(self.drafts)
+            rows = rows[len(self.feed) - 1 :]  # [k+1, V]
+            if params.greedy:
+                accepted, next_token = accept_greedy(self.drafts, rows)
+            else:
+                q = torch.stack(self.draft_probs) if k else rows[:0]  # [k, V]
+                accepted, next_token = accept_sampled(self.drafts, q, logits_to_probs(rows, params), self.gen)
+            self.stats.verify_start_s, self.stats.verify_end_s, self.stats.verify_s = ts, te, te - ts
+            self.stats.verify_passes, self.stats.accepted = 1, accepted
+            drop_last(self.cache, k - accepted)
+            self.draft_probs.clear()
+            self.commit(self.drafts[:accepted])
+            if not self.finished():
+                self.commit([next_token])
+            self.pending, self.phase = [next_token], "decode"
+        else:  # decode, on the full cache or (unverified) on the anchor cache
+            length = int(self.cache.get_seq_length()) - len(self.pending)
+            token, _ = choose(rows[-1], params, self.gen)
+            if len(self.pending) == 1:
+                self.stats.decode_steps.append([ts, te, length])
+            self.commit([token])
+            self.pending = [token]
+        if self.phase in ("verify", "decode") and self.finished():
+            self.phase, self.cache = "done", None
+        if self.phase == "wait":
+            self._stop_drafting()
+
+    def _stop_drafting(self) -> None:
+        steps = [e - s for s, e in self.stats.draft_steps]
+        if steps:
+            self.stats.draft_step_s = statistics.median(steps[1:] or steps)
+
+    def result(self) -> RequestResult:
+        decode = [e - s for s, e, _ in self.stats.decode_steps]
+        if decode:
+            self.stats.decode_step_s = statistics.median(decode)
+        self.stats.drafted = len(self.drafts)
+        self.stats.draft_token_ids = list(self.drafts)
+        if self.load is not None:
+            self.stats.load = asdict(self.load.timeline)
+        return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
+
+    def leave(self, close: bool) -> None:
+        """The request is over: keep its load's timeline, close the load and let its caches go."""
+        if self.load is not None:
+            self.stats.load = asdict(self.load.timeline)
+            if close:
+                self.load.close()
+        self.load = self.cache = self.anchor_kv = None
+        self.draft_probs.clear()
+
+
+def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = None, max_batch: int | None = None,
+              on_step: Callable[[list[RequestResult]], None] | None = None, close_loads: bool = True) -> BatchResult:
+    """Decode every request, all of them together (see the module docstring); results in the order given.
+
+    ``max_batch`` caps how many requests are open at once (loading, drafting, verifying or decoding): the next
+    to arrive is admitted, and its load opened, only when one of them has left, so memory holds at most
+    ``max_batch`` requests' caches whatever the number of requests; its times still count from its arrival.
+    ``on_step(partial results)`` is called after every step (a progress display). Each load is closed when its
+    request ends unless ``close_loads`` is False.
+    """
+    fingerprint = fingerprint or model_fingerprint(model)
+    reqs = [_Request(spec, i, model, fingerprint) for i, spec in enumerate(requests)]
+    t0 = time.perf_counter()
+    steps: list[list[float]] = []
+    try:
+        while True:
+            opened = sum(1 for r in reqs if r.phase not in ("arrive", "done"))
+            for r in reqs:
+                if r.phase == "arrive" and max_batch is not None and opened >= max_batch:
+                    continue  # it waits to be admitted: nothing of it is loaded before there is room
+                if r.phase != "done":
+                    arriving = r.phase == "arrive"
+                    r.advance(t0)
+                    opened += arriving and r.phase not in ("arrive", "done")
+                    if r.phase == "done":
+                        r.leave(close_loads)
+            live = [r for r in reqs if r.phase != "done"]
+            if not live:
+                break
+            ready = [r for r in live if r.phase in ("draft", "verify", "decode")]
+            if max_batch is not None:
+                ready = ready[:max_batch]
+            if not ready:
+                _idle(live, t0)
+                continue
+            start = time.perf_counter()
+            rows = forward_packed(model, [r.cache for r in ready], [r.pending for r in ready])
+            end = time.perf_counter()
+            steps.append([start - t0, end - t0, len(ready), sum(len(r.pending) for r in ready)])
+            for r, x in zip(ready, rows):
+                r.take_rows(x, start, end)
+                if r.phase == "done":
+                    r.leave(close_loads)
+            if on_step is not None:
+                on_step([r.result() for r in reqs])
+    finally:
+        for r in reqs:
+            r.leave(close_loads)
+    return BatchResult([r.result() for r in reqs], steps, time.perf_counter() - t0)
+
+
+def _idle(live: list[_Request], t0: float) -> None:
+    """Nothing to compute: sleep until a residual lands, an anchor may be in, or the next request arrives."""
+    now = time.perf_counter()
+    arrivals = [t0 + r.spec.arrival_s - now for r in live if r.phase == "arrive"]
+    timeout = min([0.01] + [max(0.0, a) for a in arrivals])
+    futures = [r.load.residual for r in live if r.phase == "wait" and r.load is not None]
+    if futures:
+        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+    else:
+        time.sleep(timeout)

@@ -1,0 +1,177 @@
+"""One forward for many requests: their new tokens packed into one sequence, attention per request on its own cache.
+
+    requests b = 0 .. B-1, each with its own cache (L_b tokens) and n_b new tokens this step
+    input_ids    [1, N]        N = sum n_b, request after request
+    position_ids [1, N]        L_b .. L_b + n_b - 1 for request b: its own positions, as at batch 1
+    dense layers (embedding, projections, MLP, norms, lm_head) run over all N rows at once (fp32), or request by
+                               request (bf16, fp16; see "Why" below)
+    attention    for each b:   q_b [1, heads, n_b, D] against request b's own cache, unpadded, with the mask its
+                               batch-1 forward builds (the model's own mask functions, on that request's cache)
+    logits       [N, V]        split back into [n_b, V] per request
+
+Why this shape. A padded batch (one [B, H, L_max, D] cache with an attention mask) changes each request's
+attention reductions: the padded keys change the kernel's blocking, so rows are not the batch-1 rows. Here every
+request's attention is exactly its batch-1 call. The dense layers are where a batch pays on a CPU (the weights are
+read once per step instead of once per request), but a matrix product's rounding depends on its number of rows
+(measured with torch 2.13 on this project's CPUs: fp32 and fp16 round one row differently from two or more, bf16
+from 18 rows on). In fp32 that is the same kind of difference as between the runner's multi-token verify and
+single decode steps, which the project already measures to leave every argmax alone; in bf16 and fp16 such
+differences flip near-ties, so there the dense layers run per request, with each request's batch-1 row count,
+and the batch shares the steps and the schedule but not the weight reads (docs/speculative.md, "Batches").
+
+The attention runs through a function registered with ``transformers``' ``AttentionInterface`` and selected only
+for the duration of a packed forward; the mask functions see an implementation they do not know and build nothing
+(the masks are built per request beforehand). The per-request caches are the runner's usual ones
+(:func:`lynxkv.speculative.model_ops.start_cache`), so a request can leave the batch or go on alone at any step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import torch
+
+from lynxkv.hf.prefill import forward
+
+IMPL = "lynxkv_packed"
+_state = threading.local()
+
+
+class _PackedCache:
+    """Stands in for a ``transformers`` cache during a packed forward: ``update`` appends each request's slice of
+    the new keys and values to that request's own cache and keeps the full per-request tensors for the attention."""
+
+    def __init__(self, caches: list, sizes: list[int]):
+        self.caches, self.sizes = caches, sizes
+        self.layer_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # [1, H, N, D] each
+        out, start = [], 0
+        for cache, n in zip(self.caches, self.sizes):
+            k = key_states[:, :, start : start + n]
+            v = value_states[:, :, start : start + n]
+            out.append(cache.update(k, v, layer_idx, *args, **kwargs))
+            start += n
+        self.layer_kv[layer_idx] = out
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # not used: positions are passed explicitly
+        raise NotImplementedError("a packed forward passes explicit position ids")
+
+
+def _packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention request by request: query ``[1, heads, N, D]``; returns ``[1, N, heads, D]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    pack = _state.pack
+    base = ALL_ATTENTION_FUNCTIONS.get(pack.base_impl)
+    if base is None:  # "eager": the model's own function, in its modeling module
+        base = sys.modules[type(module).__module__].eager_attention_forward
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    masks = pack.sliding_masks if window is not None else pack.full_masks
+    outs, start = [], 0
+    for (k, v), n, mask in zip(pack.cache.layer_kv[module.layer_idx], pack.cache.sizes, masks):
+        o, _ = base(module, query[:, :, start : start + n], k, v, mask, **kwargs)
+        outs.append(o)
+        start += n
+    return torch.cat(outs, dim=1), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPL, _packed_attention)
+
+
+class _Pack:
+    def __init__(self, cache: _PackedCache, base_impl: str, full_masks: list, sliding_masks: list):
+        self.cache, self.base_impl = cache, base_impl
+        self.full_masks, self.sliding_masks = full_masks, sliding_masks
+
+
+def _request_masks(model, cache, n: int, positions: torch.Tensor) -> tuple:
+    """The (full, sliding-window) masks a batch-1 forward of ``n`` tokens after ``cache`` builds."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config = model.config
+    embeds = torch.empty((1, n, 1), dtype=model.dtype, device=model.device)  # only its shape, dtype and device count
+    args = dict(config=config, inputs_embeds=embeds, attention_mask=None, position_ids=positions)
+    full = create_causal_mask(cache=cache, **args)
+    sliding = None
+    if getattr(config, "sliding_window", None) is not None:
+        sliding = create_sliding_window_causal_mask(cache=cache, **args)
+    return full, sliding
+
+
+@contextlib.contextmanager
+def _rowwise_linears(model, sizes: list[int]):
+    """Within the block, every ``nn.Linear`` of ``model`` computes request by request (``sizes`` rows each of its
+    packed input), so each request's rows are rounded as at batch 1."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+    def rowwise(mod):
+        def fwd(x):  # [1, N, in]
+            parts = torch.split(x, sizes, dim=1)
+            return torch.cat([torch.nn.functional.linear(p, mod.weight, mod.bias) for p in parts], dim=1)
+        return fwd
+
+    for m in linears:
+        m.forward = rowwise(m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+def dense_batched(model) -> bool:
+    """Whether the dense layers run over all requests' rows at once (fp32) or request by request (bf16, fp16)."""
+    return model.dtype == torch.float32
+
+
+@torch.no_grad()
+def forward_packed(model, caches: list, token_lists: list[list[int]]) -> list[torch.Tensor]:
+    """Run ``token_lists[b]`` after ``caches[b]`` for every request b in one forward; each cache grows in place.
+    Returns each request's logits ``[n_b, V]`` in fp32 (row j predicts the token after ``token_lists[b][j]``),
+    the rows :func:`lynxkv.speculative.model_ops.forward_tokens` gives at batch 1 (see the module docstring)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sizes = [len(t) for t in token_lists]
+    if any(n < 1 for n in sizes):
+        raise ValueError("every request in a packed forward needs at least one token")
+    if len(caches) == 1:  # nothing to pack: the batch-1 forward itself
+        ids = torch.tensor(token_lists, dtype=torch.long, device=model.device)
+        return [forward(model, ids, caches[0]).logits[0].float()]
+    if IMPL not in ALL_ATTENTION_FUNCTIONS:
+        _register()
+    positions, full_masks, sliding_masks = [], [], []
+    for cache, n in zip(caches, sizes):
+        past = int(cache.get_seq_length())
+        pos = torch.arange(past, past + n, device=model.device).unsqueeze(0)  # [1, n_b]
+        full, sliding = _request_masks(model, cache, n, pos)
+        positions.append(pos)
+        full_masks.append(full)
+        sliding_masks.append(sliding)
+    ids = torch.tensor([[t for toks in token_lists for t in toks]], dtype=torch.long, device=model.device)  # [1, N]
+    packed = _PackedCache(caches, sizes)
+    config = model.config
+    base_impl = config._attn_implementation
+    _state.pack = _Pack(packed, base_impl, full_masks, sliding_masks)
+    config._attn_implementation = IMPL
+    try:
+        rows = contextlib.nullcontext() if dense_batched(model) else _rowwise_linears(model, sizes)
+        with rows:
+            logits = forward_with_positions(model, ids, packed, torch.cat(positions, dim=1)).logits[0]  # [N, V]
+    finally:
+        config._attn_implementation = base_impl
+        _state.pack = None
+    return [x.float() for x in torch.split(logits, sizes, dim=0)]
+
+
+def forward_with_positions(model, ids, cache, positions):
+    """``model`` over ``ids`` with explicit ``position_ids`` and the packed cache."""
+    from lynxkv.hf.prefill import _cache_argument
+
+    return model(input_ids=ids, position_ids=positions, use_cache=True, **{_cache_argument(type(model)): cache})

@@ -1,0 +1,135 @@
+"""One emulated link for many loads: every anchor first, then the residuals one at a time, in a policy's order.
+
+Each load gets a *lane* (:meth:`LinkQueue.lane`), which it uses as its link (``open_progressive(..., link=lane)``).
+Anchor bytes go straight to the shared :class:`~lynxkv.stream.link.EmulatedLink`, whose strict priority puts every
+waiting anchor block before any residual block, whichever load it belongs to. A residual may use the link only
+while it holds the *turn*: one residual at a time, so a residual finishes as early as the link allows instead of
+sharing the rate with all the others. The turn passes when the holder has sent its whole residual (``size``
+bytes) or is released (its load finished, failed or closed), to the lane the policy puts first among those whose
+load has opened (:meth:`_Lane.join`) and whose residual is not done yet:
+
+    fifo   the order the lanes were made in (arrival order)
+    srf    shortest residual first (fewest bytes; ties in arrival order), not preempting the holder
+
+Why ``srf``: with one link and the residuals all waiting, sending them shortest first minimises the sum of their
+completion times (the shortest-processing-time rule), and a request's time to N tokens is its residual's
+completion plus a part that does not depend on the order (the decode steps its drafts did not save), so it
+minimises the mean time to N tokens as well. FIFO is the fair baseline: a long residual that arrived first
+delays every shorter one behind it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from lynxkv.errors import InputError
+from lynxkv.stream.link import ANCHOR, EmulatedLink
+
+POLICIES = ("fifo", "srf")
+
+
+class LinkQueue:
+    """The shared link and the residuals' turn (see the module docstring)."""
+
+    def __init__(self, bandwidth: float | None, latency: float = 0.0, *, policy: str = "srf"):
+        if policy not in POLICIES:
+            raise InputError(f"link order: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        self.link = EmulatedLink(bandwidth, latency)
+        self.policy = policy
+        self._cond = threading.Condition()
+        self._waiting: list[_Lane] = []
+        self._holder: _Lane | None = None
+        self._made = 0
+        self.order: list[str] = []  # the names of the lanes, in the order they got the turn
+
+    def lane(self, size: int | None = None, name: str = "", *, whole: bool = False) -> "_Lane":
+        """A link for one load whose residual has ``size`` bytes (None: unknown, sorted last by ``srf``).
+        ``whole``: the anchor waits for the turn too and ``size`` counts both (a monolithic transfer, one
+        cache after another, for the baselines)."""
+        with self._cond:
+            self._made += 1
+            return _Lane(self, size, self._made, name or str(self._made), whole)
+
+    def _key(self, lane: "_Lane"):
+        if self.policy == "fifo":
+            return (lane.seq,)
+        return (lane.size is None, lane.size or 0, lane.seq)
+
+    def _join(self, lane: "_Lane") -> None:
+        with self._cond:
+            if not lane.released and lane not in self._waiting:
+                self._waiting.append(lane)
+            self._cond.notify_all()
+
+    def _acquire(self, lane: "_Lane") -> None:
+        """Block until ``lane`` holds the turn: no holder, and the policy puts it first among the lanes that have
+        joined (opened their load) and not finished."""
+        with self._cond:
+            if self._holder is lane:
+                return
+            if lane not in self._waiting:
+                self._waiting.append(lane)
+            while True:
+                if lane.released:
+                    raise _Released()
+                if self._holder is None and min(self._waiting, key=self._key) is lane:
+                    self._holder = lane
+                    self._waiting.remove(lane)
+                    self.order.append(lane.name)
+                    return
+                self._cond.wait()
+
+    def _release(self, lane: "_Lane") -> None:
+        with self._cond:
+            lane.released = True
+            if lane in self._waiting:
+                self._waiting.remove(lane)
+            if self._holder is lane:
+                self._holder = None
+            self._cond.notify_all()
+
+
+class _Released(Exception):
+    pass
+
+
+class _Lane:
+    """One load's view of the shared link: the :class:`EmulatedLink` interface the transports use."""
+
+    def __init__(self, queue: LinkQueue, size: int | None, seq: int, name: str, whole: bool = False):
+        self.queue, self.size, self.seq, self.name, self.whole = queue, size, seq, name, whole
+        self.sent = 0
+        self.released = False
+
+    @property
+    def latency(self) -> float:
+        return self.queue.link.latency
+
+    @property
+    def bandwidth(self) -> float | None:
+        return self.queue.link.bandwidth
+
+    def send(self, stream: int, nbytes: int) -> float:
+        if stream == ANCHOR and not self.whole:
+            return self.queue.link.send(stream, nbytes)
+        try:
+            self.queue._acquire(self)
+        except _Released:  # the load is over (closed, or its residual failed): its bytes no longer matter
+            return self.queue.link.send(stream, nbytes)
+        delivered = self.queue.link.send(stream, nbytes)
+        self.sent += nbytes
+        if self.size is not None and self.sent >= self.size:
+            self.release()
+        return delivered
+
+    def join(self) -> None:
+        """The load has opened: from now on the policy counts this residual as waiting, whether or not its first
+        block is ready yet (so a short residual that is a moment late still goes before a long one)."""
+        self.queue._join(self)
+
+    def release(self) -> None:
+        """Give the turn up for good (the residual is complete, failed, or no longer wanted)."""
+        self.queue._release(self)
+
+    def report(self) -> dict:
+        return self.queue.link.report()

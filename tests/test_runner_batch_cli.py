@@ -1,0 +1,161 @@
+"""``lynxkv run A B C`` and ``lynxkv run requests.jsonl``: one batch over one emulated link, through the
+progressive reader; every request's tokens equal decoding on its own full code; one bad residual ends only its
+request."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from lynxkv.cache import save_cache
+from lynxkv.cli import main
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.quant.scheme import get_scheme
+from lynxkv.speculative import decode_plain
+from lynxkv.speculative.simulated import split_kv
+from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+LENGTHS = (40, 120, 70, 200, 90, 30, 160, 55)
+
+
+@pytest.fixture(scope="module")
+def batch_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batchcli")
+    model = make_tiny_llama(4, layers=3, head_dim=32)
+    model_dir = save_tiny_model_dir(model, d / "model")
+    paths, refs = [], []
+    for i, n in enumerate(LENGTHS):
+        ids = prompt_ids(10 + i, n)
+        kv, _ = prefill(model, torch.tensor(ids))
+        path = d / f"c{i}.lynx"
+        save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+        paths.append(str(path))
+        refs.append((ids, split_kv(kv, get_scheme())[1]))
+    return model, model_dir, paths, refs, d
+
+
+def _run(capsys, *args):
+    code = main(["run", *args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def _check_tokens(model, refs, doc, n):
+    for (ids, full), r in zip(refs, doc["requests"]):
+        want = decode_plain(model, full, ids, n, first_forward=r["stats"]["draft_token_ids"])
+        assert r["token_ids"] == want, r["name"]
+
+
+@pytest.mark.parametrize("order, turn", [("fifo", "residual"), ("srf", "residual"), ("srf", "cache")])
+def test_several_caches_json(batch_dir, capsys, order, turn):
+    model, model_dir, paths, refs, _ = batch_dir
+    code, out, err = _run(capsys, *paths, "--model", model_dir, "-n", "16", "--ignore-eos", "--bandwidth", "4MB/s",
+                          "--link-order", order, "--link-turn", turn, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [r["cache"] for r in doc["requests"]] == paths  # in the order given
+    _check_tokens(model, refs, doc, 16)
+    for r in doc["requests"]:  # each request's usual run --json object
+        assert {"token_ids", "text", "verified", "stats", "prompt_token_ids"} <= set(r) and r["verified"]
+        assert r["stats"]["committed"] == 16 and r["stats"]["anchor_ready_s"] <= r["stats"]["residual_ready_s"]
+    agg = doc["aggregate"]
+    assert agg["requests"] == 8 and agg["tokens"] == 8 * 16 and agg["max_batch"] > 1 and agg["link_order"] == order
+    assert agg["link_turn"] == turn
+    # the residuals took the link one at a time in the policy's order (fifo: as given; srf: fewest bytes first)
+    sizes = [r["stats"]["load"]["residual_bytes"] for r in doc["requests"]]
+    expect = list(range(8)) if order == "fifo" else sorted(range(8), key=lambda i: (sizes[i], i))
+    sent = [int(name.split(":")[0]) for name in agg["residuals_sent_in_order"]]
+    assert sent == expect
+
+
+def test_request_file_table_and_plot(batch_dir, capsys, tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import lynxkv.cli.run_batch as many
+    model, model_dir, paths, refs, d = batch_dir
+    lines = [{"cache": os.path.basename(p), "max_new_tokens": 8 + 2 * i, "arrival_s": 0.05 * i, "name": f"q{i}"}
+             for i, p in enumerate(paths)]
+    req = d / "requests.jsonl"
+    req.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    png = tmp_path / "tokens.png"
+    shown = io.StringIO()  # a wide console of its own: the shared one's width depends on the terminal
+    monkeypatch.setattr(many, "out", Console(file=shown, width=300))
+    code, _, err = _run(capsys, str(req), "--model", model_dir, "--ignore-eos", "--bandwidth", "8MB/s",
+                        "--timeline", str(png), "--compare")
+    assert code == 0, err
+    out = shown.getvalue()
+    for i in range(8):
+        assert f"q{i}" in out
+    assert "aggregate:" in out and "tokens/s" in out and "TT64 monolithic" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = _run(capsys, str(req), "--model", model_dir, "--ignore-eos", "--bandwidth", "8MB/s", "--json",
+                          "--compare")
+    doc = json.loads(out)
+    for i, ((ids, full), r) in enumerate(zip(refs, doc["requests"])):
+        assert r["arrival_s"] == pytest.approx(0.05 * i)
+        assert r["token_ids"] == decode_plain(model, full, ids, 8 + 2 * i, first_forward=r["stats"]["draft_token_ids"])
+        assert r["compare"]["monolithic_full"]["same_tokens_as_lynx"] is True
+
+
+@pytest.mark.parametrize("fault", ["missing", "corrupt", "foreign"])
+@pytest.mark.parametrize("anchor_only", [False, True], ids=["error", "anchor-only"])
+def test_one_bad_residual_ends_only_its_request(batch_dir, capsys, tmp_path, fault, anchor_only):
+    model, model_dir, paths, refs, _ = batch_dir
+    mine = []
+    for i, p in enumerate(paths[:4]):
+        for suffix in ("", "r"):
+            shutil.copy(p + suffix, tmp_path / f"c{i}.lynx{suffix}")
+        mine.append(str(tmp_path / f"c{i}.lynx"))
+    bad = tmp_path / "c1.lynxr"
+    if fault == "missing":
+        bad.unlink()
+    elif fault == "corrupt":
+        data = bytearray(bad.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # a page's codes: its CRC no longer matches
+        bad.write_bytes(bytes(data))
+    else:  # another cache's residual under this one's name
+        shutil.copy(tmp_path / "c2.lynxr", bad)
+    args = [*mine, "--model", model_dir, "-n", "12", "--ignore-eos", "--bandwidth", "8MB/s", "--json"]
+    code, out, err = _run(capsys, *args, *(["--allow-anchor-only"] if anchor_only else []))
+    doc = json.loads(out)
+    r1 = doc["requests"][1]
+    if anchor_only:
+        assert code == 0, err
+        assert r1["error"] is None and r1["verified"] is False and r1["stats"]["residual_error"]
+    else:
+        assert code == 1
+        assert r1["error"] and r1["token_ids"] == []
+        assert err.count("lynxkv: error:") == 1 and "request 1:" in err
+    _check_tokens(model, [refs[0]], {"requests": [doc["requests"][0]]}, 12)
+    _check_tokens(model, refs[2:4], {"requests": doc["requests"][2:4]}, 12)
+    assert all(doc["requests"][i]["verified"] for i in (0, 2, 3))
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"cache": "c0.lynx", "tokens": 3}', "unknown key"),
+    ('{"max_new_tokens": 3}', '"cache"'),
+    ('not json', "not JSON"),
+    ('{"cache": "c0.lynx", "max_new_tokens": "many"}', "wrong type"),
+], ids=["unknown-key", "no-cache", "not-json", "wrong-type"])
+def test_bad_request_file(batch_dir, capsys, line, message):
+    _, model_dir, _, _, d = batch_dir
+    req = d / "bad.jsonl"
+    req.write_text(line + "\n")
+    code, out, err = _run(capsys, str(req), "--model", model_dir)
+    assert code == 1 and "lynxkv: error:" in err and message in err and "line 1" in err
+
+
+def test_one_cache_options_are_refused_with_several(batch_dir, capsys):
+    _, model_dir, paths, _, _ = batch_dir
+    code, out, err = _run(capsys, *paths[:2], "--model", model_dir, "--verify-chunk", "4")
+    assert code == 1 and "--verify-chunk" in err
