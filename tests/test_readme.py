@@ -126,12 +126,15 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     """What the README's lines start from: ``doc.lynx`` + ``doc.lynxr`` + ``doc.lynxe`` of SmolLM2 (encoded with
-    ``--exact``, as the exact tier's line says), and ``kv.safetensors``, a KV dump (that cache's full code)."""
+    ``--exact``, as the exact tier's line says), ``kv.safetensors``, a KV dump (that cache's full code), and the
+    batch line's ``a.lynx``, ``b.lynx``, ``c.lynx``: three caches of different lengths."""
     from lynxkv.cli import main
 
     d = tmp_path_factory.mktemp("stored")
     assert main(["encode", "--model", "smollm2", "--tokens", "160", "--exact", "-o", str(d / "doc.lynx")]) == 0
     assert main(["decode", str(d / "doc.lynx"), "-o", str(d / "kv.safetensors")]) == 0
+    for name, tokens in (("a", 96), ("b", 128), ("c", 64)):
+        assert main(["encode", "--model", "smollm2", "--tokens", str(tokens), "-o", str(d / f"{name}.lynx")]) == 0
     return d
 
 
