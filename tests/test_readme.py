@@ -188,7 +188,7 @@ def test_every_readme_command_runs_as_written(stored, s3_server, tmp_path, monke
                 else:
                     assert (work / name).exists(), name
             if argv[0] == "stream" and server is not None:
-                server.send_signal(signal.SIGINT)
+                server.send_signal(signal.SIGTERM)
                 assert server.wait(30) == 0
                 server = None
                 assert verify_file(work / "copy" / "doc.lynx") == []

@@ -220,7 +220,8 @@ def test_a_stop_signal_closes_the_server_gracefully_with_its_counters(big, sig):
     import signal
 
     path, anchor, _ = big
-    proc, port = _start_json_server(path)
+    # as from a terminal, however this suite was started (a background job inherits SIGINT ignored)
+    proc, port = _start_json_server(path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         head, body = ranged(port, "/x.lynx", 0, 99)
         assert b" 206 " in head and body == anchor[:100]

@@ -45,9 +45,8 @@ from lynxkv.cache import verify_file
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.reader import read_anchor_header
-from lynxkv.integrations.lmcache.chunk import anchor_length, split_segments
+from lynxkv.integrations.lmcache.chunk import anchor_length, parse_flag, split_segments
 from lynxkv.storage import BytesSource, filesystem, read_all, size_of, write_atomic
-from lynxkv.integrations.lmcache.serde import parse_flag
 from lynxkv.integrations.lmcache.source import exact_object_path, object_name, object_paths
 
 log = init_logger(__name__)  # LMCache's log, so that `lmcache server` shows what the lynx tier did

@@ -88,6 +88,16 @@ class ChunkLayout:
         return layers, tokens, kv_heads, channels // (kv_heads * packed)
 
 
+def parse_flag(value, what: str = "lynx serde: exact") -> bool:
+    """A boolean option as JSON or a command line gives it (``true``, ``"true"``, ``1``; ``"false"`` is false): the
+    serde's and the tier's ``exact``."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no", ""):
+            raise InputError(f"{what}: expected true or false, got {value[:40]!r}")
+        return value.lower() in ("true", "1", "yes")
+    return bool(value)
+
+
 def parse_layout(text: str) -> ChunkLayout:
     """``kv`` or ``vllm-cpu-vec:B`` (what the serde's ``layout`` option and the header property hold)."""
     name, _, block = str(text).partition(":")

@@ -25,7 +25,7 @@ from lmcache.v1.distributed.serde.factory import get_registered_serde_types, reg
 
 from lynxkv.errors import InputError
 from lynxkv.integrations.lmcache.chunk import (ChunkLayout, chunk_scheme, decode_chunk, encode_chunk,
-                                              max_chunk_bytes, parse_layout)
+                                              max_chunk_bytes, parse_flag, parse_layout)
 from lynxkv.quant.scheme import Scheme, get_scheme
 from lynxkv.integrations.lmcache.source import key_cache_id
 
@@ -68,15 +68,6 @@ def create_lynx_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     exact = parse_flag(kwargs.get("exact", False))
     return AsyncSerdeProcessor(LynxSerializer(int(kwargs.get("kv_heads", 1)), scheme, layout, exact),
                                LynxDeserializer(exact), max_workers=int(kwargs.get("max_workers", 1)))
-
-
-def parse_flag(value, what: str = "lynx serde: exact") -> bool:
-    """A boolean option as JSON or a command line gives it (``true``, ``"true"``, ``1``; ``"false"`` is false)."""
-    if isinstance(value, str):
-        if value.lower() not in ("true", "false", "1", "0", "yes", "no", ""):
-            raise InputError(f"{what}: expected true or false, got {value[:40]!r}")
-        return value.lower() in ("true", "1", "yes")
-    return bool(value)
 
 
 if SERDE_TYPE not in get_registered_serde_types():
