@@ -88,7 +88,7 @@ class RangeStream:
         last: BaseException | None = None
         for k in range(self.retry.attempts):
             if self._closed.is_set():
-                raise LynxError(f"{self.segment} stream closed")
+                raise StreamClosed(f"{self.segment} stream closed")
             if k:
                 self.retries += 1
                 if self.on_retry:
@@ -120,7 +120,7 @@ class RangeStream:
             if self.link is not None:
                 while self.after is not None and not self.after.wait(0.05):
                     if self._closed.is_set():
-                        raise LynxError(f"{self.segment} stream closed")
+                        raise StreamClosed(f"{self.segment} stream closed")
                 delivered = self.link.send(self.stream, len(data))
             return data, delivered
         if isinstance(last, LynxError):
