@@ -24,22 +24,7 @@ from lynxkv.quant import remainder
 from lynxkv.quant.remainder import apply_planes, reference_apply, reference_planes, remainder_planes
 from lynxkv.quant.scheme import DEFAULT, PRESETS
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def _kv(dtype, *, layers=3, h=2, t=300, d=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [tuple((torch.randn(h, t, d, generator=g) * (1 + i) * torch.exp(torch.randn(1, 1, d, generator=g)))
-                  .to(dtype) for _ in range(2)) for i in range(layers)]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(INT_VIEW[t.dtype])
-
-
-def _same_bits(a, b) -> bool:
-    return all(torch.equal(_bits(x), _bits(y)) for (xk, xv), (yk, yv) in zip(a, b) for x, y in ((xk, yk), (xv, yv)))
+from exact_helpers import DTYPES, bits, exact_kv, same_bits
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -47,8 +32,8 @@ def test_remainder_planes_round_trip_every_special_value(dtype):
     dt = DTYPES[dtype]
     x = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 3.0e38, -3.0e38, 6e4, 1e-7, -1e-7]).to(dt)
     p = torch.tensor([-0.0, 0.0, -1.0, 1.0, 0.0, 0.0, -3.0e38, 3.0e38, -6e4, 0.0, 1e-7]).to(dt)  # far and sign-flipped
-    assert torch.equal(_bits(apply_planes(remainder_planes(x, p), p)), _bits(x))
-    assert torch.equal(_bits(reference_apply(reference_planes(x, p), p)), _bits(x))
+    assert torch.equal(bits(apply_planes(remainder_planes(x, p), p)), bits(x))
+    assert torch.equal(bits(reference_apply(reference_planes(x, p), p)), bits(x))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -64,10 +49,10 @@ def test_compiled_remainder_gives_the_reference_bytes(dtype):
     p[7:12] = -p[7:12]
     planes, runs = remainder.remainder_planes_and_runs(x, p)
     assert torch.equal(planes, reference_planes(x, p)) and runs == remainder.group_sizes(p)
-    assert torch.equal(_bits(apply_planes(reference_planes(x, p), p)), _bits(x))
-    assert torch.equal(_bits(reference_apply(planes, p)), _bits(x))
+    assert torch.equal(bits(apply_planes(reference_planes(x, p), p)), bits(x))
+    assert torch.equal(bits(reference_apply(planes, p)), bits(x))
     shift, mask = {"bf16": (7, 0xFF), "fp16": (10, 0x1F), "fp32": (23, 0xFF)}[dtype]
-    keys = (_bits(p).to(torch.int64) >> shift) & mask
+    keys = (bits(p).to(torch.int64) >> shift) & mask
     order = torch.argsort(keys, stable=True)
     assert torch.equal(order, remainder.element_order(p)) and not torch.equal(order, torch.arange(len(p)))
 
@@ -75,24 +60,24 @@ def test_compiled_remainder_gives_the_reference_bytes(dtype):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("single_file", [False, True], ids=["two-files", "single-file"])
 def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file):
-    kv = _kv(DTYPES[dtype])
+    kv = exact_kv(DTYPES[dtype])
     info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file)
     assert info.has_exact and info.format_version == "1.4" and info.exact_inline == single_file
     assert (tmp_path / "c.lynxe").exists() != single_file
     with open_cache(tmp_path / "c.lynx") as cache:
         full = cache.load_kv()
         exact = cache.load_kv(exact=True)
-    assert not _same_bits(full, kv)  # the full code alone is not exact here: the segment does the work
-    assert _same_bits(exact, kv)
+    assert not same_bits(full, kv)  # the full code alone is not exact here: the segment does the work
+    assert same_bits(exact, kv)
     assert verify_file(tmp_path / "c.lynx") == []
 
 
 @pytest.mark.parametrize("scheme", ["default", "linear", "paper"])
 def test_exact_with_every_preset_and_a_short_last_page(tmp_path, scheme):
-    kv = _kv(torch.bfloat16, t=257, d=96)  # rotated keys with b = 32, a page of 1 token at the end
+    kv = exact_kv(torch.bfloat16, t=257, d=96)  # rotated keys with b = 32, a page of 1 token at the end
     save_cache(tmp_path / "c.lynx", kv, PRESETS[scheme], exact=True)
     with open_cache(tmp_path / "c.lynx") as cache:
-        assert _same_bits(cache.load_kv(exact=True), kv)
+        assert same_bits(cache.load_kv(exact=True), kv)
 
 
 def test_a_file_without_an_exact_segment_is_byte_identical_to_format_1_3():
@@ -125,19 +110,19 @@ def test_replacing_a_cache_gives_the_exact_file_a_fresh_name(tmp_path):
     """Each replacement writes the new exact file under a fresh name before the anchor, and removes the old one
     after: the directory holds one anchor and the two side files it names, and what it names is the new cache."""
     path = tmp_path / "c.lynx"
-    save_cache(path, _kv(torch.bfloat16, layers=1, t=40, seed=1), exact=True)
+    save_cache(path, exact_kv(torch.bfloat16, layers=1, t=40, seed=1), exact=True)
     assert _exact_named(path) == "c.lynxe"
     for seed in (2, 3):
-        kv = _kv(torch.bfloat16, layers=1, t=40, seed=seed)
+        kv = exact_kv(torch.bfloat16, layers=1, t=40, seed=seed)
         save_cache(path, kv, exact=True)
         with open_cache(path) as cache:
             names = sorted(p.name for p in tmp_path.iterdir())
             assert names == sorted(["c.lynx", cache.info.residual_location, cache.info.exact_location]), names
             assert (cache.info.exact_location == "c.lynxe") == (seed == 3)  # a fresh name while c.lynxe is taken
-            assert _same_bits(cache.load_kv(exact=True), kv)
-    save_cache(path, _kv(torch.bfloat16, layers=1, t=40, seed=4))  # no exact segment: the old one goes
+            assert same_bits(cache.load_kv(exact=True), kv)
+    save_cache(path, exact_kv(torch.bfloat16, layers=1, t=40, seed=4))  # no exact segment: the old one goes
     assert not any(p.name.endswith(".lynxe") for p in tmp_path.iterdir())
-    save_cache(path, _kv(torch.bfloat16, layers=1, t=40, seed=5), exact=True, single_file=True)
+    save_cache(path, exact_kv(torch.bfloat16, layers=1, t=40, seed=5), exact=True, single_file=True)
     assert [p.name for p in tmp_path.iterdir()] == ["c.lynx"]
 
 
@@ -149,7 +134,7 @@ def test_a_crash_while_replacing_never_leaves_an_anchor_naming_a_missing_or_old_
     from lynxkv.storage import AtomicWriter
 
     path = tmp_path / "c.lynx"
-    old = _kv(torch.float16, layers=1, t=40, seed=1)
+    old = exact_kv(torch.float16, layers=1, t=40, seed=1)
     save_cache(path, old, exact=True)
     real, calls = AtomicWriter.commit, []
 
@@ -161,21 +146,21 @@ def test_a_crash_while_replacing_never_leaves_an_anchor_naming_a_missing_or_old_
 
     monkeypatch.setattr(AtomicWriter, "commit", commit)
     with pytest.raises(KeyboardInterrupt):
-        save_cache(path, _kv(torch.float16, layers=1, t=40, seed=2), exact=True)
+        save_cache(path, exact_kv(torch.float16, layers=1, t=40, seed=2), exact=True)
     monkeypatch.undo()
     assert _exact_named(path) == "c.lynxe" and verify_file(path) == []
     with open_cache(path) as cache:
-        assert _same_bits(cache.load_kv(exact=True), old)
-    new = _kv(torch.float16, layers=1, t=40, seed=3)
+        assert same_bits(cache.load_kv(exact=True), old)
+    new = exact_kv(torch.float16, layers=1, t=40, seed=3)
     save_cache(path, new, exact=True)
     with open_cache(path) as cache:
-        assert _same_bits(cache.load_kv(exact=True), new)
+        assert same_bits(cache.load_kv(exact=True), new)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
             ["c.lynx", cache.info.residual_location, cache.info.exact_location])
 
 
 def test_exact_segment_of_another_cache_is_refused(tmp_path):
-    kv = _kv(torch.bfloat16)
+    kv = exact_kv(torch.bfloat16)
     save_cache(tmp_path / "a.lynx", kv, exact=True)
     save_cache(tmp_path / "b.lynx", kv, exact=True)  # the same tensors, another cache id
     shutil.copy(tmp_path / "b.lynxe", tmp_path / "a.lynxe")
@@ -183,12 +168,12 @@ def test_exact_segment_of_another_cache_is_refused(tmp_path):
         with pytest.raises(FormatError, match="belongs to another cache") as exc:
             cache.load_kv(exact=True)
         assert exc.value.field == "cache_id"
-        assert _same_bits(cache.load_kv(), cache.load_kv())  # the full code still reads
+        assert same_bits(cache.load_kv(), cache.load_kv())  # the full code still reads
     assert [f.field for f in verify_file(tmp_path / "a.lynx")] == ["cache_id"]
 
 
 def test_corrupt_exact_page_is_refused_before_any_tensor(tmp_path):
-    save_cache(tmp_path / "c.lynx", _kv(torch.float16), exact=True)
+    save_cache(tmp_path / "c.lynx", exact_kv(torch.float16), exact=True)
     data = bytearray((tmp_path / "c.lynxe").read_bytes())
     data[-1] ^= 0x40  # the last page's bytes
     (tmp_path / "c.lynxe").write_bytes(bytes(data))
@@ -212,7 +197,7 @@ def test_exact_pages_are_zstd_frames_split_at_the_exponent_runs(tmp_path):
     from lynxkv.format.exact_records import frame_splits
     from lynxkv.quant.remainder import group_sizes
 
-    kv = _kv(torch.bfloat16, layers=1)
+    kv = exact_kv(torch.bfloat16, layers=1)
     save_cache(tmp_path / "c.lynx", kv, exact=True)
     assert _exact_codecs(tmp_path / "c.lynx") == {c.CODEC_ZSTD_FRAMES}
     with open_cache(tmp_path / "c.lynx") as cache:
@@ -234,7 +219,7 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
     with monkeypatch.context() as m:  # a writer that stores anchor and residual pages as zstd frames too
         m.setattr(writer, "choose_codec", lambda raw, zstd, level=3, splits=None: (
             c.CODEC_ZSTD_FRAMES, records.compress_frames(raw, [len(raw) // 2], level)))
-        data = build_files(encode_kv(_kv(torch.bfloat16, layers=1)), zstd=True, single_file=True).anchor
+        data = build_files(encode_kv(exact_kv(torch.bfloat16, layers=1)), zstd=True, single_file=True).anchor
     with pytest.raises(FormatError, match="codec 2 is for exact pages only") as exc:
         with open_cache(data) as cache:
             cache.load_kv()
@@ -242,7 +227,7 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
     bomb = zstandard.ZstdCompressor(level=19, write_content_size=False)
     with monkeypatch.context() as m:  # every exact page two frames that inflate to 64x the record
         m.setattr(records, "compress_frames", lambda raw, splits, level: bomb.compress(bytes(32 * len(raw))) * 2)
-        save_cache(tmp_path / "b.lynx", _kv(torch.bfloat16, layers=1), exact=True)
+        save_cache(tmp_path / "b.lynx", exact_kv(torch.bfloat16, layers=1), exact=True)
     with open_cache(tmp_path / "b.lynx") as cache, pytest.raises(FormatError, match="inflates past") as exc:
         cache.load_kv(exact=True)
     assert exc.value.field == "page.raw_length"
@@ -255,12 +240,12 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
 def test_a_record_that_does_not_rebuild_the_original_is_refused():
     """A record whose page CRC is intact but whose remainder is wrong (or a reader whose prediction differs) fails
     the check against the CRC of the original bytes."""
-    (k, v), = _kv(torch.bfloat16, layers=1)
+    (k, v), = exact_kv(torch.bfloat16, layers=1)
     pred = tuple(dequantize(quantize(t, DEFAULT, kind), DEFAULT, dtype=t.dtype) for t, kind in ((k, "key"), (v, "value")))
     raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1]))[0])
     ok_k, ok_v = torch.empty_like(pred[0][:, :256]), torch.empty_like(pred[1][:, :256])
     apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
-    assert torch.equal(_bits(ok_k), _bits(k[:, :256]))
+    assert torch.equal(bits(ok_k), bits(k[:, :256]))
     raw[c.EXACT_RECORD_CRC_SIZE + 10] ^= 1
     with pytest.raises(ChecksumError, match="does not rebuild") as exc:
         apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
@@ -268,7 +253,7 @@ def test_a_record_that_does_not_rebuild_the_original_is_refused():
 
 
 def test_exact_header_is_bound_by_its_crc_and_reserved_fields(tmp_path):
-    save_cache(tmp_path / "c.lynx", _kv(torch.bfloat16, layers=1), exact=True)
+    save_cache(tmp_path / "c.lynx", exact_kv(torch.bfloat16, layers=1), exact=True)
     good = (tmp_path / "c.lynxe").read_bytes()
     for at, field in ((61, "header_crc32"), (0, "magic"), (8, "version_major")):
         bad = bytearray(good)
@@ -288,10 +273,10 @@ def test_exact_header_is_bound_by_its_crc_and_reserved_fields(tmp_path):
 
 
 def test_no_exact_segment_and_exact_with_anchor_only_are_refused(tmp_path):
-    save_cache(tmp_path / "c.lynx", _kv(torch.bfloat16, layers=1))
+    save_cache(tmp_path / "c.lynx", exact_kv(torch.bfloat16, layers=1))
     with open_cache(tmp_path / "c.lynx") as cache, pytest.raises(LynxError, match="no exact segment"):
         cache.load_kv(exact=True)
-    save_cache(tmp_path / "e.lynx", _kv(torch.bfloat16, layers=1), exact=True)
+    save_cache(tmp_path / "e.lynx", exact_kv(torch.bfloat16, layers=1), exact=True)
     with open_cache(tmp_path / "e.lynx") as cache, pytest.raises(LynxError, match="anchor_only"):
         cache.load_kv(exact=True, anchor_only=True)
 
@@ -306,7 +291,7 @@ def run(capsys, *argv):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_cli_encode_exact_decode_exact_is_bit_identical(tmp_path, capsys, dtype):
     tensors = {}
-    for i, (k, v) in enumerate(_kv(DTYPES[dtype])):
+    for i, (k, v) in enumerate(exact_kv(DTYPES[dtype])):
         tensors[f"layers.{i}.key"], tensors[f"layers.{i}.value"] = k, v
     save_file(tensors, tmp_path / "kv.safetensors")
     (tmp_path / "cold").mkdir()  # another tier: the exact file needs not sit beside the anchor
@@ -320,8 +305,8 @@ def test_cli_encode_exact_decode_exact_is_bit_identical(tmp_path, capsys, dtype)
     with safe_open(tmp_path / "back.safetensors", "pt") as f, safe_open(tmp_path / "full.safetensors", "pt") as g:
         assert f.metadata()["lynxkv.reconstruction"] == "exact"
         for name, t in tensors.items():
-            assert f.get_tensor(name).dtype == t.dtype and torch.equal(_bits(f.get_tensor(name)), _bits(t))
-        assert not all(torch.equal(_bits(g.get_tensor(n)), _bits(t)) for n, t in tensors.items())
+            assert f.get_tensor(name).dtype == t.dtype and torch.equal(bits(f.get_tensor(name)), bits(t))
+        assert not all(torch.equal(bits(g.get_tensor(n)), bits(t)) for n, t in tensors.items())
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual")
     d = json.loads(out)
     assert code == 0 and d["has_exact"] and d["format_version"] == "1.4" and d["exact_bytes"] > 0
@@ -329,7 +314,7 @@ def test_cli_encode_exact_decode_exact_is_bit_identical(tmp_path, capsys, dtype)
 
 
 def test_cli_refuses_a_wrong_exact_segment_with_one_line(tmp_path, capsys):
-    kv = _kv(torch.bfloat16, layers=1)
+    kv = exact_kv(torch.bfloat16, layers=1)
     save_cache(tmp_path / "a.lynx", kv, exact=True)
     save_cache(tmp_path / "b.lynx", kv, exact=True)
     code, out, err = run(capsys, "decode", tmp_path / "a.lynx", "-o", tmp_path / "x.safetensors",

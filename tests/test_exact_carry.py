@@ -5,6 +5,7 @@ one clear error before any tensor is returned or any file written."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,20 +21,9 @@ from lynxkv.serve import CacheServer, load_served_cache
 from lynxkv.stream import open_progressive
 from lynxkv.stream.tier import move_cache
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+from exact_helpers import DTYPES, exact_kv, same_bits
 
-
-def _kv(dtype, *, layers=2, h=2, t=300, d=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [tuple((torch.randn(h, t, d, generator=g) * (1 + i) * torch.exp(torch.randn(1, 1, d, generator=g)))
-                  .to(dtype) for _ in range(2)) for i in range(layers)]
-
-
-def _same_bits(a, b) -> bool:
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and torch.equal(x.contiguous().view(INT_VIEW[x.dtype]), y.contiguous().view(INT_VIEW[y.dtype]))
-        for (xk, xv), (yk, yv) in zip(a, b) for x, y in ((xk, yk), (xv, yv)))
+_kv = functools.partial(exact_kv, layers=2, d=32)  # smaller than the format tests' default
 
 
 def _exact_of(path, **kw):
@@ -66,7 +56,7 @@ def test_tier_moves_the_exact_segment_and_the_anchor_names_it(tmp_path, capsys, 
     assert not (tmp_path / "c.lynxe").exists() and (tmp_path / "cold" / "c.lynxe").exists()
     with open_cache(tmp_path / "c.lynx") as cache:
         assert cache.info.exact_location == "cold/c.lynxe"
-    assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+    assert same_bits(_exact_of(tmp_path / "c.lynx"), kv)
     assert verify_file(tmp_path / "c.lynx") == []
     # the anchor moves to another directory: the exact location it records follows, and still resolves
     (tmp_path / "warm").mkdir()
@@ -74,7 +64,7 @@ def test_tier_moves_the_exact_segment_and_the_anchor_names_it(tmp_path, capsys, 
                        "--allow-location", tmp_path)
     assert code == 0 and json.loads(out)["exact_location"] == "../cold/c.lynxe"
     assert not (tmp_path / "c.lynx").exists()
-    assert _same_bits(_exact_of(tmp_path / "warm" / "d.lynx", allow_locations=[str(tmp_path)]), kv)
+    assert same_bits(_exact_of(tmp_path / "warm" / "d.lynx", allow_locations=[str(tmp_path)]), kv)
 
 
 def test_tier_refuses_a_corrupt_or_foreign_exact_segment_and_changes_nothing(tmp_path, capsys):
@@ -114,7 +104,7 @@ def test_a_full_disk_on_the_anchor_removes_the_exact_copy_no_anchor_names(tmp_pa
     with pytest.raises(LynxError, match="no space"):
         move_cache(str(tmp_path / "c.lynx"), exact_to=str(tmp_path / "far" / "c.lynxe"))
     assert not (tmp_path / "far" / "c.lynxe").exists()
-    assert (tmp_path / "c.lynx").read_bytes() == before and _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+    assert (tmp_path / "c.lynx").read_bytes() == before and same_bits(_exact_of(tmp_path / "c.lynx"), kv)
 
 
 @pytest.mark.parametrize("kill_at", ["exact", "anchor"])
@@ -146,13 +136,13 @@ def test_a_killed_move_never_leaves_an_anchor_naming_a_missing_exact_file(tmp_pa
     with open_cache(tmp_path / "c.lynx") as cache:
         assert cache.info.exact_location == named
     assert (tmp_path / "c.lynxe").exists() and (tmp_path / "cold" / "c.lynxe").exists()  # both, for now
-    assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+    assert same_bits(_exact_of(tmp_path / "c.lynx"), kv)
     save_cache(tmp_path / "c.lynx", kv, exact=True)  # the next writer of the path settles the journal
     with open_cache(tmp_path / "c.lynx") as cache:
         now = cache.info.exact_location
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.lynxe"))
     assert left == [now], left  # the dead move's copy or source, which no anchor named, is gone
-    assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+    assert same_bits(_exact_of(tmp_path / "c.lynx"), kv)
 
 
 # -- the progressive reader's exact stage ------------------------------------------------------------------------
@@ -168,9 +158,9 @@ def test_progressive_load_reads_anchor_then_full_then_exact(tmp_path, dtype, sin
         with open_progressive(str(tmp_path / "c.lynx"), exact=True, bandwidth=bandwidth,
                               on_event=events.append) as load:
             exact = load.exact.result(timeout=60)
-            assert _same_bits(exact, kv)
-            assert _same_bits(load.residual.result(), full)  # the full code stays what it was (a copy was rebuilt)
-            assert not _same_bits(full, kv)
+            assert same_bits(exact, kv)
+            assert same_bits(load.residual.result(), full)  # the full code stays what it was (a copy was rebuilt)
+            assert not same_bits(full, kv)
             tl = load.timeline
             assert tl.anchor_ready_s <= tl.residual_ready_s <= tl.extra["exact_ready_s"]
             kinds = [e.kind for e in events]
@@ -218,7 +208,7 @@ def test_progressive_exact_follows_the_trust_rule(tmp_path):
             load.exact.result(timeout=60)
     with open_progressive(str(tmp_path / "a" / "c.lynx"), exact=True,
                           allow_locations=[str(tmp_path / "elsewhere")]) as load:
-        assert _same_bits(load.exact.result(timeout=60), kv)
+        assert same_bits(load.exact.result(timeout=60), kv)
 
 
 def test_a_failed_load_ends_the_exact_stage_at_once_with_its_error(tmp_path):
@@ -266,12 +256,12 @@ def test_serve_then_progressive_exact_over_http_is_bit_identical(tmp_path, dtype
     with CacheServer(served, bandwidth=50e6) as srv:
         assert srv.describe()["exact"]["size"] == (tmp_path / "c.lynxe").stat().st_size
         with open_progressive(srv.url, exact=True) as load:
-            assert _same_bits(load.exact.result(timeout=60), kv)
+            assert same_bits(load.exact.result(timeout=60), kv)
             assert load.exact_url.endswith("/c.lynxe")
         order = [r["resource"] for r in srv.stats.requests if r["status"] == 206]
         assert order.index("exact") > max(i for i, r in enumerate(order) if r == "anchor")
         assert verify_file(srv.url) == []  # ranged reads of every segment, the exactness check included
-        assert _same_bits(_exact_of(srv.url), kv)  # open_cache(url).load_kv(exact=True)
+        assert same_bits(_exact_of(srv.url), kv)  # open_cache(url).load_kv(exact=True)
 
 
 @pytest.mark.network
@@ -289,7 +279,7 @@ def test_stream_copies_the_exact_segment_and_verifies_it(tmp_path, capsys):
         assert code == 0 and json.loads(out)["exact_bytes"] > 0
     for name in ("c.lynx", "c.lynxr", "c.lynxe"):
         assert (tmp_path / "got" / name).read_bytes() == (tmp_path / "src" / name).read_bytes()
-    assert verify_file(dest) == [] and _same_bits(_exact_of(dest), kv)
+    assert verify_file(dest) == [] and same_bits(_exact_of(dest), kv)
     # a single file copies its inline exact segment with it; --exact-out puts a two-file copy's elsewhere
     save_cache(tmp_path / "s.lynx", kv, exact=True, single_file=True)
     assert run(capsys, "stream", tmp_path / "s.lynx", "-o", tmp_path / "got" / "s.lynx", "--bandwidth", "1Gbps")[0] == 0
@@ -297,7 +287,7 @@ def test_stream_copies_the_exact_segment_and_verifies_it(tmp_path, capsys):
     code, _, _ = run(capsys, "stream", tmp_path / "src" / "c.lynx", "-o", tmp_path / "two" / "c.lynx",
                      "--exact-out", tmp_path / "two" / "cold" / "c.lynxe", "--bandwidth", "1Gbps")
     assert code == 0 and (tmp_path / "two" / "cold" / "c.lynxe").exists()
-    assert _same_bits(_exact_of(tmp_path / "two" / "c.lynx"), kv)
+    assert same_bits(_exact_of(tmp_path / "two" / "c.lynx"), kv)
 
 
 @pytest.mark.network
@@ -333,7 +323,7 @@ def test_serve_and_stream_refuse_a_corrupt_or_untrusted_exact_segment(tmp_path, 
     assert served.exact.path == "c.lynxe" and served.relocated
     with CacheServer(served) as srv:
         with open_progressive(srv.url, exact=True) as load:
-            assert _same_bits(load.exact.result(timeout=60), kv)
+            assert same_bits(load.exact.result(timeout=60), kv)
 
 
 def test_tier_moves_the_exact_segment_to_an_object_store_and_back(tmp_path, capsys):
@@ -346,13 +336,13 @@ def test_tier_moves_the_exact_segment_to_an_object_store_and_back(tmp_path, caps
     assert code == 0 and json.loads(out)["exact_location"] == url and not (tmp_path / "c.lynxe").exists()
     with pytest.raises(LynxError, match="outside the anchor's directory"):
         _exact_of(tmp_path / "c.lynx")
-    assert _same_bits(_exact_of(tmp_path / "c.lynx", allow_locations=["memory://archive-27/"]), kv)
+    assert same_bits(_exact_of(tmp_path / "c.lynx", allow_locations=["memory://archive-27/"]), kv)
     with open_progressive(str(tmp_path / "c.lynx"), exact=True, allow_locations=["memory://archive-27/"]) as load:
-        assert _same_bits(load.exact.result(timeout=60), kv) and load.exact_url == url
+        assert same_bits(load.exact.result(timeout=60), kv) and load.exact_url == url
     code, out, _ = run(capsys, "tier", tmp_path / "c.lynx", "--exact-out", tmp_path / "c.lynxe", "--json",
                        "--allow-location", "memory://archive-27/")
     assert code == 0 and json.loads(out)["exact_location"] == "c.lynxe"
-    assert _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+    assert same_bits(_exact_of(tmp_path / "c.lynx"), kv)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -363,7 +353,7 @@ def test_progressive_exact_only_where_there_is_one_decodes_in_the_cache_dtype(tm
     save_cache(tmp_path / "e.lynx", kv, exact=True)
     save_cache(tmp_path / "n.lynx", kv)
     with open_progressive(str(tmp_path / "e.lynx"), exact=None) as load:
-        assert _same_bits(load.exact.result(timeout=60), kv)
+        assert same_bits(load.exact.result(timeout=60), kv)
         assert load.residual.result()[0][0].dtype == DTYPES[dtype]
     with open_progressive(str(tmp_path / "n.lynx"), exact=None) as load:
         assert load.exact.result(timeout=60) is None
@@ -393,7 +383,7 @@ def test_a_failed_read_back_of_the_rewritten_anchor_keeps_the_exact_copy_it_name
     with open_cache(tmp_path / "c.lynx") as cache:
         named = cache.info.exact_location
     assert (tmp_path / named).exists(), named
-    assert verify_file(tmp_path / "c.lynx") == [] and _same_bits(_exact_of(tmp_path / "c.lynx"), kv)
+    assert verify_file(tmp_path / "c.lynx") == [] and same_bits(_exact_of(tmp_path / "c.lynx"), kv)
 
 
 def test_an_exact_segment_outside_the_anchor_directory_names_the_exact_options(tmp_path, capsys):
@@ -413,7 +403,7 @@ def test_an_exact_segment_outside_the_anchor_directory_names_the_exact_options(t
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
     code, _, err = run(capsys, "stream", tmp_path / "a" / "c.lynx", "-o", tmp_path / "o" / "c.lynx",
                        "--allow-location", tmp_path / "elsewhere", "--exact-out", tmp_path / "o" / "c.lynxe")
-    assert code == 0 and _same_bits(_exact_of(tmp_path / "o" / "c.lynx"), kv)
+    assert code == 0 and same_bits(_exact_of(tmp_path / "o" / "c.lynx"), kv)
 
 
 def test_serve_says_once_how_to_name_an_exact_file_it_leaves_out(tmp_path):
