@@ -107,6 +107,11 @@ def render_png(timelines: list[dict], *, title: str | None = None, dpi: int = 80
         Line2D([], [], marker="^", color="black", linestyle="none", label="anchor ready"),
         Line2D([], [], marker="D", color="black", linestyle="none", label="residual / data ready"),
     ], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28 if n > 2 else -0.45), ncol=4, frameon=False)
+    return _png(fig, ax, title, dpi)
+
+
+def _png(fig, ax, title: str | None, dpi: int) -> bytes:
+    """The figure as PNG bytes, with ``title`` over ``ax``."""
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -146,9 +151,4 @@ def render_batch_png(requests: list[dict], *, title: str | None = None, dpi: int
     ax.set_ylabel("tokens committed")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2 if len(requests) > 8 else 1, loc="upper left")
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
+    return _png(fig, ax, title, dpi)
