@@ -32,7 +32,7 @@ from lynxkv.errors import LynxError, ResidualUnavailable
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, start_cache
 from lynxkv.speculative.packed import forward_packed
-from lynxkv.speculative.runner import RunConfig, check_load
+from lynxkv.speculative.runner import RunConfig, check_load, clip_tokens, is_finished
 from lynxkv.speculative.sampling import accept_greedy, accept_sampled, choose, logits_to_probs
 from lynxkv.speculative.stats import RunStats
 
@@ -120,12 +120,7 @@ class _Request:
         return time.perf_counter() - self.t0
 
     def commit(self, tokens: list[int]) -> None:
-        room = self.cfg.max_new_tokens - len(self.tokens)
-        tokens = tokens[:room]
-        for i, tok in enumerate(tokens):
-            if tok in self.cfg.stop_token_ids:
-                tokens = tokens[: i + 1]
-                break
+        tokens = clip_tokens(tokens, self.cfg.max_new_tokens - len(self.tokens), self.cfg.stop_token_ids)
         t = self.now()
         self.tokens.extend(tokens)
         self.stats.commit_times_s.extend([t] * len(tokens))
@@ -133,8 +128,7 @@ class _Request:
             self.stats.first_commit_s = t
 
     def finished(self) -> bool:
-        return len(self.tokens) >= self.cfg.max_new_tokens or (
-            bool(self.tokens) and self.tokens[-1] in self.cfg.stop_token_ids)
+        return is_finished(self.tokens, self.cfg.max_new_tokens, self.cfg.stop_token_ids)
 
     def fail(self, message: str) -> None:
         self.error, self.phase = message, "done"

@@ -104,6 +104,20 @@ class RunResult:
         return self.stats.verified
 
 
+def clip_tokens(tokens: list[int], room: int, stops) -> list[int]:
+    """What of ``tokens`` is committed: at most ``room`` of them, up to and including the first stop token."""
+    tokens = tokens[:room]
+    for i, tok in enumerate(tokens):
+        if tok in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def is_finished(committed: list[int], max_new_tokens: int, stops) -> bool:
+    """Whether a request that committed ``committed`` is done: ``max_new_tokens`` reached, or a stop token last."""
+    return len(committed) >= max_new_tokens or (bool(committed) and committed[-1] in stops)
+
+
 def check_load(load: CacheLoad, fingerprint: str) -> list[int]:
     """The load's prompt token ids, after refusing caches made by another model or without token ids."""
     ids = load.prompt_token_ids
@@ -160,12 +174,7 @@ def stream(
     residual.add_done_callback(on_residual)
 
     def commit(tokens: list[int], confirmed: int, verified: bool = True) -> Event | None:
-        room = config.max_new_tokens - len(committed)
-        tokens = tokens[:room]
-        for i, tok in enumerate(tokens):
-            if tok in stops:
-                tokens = tokens[: i + 1]
-                break
+        tokens = clip_tokens(tokens, config.max_new_tokens - len(committed), stops)
         if not tokens:
             return None
         t = now()
@@ -176,7 +185,7 @@ def stream(
         return Event("commit", t, tokens=tokens, confirmed=min(confirmed, len(tokens)), verified=verified)
 
     def finished() -> bool:
-        return len(committed) >= config.max_new_tokens or (bool(committed) and committed[-1] in stops)
+        return is_finished(committed, config.max_new_tokens, stops)
 
     # ---- anchor -------------------------------------------------------------------------------------------
     remaining = None if config.anchor_timeout is None else max(0.0, config.anchor_timeout)
