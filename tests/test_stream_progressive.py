@@ -123,6 +123,43 @@ def test_residual_pages_are_read_once_the_anchor_is_ready(tmp_path, monkeypatch,
         assert kv_equal(full, cache.load_kv(dtype=torch.float32))
 
 
+class _TimedOutJustThen:
+    """A header event whose first wait answers 'timed out' once the whole anchor is in: the header came in just as
+    the residual parser's wait ran out, and the anchor finished before the parser looked again."""
+
+    def __init__(self, real: threading.Event, anchor_done: threading.Event):
+        self._real, self._anchor_done, self._first = real, anchor_done, True
+
+    def wait(self, timeout=None):
+        if self._first:
+            self._first = False
+            assert self._anchor_done.wait(30)
+            return False
+        return self._real.wait(timeout)
+
+    def is_set(self):
+        return self._real.is_set()
+
+    def set(self):
+        self._real.set()
+
+
+def test_a_header_that_lands_as_the_parsers_wait_times_out_still_gets_the_residual(cache_dir, monkeypatch):
+    """The residual parser polls for the header; if the header, and the whole anchor after it, come in between
+    its wait timing out and its next look, it must still read the residual (it once left, and the load never
+    ended: a run waited on the full code for ever)."""
+    _, path, _, _, (_, ref_full) = cache_dir
+    real = ProgressiveLoad._residual_worker
+
+    def late_worker(self):
+        self._header_ready = _TimedOutJustThen(self._header_ready, self._anchor_done)
+        return real(self)
+
+    monkeypatch.setattr(ProgressiveLoad, "_residual_worker", late_worker)
+    with open_progressive(path) as load:
+        assert kv_equal(load.residual.result(30), ref_full)
+
+
 @pytest.mark.timing
 def test_close_stops_a_load_at_once(tmp_path):
     """close() while the anchor is still being dequantized: the residual worker, which waits for the anchor to

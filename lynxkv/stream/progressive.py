@@ -282,8 +282,12 @@ class ProgressiveLoad(LoadConsumer):
 
     def _residual_worker(self) -> None:
         while not self._header_ready.wait(0.2):
-            if self._closed.is_set() or self._anchor_done.is_set():
-                return  # the anchor failed (the consumer reports it) or the load was closed
+            if self._closed.is_set():
+                return
+            # The anchor failed before its header (the consumer reports it). The flag is read before the header's:
+            # a header that came in just as the wait timed out, and a whole anchor after it, still go on to here.
+            if self._anchor_done.is_set() and not self._header_ready.is_set():
+                return
         h, reader = self.header, self._reader
         seg = h.segment(c.SEGMENT_RESIDUAL)
         if seg is None:
