@@ -72,10 +72,14 @@ def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file):
     assert verify_file(tmp_path / "c.lynx") == []
 
 
-@pytest.mark.parametrize("scheme", ["default", "linear", "paper"])
+@pytest.mark.parametrize("scheme", ["default", "linear", "paper", "linear-range", "default-midpoint"])
 def test_exact_with_every_preset_and_a_short_last_page(tmp_path, scheme):
+    """Every preset, and the full code's end sub-bins decoded either way (format 1.5's ``extremes``): the remainder
+    is taken against the decoding the file's scheme gives."""
     kv = exact_kv(torch.bfloat16, t=257, d=96)  # rotated keys with b = 32, a page of 1 token at the end
-    save_cache(tmp_path / "c.lynx", kv, PRESETS[scheme], exact=True)
+    name, _, extremes = scheme.partition("-")
+    save_cache(tmp_path / "c.lynx", kv, PRESETS[name].replace(extremes=extremes or PRESETS[name].extremes),
+               exact=True)
     with open_cache(tmp_path / "c.lynx") as cache:
         assert same_bits(cache.load_kv(exact=True), kv)
 
