@@ -25,7 +25,7 @@ def test_registry_holds_every_required_codec():
     names = set(baselines.registry())
     required = {
         "fp32", "bf16", "fp8-e4m3", "int8-tensor", "int4-tensor", "int8-g64", "int4-g64", "kivi4", "kivi2",
-        "lynx-default", "lynx-default-anchor", "lynx-1.2", "lynx-1.2-anchor", "lynx-paper", "lynx-paper-anchor",
+        "lynx-default", "lynx-default-anchor", "lynx-1.3", "lynx-1.2", "lynx-1.2-anchor", "lynx-paper", "lynx-paper-anchor",
         "lynx-3+5", "lynx-3+5-anchor", "lynx-5+3", "lynx-5+3-anchor", "lynx-6+2", "lynx-6+2-anchor",
     }  # fmt: skip
     assert required <= names

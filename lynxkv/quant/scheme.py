@@ -186,7 +186,10 @@ LINEAR = Scheme()
 #: matrix along head_dim before they are quantized, the values grouped per token over channels (KIVI's axis) and
 #: the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone; chosen by measured
 #: anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default scheme"; format 1.3).
-DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard")
+#: Format 1.5 added the full code's end sub-bins decoded at the chunk's extremes (next-token KL of the full code
+#: 3.4 times lower on the built-in text; docs/evaluation.md, "Why the full code lowered perplexity").
+DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard",
+                         extremes="range")
 
 #: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
 #: uniform 8-bit grid whose high nibble is the anchor.
