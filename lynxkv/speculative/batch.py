@@ -13,7 +13,7 @@ and the same drafts: the same first step (:func:`~lynxkv.speculative.model_ops.f
 shapes per request, the same acceptance rules and the same order of draws from its own seeded generator. A
 request whose residual fails or is late ends with its own error (or, with ``allow_anchor_only``, goes on
 unverified on its anchor); the others are not affected. Not supported here (the single runner has them):
-``verify_chunk``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
+``verify_chunk``, ``verify_first``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
 is full. Times in each request's stats are seconds since its own arrival (when its load was opened).
 """
 
