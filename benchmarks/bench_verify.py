@@ -5,10 +5,13 @@
 Encodes the built-in prompt with the offline SmolLM2 (``lynxkv encode``), then runs ``lynxkv run CACHE --bandwidth R
 -n 64 --ignore-eos --json`` once per setting per round, the settings interleaved, ``--repeats`` rounds:
 
-- ``copy heads``: the verify's attention as ``transformers`` runs it (``LYNXKV_GROUPED_SDPA=0``: every key and value
-  head copied once per query head before a masked multi-token forward);
-- ``grouped``: lynxkv's grouped-query SDPA (the default; :mod:`lynxkv.hf.attention`);
-- ``grouped, --verify-first N``: the first N drafts verified and committed in a pass of their own.
+- ``before``: the verify's attention as ``transformers`` runs it (``LYNXKV_GROUPED_SDPA=0``: every key and value
+  head copied once per query head before a masked multi-token forward) and the residual dequantized once it is
+  all in (``LYNXKV_EAGER_RESIDUAL=0``);
+- ``grouped``: lynxkv's grouped-query SDPA (:mod:`lynxkv.hf.attention`), the residual still dequantized at the end;
+- ``grouped, eager``: and the residual dequantized layer by layer as it lands, at the lowest CPU priority
+  (:mod:`lynxkv.stream.assembly`): the defaults;
+- ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own.
 
 Per setting, medians over the rounds: drafts kept, the verify's seconds and its length in decode steps (the run's own
 plain decode step after the verify), the first token after the residual's last byte (in decode steps; the monolithic
@@ -48,7 +51,12 @@ def measure(stats: dict) -> dict:
         "tt1_s": times[0] if times else None,
         "tt64_s": times[63] if len(times) >= 64 else None,
         "step_s": step,
+        "draft_ratio": stats["draft_step_s"] / step if stats["draft_step_s"] and step else None,
     }
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
 
 
 def main(argv=None) -> int:
@@ -58,8 +66,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--verify-first", type=int, default=2)
     a = ap.parse_args(argv)
-    settings = [("copy heads", {"LYNXKV_GROUPED_SDPA": "0"}, []), ("grouped", {}, []),
-                (f"grouped, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)])]
+    late = {"LYNXKV_EAGER_RESIDUAL": "0"}
+    settings = [("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, []), ("grouped", late, []),
+                ("grouped, eager", {}, []),
+                (f"grouped, eager, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)])]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in settings}
     with tempfile.TemporaryDirectory() as d:
@@ -74,18 +84,20 @@ def main(argv=None) -> int:
                 doc = json.loads(out.stdout)
                 runs[name].append({**measure(doc["stats"]), "tokens": doc["token_ids"]})
                 m = runs[name][-1]
-                print(f"round {r + 1} {name}: verify {m['verify_s']:.3f} s, TT1 {m['tt1_s']:.2f} s, "
-                      f"TT64 {m['tt64_s']:.2f} s", file=sys.stderr, flush=True)
+                print(f"round {r + 1} {name}: verify {fmt(m['verify_s'], '.3f')} s, TT1 {fmt(m['tt1_s'])} s, "
+                      f"TT64 {fmt(m['tt64_s'])} s", file=sys.stderr, flush=True)
     same = len({tuple(m["tokens"]) for ms in runs.values() for m in ms}) == 1
     print(f"SmolLM2, built-in prompt of {a.tokens} tokens, {a.bandwidth}, fp32, medians of {a.repeats} interleaved "
           f"rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("| setting | drafts kept | verify | verify / decode step | first token after the residual | TT1 | TT64 |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| setting | drafts kept | draft / decode step | verify | verify / decode step "
+          "| first token after the residual | TT1 | TT64 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, ms in runs.items():
-        f = {k: _med([m[k] for m in ms]) for k in ("verify_s", "verify_steps", "first_after_residual_steps",
-                                                      "tt1_s", "tt64_s")}
-        print(f"| {name} | {', '.join(m['kept'] for m in ms)} | {f['verify_s']:.3f} s | {f['verify_steps']:.2f} "
-              f"| {f['first_after_residual_steps']:.2f} steps | {f['tt1_s']:.2f} s | {f['tt64_s']:.2f} s |")
+        f = {k: _med([m[k] for m in ms]) for k in ("draft_ratio", "verify_s", "verify_steps",
+                                                      "first_after_residual_steps", "tt1_s", "tt64_s")}
+        print(f"| {name} | {', '.join(m['kept'] for m in ms)} | {fmt(f['draft_ratio'])} | {fmt(f['verify_s'], '.3f')} s "
+              f"| {fmt(f['verify_steps'])} | {fmt(f['first_after_residual_steps'])} steps | {fmt(f['tt1_s'])} s "
+              f"| {fmt(f['tt64_s'])} s |")
     print(f"same tokens in every run: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
