@@ -87,7 +87,7 @@ def test_a_first_pass_commits_its_tokens_before_the_second_pass_runs(models, mon
             stats = ev.stats
     verify = forwards[window : window + len(sizes)]  # after the drafts' forwards, one per draft
     assert verify == [1 + sizes[0]] + sizes[1:]  # the first pass feeds the last prompt token too
-    assert stats.verify_passes == len(sizes) and stats.accepted == window
+    assert stats.verify_passes == len(sizes) and stats.verify_pass_sizes == sizes and stats.accepted == window
     if len(sizes) > 1:
         assert commits[0] == stats.draft_token_ids[:first] and seen[0] == window + 1  # out before pass two ran
     assert [t for c in commits for t in c] == decode_plain(model, full_kv, ids, 40)

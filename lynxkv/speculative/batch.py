@@ -234,7 +234,7 @@ class _Request:
                 q = torch.stack(self.draft_probs) if k else rows[:0]  # [k, V]
                 accepted, next_token = accept_sampled(self.drafts, q, logits_to_probs(rows, params), self.gen)
             self.stats.verify_start_s, self.stats.verify_end_s, self.stats.verify_s = ts, te, te - ts
-            self.stats.verify_passes, self.stats.accepted = 1, accepted
+            self.stats.verify_passes, self.stats.verify_pass_sizes, self.stats.accepted = 1, [k], accepted
             drop_last(self.cache, k - accepted)
             self.draft_probs.clear()
             self.commit(self.drafts[:accepted])

@@ -356,7 +356,7 @@ def stream(
         yield Event("done", now(), stats=stats, verified=False)
         return
 
-    stats.verify_passes = passes
+    stats.verify_passes, stats.verify_pass_sizes = len(passes), passes
     stats.accepted = accepted
     if tracker is not None:
         tracker.record(len(drafts), accepted)
@@ -407,7 +407,7 @@ def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[
     """Verify ``drafts`` on the full cache (holding what ``feed`` follows) in passes of ``sizes`` drafts
     (:func:`pass_sizes`). A generator: after every pass that accepted all its drafts and is not the last, it
     yields how many drafts are accepted so far (final: the caller may commit them); it returns (accepted, next
-    token, drafts fed into the cache, forward passes).
+    token, drafts fed into the cache, the drafts each forward pass fed).
 
     The first pass is ONE forward over ``feed`` + its drafts (``feed``: the last prompt token, or the new prompt
     tokens; :func:`~lynxkv.speculative.model_ops.first_step`); its last m+1 rows judge the drafts (row j judges
@@ -419,14 +419,14 @@ def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[
     that is not the last one is discarded: an independent draw, so the law is unchanged.
     """
     k = len(drafts)
-    pos, carry, passes = 0, None, 0
+    pos, carry, passes = 0, None, []
     for size in sizes:
         m = min(size, k - pos)
         inputs = (feed if pos == 0 else []) + drafts[pos : pos + m]
         new_rows = forward_tokens(model, cache, inputs)  # [len(inputs), V]
         if pos == 0:
             new_rows = new_rows[len(feed) - 1 :]  # [m+1, V]: the row of the last fed token, then the drafts'
-        passes += 1
+        passes.append(m)
         rows = new_rows if carry is None else torch.cat([carry, new_rows])  # [m+1, V]
         window = drafts[pos : pos + m]
         if params.greedy:
