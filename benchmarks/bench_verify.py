@@ -95,9 +95,9 @@ def main(argv=None) -> int:
     for name, ms in runs.items():
         f = {k: _med([m[k] for m in ms]) for k in ("draft_ratio", "verify_s", "verify_steps",
                                                       "first_after_residual_steps", "tt1_s", "tt64_s")}
-        print(f"| {name} | {', '.join(m['kept'] for m in ms)} | {fmt(f['draft_ratio'])} | {fmt(f['verify_s'], '.3f')} s "
-              f"| {fmt(f['verify_steps'])} | {fmt(f['first_after_residual_steps'])} steps | {fmt(f['tt1_s'])} s "
-              f"| {fmt(f['tt64_s'])} s |")
+        print(f"| {name} | {', '.join(m['kept'] for m in ms)} | {fmt(f['draft_ratio'])} "
+              f"| {fmt(f['verify_s'], '.3f')} s | {fmt(f['verify_steps'])} "
+              f"| {fmt(f['first_after_residual_steps'])} steps | {fmt(f['tt1_s'])} s | {fmt(f['tt64_s'])} s |")
     print(f"same tokens in every run: {'yes' if same else 'NO'}")
     return 0 if same else 1
 

@@ -59,7 +59,7 @@ def test_run_and_continue_equal_plain_decoding(models, tmp_path, arch, dtype):
         assert res.token_ids == want
         if dtype == "fp32":  # in fp32 the forward shape does not matter: plain sequential decoding agrees
             assert res.token_ids == decode_plain(model, full_kv, ids, NEW, new_token_ids=new)
-        if new and not first:  # and independently: the whole decoded full cache, the question, then one token per forward
+        if new and not first:  # and independently: the decoded full cache, the question, then one token per forward
             assert res.token_ids == _greedy_after(model, full_kv, new, res.stats.draft_token_ids)
 
 
