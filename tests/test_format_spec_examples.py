@@ -125,7 +125,7 @@ def built_1_4():
     kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)
     enc = encode_kv([(kb, vb)], SCHEME, prompt_token_ids=[1, 2, 3])
     return (kb, vb), build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr",
-                                 exact_kv=[(kb, vb)], exact_location="example.lynxe")
+                                 exact_kv=[(kb, vb)], exact_location="example.lynxe", exact_coding="planes")
 
 
 def test_the_1_4_example_is_what_the_writer_writes_and_rebuilds_the_bf16_tensors(tmp_path):

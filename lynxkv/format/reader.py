@@ -162,7 +162,8 @@ class PageReader:
         for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
             k, v = out[layer]
             sl = slice(p * page, min((p + 1) * page, h.tokens))
-            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl])
+            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl],
+                               self.exact_header.coding)
 
     def source(self, kind: int):
         if kind not in self._sources:
