@@ -61,11 +61,11 @@ def test_python_coder_round_trips_special_values(dtype, monkeypatch):
     assert torch.equal(bits(rans.decode_body(body, p, "t")), bits(x))
 
 
-def test_frequencies_are_positive_and_sum_to_4096():
+def test_frequencies_are_positive_and_sum_to_1024():
     for counts in ([1] * 72, [10**9, 1, 0, 1], [0, 5], [3, 3, 3]):
         f = rans.frequencies(counts)
-        assert sum(f) == 4096 and all((v > 0) == (k > 0) for v, k in zip(f, counts))
-    assert rans.frequencies([3, 3, 3]) == [1366, 1365, 1365]  # the rest to the first of the most frequent
+        assert sum(f) == 1024 and all((v > 0) == (k > 0) for v, k in zip(f, counts))
+    assert rans.frequencies([3, 3, 3]) == [342, 341, 341]  # the rest to the first of the most frequent
 
 
 def test_native_off_writes_the_same_files(monkeypatch):
@@ -107,34 +107,35 @@ def _page(dtype=torch.bfloat16):
 
 
 def _parts(body: bytes, p: torch.Tensor):
-    """(offset of the tables, of the stream, of the extra bits) in a body."""
+    """(offset of the tables, of the first stream, of the extra bits) in a body."""
     _, nctx = rans._contexts(p)
-    pos = 4
+    pos = 4 * rans.STATES
     for _ in range(nctx):
         m = body[pos]
         pos += 1
         for _ in range(m):
             pos += 2 if body[pos] & 0x80 else 1
-    return 4, pos, pos + struct.unpack_from("<I", body)[0]
+    return 4 * rans.STATES, pos, pos + sum(struct.unpack_from("<4I", body))
 
 
 def _cases(body: bytes, p: torch.Tensor):
     tables, stream, extra = _parts(body, p)
-    le = lambda n: struct.pack("<I", n)  # noqa: E731
-    yield "short", body[:3], "exact.stream_length"
-    yield "stream_length past the end", le(len(body)) + body[4:], "exact.stream_length"
-    yield "stream_length under 4", le(2) + body[4:], "exact.stream_length"
-    yield "no tables", body[:4], "exact.tables"
+    lengths = list(struct.unpack_from("<4I", body))
+    le = lambda *n: struct.pack(f"<{len(n)}I", *n)  # noqa: E731
+    yield "short", body[:15], "exact.stream_length"
+    yield "streams past the end", le(len(body), *lengths[1:]) + body[16:], "exact.stream_length"
+    yield "a stream under 4 bytes", le(*lengths[:3], 2) + body[16:], "exact.stream_length"
+    yield "no tables", body[:16], "exact.tables"
     yield "symbols 0", body[:tables] + b"\0" + body[tables + 1:], "exact.tables"
     yield "symbols past the alphabet", body[:tables] + bytes([41]) + body[tables + 1:], "exact.tables"
     first = body[tables + 1]  # the first frequency: one byte below 128, else two
     wide = first & 0x80
     bumped = bytes([(first + 1) & 0x7F | wide]) if wide else bytes([first + 1 if first < 127 else first - 1])
-    yield "frequencies off 4096", body[:tables + 1] + bumped + body[tables + 2:], "exact.tables"
+    yield "frequencies off 1024", body[:tables + 1] + bumped + body[tables + 2:], "exact.tables"
     if not wide:
         nonminimal = bytes([0x80 | first, 0])
         yield "non-minimal frequency", body[:tables + 1] + nonminimal + body[tables + 2:], "exact.tables"
-    yield "stream cut short", le(extra - stream - 2) + body[4:extra - 2] + body[extra:], "exact.stream"
+    yield "last stream cut short", le(*lengths[:3], lengths[3] - 2) + body[16:extra - 2] + body[extra:], "exact.stream"
     yield "a byte after the extra bits", body + b"\0", "exact.extra_bits"
     yield "the last extra byte missing", body[:-1], "exact.extra_bits"
     yield "final state", body[:stream] + bytes([body[stream] ^ 0x01]) + body[stream + 1:], None

@@ -188,10 +188,10 @@ EXACT_CODING_NAMES = {"planes": EXACT_CODING_PLANES, "rans": EXACT_CODING_RANS} 
 EXACT_CODING_MINORS = {EXACT_CODING_RANS: MINOR_EXACT_RANS}  # a coding a reader rejects in a file of an earlier minor
 KNOWN_EXACT_FLAGS = 0
 EXACT_RECORD_CRC_SIZE = 4  # an exact record starts with the CRC-32 of the page's original bytes (K then V)
-# coding 2 (1.5): a record's raw length varies; it is at least the CRC and stream_length, and at most the CRC,
-# stream_length, the largest tables (2·256 + 1 contexts of 1 + 2·alphabet bytes), 2 bytes of stream per element
-# and the extra bits (at most w - 2 per element), with alphabet = 16 + 2·(w - 4) for elements of w bits
-EXACT_RANS_MIN_RECORD = 4 + 4
+# coding 2 (1.5): a record's raw length varies; it is at least the CRC and the four stream_length, and at most
+# those, the largest tables (2·256 + 1 contexts of 1 + 2·alphabet bytes), four streams of 4 + 2·ceil(N/4) bytes
+# and the extra bits (at most w - 2 per element), with alphabet = 16 + 2·(w - 4) for w-bit elements
+EXACT_RANS_MIN_RECORD = 4 + 4 * 4
 EXACT_RANS_CONTEXTS = 2 * 256 + 1
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 

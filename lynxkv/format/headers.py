@@ -347,7 +347,8 @@ def exact_record_length(h: AnchorHeader, n: int, coding: int = c.EXACT_CODING_PL
     elements, w = 2 * h.kv_heads * n * h.head_dim, 8 * c.DTYPE_BYTES[h.dtype]
     if coding == c.EXACT_CODING_RANS:
         tables = c.EXACT_RANS_CONTEXTS * (1 + 2 * (16 + 2 * (w - 4)))
-        return c.EXACT_RANS_MIN_RECORD + tables + 4 + 2 * elements + -(-elements * (w - 2) // 8)
+        streams = 4 * (4 + 2 * -(-elements // 4))  # each its state and a word per element at most
+        return c.EXACT_RANS_MIN_RECORD + tables + streams + -(-elements * (w - 2) // 8)
     return c.EXACT_RECORD_CRC_SIZE + elements * w // 8
 
 

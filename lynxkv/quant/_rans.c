@@ -4,23 +4,26 @@
  * For element i of a page (K then V, row-major, N elements): z = zigzag(o(original) - o(predicted)) as in
  * _remainder.c; z becomes a symbol (z < 16: z itself; else 16 + 2·(b-5) + the bit below the top one, b = the bit
  * length of z, and the b-2 low bits go raw to the extra bits), coded by one static rANS stream (32-bit state,
- * L = 2^16, 16-bit words out, 12-bit frequencies) with a frequency table per context: the (half, exponent key) of the
- * prediction where that pair has at least 256 elements in the page, the shared context otherwise.
+ * L = 2^16, 16-bit words out, 10-bit frequencies) with a frequency table per context: the (half, exponent key) of the
+ * prediction where that pair has at least 256 elements in the page, the shared context otherwise. Element i uses
+ * the state i % 4 of four interleaved states, each with its own stream.
  *
- * Body (after the record's original_crc32): stream_length u32 | tables | rANS stream | extra bits (LSB first).
+ * Body (after the record's original_crc32): stream_length u32 × 4 | tables | rANS streams 0-3 | extra bits (LSB
+ * first). A stream is its state's final value (u32) and then 16-bit words, all little-endian.
  */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define PROB_BITS 12
+#define PROB_BITS 10
 #define PROB_TOTAL (1u << PROB_BITS)
 #define STATE_LOW (1u << 16)
 #define LITERALS 16
 #define MIN_CONTEXT 256
 #define MAX_CONTEXTS (2 * 256 + 1)
 #define MAX_ALPHABET (LITERALS + 2 * (32 - 4))
+#define STATES 4 /* interleaved rANS states: element i uses state and stream i % 4 (four independent chains) */
 
 /* error codes of the decoder, mapped to field names by lynxkv/quant/rans.py */
 enum { E_WIDTH = -1, E_MEMORY = -2, E_CAPACITY = -3, E_LENGTH = -10, E_TABLE = -11, E_STREAM = -12, E_STATE = -13,
@@ -85,6 +88,27 @@ static inline uint32_t symbol_of(uint32_t z, int *bits) {
     return LITERALS + 2 * (uint32_t)(b - 5) + ((z >> (b - 2)) & 1);
 }
 
+/* The symbols' raw bits and their base values: z = base[s] | (next extra[s] bits). */
+static void symbol_tables(int a, uint32_t *base, int *extra) {
+    for (int s = 0; s < a; s++) {
+        if (s < LITERALS) {
+            base[s] = (uint32_t)s, extra[s] = 0;
+        } else {
+            int b = 5 + ((s - LITERALS) >> 1);
+            extra[s] = b - 2;
+            base[s] = (2u | ((s - LITERALS) & 1)) << (b - 2);
+        }
+    }
+}
+
+static inline void put32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24);
+}
+
+static inline uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
 /* Writes the body into out (cap bytes); returns its length, or E_WIDTH, E_MEMORY, E_CAPACITY. */
 int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n, int32_t width, int32_t fp16,
                          uint8_t *out, int64_t cap) {
@@ -93,24 +117,27 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
     int a = alphabet(width);
     uint16_t *ctx = malloc((size_t)n * sizeof *ctx);
     uint8_t *sym = malloc((size_t)n);
+    uint32_t *zs = malloc((size_t)n * sizeof *zs);
     uint32_t *cnt = calloc((size_t)MAX_CONTEXTS * a, sizeof *cnt);
-    uint8_t *stream = malloc((size_t)2 * n + 8);
-    if (!ctx || !sym || !cnt || !stream) {
-        free(ctx), free(sym), free(cnt), free(stream);
-        return E_MEMORY;
-    }
-    int nctx = contexts(predicted, n, width, fp16, ctx);
+    uint32_t *cum = malloc((size_t)MAX_CONTEXTS * a * sizeof *cum);
+    double *inv = malloc((size_t)MAX_CONTEXTS * a * sizeof *inv);
+    int64_t room = 2 * (n / STATES + 1) + 4; /* one stream: its state and a word per element at most */
+    uint8_t *stream = malloc((size_t)room * STATES);
+    int64_t pos = 4 * STATES, status = 0;
+    if (!ctx || !sym || !zs || !cnt || !cum || !inv || !stream) status = E_MEMORY;
+    int nctx = status ? 0 : contexts(predicted, n, width, fp16, ctx);
+    uint32_t base[MAX_ALPHABET];
+    int extra[MAX_ALPHABET];
+    symbol_tables(a, base, extra);
     uint64_t extra_bits = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n && !status; i++) {
         int bits;
-        sym[i] = (uint8_t)symbol_of(zigzag_at(original, predicted, i, width), &bits);
+        zs[i] = zigzag_at(original, predicted, i, width);
+        sym[i] = (uint8_t)symbol_of(zs[i], &bits);
         extra_bits += (uint64_t)bits;
         cnt[(size_t)ctx[i] * a + sym[i]]++;
     }
     /* frequencies (cnt becomes them), cumulative starts, and the tables */
-    uint32_t *cum = malloc((size_t)nctx * a * sizeof *cum);
-    int64_t pos = 4, status = 0;
-    if (!cum) status = E_MEMORY;
     for (int c = 0; c < nctx && !status; c++) {
         uint32_t *f = cnt + (size_t)c * a;
         uint64_t total = 0;
@@ -132,9 +159,11 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
         }
         out[pos++] = (uint8_t)(last + 1);
         uint32_t run = 0;
-        for (int s = 0; s <= last; s++) {
+        for (int s = 0; s < a; s++) {
             cum[(size_t)c * a + s] = run;
+            inv[(size_t)c * a + s] = f[s] ? 1.0 / f[s] : 0.0;
             run += f[s];
+            if (s > last) continue;
             if (f[s] < 0x80) {
                 out[pos++] = (uint8_t)f[s];
             } else {
@@ -144,47 +173,57 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
         }
     }
     if (!status) { /* rANS, last element first, bytes written backwards so that the decoder reads forwards */
-        uint8_t *end = stream + 2 * n + 8, *ptr = end;
-        uint32_t x = STATE_LOW;
+        uint8_t *end[STATES], *ptr[STATES];
+        uint32_t state[STATES];
+        for (int j = 0; j < STATES; j++) state[j] = STATE_LOW, end[j] = ptr[j] = stream + room * (j + 1);
         for (int64_t i = n - 1; i >= 0; i--) {
             size_t at = (size_t)ctx[i] * a + sym[i];
+            int j = (int)(i % STATES);
+            uint32_t x = state[j];
             uint32_t f = cnt[at];
-            if ((uint64_t)x >= ((uint64_t)(STATE_LOW >> PROB_BITS) << 16) * f) { /* one 16-bit word at most */
-                *--ptr = (uint8_t)(x >> 8);
-                *--ptr = (uint8_t)x;
-                x >>= 16;
-            }
-            x = ((x / f) << PROB_BITS) + (x % f) + cum[at];
+            /* one 16-bit word at most; written always, kept when needed (the buffer has room for it) */
+            uint32_t emit = (uint64_t)x >= ((uint64_t)(STATE_LOW >> PROB_BITS) << 16) * f;
+            ptr[j][-1] = (uint8_t)(x >> 8);
+            ptr[j][-2] = (uint8_t)x;
+            ptr[j] -= 2 * emit;
+            x >>= 16 * emit;
+            /* x / f through the reciprocal, corrected to the exact quotient (x < 2^32: off by one at most) */
+            int64_t q = (int64_t)((double)x * inv[at]), r = (int64_t)x - q * (int64_t)f;
+            if (r < 0) q--, r += f;
+            else if (r >= (int64_t)f) q++, r -= f;
+            state[j] = ((uint32_t)q << PROB_BITS) + (uint32_t)r + cum[at];
         }
-        ptr -= 4;
-        ptr[0] = (uint8_t)x, ptr[1] = (uint8_t)(x >> 8), ptr[2] = (uint8_t)(x >> 16), ptr[3] = (uint8_t)(x >> 24);
-        int64_t len = end - ptr, extra_len = (int64_t)((extra_bits + 7) / 8);
-        if (pos + len + extra_len > cap) {
+        int64_t len = 0, extra_len = (int64_t)((extra_bits + 7) / 8);
+        for (int j = 0; j < STATES; j++) { /* each stream starts with its final state */
+            ptr[j] -= 4;
+            put32(ptr[j], state[j]);
+            len += end[j] - ptr[j];
+        }
+        if (pos + len + extra_len + 8 > cap) {
             status = E_CAPACITY;
         } else {
-            out[0] = (uint8_t)len, out[1] = (uint8_t)(len >> 8), out[2] = (uint8_t)(len >> 16),
-            out[3] = (uint8_t)(len >> 24);
-            memcpy(out + pos, ptr, (size_t)len);
-            pos += len;
+            for (int j = 0; j < STATES; j++) {
+                put32(out + 4 * j, (uint32_t)(end[j] - ptr[j]));
+                memcpy(out + pos, ptr[j], (size_t)(end[j] - ptr[j]));
+                pos += end[j] - ptr[j];
+            }
             uint64_t acc = 0;
             int held = 0;
-            for (int64_t i = 0; i < n; i++) {
-                if (sym[i] < LITERALS) continue;
-                int bits;
-                uint32_t z = zigzag_at(original, predicted, i, width);
-                symbol_of(z, &bits);
-                acc |= (uint64_t)(z & ((1u << bits) - 1)) << held;
+            for (int64_t i = 0; i < n; i++) { /* the extra bits, 32 at a time */
+                int bits = extra[sym[i]];
+                acc |= (uint64_t)(zs[i] & ((1u << bits) - 1u)) << held;
                 held += bits;
-                while (held >= 8) {
-                    out[pos++] = (uint8_t)acc;
-                    acc >>= 8;
-                    held -= 8;
+                if (held >= 32) {
+                    put32(out + pos, (uint32_t)acc);
+                    pos += 4;
+                    acc >>= 32;
+                    held -= 32;
                 }
             }
-            if (held) out[pos++] = (uint8_t)acc;
+            for (; held > 0; held -= 8, acc >>= 8) out[pos++] = (uint8_t)acc;
         }
     }
-    free(ctx), free(sym), free(cnt), free(stream), free(cum);
+    free(ctx), free(sym), free(zs), free(cnt), free(cum), free(inv), free(stream);
     return status ? status : pos;
 }
 
@@ -195,20 +234,24 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
                          int32_t fp16, void *original) {
     if (width != 2 && width != 4) return E_WIDTH;
     if (n <= 0) return E_LENGTH;
-    if (len < 4) return E_LENGTH;
     int a = alphabet(width);
     uint16_t *ctx = malloc((size_t)n * sizeof *ctx);
-    uint8_t *slot_sym = malloc((size_t)MAX_CONTEXTS * PROB_TOTAL);
-    uint32_t *freq = malloc((size_t)MAX_CONTEXTS * MAX_ALPHABET * 2 * sizeof *freq);
-    if (!ctx || !slot_sym || !freq) {
-        free(ctx), free(slot_sym), free(freq);
+    if (!ctx) return E_MEMORY;
+    int nctx = contexts(predicted, n, width, fp16, ctx); /* from the prediction: at most 2·256 + 1 */
+    /* per context and slot: symbol (bits 0-6), slot minus the symbol's start (7-18), frequency (19-31) */
+    uint32_t *slots = malloc((size_t)nctx * PROB_TOTAL * sizeof *slots);
+    if (!slots) {
+        free(ctx);
         return E_MEMORY;
     }
-    uint32_t *cum = freq + (size_t)MAX_CONTEXTS * MAX_ALPHABET;
-    int nctx = contexts(predicted, n, width, fp16, ctx);
-    int64_t status = 0, pos = 4;
-    uint64_t stream_len = (uint64_t)body[0] | (uint64_t)body[1] << 8 | (uint64_t)body[2] << 16 |
-                          (uint64_t)body[3] << 24;
+    int64_t status = 0, pos = 4 * STATES;
+    uint64_t stream_len[STATES], streams = 0;
+    if (len < 4 * STATES) status = E_LENGTH;
+    for (int j = 0; j < STATES && !status; j++) {
+        stream_len[j] = get32(body + 4 * j);
+        if (stream_len[j] < 4) status = E_LENGTH;
+        streams += stream_len[j];
+    }
     for (int c = 0; c < nctx && !status; c++) {
         if (pos >= len) {
             status = E_TABLE;
@@ -240,63 +283,83 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
                 status = E_TABLE;
                 break;
             }
-            freq[c * MAX_ALPHABET + s] = f;
-            cum[c * MAX_ALPHABET + s] = run;
-            memset(slot_sym + (size_t)c * PROB_TOTAL + run, s, f);
+            uint32_t *row = slots + (size_t)c * PROB_TOTAL;
+            for (uint32_t k = 0; k < f; k++) row[run + k] = (uint32_t)s | k << 7 | f << 19;
             run += f;
         }
         if (!status && run != PROB_TOTAL) status = E_TABLE;
     }
-    if (!status && (stream_len < 4 || stream_len > (uint64_t)(len - pos))) status = E_LENGTH;
+    if (!status && streams > (uint64_t)(len - pos)) status = E_LENGTH;
     if (!status) {
-        const uint8_t *stream = body + pos, *extra = stream + stream_len;
-        int64_t extra_len = len - pos - (int64_t)stream_len, sp = 4, ep = 0;
-        uint32_t x = (uint32_t)stream[0] | (uint32_t)stream[1] << 8 | (uint32_t)stream[2] << 16 |
-                     (uint32_t)stream[3] << 24;
-        uint64_t acc = 0;
-        int held = 0;
-        for (int64_t i = 0; i < n && !status; i++) {
-            int c = ctx[i];
-            uint32_t slot = x & (PROB_TOTAL - 1);
-            uint32_t s = slot_sym[(size_t)c * PROB_TOTAL + slot];
-            x = freq[c * MAX_ALPHABET + s] * (x >> PROB_BITS) + slot - cum[c * MAX_ALPHABET + s];
-            /* one 16-bit word at most (a valid stream never needs more), read without a data-dependent branch */
-            uint32_t need = x < STATE_LOW;
-            int64_t at = sp + 2 <= (int64_t)stream_len ? sp : 0;
-            if (need && at != sp) {
-                status = E_STREAM;
-                break;
-            }
-            uint32_t word = (uint32_t)stream[at] | (uint32_t)stream[at + 1] << 8;
-            x = need ? (x << 16) | word : x;
-            sp += 2 * need;
-            uint32_t z = s;
-            if (s >= LITERALS) {
-                int b = 5 + (int)((s - LITERALS) >> 1), bits = b - 2;
-                while (held < bits) {
-                    if (ep >= extra_len) {
-                        status = E_EXTRA;
-                        break;
-                    }
-                    acc |= (uint64_t)extra[ep++] << held;
-                    held += 8;
-                }
-                if (status) break;
-                z = ((2u | ((s - LITERALS) & 1)) << bits) | (uint32_t)(acc & ((1ull << bits) - 1));
-                acc >>= bits;
-                held -= bits;
-            }
-            if (width == 2) {
-                uint16_t d = (uint16_t)((z >> 1) ^ (uint16_t)(-(int16_t)(z & 1)));
-                ((uint16_t *)original)[i] = ord16((uint16_t)(ord16(((const uint16_t *)predicted)[i]) + d));
-            } else {
-                uint32_t d = (z >> 1) ^ (uint32_t)(-(int32_t)(z & 1));
-                ((uint32_t *)original)[i] = ord32(ord32(((const uint32_t *)predicted)[i]) + d);
-            }
+        const uint8_t *stream[STATES], *extra = body + pos + streams;
+        int64_t extra_len = len - pos - (int64_t)streams, sp[STATES], last_word[STATES], ep = 0;
+        uint32_t state[STATES], base[MAX_ALPHABET], bad = 0;
+        for (int j = 0; j < STATES; j++) {
+            stream[j] = j ? stream[j - 1] + stream_len[j - 1] : body + pos;
+            state[j] = get32(stream[j]);
+            sp[j] = 4, last_word[j] = (int64_t)stream_len[j] - 2;
         }
-        if (!status && (x != STATE_LOW || sp != (int64_t)stream_len)) status = E_STATE;
-        if (!status && (ep != extra_len || acc != 0)) status = E_EXTRA;
+        int bits_of[MAX_ALPHABET];
+        symbol_tables(a, base, bits_of);
+        uint64_t acc = 0, consumed = 0;
+        int held = 0;
+        uint32_t x0 = state[0], x1 = state[1], x2 = state[2], x3 = state[3];
+        int64_t sp0 = 4, sp1 = 4, sp2 = 4, sp3 = 4;
+        const uint8_t *st0 = stream[0], *st1 = stream[1], *st2 = stream[2], *st3 = stream[3];
+        int64_t lw0 = last_word[0], lw1 = last_word[1], lw2 = last_word[2], lw3 = last_word[3];
+        /* One element with state X, stream ST (SP its position, LW its last word). The state's step and one
+         * 16-bit word at most (a valid stream never needs more) without a data-dependent branch: past the stream's
+         * end the word is read from its start and the stream is refused after the loop. The extra bits refill 32 at
+         * a time (zeros past the end; an over-read is refused after the loop). */
+#define STEP(I, X, ST, SP, LW)                                                                                     \
+    do {                                                                                                           \
+        uint32_t e = slots[(size_t)ctx[I] * PROB_TOTAL + ((X) & (PROB_TOTAL - 1))], s = e & 0x7F;                  \
+        uint32_t y = (e >> 19) * ((X) >> PROB_BITS) + ((e >> 7) & (PROB_TOTAL - 1)), need = y < STATE_LOW;        \
+        bad |= need & ((SP) > (LW));                                                                               \
+        int64_t at = (SP) <= (LW) ? (SP) : 0;                                                                      \
+        uint32_t word = (uint32_t)(ST)[at] | (uint32_t)(ST)[at + 1] << 8;                                          \
+        (X) = need ? (y << 16) | word : y;                                                                         \
+        (SP) += 2 * need;                                                                                          \
+        if (held < 32) {                                                                                           \
+            if (ep + 4 <= extra_len) {                                                                             \
+                acc |= (uint64_t)get32(extra + ep) << held;                                                        \
+                ep += 4, held += 32;                                                                               \
+            } else {                                                                                               \
+                while (ep < extra_len && held < 56) acc |= (uint64_t)extra[ep++] << held, held += 8;               \
+                if (held < 32) held = 32;                                                                          \
+            }                                                                                                      \
+        }                                                                                                          \
+        int bits = bits_of[s];                                                                                     \
+        uint32_t z = base[s] | (uint32_t)(acc & ((1ull << bits) - 1));                                             \
+        acc >>= bits, held -= bits, consumed += (uint64_t)bits;                                                    \
+        if (width == 2) {                                                                                          \
+            uint16_t d = (uint16_t)((z >> 1) ^ (uint16_t)(-(int16_t)(z & 1)));                                     \
+            ((uint16_t *)original)[I] = ord16((uint16_t)(ord16(((const uint16_t *)predicted)[I]) + d));            \
+        } else {                                                                                                   \
+            uint32_t d = (z >> 1) ^ (uint32_t)(-(int32_t)(z & 1));                                                 \
+            ((uint32_t *)original)[I] = ord32(ord32(((const uint32_t *)predicted)[I]) + d);                        \
+        }                                                                                                          \
+    } while (0)
+        int64_t i = 0;
+        for (; i + STATES <= n; i += STATES) {
+            STEP(i, x0, st0, sp0, lw0);
+            STEP(i + 1, x1, st1, sp1, lw1);
+            STEP(i + 2, x2, st2, sp2, lw2);
+            STEP(i + 3, x3, st3, sp3, lw3);
+        }
+        if (i < n) STEP(i, x0, st0, sp0, lw0);
+        if (i + 1 < n) STEP(i + 1, x1, st1, sp1, lw1);
+        if (i + 2 < n) STEP(i + 2, x2, st2, sp2, lw2);
+#undef STEP
+        state[0] = x0, state[1] = x1, state[2] = x2, state[3] = x3;
+        sp[0] = sp0, sp[1] = sp1, sp[2] = sp2, sp[3] = sp3;
+        if (bad) status = E_STREAM;
+        for (int j = 0; j < STATES && !status; j++)
+            if (state[j] != STATE_LOW || sp[j] != (int64_t)stream_len[j]) status = E_STATE;
+        /* exactly the bytes the extra bits need, their padding zero */
+        if (!status && (consumed + 7) / 8 != (uint64_t)extra_len) status = E_EXTRA;
+        if (!status && consumed % 8 && extra[extra_len - 1] >> (consumed % 8)) status = E_EXTRA;
     }
-    free(ctx), free(slot_sym), free(freq);
+    free(ctx), free(slots);
     return status;
 }

@@ -4,14 +4,15 @@ For element ``i`` of a page (K then V row-major, ``N`` elements) ``z`` is the zi
 :mod:`lynxkv.quant.remainder` (no reordering). ``z`` becomes a **symbol**: ``z`` itself below 16, otherwise
 ``16 + 2·(b − 5) + (the bit of z below its top bit)`` with ``b`` the bit length of ``z``, and the ``b − 2`` bits
 under those two go raw into the **extra bits** (LSB first). The symbols are coded by one rANS stream (32-bit
-state, renormalised by 16-bit words below ``2^16``, 12-bit frequencies) with one frequency table per **context**:
+state, renormalised by 16-bit words below ``2^16``, 10-bit frequencies) with one frequency table per **context**:
 the pair (half: K or V, exponent field of the prediction) where that pair holds at least 256 elements of the page, one
-shared context for the rest. Near the prediction ``z`` is a few units in the last place, and how many depends on
+shared context for the rest; element ``i`` uses the state ``i % 4`` of four interleaved ones, each with its own
+stream (four independent chains for the decoder). Near the prediction ``z`` is a few units in the last place, and how many depends on
 the value's exponent and on the tensor: a table per context codes each group at its own entropy.
 
-The body after the record's CRC: ``stream_length`` (u32) | the tables (``symbols`` u8, then that many
-frequencies, LEB128, summing to 4096) | the rANS stream (``stream_length`` bytes, its final state first) | the
-extra bits. spec/FORMAT.md §12.6 is normative. Two paths give the same bytes: ``lynxkv/quant/_rans.c`` (ctypes,
+The body after the record's CRC: ``stream_length`` (u32 × 4) | the tables (``symbols`` u8, then that many
+frequencies, LEB128, summing to 1024) | the rANS streams 0-3 (each its state's final value, then 16-bit words) |
+the extra bits. spec/FORMAT.md §12.6 is normative. Two paths give the same bytes: ``lynxkv/quant/_rans.c`` (ctypes,
 the GIL released) and the Python below (``LYNXKV_NATIVE=0``; a loop per element, for tests and small caches).
 """
 
@@ -25,12 +26,13 @@ import torch
 from lynxkv.compiled import load_extension
 from lynxkv.errors import FormatError, InputError
 
-PROB_BITS = 12
+PROB_BITS = 10
 PROB_TOTAL = 1 << PROB_BITS
 STATE_LOW = 1 << 16
 LITERALS = 16
 MIN_CONTEXT = 256  # a (half, key) pair with fewer elements in the page is coded in the shared context
 HALF_KEYS = 256
+STATES = 4  # interleaved rANS states: element i uses state i % 4 and its stream
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 #: ``lynxkv/quant/_rans.c`` (built into the ``_remainder`` extension), or None: the Python path runs.
@@ -40,11 +42,11 @@ _LIB = load_extension("lynxkv.quant._remainder", {
 })
 #: the compiled decoder's error codes: (field, what is wrong)
 _ERRORS = {
-    -10: ("exact.stream_length", "outside the record, or under 4"),
+    -10: ("exact.stream_length", "the streams run past the record, or one is under 4 bytes (its state)"),
     -11: ("exact.tables", "a frequency table is truncated, has a symbol count outside [1, alphabet], a "
-                          "non-minimal or too large frequency, or frequencies that do not sum to 4096"),
-    -12: ("exact.stream", "the rANS stream ends before the last element"),
-    -13: ("exact.stream", "the rANS stream does not end in the initial state with every byte read"),
+                          "non-minimal or too large frequency, or frequencies that do not sum to 1024"),
+    -12: ("exact.stream", "a rANS stream ends before its last element"),
+    -13: ("exact.stream", "a rANS stream does not end in the initial state with every byte read"),
     -14: ("exact.extra_bits", "the extra bits are not exactly as long as the symbols need, or their padding is "
                               "not zero"),
 }
@@ -60,7 +62,8 @@ def alphabet(width: int) -> int:
 def body_capacity(n: int, width: int) -> int:
     """A bound on the body's length for ``n`` elements: tables, at most 2 bytes of stream per element, extra bits."""
     contexts = 2 * HALF_KEYS + 1
-    return 4 + contexts * (1 + 2 * alphabet(width)) + 4 + 2 * n + (n * (8 * width - 2) + 7) // 8
+    return 4 * STATES + contexts * (1 + 2 * alphabet(width)) + STATES * (2 * (n // STATES + 1) + 4) + \
+        (n * (8 * width - 2) + 7) // 8 + 8
 
 
 def _view(predicted: torch.Tensor):
@@ -152,8 +155,8 @@ def _symbols(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def frequencies(counts: list[int]) -> list[int]:
-    """The table of one context from its symbol counts: ``floor(c·(4096 − k)/n) + 1`` for each of the ``k``
-    symbols present (``n`` elements), the rest of 4096 to the most frequent symbol (the first of equals)."""
+    """The table of one context from its symbol counts: ``floor(c·(1024 − k)/n) + 1`` for each of the ``k``
+    symbols present (``n`` elements), the rest of 1024 to the most frequent symbol (the first of equals)."""
     total, present = sum(counts), sum(1 for c in counts if c)
     f = [c * (PROB_TOTAL - present) // total + 1 if c else 0 for c in counts]
     best = max(range(len(counts)), key=lambda s: (counts[s], -s))
@@ -178,16 +181,16 @@ def reference_encode(x: torch.Tensor, p: torch.Tensor) -> bytes:
             tables += bytes([v]) if v < 0x80 else bytes([0x80 | (v & 0x7F), v >> 7])
         freq.append(f)
         cum.append([sum(f[:s]) for s in range(a)])
-    out = bytearray()  # emitted bytes, reversed at the end
-    state = STATE_LOW
-    for c, s in zip(reversed(ctx.tolist()), reversed(sym.tolist())):
-        f = freq[c][s]
+    outs = [bytearray() for _ in range(STATES)]  # emitted bytes of each stream, reversed at the end
+    states = [STATE_LOW] * STATES
+    n = len(sym)
+    for i, c, s in zip(range(n - 1, -1, -1), reversed(ctx.tolist()), reversed(sym.tolist())):
+        f, state = freq[c][s], states[i % STATES]
         if state >= ((STATE_LOW >> PROB_BITS) << 16) * f:  # one 16-bit word at most
-            out += (state & 0xFFFF).to_bytes(2, "big")  # reversed below: little-endian in the stream
+            outs[i % STATES] += (state & 0xFFFF).to_bytes(2, "big")  # reversed below: little-endian
             state >>= 16
-        state = (state // f << PROB_BITS) + state % f + cum[c][s]
-    out += state.to_bytes(4, "big")
-    stream = bytes(reversed(out))
+        states[i % STATES] = (state // f << PROB_BITS) + state % f + cum[c][s]
+    streams = [bytes(reversed(out + state.to_bytes(4, "big"))) for out, state in zip(outs, states)]
     has = bits > 0
     values, widths = (z[has] & ((np.uint64(1) << bits[has].astype(np.uint64)) - np.uint64(1))), bits[has]
     total = int(widths.sum())
@@ -199,7 +202,8 @@ def reference_encode(x: torch.Tensor, p: torch.Tensor) -> bytes:
             sel = widths > j
             flat[offsets[sel] + j] = ((values[sel] >> np.uint64(j)) & np.uint64(1)).astype(np.uint8)
         packed = np.packbits(flat, bitorder="little").tobytes()
-    return len(stream).to_bytes(4, "little") + bytes(tables) + stream + bytes(packed)
+    lengths = b"".join(len(s).to_bytes(4, "little") for s in streams)
+    return lengths + bytes(tables) + b"".join(streams) + bytes(packed)
 
 
 def reference_decode(body: bytes, p: torch.Tensor, where: str) -> torch.Tensor:
@@ -213,10 +217,12 @@ def reference_decode(body: bytes, p: torch.Tensor, where: str) -> torch.Tensor:
         field, what = _ERRORS[code]
         return FormatError(f"`{field}` {where}: {what}", field=field, where=where)
 
-    if len(body) < 4:
+    if len(body) < 4 * STATES:
         raise fail(-10)
-    stream_length = int.from_bytes(body[:4], "little")
-    pos, freq, cum, lookup = 4, [], [], []
+    lengths = [int.from_bytes(body[4 * j:4 * j + 4], "little") for j in range(STATES)]
+    if min(lengths) < 4:
+        raise fail(-10)
+    pos, freq, cum, lookup = 4 * STATES, [], [], []
     for _ in range(nctx):
         if pos >= len(body) or not 1 <= body[pos] <= a:
             raise fail(-11)
@@ -241,22 +247,27 @@ def reference_decode(body: bytes, p: torch.Tensor, where: str) -> torch.Tensor:
         freq.append(f)
         cum.append(starts)
         lookup.append(np.repeat(np.arange(a), f).tolist())
-    if not 4 <= stream_length <= len(body) - pos:
+    if sum(lengths) > len(body) - pos:
         raise fail(-10)
-    stream = body[pos:pos + stream_length]
-    extra = body[pos + stream_length:]
-    state = int.from_bytes(stream[:4], "little")
-    sp, ep, acc, held = 4, 0, 0, 0
+    streams = []
+    for length in lengths:
+        streams.append(body[pos:pos + length])
+        pos += length
+    extra = body[pos:]
+    states = [int.from_bytes(s[:4], "little") for s in streams]
+    sps, ep, acc, held = [4] * STATES, 0, 0, 0
     z = []
-    for c in ctx.tolist():
+    for i, c in enumerate(ctx.tolist()):
+        state, stream, sp = states[i % STATES], streams[i % STATES], sps[i % STATES]
         slot = state & (PROB_TOTAL - 1)
         s = lookup[c][slot]
         state = freq[c][s] * (state >> PROB_BITS) + slot - cum[c][s]
         if state < STATE_LOW:
-            if sp + 2 > stream_length:
+            if sp + 2 > len(stream):
                 raise fail(-12)
             state = (state << 16) | stream[sp] | stream[sp + 1] << 8
-            sp += 2
+            sps[i % STATES] = sp + 2
+        states[i % STATES] = state
         if s < LITERALS:
             z.append(s)
             continue
@@ -270,7 +281,7 @@ def reference_decode(body: bytes, p: torch.Tensor, where: str) -> torch.Tensor:
         z.append(((2 | ((s - LITERALS) & 1)) << bits) | (acc & ((1 << bits) - 1)))
         acc >>= bits
         held -= bits
-    if state != STATE_LOW or sp != stream_length:
+    if states != [STATE_LOW] * STATES or sps != lengths:
         raise fail(-13)
     if ep != len(extra) or acc:
         raise fail(-14)
