@@ -246,3 +246,34 @@ def test_encode_exact_layer_codings_rebuild_the_same_page():
         out_k, out_v = torch.empty_like(k), torch.empty_like(v)
         apply_exact_record(record, pred[0], pred[1], "exact layer 0 page 0", out_k, out_v, coding)
         assert torch.equal(bits(out_k), bits(k)) and torch.equal(bits(out_v), bits(v))
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_pages_rebuilt_on_workers_are_bit_identical_and_the_first_bad_page_is_reported(tmp_path, monkeypatch,
+                                                                                         threads):
+    """The writer codes and ``load_kv(exact=True)`` rebuilds exact pages on ``LYNXKV_CPU_THREADS`` workers: the
+    same bytes and tensors as one worker, and of two malformed pages (valid page CRCs) the first one's error,
+    whatever the workers finish first."""
+    import lynxkv.format.exact_records as exact_records
+
+    kv = exact_kv(torch.bfloat16, t=700)  # 3 layers of 3 pages
+    monkeypatch.setenv("LYNXKV_CPU_THREADS", "1")
+    one = build_files(encode_kv(kv), cache_id=bytes(16), single_file=True, exact_kv=kv).anchor
+    monkeypatch.setenv("LYNXKV_CPU_THREADS", threads)
+    assert build_files(encode_kv(kv), cache_id=bytes(16), single_file=True, exact_kv=kv).anchor == one
+    with open_cache(one) as cache:
+        assert same_bits(cache.load_kv(exact=True), kv)
+    real, calls = exact_records.encode_body, []
+
+    def broken(x, p):  # page 1 of layer 0 gains a stray byte, page 1 of layer 2 loses its last one
+        calls.append(1)
+        body = real(x, p)
+        return {2: body + b"\x01", 8: body[:-1]}.get(len(calls), body)
+
+    with monkeypatch.context() as m:  # written on one worker, so that the calls come in page order
+        m.setenv("LYNXKV_CPU_THREADS", "1")
+        m.setattr(exact_records, "encode_body", broken)
+        save_cache(tmp_path / "c.lynx", kv, exact=True)
+    with open_cache(tmp_path / "c.lynx") as cache, pytest.raises(FormatError) as exc:
+        cache.load_kv(exact=True)
+    assert exc.value.field == "exact.extra_bits" and "exact layer 0 page 1" in str(exc.value)

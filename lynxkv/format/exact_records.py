@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
+from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.quant.rans import decode_body, encode_body
 from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes_and_runs
 
@@ -35,21 +37,30 @@ EXACT_MIN_RUN = 1024
 
 
 def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: tuple[torch.Tensor, torch.Tensor],
-                       page: int, tokens: int, coding: int = c.EXACT_CODING_RANS):
+                       page: int, tokens: int, coding: int = c.EXACT_CODING_RANS, threads: int | None = None):
     """The exact record of each page of one layer in ``coding``, in page order, with where its zstd frames split
     (coding 1; None for coding 2, stored raw): ``original`` and ``predicted`` are the layer's (keys, values)
-    ``[H, T, D]`` in the original dtype, ``predicted`` the full code's decoding."""
+    ``[H, T, D]`` in the original dtype, ``predicted`` the full code's decoding. Coding 2 codes the layer's pages
+    on up to ``threads`` workers (:func:`lynxkv.quant.dispatch.concurrent_tensors`)."""
     (k, v), (pk, pv) = original, predicted
-    for p in range(-(-tokens // page)):
+
+    def record(p: int):
         sl = slice(p * page, min((p + 1) * page, tokens))
         both = torch.cat((k[:, sl], v[:, sl])).reshape(-1)  # K then V of the page, one contiguous copy
         pred = torch.cat((pk[:, sl], pv[:, sl])).reshape(-1)
         head = struct.pack("<I", crc32(both.view(torch.uint8).numpy()))
         if coding == c.EXACT_CODING_RANS:
-            yield head + encode_body(both, pred), None
-            continue
+            return head + encode_body(both, pred), None
         planes, runs = remainder_planes_and_runs(both, pred)
-        yield head + planes.numpy().tobytes(), frame_splits(runs, both.numel(), planes.shape[0])
+        return head + planes.numpy().tobytes(), frame_splits(runs, both.numel(), planes.shape[0])
+
+    pages = range(-(-tokens // page))
+    workers = min(concurrent_tensors(threads), len(pages)) if coding == c.EXACT_CODING_RANS else 1
+    if workers <= 1:
+        yield from map(record, pages)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-exact") as pool:
+        yield from pool.map(record, pages)  # in page order
 
 
 def frame_splits(groups: list[int], n: int, planes: int, min_run: int = EXACT_MIN_RUN) -> list[int]:
