@@ -42,29 +42,38 @@ static inline uint32_t key_of(const void *predicted, int64_t i, int32_t width, i
     return (((const uint32_t *)predicted)[i] >> 23) & 0xFF;
 }
 
+/* The keys of elements [from, to) counted into count[256] (four interleaved histograms: no store-to-load chain). */
+static void count_keys(const void *predicted, int64_t from, int64_t to, int32_t width, int32_t fp16,
+                       int64_t count[256]) {
+    int64_t c[4][256];
+    memset(c, 0, sizeof c);
+    int64_t i = from;
+    for (; i + 4 <= to; i += 4)
+        for (int u = 0; u < 4; u++) c[u][key_of(predicted, i + u, width, fp16)]++;
+    for (; i < to; i++) c[0][key_of(predicted, i, width, fp16)]++;
+    for (int k = 0; k < 256; k++) count[k] = c[0][k] + c[1][k] + c[2][k] + c[3][k];
+}
+
 /* ctx[i] for every element and the number of contexts: (half, key) pairs with >= MIN_CONTEXT elements in the
  * order half 0 keys ascending, half 1 keys ascending, then the shared context if any element falls into it. */
 static int contexts(const void *predicted, int64_t n, int32_t width, int32_t fp16, uint16_t *ctx) {
     int64_t count[2][256];
-    int32_t index[2][256];
-    memset(count, 0, sizeof count);
+    uint16_t index[2][256];
     int64_t half = n / 2;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t k = key_of(predicted, i, width, fp16);
-        ctx[i] = (uint16_t)k;
-        count[i >= half][k]++;
-    }
+    count_keys(predicted, 0, half, width, fp16, count[0]);
+    count_keys(predicted, half, n, width, fp16, count[1]);
     int c = 0, shared = 0;
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 256; k++)
-            if (count[h][k] >= MIN_CONTEXT) index[h][k] = c++;
+            if (count[h][k] >= MIN_CONTEXT) index[h][k] = (uint16_t)c++;
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 256; k++)
             if (count[h][k] < MIN_CONTEXT) {
-                index[h][k] = c;
+                index[h][k] = (uint16_t)c;
                 shared |= count[h][k] > 0;
             }
-    for (int64_t i = 0; i < n; i++) ctx[i] = (uint16_t)index[i >= half][ctx[i]];
+    for (int64_t i = 0; i < half; i++) ctx[i] = index[0][key_of(predicted, i, width, fp16)];
+    for (int64_t i = half; i < n; i++) ctx[i] = index[1][key_of(predicted, i, width, fp16)];
     return c + shared;
 }
 
@@ -118,14 +127,16 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
     uint16_t *ctx = malloc((size_t)n * sizeof *ctx);
     uint8_t *sym = malloc((size_t)n);
     uint32_t *zs = malloc((size_t)n * sizeof *zs);
-    uint32_t *cnt = calloc((size_t)MAX_CONTEXTS * a, sizeof *cnt);
+    uint32_t *cnt = NULL; /* four interleaved histograms per context (no store-to-load chain), then their sum */
     uint32_t *cum = malloc((size_t)MAX_CONTEXTS * a * sizeof *cum);
     double *inv = malloc((size_t)MAX_CONTEXTS * a * sizeof *inv);
     int64_t room = 2 * (n / STATES + 1) + 4; /* one stream: its state and a word per element at most */
     uint8_t *stream = malloc((size_t)room * STATES);
     int64_t pos = 4 * STATES, status = 0;
-    if (!ctx || !sym || !zs || !cnt || !cum || !inv || !stream) status = E_MEMORY;
+    if (!ctx || !sym || !zs || !cum || !inv || !stream) status = E_MEMORY;
     int nctx = status ? 0 : contexts(predicted, n, width, fp16, ctx);
+    size_t span = (size_t)nctx * a;
+    if (!status && !(cnt = calloc(4 * span, sizeof *cnt))) status = E_MEMORY;
     uint32_t base[MAX_ALPHABET];
     int extra[MAX_ALPHABET];
     symbol_tables(a, base, extra);
@@ -135,8 +146,9 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
         zs[i] = zigzag_at(original, predicted, i, width);
         sym[i] = (uint8_t)symbol_of(zs[i], &bits);
         extra_bits += (uint64_t)bits;
-        cnt[(size_t)ctx[i] * a + sym[i]]++;
+        cnt[(size_t)(i & 3) * span + (size_t)ctx[i] * a + sym[i]]++;
     }
+    for (size_t k = 0; k < span && !status; k++) cnt[k] += cnt[k + span] + cnt[k + 2 * span] + cnt[k + 3 * span];
     /* frequencies (cnt becomes them), cumulative starts, and the tables */
     for (int c = 0; c < nctx && !status; c++) {
         uint32_t *f = cnt + (size_t)c * a;
@@ -189,8 +201,10 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
             x >>= 16 * emit;
             /* x / f through the reciprocal, corrected to the exact quotient (x < 2^32: off by one at most) */
             int64_t q = (int64_t)((double)x * inv[at]), r = (int64_t)x - q * (int64_t)f;
-            if (r < 0) q--, r += f;
-            else if (r >= (int64_t)f) q++, r -= f;
+            int64_t under = r < 0;
+            q -= under, r += under * (int64_t)f;
+            int64_t over = r >= (int64_t)f;
+            q += over, r -= over * (int64_t)f;
             state[j] = ((uint32_t)q << PROB_BITS) + (uint32_t)r + cum[at];
         }
         int64_t len = 0, extra_len = (int64_t)((extra_bits + 7) / 8);
@@ -307,16 +321,21 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
         int64_t sp0 = 4, sp1 = 4, sp2 = 4, sp3 = 4;
         const uint8_t *st0 = stream[0], *st1 = stream[1], *st2 = stream[2], *st3 = stream[3];
         int64_t lw0 = last_word[0], lw1 = last_word[1], lw2 = last_word[2], lw3 = last_word[3];
-        /* One element with state X, stream ST (SP its position, LW its last word). The state's step and one
-         * 16-bit word at most (a valid stream never needs more) without a data-dependent branch: past the stream's
-         * end the word is read from its start and the stream is refused after the loop. The extra bits refill 32 at
-         * a time (zeros past the end; an over-read is refused after the loop). */
-#define STEP(I, X, ST, SP, LW)                                                                                     \
+        /* One element with state X, stream ST (SP its position, LW its last word), z written to OUT[I]. The
+         * state's step and one 16-bit word at most (a valid stream never needs more) without a data-dependent
+         * branch. CHECKED: past the stream's end the word is read from its start and the stream is refused after
+         * the loop; unchecked steps run only in blocks where every stream has a word left (each stream gives one
+         * element of a block). The extra bits refill 32 at a time (zeros past the end; an over-read is refused
+         * after the loop). */
+#define STEP(I, X, ST, SP, LW, OUT, CHECKED)                                                                       \
     do {                                                                                                           \
         uint32_t e = slots[(size_t)ctx[I] * PROB_TOTAL + ((X) & (PROB_TOTAL - 1))], s = e & 0x7F;                  \
         uint32_t y = (e >> 19) * ((X) >> PROB_BITS) + ((e >> 7) & (PROB_TOTAL - 1)), need = y < STATE_LOW;        \
-        bad |= need & ((SP) > (LW));                                                                               \
-        int64_t at = (SP) <= (LW) ? (SP) : 0;                                                                      \
+        int64_t at = SP;                                                                                           \
+        if (CHECKED) {                                                                                             \
+            bad |= need & ((SP) > (LW));                                                                           \
+            at = (SP) <= (LW) ? (SP) : 0;                                                                          \
+        }                                                                                                          \
         uint32_t word = (uint32_t)(ST)[at] | (uint32_t)(ST)[at + 1] << 8;                                          \
         (X) = need ? (y << 16) | word : y;                                                                         \
         (SP) += 2 * need;                                                                                          \
@@ -330,26 +349,48 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
             }                                                                                                      \
         }                                                                                                          \
         int bits = bits_of[s];                                                                                     \
-        uint32_t z = base[s] | (uint32_t)(acc & ((1ull << bits) - 1));                                             \
+        (OUT)[I] = base[s] | (uint32_t)(acc & ((1ull << bits) - 1));                                               \
         acc >>= bits, held -= bits, consumed += (uint64_t)bits;                                                    \
-        if (width == 2) {                                                                                          \
-            uint16_t d = (uint16_t)((z >> 1) ^ (uint16_t)(-(int16_t)(z & 1)));                                     \
-            ((uint16_t *)original)[I] = ord16((uint16_t)(ord16(((const uint16_t *)predicted)[I]) + d));            \
-        } else {                                                                                                   \
-            uint32_t d = (z >> 1) ^ (uint32_t)(-(int32_t)(z & 1));                                                 \
-            ((uint32_t *)original)[I] = ord32(ord32(((const uint32_t *)predicted)[I]) + d);                        \
+    } while (0)
+#define BLOCKS(OUT)                                                                                                \
+    do {                                                                                                           \
+        for (; i + STATES <= n; i += STATES) {                                                                     \
+            if ((sp0 <= lw0) & (sp1 <= lw1) & (sp2 <= lw2) & (sp3 <= lw3)) {                                       \
+                STEP(i, x0, st0, sp0, lw0, OUT, 0);                                                                \
+                STEP(i + 1, x1, st1, sp1, lw1, OUT, 0);                                                            \
+                STEP(i + 2, x2, st2, sp2, lw2, OUT, 0);                                                            \
+                STEP(i + 3, x3, st3, sp3, lw3, OUT, 0);                                                            \
+            } else {                                                                                               \
+                STEP(i, x0, st0, sp0, lw0, OUT, 1);                                                                \
+                STEP(i + 1, x1, st1, sp1, lw1, OUT, 1);                                                            \
+                STEP(i + 2, x2, st2, sp2, lw2, OUT, 1);                                                            \
+                STEP(i + 3, x3, st3, sp3, lw3, OUT, 1);                                                            \
+            }                                                                                                      \
         }                                                                                                          \
+        if (i < n) STEP(i, x0, st0, sp0, lw0, OUT, 1);                                                             \
+        if (i + 1 < n) STEP(i + 1, x1, st1, sp1, lw1, OUT, 1);                                                     \
+        if (i + 2 < n) STEP(i + 2, x2, st2, sp2, lw2, OUT, 1);                                                     \
     } while (0)
         int64_t i = 0;
-        for (; i + STATES <= n; i += STATES) {
-            STEP(i, x0, st0, sp0, lw0);
-            STEP(i + 1, x1, st1, sp1, lw1);
-            STEP(i + 2, x2, st2, sp2, lw2);
-            STEP(i + 3, x3, st3, sp3, lw3);
+        /* z into the output first, then every element rebuilt in one pass (which vectorises) */
+        if (width == 2) {
+            uint16_t *out = original;
+            const uint16_t *p = predicted;
+            BLOCKS(out);
+            for (i = 0; i < n; i++) {
+                uint16_t z = out[i], d = (uint16_t)((z >> 1) ^ (uint16_t)(-(int16_t)(z & 1)));
+                out[i] = ord16((uint16_t)(ord16(p[i]) + d));
+            }
+        } else {
+            uint32_t *out = original;
+            const uint32_t *p = predicted;
+            BLOCKS(out);
+            for (i = 0; i < n; i++) {
+                uint32_t z = out[i], d = (z >> 1) ^ (uint32_t)(-(int32_t)(z & 1));
+                out[i] = ord32(ord32(p[i]) + d);
+            }
         }
-        if (i < n) STEP(i, x0, st0, sp0, lw0);
-        if (i + 1 < n) STEP(i + 1, x1, st1, sp1, lw1);
-        if (i + 2 < n) STEP(i + 2, x2, st2, sp2, lw2);
+#undef BLOCKS
 #undef STEP
         state[0] = x0, state[1] = x1, state[2] = x2, state[3] = x3;
         sp[0] = sp0, sp[1] = sp1, sp[2] = sp2, sp[3] = sp3;
