@@ -86,7 +86,9 @@ def measure(name: str, kv, repeats: int, workdir: Path) -> dict:
     c3 = [z3.compress(f) for f in frames]
     d = zstandard.ZstdDecompressor()
     plain = workdir / f"{name}-plain.lynx"
-    paths = {coding: workdir / f"{name}-{coding}.lynx" for coding in CODINGS}
+    paths = {coding: workdir / coding / f"{name}.lynx" for coding in CODINGS}  # one name: the same header lengths
+    for path in paths.values():
+        path.parent.mkdir(exist_ok=True)
     t = {k: [] for k in ("save_plain", "z1_c", "z1_d", "load_full",
                          *(f"{what}_{coding}" for coding in CODINGS for what in ("save", "load")))}
     for _ in range(repeats):  # interleaved
