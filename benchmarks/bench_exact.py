@@ -20,7 +20,9 @@ and the speeds, medians of ``--repeats`` (default 3) interleaved runs:
   segment on it), beside zstd-1's decompression of the raw tensors.
 
 Then the candidates measured for coding the remainder (sizes only, page by page as the format stores it), on the
-same caches. ``--threads`` sets
+same caches. ``--sweep`` adds the choices inside coding 2: the remainder's order-0 entropy with each context, and
+the bytes the Python coder writes with other literal counts, shared-context thresholds and frequency precisions
+(slow: a Python loop per element). ``--threads`` sets
 torch's intra-op threads (default 1: the figures in docs/format.md came from a shared 2-core machine).
 """
 
@@ -37,6 +39,7 @@ import zstandard
 from lynxkv.cache import open_cache, save_cache
 from lynxkv.format.exact_records import frame_splits
 from lynxkv.format.records import compress_frames
+from lynxkv.quant import rans
 from lynxkv.quant.rans import encode_body
 from lynxkv.quant.remainder import element_order, group_sizes, remainder_planes
 from zstd_pages import median_time  # this folder's timer: benchmarks run as scripts from it
@@ -153,12 +156,62 @@ def candidates(kv, predicted, page: int) -> dict[str, int]:
     return out
 
 
+def _pages(kv, predicted, page: int):
+    """(original, prediction) of each page, K then V flattened, as the exact records hold them."""
+    for (k, v), (pk, pv) in zip(kv, predicted):
+        for p0 in range(0, k.shape[1], page):
+            yield (torch.cat((k[:, p0:p0 + page], v[:, p0:p0 + page])).reshape(-1),
+                   torch.cat((pk[:, p0:p0 + page], pv[:, p0:p0 + page])).reshape(-1))
+
+
+def _entropy(z: torch.Tensor, context: torch.Tensor) -> float:
+    """Order-0 entropy in bits of ``z`` given ``context`` (both int64, one page): the sum over contexts."""
+    total = 0.0
+    for c in torch.unique(context):
+        counts = torch.bincount(z[context == c]).double()
+        counts = counts[counts > 0]
+        total -= float((counts * torch.log2(counts / counts.sum())).sum())
+    return total
+
+
+def sweep(kv, predicted, page: int) -> dict[str, float]:
+    """Bits per element of the remainder: order-0 entropies with each context, then coding 2's bytes (Python
+    coder, CRCs included) with its literal count, shared-context threshold and frequency precision varied."""
+    out: dict[str, float] = {}
+    pages = list(_pages(kv, predicted, page))
+    n = sum(x.numel() for x, _ in pages)
+    ent = {"entropy, no context": 0.0, "entropy given the exponent": 0.0,
+           "entropy given the exponent, K and V apart": 0.0}
+    for x, p in pages:
+        z = torch.from_numpy(rans._zigzag(x, p).astype("int64"))
+        key = (p.view(torch.int16).to(torch.int64) >> 7) & 0xFF
+        half = (torch.arange(len(z)) >= len(z) // 2).to(torch.int64)
+        for name, ctx in zip(ent, (torch.zeros_like(z), key, half * 256 + key)):
+            ent[name] += _entropy(z, ctx)
+    out.update({name: bits / n for name, bits in ent.items()})
+    configs = {"coding 2 as specified (16 literals, from 256, 10-bit)": {},
+               "8 literals": {"LITERALS": 8}, "32 literals": {"LITERALS": 32},
+               "shared context under 64": {"MIN_CONTEXT": 64}, "under 128": {"MIN_CONTEXT": 128},
+               "under 512": {"MIN_CONTEXT": 512}, "12-bit frequencies": {"PROB_BITS": 12, "PROB_TOTAL": 4096}}
+    for name, change in configs.items():
+        saved = {k: getattr(rans, k) for k in change}
+        try:
+            for k, v in change.items():
+                setattr(rans, k, v)
+            out[name] = 8 * sum(len(rans.reference_encode(x, p)) + 4 for x, p in pages) / n
+        finally:
+            for k, v in saved.items():
+                setattr(rans, k, v)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-model", action="store_true", help="skip SmolLM2 (only the Llama-shaped cache)")
+    ap.add_argument("--sweep", action="store_true", help="also the choices inside coding 2 (slow)")
     ap.add_argument("--corpus", choices=["prose", "pydoc"], default="prose",
                     help="SmolLM2's prompt: held-out prose (default) or the pydoc prompt the coding was chosen on")
     args = ap.parse_args()
@@ -197,6 +250,12 @@ def main() -> None:
     for r, name, kv in rows:
         for cand, n in candidates(kv, r["predicted"], DEFAULT.page).items():
             print(f"{name:<20} {cand:<70} {n:>12,} {8 * n / r['elements']:>6.2f}")
+
+    if args.sweep:
+        print("\nchoices inside coding 2 (bits per element of the exact payload)")
+        for r, name, kv in rows:
+            for what, bits in sweep(kv, r["predicted"], DEFAULT.page).items():
+                print(f"{name:<20} {what:<70} {bits:>6.3f}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from lynxkv.errors import FormatError, InputError
 PROB_BITS = 10
 PROB_TOTAL = 1 << PROB_BITS
 STATE_LOW = 1 << 16
-LITERALS = 16
+LITERALS = 16  # a power of two: z below it is its own symbol (the format fixes 16; the benchmark tries others)
 MIN_CONTEXT = 256  # a (half, key) pair with fewer elements in the page is coded in the shared context
 HALF_KEYS = 256
 STATES = 4  # interleaved rANS states: element i uses state i % 4 and its stream
@@ -56,7 +56,7 @@ _VIEWS = {torch.bfloat16: (torch.int16, 2, 7, 0xFF), torch.float16: (torch.int16
 
 def alphabet(width: int) -> int:
     """Symbols of an element ``width`` bytes wide: 40 for bf16/fp16, 72 for fp32."""
-    return LITERALS + 2 * (8 * width - 4)
+    return LITERALS + 2 * (8 * width + 1 - LITERALS.bit_length())
 
 
 def body_capacity(n: int, width: int) -> int:
@@ -150,7 +150,7 @@ def _symbols(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     big = z >= LITERALS
     bits = np.where(big, b - 2, 0)
     second = (z >> np.maximum(bits, 0).astype(np.uint64)) & np.uint64(1)
-    sym = np.where(big, LITERALS + 2 * (b - 5) + second.astype(np.int64), z.astype(np.int64))
+    sym = np.where(big, LITERALS + 2 * (b - LITERALS.bit_length()) + second.astype(np.int64), z.astype(np.int64))
     return sym, bits
 
 
@@ -271,7 +271,7 @@ def reference_decode(body: bytes, p: torch.Tensor, where: str) -> torch.Tensor:
         if s < LITERALS:
             z.append(s)
             continue
-        bits = 3 + ((s - LITERALS) >> 1)
+        bits = LITERALS.bit_length() - 2 + ((s - LITERALS) >> 1)
         while held < bits:
             if ep >= len(extra):
                 raise fail(-14)
