@@ -4,9 +4,13 @@ read outside the record; coding 1 stays available and a 1.4 anchor cannot claim 
 
 from __future__ import annotations
 
+import os
 import random
 import struct
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +281,28 @@ def test_pages_rebuilt_on_workers_are_bit_identical_and_the_first_bad_page_is_re
     with open_cache(tmp_path / "c.lynx") as cache, pytest.raises(FormatError) as exc:
         cache.load_kv(exact=True)
     assert exc.value.field == "exact.extra_bits" and "exact layer 0 page 1" in str(exc.value)
+
+
+def test_lynxkv_native_0_writes_and_reads_the_same_bytes(tmp_path):
+    """With ``LYNXKV_NATIVE=0`` (no compiled code at all) the exact segment's bytes are the compiled writer's and
+    it reads back bit for bit."""
+    kv = exact_kv(torch.float16, layers=1, t=24)
+    compiled = build_files(encode_kv(kv), cache_id=bytes(16), single_file=True, exact_kv=kv).anchor
+    (tmp_path / "compiled.lynx").write_bytes(compiled)
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1])\n"
+        "from exact_helpers import exact_kv, same_bits\n"
+        "from lynxkv.cache import encode_kv, open_cache\n"
+        "from lynxkv.format.writer import build_files\n"
+        "from lynxkv.quant import rans\n"
+        "assert rans._LIB is None\n"
+        "kv = exact_kv(torch.float16, layers=1, t=24)\n"
+        "data = build_files(encode_kv(kv), cache_id=bytes(16), single_file=True, exact_kv=kv).anchor\n"
+        "assert data == open(sys.argv[2], 'rb').read()\n"
+        "with open_cache(data) as cache:\n"
+        "    assert same_bits(cache.load_kv(exact=True), kv)\n"
+    )
+    env = dict(os.environ, LYNXKV_NATIVE="0")
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(tmp_path / "compiled.lynx")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -3,8 +3,8 @@
  *
  * For element i of a page (K then V, row-major, N elements): z = zigzag(o(original) - o(predicted)) as in
  * _remainder.c; z becomes a symbol (z < 16: z itself; else 16 + 2·(b-5) + the bit below the top one, b = the bit
- * length of z, and the b-2 low bits go raw to the extra bits), coded by one static rANS stream (32-bit state,
- * L = 2^16, 16-bit words out, 10-bit frequencies) with a frequency table per context: the (half, exponent key) of the
+ * length of z, and the b-2 low bits go raw to the extra bits), coded by static rANS (32-bit states, L = 2^16,
+ * 16-bit words out, 10-bit frequencies) with a frequency table per context: the (half, exponent key) of the
  * prediction where that pair has at least 256 elements in the page, the shared context otherwise. Element i uses
  * the state i % 4 of four interleaved states, each with its own stream.
  *

@@ -1,14 +1,15 @@
-"""The exact remainder entropy-coded (format 1.5, coding 2): one static rANS stream per page, a table per context.
+"""The exact remainder entropy-coded (format 1.5, coding 2): static rANS per page, a table per context.
 
 For element ``i`` of a page (K then V row-major, ``N`` elements) ``z`` is the zigzagged ordered difference of
 :mod:`lynxkv.quant.remainder` (no reordering). ``z`` becomes a **symbol**: ``z`` itself below 16, otherwise
 ``16 + 2·(b − 5) + (the bit of z below its top bit)`` with ``b`` the bit length of ``z``, and the ``b − 2`` bits
-under those two go raw into the **extra bits** (LSB first). The symbols are coded by one rANS stream (32-bit
+under those two go raw into the **extra bits** (LSB first). The symbols are coded by static rANS (32-bit
 state, renormalised by 16-bit words below ``2^16``, 10-bit frequencies) with one frequency table per **context**:
-the pair (half: K or V, exponent field of the prediction) where that pair holds at least 256 elements of the page, one
-shared context for the rest; element ``i`` uses the state ``i % 4`` of four interleaved ones, each with its own
-stream (four independent chains for the decoder). Near the prediction ``z`` is a few units in the last place, and how many depends on
-the value's exponent and on the tensor: a table per context codes each group at its own entropy.
+the pair (half: K or V, exponent field of the prediction) where that pair holds at least 256 elements of the
+page, one shared context for the rest; element ``i`` uses the state ``i % 4`` of four interleaved ones, each with
+its own stream (four independent chains for the decoder). Near the prediction ``z`` is a few units in the last
+place, and how many depends on the value's exponent and on the tensor: a table per context codes each group at
+its own entropy.
 
 The body after the record's CRC: ``stream_length`` (u32 × 4) | the tables (``symbols`` u8, then that many
 frequencies, LEB128, summing to 1024) | the rANS streams 0-3 (each its state's final value, then 16-bit words) |
