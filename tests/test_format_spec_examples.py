@@ -125,7 +125,7 @@ def built_1_4():
     kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)
     enc = encode_kv([(kb, vb)], SCHEME, prompt_token_ids=[1, 2, 3])
     return (kb, vb), build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr",
-                                 exact_kv=[(kb, vb)], exact_location="example.lynxe")
+                                 exact_kv=[(kb, vb)], exact_location="example.lynxe", exact_coding="planes")
 
 
 def test_the_1_4_example_is_what_the_writer_writes_and_rebuilds_the_bf16_tensors(tmp_path):
@@ -147,6 +147,30 @@ def test_the_1_4_example_is_what_the_writer_writes_and_rebuilds_the_bf16_tensors
         assert torch.equal(v.view(torch.int16), vb.view(torch.int16))
         (pk, _), = cache.load_kv()
         assert pk.view(torch.int16).reshape(-1).tolist() == [0x3a89, 0x3f81, 0x3f00, 0xbf7f - 0x10000, 0x4000, 0x4040]
+
+
+def test_the_1_5_example_is_what_the_writer_writes_in_coding_2_and_rebuilds_the_bf16_tensors(tmp_path):
+    kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)
+    enc = encode_kv([(kb, vb)], SCHEME, prompt_token_ids=[1, 2, 3])
+    b = build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr", exact_kv=[(kb, vb)],
+                    exact_location="example.lynxe")  # coding 2 is the default
+    assert b.anchor == example("anchor-1.5"), "1.5 anchor file differs from spec/FORMAT.md §11"
+    assert b.exact == example("exact-1.5"), "1.5 exact file differs from spec/FORMAT.md §11"
+    old = example("anchor-1.4")
+    assert [i for i in range(len(old)) if old[i] != b.anchor[i]] == [10, 176, 184, 185, 186, 187, 236, 237, 238, 239]
+    exact = example("exact-1.5")
+    assert exact[61] == 2 and exact[120:124] == example("exact")[120:124]  # coding 2; the same original CRC
+    assert exact[124:140] == bytes.fromhex("04000000" * 4) and exact[140:143] == bytes.fromhex("268005")
+    assert exact[182:198] == bytes.fromhex("80cb0c00" "80660600" "808d0200" "80660600")
+    assert exact[198:200] == bytes.fromhex("1115") and exact[220:223] == bytes.fromhex("018008")
+    for name, data in (("example.lynx", example("anchor-1.5")), ("example.lynxr", example("residual")),
+                       ("example.lynxe", exact)):
+        (tmp_path / name).write_bytes(data)
+    with open_cache(tmp_path / "example.lynx") as cache:
+        assert cache.verify() == [] and cache.info.format_version == "1.5" and cache.info.has_exact
+        (k, v), = cache.load_kv(exact=True)
+        assert torch.equal(k.view(torch.int16), kb.view(torch.int16)) and torch.equal(v.view(torch.int16),
+                                                                                       vb.view(torch.int16))
 
 
 INVALID = [(attrs, data) for attrs, data in hex_blocks() if "invalid" in attrs]
