@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test test-fast test-lmcache test-vllm bench gpu-check clean-venv
 
-$(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.c lynxkv/quant/_remainder.c lynxkv/format/_crc.c
+$(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.c lynxkv/quant/_remainder.c lynxkv/quant/_rans.c lynxkv/format/_crc.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)

@@ -61,7 +61,7 @@ def test_inspect_json_has_stable_keys(tmp_path, capsys):
     assert "prompt_token_ids" not in d  # a dump carries none
 
 
-@pytest.mark.parametrize("argv, rotation, version", [([], "hadamard", "1.5"),
+@pytest.mark.parametrize("argv, rotation, version", [([], "hadamard", "1.6"),
                                                      (["--extremes", "midpoint"], "hadamard", "1.3"),
                                                      (["--key-rotation", "none", "--alpha", "1", "--extremes",
                                                        "midpoint"], "none", "1.2"),

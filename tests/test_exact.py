@@ -1,4 +1,4 @@
-"""The exact segment (format 1.4): the original tensors bit for bit, through the API and the CLI; files without it
+"""The exact segment (format 1.4, 1.5): the original tensors bit for bit, through the API and the CLI; files without it
 unchanged; another cache's or a corrupt exact segment refused before any tensor is returned."""
 
 from __future__ import annotations
@@ -57,12 +57,14 @@ def test_compiled_remainder_gives_the_reference_bytes(dtype):
     assert torch.equal(order, remainder.element_order(p)) and not torch.equal(order, torch.arange(len(p)))
 
 
+@pytest.mark.parametrize("coding,version", [("rans", "1.5"), ("planes", "1.4")])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("single_file", [False, True], ids=["two-files", "single-file"])
-def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file):
+def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file, coding, version):
     kv = exact_kv(DTYPES[dtype])
-    info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file)
-    assert info.has_exact and info.format_version == "1.5" and info.exact_inline == single_file  # the default: 1.5
+    info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file, exact_coding=coding,
+                      scheme=PRESETS["default"].replace(extremes="midpoint"))  # 1.6's flag aside
+    assert info.has_exact and info.format_version == version and info.exact_inline == single_file
     assert (tmp_path / "c.lynxe").exists() != single_file
     with open_cache(tmp_path / "c.lynx") as cache:
         full = cache.load_kv()
@@ -74,7 +76,7 @@ def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file):
 
 @pytest.mark.parametrize("scheme", ["default", "linear", "paper", "linear-range", "default-midpoint"])
 def test_exact_with_every_preset_and_a_short_last_page(tmp_path, scheme):
-    """Every preset, and the full code's end sub-bins decoded either way (format 1.5's ``extremes``): the remainder
+    """Every preset, and the full code's end sub-bins decoded either way (format 1.6's ``extremes``): the remainder
     is taken against the decoding the file's scheme gives."""
     kv = exact_kv(torch.bfloat16, t=257, d=96)  # rotated keys with b = 32, a page of 1 token at the end
     name, _, extremes = scheme.partition("-")
@@ -203,13 +205,13 @@ def test_exact_pages_are_zstd_frames_split_at_the_exponent_runs(tmp_path):
     from lynxkv.quant.remainder import group_sizes
 
     kv = exact_kv(torch.bfloat16, layers=1)
-    save_cache(tmp_path / "c.lynx", kv, exact=True)
+    save_cache(tmp_path / "c.lynx", kv, exact=True, exact_coding="planes")
     assert _exact_codecs(tmp_path / "c.lynx") == {c.CODEC_ZSTD_FRAMES}
     with open_cache(tmp_path / "c.lynx") as cache:
         (pk, pv), = cache.load_kv()
         entry = cache._exact().entries[0]
     (k, v), = kv
-    record, splits = next(encode_exact_layer((k, v), (pk, pv), DEFAULT.page, k.shape[1]))
+    record, splits = next(encode_exact_layer((k, v), (pk, pv), DEFAULT.page, k.shape[1], c.EXACT_CODING_PLANES))
     pred = torch.cat((pk[:, :256], pv[:, :256])).reshape(-1)
     assert splits == frame_splits(group_sizes(pred), pred.numel(), 2) and len(splits) > 2
     assert entry.stored_length < len(zstandard.ZstdCompressor(level=1).compress(record))
@@ -232,7 +234,7 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
     bomb = zstandard.ZstdCompressor(level=19, write_content_size=False)
     with monkeypatch.context() as m:  # every exact page two frames that inflate to 64x the record
         m.setattr(records, "compress_frames", lambda raw, splits, level: bomb.compress(bytes(32 * len(raw))) * 2)
-        save_cache(tmp_path / "b.lynx", exact_kv(torch.bfloat16, layers=1), exact=True)
+        save_cache(tmp_path / "b.lynx", exact_kv(torch.bfloat16, layers=1), exact=True, exact_coding="planes")
     with open_cache(tmp_path / "b.lynx") as cache, pytest.raises(FormatError, match="inflates past") as exc:
         cache.load_kv(exact=True)
     assert exc.value.field == "page.raw_length"
@@ -242,18 +244,20 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
     assert not (tmp_path / "b.safetensors").exists()
 
 
-def test_a_record_that_does_not_rebuild_the_original_is_refused():
-    """A record whose page CRC is intact but whose remainder is wrong (or a reader whose prediction differs) fails
-    the check against the CRC of the original bytes."""
+@pytest.mark.parametrize("coding", [c.EXACT_CODING_PLANES, c.EXACT_CODING_RANS])
+def test_a_record_that_does_not_rebuild_the_original_is_refused(coding):
+    """A record whose page CRC is intact but whose remainder is wrong (or a reader whose prediction differs, or
+    whose stored CRC of the original is wrong) fails the check against the CRC of the original bytes."""
     (k, v), = exact_kv(torch.bfloat16, layers=1)
     pred = tuple(dequantize(quantize(t, DEFAULT, kind), DEFAULT, dtype=t.dtype) for t, kind in ((k, "key"), (v, "value")))
-    raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1]))[0])
+    raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1], coding))[0])
     ok_k, ok_v = torch.empty_like(pred[0][:, :256]), torch.empty_like(pred[1][:, :256])
-    apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
+    apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v, coding)
     assert torch.equal(bits(ok_k), bits(k[:, :256]))
-    raw[c.EXACT_RECORD_CRC_SIZE + 10] ^= 1
+    raw[c.EXACT_RECORD_CRC_SIZE + 10 if coding == c.EXACT_CODING_PLANES else 0] ^= 1
     with pytest.raises(ChecksumError, match="does not rebuild") as exc:
-        apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
+        apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v,
+                           coding)
     assert exc.value.field == "exact.original_crc32"
 
 
@@ -314,7 +318,7 @@ def test_cli_encode_exact_decode_exact_is_bit_identical(tmp_path, capsys, dtype)
         assert not all(torch.equal(bits(g.get_tensor(n)), bits(t)) for n, t in tensors.items())
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual")
     d = json.loads(out)
-    assert code == 0 and d["has_exact"] and d["format_version"] == "1.5" and d["exact_bytes"] > 0  # the default
+    assert code == 0 and d["has_exact"] and d["format_version"] == "1.6" and d["exact_bytes"] > 0  # the default
     assert run(capsys, "verify", tmp_path / "c.lynx", *args)[0] == 0
 
 

@@ -120,32 +120,32 @@ def test_minor_3_and_the_flag_only_for_rotated_keys():
         assert (data[10], data[12] & 4) == (minor, 4 if minor == 3 else 0), scheme.describe()
 
 
-SCHEME_1_5 = Scheme(chunk=2, page=2, extremes="range")
+SCHEME_1_6 = Scheme(chunk=2, page=2, extremes="range")
 
 
-def test_the_1_5_example_is_what_the_writer_writes_and_decodes_the_extremes_exactly(tmp_path):
-    enc = encode_kv([(K, V)], SCHEME_1_5, prompt_token_ids=[1, 2, 3])
+def test_the_1_6_example_is_what_the_writer_writes_and_decodes_the_extremes_exactly(tmp_path):
+    enc = encode_kv([(K, V)], SCHEME_1_6, prompt_token_ids=[1, 2, 3])
     b = build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr")
-    assert b.anchor == example("anchor-1.5"), "1.5 anchor file differs from spec/FORMAT.md §11"
+    assert b.anchor == example("anchor-1.6"), "1.6 anchor file differs from spec/FORMAT.md §11"
     assert b.residual == example("residual")  # the codes do not depend on where the extremes decode
     first = example("anchor")
     assert [i for i in range(len(first)) if first[i] != b.anchor[i]] == [10, 12, 188, 189, 190, 191]
-    assert b.anchor[10] == 5 and b.anchor[12] == 8  # version_minor, flags: EXTREMES
+    assert b.anchor[10] == 6 and b.anchor[12] == 8  # version_minor, flags: EXTREMES
     (tmp_path / "example.lynx").write_bytes(b.anchor)
     (tmp_path / "example.lynxr").write_bytes(b.residual)
     with open_cache(tmp_path / "example.lynx") as cache:
-        assert cache.verify() == [] and cache.info.scheme == SCHEME_1_5 and cache.info.format_version == "1.5"
+        assert cache.verify() == [] and cache.info.scheme == SCHEME_1_6 and cache.info.format_version == "1.6"
         (k, v), = cache.load_kv()
         assert torch.equal(k, K) and torch.equal(v, V)  # chunk 0's codes (0, 8) and (15, 8): its extremes
-        assert float(dequantize(quantize(K, SCHEME), SCHEME)[0, 0, 0]) > 0  # 1.0-1.4: half a sub-bin inside
+        assert float(dequantize(quantize(K, SCHEME), SCHEME)[0, 0, 0]) > 0  # 1.0-1.5: half a sub-bin inside
         (ka, va), = cache.load_kv(anchor_only=True)
         assert torch.equal(ka, K) and torch.equal(va, V)
 
 
-def test_minor_5_and_the_flag_only_for_extremes_at_the_range():
-    for scheme, minor in ((SCHEME, 0), (SCHEME_1_3, 3), (SCHEME_1_5, 5), (SCHEME_1_3.replace(extremes="range"), 5)):
+def test_minor_6_and_the_flag_only_for_extremes_at_the_range():
+    for scheme, minor in ((SCHEME, 0), (SCHEME_1_3, 3), (SCHEME_1_6, 6), (SCHEME_1_3.replace(extremes="range"), 6)):
         data = build_files(encode_kv([(K, V)], scheme), cache_id=bytes(16), single_file=True).anchor
-        assert (data[10], data[12] & 8) == (minor, 8 if minor == 5 else 0), scheme.describe()
+        assert (data[10], data[12] & 8) == (minor, 8 if minor == 6 else 0), scheme.describe()
         with open_cache(data) as cache:
             assert cache.info.scheme == scheme
 
@@ -155,7 +155,7 @@ def built_1_4():
     kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)
     enc = encode_kv([(kb, vb)], SCHEME, prompt_token_ids=[1, 2, 3])
     return (kb, vb), build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr",
-                                 exact_kv=[(kb, vb)], exact_location="example.lynxe")
+                                 exact_kv=[(kb, vb)], exact_location="example.lynxe", exact_coding="planes")
 
 
 def test_the_1_4_example_is_what_the_writer_writes_and_rebuilds_the_bf16_tensors(tmp_path):
@@ -177,6 +177,30 @@ def test_the_1_4_example_is_what_the_writer_writes_and_rebuilds_the_bf16_tensors
         assert torch.equal(v.view(torch.int16), vb.view(torch.int16))
         (pk, _), = cache.load_kv()
         assert pk.view(torch.int16).reshape(-1).tolist() == [0x3a89, 0x3f81, 0x3f00, 0xbf7f - 0x10000, 0x4000, 0x4040]
+
+
+def test_the_1_5_example_is_what_the_writer_writes_in_coding_2_and_rebuilds_the_bf16_tensors(tmp_path):
+    kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)
+    enc = encode_kv([(kb, vb)], SCHEME, prompt_token_ids=[1, 2, 3])
+    b = build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr", exact_kv=[(kb, vb)],
+                    exact_location="example.lynxe")  # coding 2 is the default
+    assert b.anchor == example("anchor-1.5"), "1.5 anchor file differs from spec/FORMAT.md §11"
+    assert b.exact == example("exact-1.5"), "1.5 exact file differs from spec/FORMAT.md §11"
+    old = example("anchor-1.4")
+    assert [i for i in range(len(old)) if old[i] != b.anchor[i]] == [10, 176, 184, 185, 186, 187, 236, 237, 238, 239]
+    exact = example("exact-1.5")
+    assert exact[61] == 2 and exact[120:124] == example("exact")[120:124]  # coding 2; the same original CRC
+    assert exact[124:140] == bytes.fromhex("04000000" * 4) and exact[140:143] == bytes.fromhex("268005")
+    assert exact[182:198] == bytes.fromhex("80cb0c00" "80660600" "808d0200" "80660600")
+    assert exact[198:200] == bytes.fromhex("1115") and exact[220:223] == bytes.fromhex("018008")
+    for name, data in (("example.lynx", example("anchor-1.5")), ("example.lynxr", example("residual")),
+                       ("example.lynxe", exact)):
+        (tmp_path / name).write_bytes(data)
+    with open_cache(tmp_path / "example.lynx") as cache:
+        assert cache.verify() == [] and cache.info.format_version == "1.5" and cache.info.has_exact
+        (k, v), = cache.load_kv(exact=True)
+        assert torch.equal(k.view(torch.int16), kb.view(torch.int16)) and torch.equal(v.view(torch.int16),
+                                                                                       vb.view(torch.int16))
 
 
 INVALID = [(attrs, data) for attrs, data in hex_blocks() if "invalid" in attrs]

@@ -147,7 +147,7 @@ def test_pack_nibble_order():
 
 @pytest.mark.parametrize("anchor_bits", [1, 4, 6, 7])
 def test_extremes_range_decodes_the_end_sub_bins_at_the_chunk_extremes(anchor_bits):
-    """Format 1.5: the codes (0, R/2), (A, R/2 - 1) and (A, R/2) decode at o - s, o + s and o + s from the full
+    """Format 1.6: the codes (0, R/2), (A, R/2 - 1) and (A, R/2) decode at o - s, o + s and o + s from the full
     code; every other code, and the anchor alone, as with extremes = midpoint."""
     mid = Scheme(compander="alpha", alpha=0.5, chunk=4, page=4, anchor_bits=anchor_bits,
                  residual_bits=8 - anchor_bits)
@@ -182,5 +182,5 @@ def test_extremes_range_removes_the_shrink_of_every_chunks_extremes():
             y = dequantize(quantize(x, s), s)
             shrink[extremes] = float((y.double() ** 2).sum() / (x.double() ** 2).sum() - 1)
             assert bool(((y - x).abs() <= error_bound(quantize(x, s), s)).all())
-        assert shrink["midpoint"] < -1e-3, shrink  # the bias 1.5 removes
+        assert shrink["midpoint"] < -1e-3, shrink  # the bias 1.6 removes
         assert abs(shrink["range"]) < abs(shrink["midpoint"]) / 4, shrink

@@ -155,14 +155,14 @@ def test_fast_decode_rotates_back_bit_for_bit(d, dtype):
 @pytest.mark.parametrize("d", [64, 96, 80, 5], ids=["D64", "D96", "D80", "D5-b1"])
 def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
     """``load_kv`` (full and anchor-only) and the progressive reader give the reference's bf16 values of the
-    file's own codes; the file is format 1.5 (the default's extremes; 1.3 with the keys' flag alone) and a
+    file's own codes; the file is format 1.6 (the default's extremes; 1.3 with the keys' flag alone) and a
     non-rotating scheme's file does not set the keys' flag. An odd head_dim (blocks of
     one channel: the identity) still sets the flag and takes the unpacked page path."""
     kv = [(kv_like(2, 300, d, seed=i).to(torch.bfloat16), kv_like(2, 300, d, seed=10 + i).to(torch.bfloat16))
           for i in range(2)]
     save_cache(tmp_path / "r.lynx", kv, ROTATED)
     with open_cache(tmp_path / "r.lynx") as cache:
-        assert cache.header.version_minor == 5 and cache.info.scheme == ROTATED  # the default: 1.5 (extremes)
+        assert cache.header.version_minor == 6 and cache.info.scheme == ROTATED  # the default: 1.6 (extremes)
         for anchor_only in (False, True):
             got = cache.load_kv(anchor_only=anchor_only)
             enc = cache.load_encoded(anchor_only=anchor_only)

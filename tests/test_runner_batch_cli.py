@@ -155,7 +155,8 @@ def test_bad_request_file(batch_dir, capsys, line, message):
     assert code == 1 and "lynxkv: error:" in err and message in err and "line 1" in err
 
 
-def test_one_cache_options_are_refused_with_several(batch_dir, capsys):
+@pytest.mark.parametrize("option", ["--verify-chunk", "--verify-first"])
+def test_one_cache_options_are_refused_with_several(batch_dir, capsys, option):
     _, model_dir, paths, _, _ = batch_dir
-    code, out, err = _run(capsys, *paths[:2], "--model", model_dir, "--verify-chunk", "4")
-    assert code == 1 and "--verify-chunk" in err
+    code, out, err = _run(capsys, *paths[:2], "--model", model_dir, option, "4")
+    assert code == 1 and option in err and err.count("\n") == 1

@@ -123,6 +123,28 @@ def test_residual_pages_are_read_once_the_anchor_is_ready(tmp_path, monkeypatch,
         assert kv_equal(full, cache.load_kv(dtype=torch.float32))
 
 
+@pytest.mark.timing
+@pytest.mark.parametrize("eager", ["1", "0"])
+def test_the_full_code_is_dequantized_layer_by_layer_as_the_residual_arrives(tmp_path, monkeypatch, eager):
+    """Behind a link, a layer's full code is dequantized once its residual is in, before the rest of the residual
+    has arrived (on a worker of the lowest priority: on a busy machine it may wait), so little is left to do after
+    the last byte; with LYNXKV_EAGER_RESIDUAL=0 nothing is until the whole residual is in. The full code equals
+    load_kv's either way."""
+    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", eager)
+    anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
+    path = write_pair(tmp_path, anchor, residual)
+    with open_progressive(str(path), bandwidth="8Mbps") as load:  # the residual takes about 1.6 s
+        load.wait_anchor(60)  # (not layer_in: a caller asking for layers takes them itself)
+        early = 0
+        while load.timeline.extra["residual_arrived_s"] is None and not load.residual.done():
+            early = sum(load._kv._done)  # layers with their full code while bytes are still to come
+            time.sleep(0.005)
+        full = load.residual.result(60)
+    assert (early >= 3) if eager == "1" else (early == 0), early
+    with open_cache(str(path)) as cache:
+        assert kv_equal(full, cache.load_kv(dtype=torch.float32))
+
+
 class _TimedOutJustThen:
     """A header event whose first wait answers 'timed out' once the whole anchor is in: the header came in just as
     the residual parser's wait ran out, and the anchor finished before the parser looked again."""

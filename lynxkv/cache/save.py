@@ -37,7 +37,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
                cache_id: bytes | None = None, properties: dict[str, str] | None = None, exact: bool = False,
-               exact_path: str | os.PathLike | None = None) -> CacheInfo:
+               exact_path: str | os.PathLike | None = None, exact_coding: str = "rans") -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
@@ -49,6 +49,8 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     ``exact`` (format 1.4) adds the exact segment, with which a reader rebuilds the input tensors bit for bit: in
     its own file ``exact_path`` (default ``path`` with suffix ``.lynxe``, written before the anchor), or inline at
     the end of a single file. It needs the original tensors (KV pairs, not an :class:`EncodedCache` without them).
+    ``exact_coding``: ``"rans"`` (coding 2, format 1.5: entropy-coded, the default) or ``"planes"`` (coding 1: the
+    1.4 bytes, readable by lynxkv releases that read 1.4).
 
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), and so does the exact file (``x.<id>.lynxe``); the anchor is renamed over the
@@ -78,13 +80,13 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     with writer_lock(path) as lock:  # one writer of this cache at a time: none removes what another is writing
         settle_dead_writers(lock, path)
         rpath, epath = _write_cache(lock, path, enc, residual_path, residual_location, single_file, zstd, cache_id,
-                                    exact_kv, exact_path)
+                                    exact_kv, exact_path, exact_coding)
         with open_cache(path, residual=rpath, exact=epath) as cache:
             return cache.info
 
 
 def _write_cache(lock, path: str, enc, residual_path, residual_location, single_file: bool, zstd: bool,
-                 cache_id, exact_kv, exact_path) -> tuple[str | None, str | None]:
+                 cache_id, exact_kv, exact_path, exact_coding: str = "rans") -> tuple[str | None, str | None]:
     """The files of :func:`save_cache`, under its writer lock ``lock`` (each noted in it before it is created or
     removed); return the residual's and the exact file's paths (None: single file, or no exact segment)."""
     exact = exact_kv is not None
@@ -97,7 +99,7 @@ def _write_cache(lock, path: str, enc, residual_path, residual_location, single_
         for f in old:
             lock.note("old", f)
         with AtomicWriter(path) as anchor:
-            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv)
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv, exact_coding=exact_coding)
         for stale in old:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual and exact, unreferenced
                 remove(stale)
@@ -131,7 +133,8 @@ def _write_cache(lock, path: str, enc, residual_path, residual_location, single_
         anchor = AtomicWriter(path)
         write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location,
                     exact_kv=exact_kv, exact=exact_w,
-                    exact_location=record_location(path, epath) if epath is not None else "")
+                    exact_location=record_location(path, epath) if epath is not None else "",
+                    exact_coding=exact_coding)
         residual.commit()  # first: an anchor never points at a missing residual
         if created:
             published.append(rpath)

@@ -48,7 +48,7 @@ def encode(
                                                "before quantization: none or hadamard (the default's)."),
     extremes: Optional[str] = typer.Option(None, "--extremes", help="Where the full code decodes the sub-bins that "
                                            "hold each chunk's min and max: midpoint or range (at the chunk's "
-                                           "extremes; format 1.5)."),
+                                           "extremes; format 1.6)."),
     single_file: bool = typer.Option(False, "--single-file", help="Anchor and residual in one file."),
     zstd: bool = typer.Option(False, "--zstd", help="zstd-compress each page where it pays."),
     exact: bool = typer.Option(False, "--exact", help="Also write the exact segment (format 1.4), which rebuilds "

@@ -149,6 +149,10 @@ def run(
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
     verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
                                      "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
+    verify_first: int = typer.Option(0, "--verify-first", min=0, help="Verify the first N "
+                                     "drafts in a pass of their own and put their tokens out at once, the rest in a "
+                                     "second pass: the first token about one decode step after the residual (0: "
+                                     "one pass)."),
     layered_verify: bool = typer.Option(False, "--layered-verify", help="Start the verify while the residual still "
                                         "arrives, each layer once its own residual is in (experimental)."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
@@ -191,6 +195,7 @@ def run(
     torch_dtype = parse_dtype(dtype)
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
+                       "--verify-first": verify_first,
                        "--layered-verify": layered_verify, "--repeats": repeats > 1}
         named = [k for k, v in unsupported.items() if v]
         if named:
@@ -244,7 +249,7 @@ def run(
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
-        layered_verify=layered_verify, stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
+        verify_first=verify_first, layered_verify=layered_verify, stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 
     def open_load():

@@ -16,7 +16,8 @@ MINOR_PROPERTIES = 1  # 1.1: the properties string
 MINOR_SCHEME = 2  # 1.2: the scheme fields value_axis and sink_tokens (reserved, i.e. zero, before)
 MINOR_KEY_ROTATION = 3  # 1.3: the flag KEY_ROTATION (the keys are Hadamard-rotated before quantization)
 MINOR_EXACT = 4  # 1.4: segment kind 3, the exact remainder (written only by a cache that has one)
-MINOR_EXTREMES = 5  # 1.5: the flag EXTREMES (the full code's end sub-bins decode at the chunk's extremes)
+MINOR_EXACT_RANS = 5  # 1.5: exact coding 2, the remainder entropy-coded (written only by a cache that uses it)
+MINOR_EXTREMES = 6  # 1.6: the flag EXTREMES (the full code's end sub-bins decode at the chunk's extremes)
 
 # -- anchor header: fixed part (spec table "Anchor header") --------------------------------------------------
 ANCHOR_FIXED_STRUCT = (
@@ -156,7 +157,7 @@ EXACT_STRUCT = (
     "I"  # 52 tokens
     "I"  # 56 page
     "B"  # 60 dtype (the original dtype, as the anchor's)
-    "B"  # 61 coding (1: ordered difference, zigzag, byte planes)
+    "B"  # 61 coding (1: ordered difference, zigzag, byte planes; 2: the same, rANS-coded per context)
     "2s"  # 62 reserved (must be 0)
     "I"  # 64 index_crc32
     "I"  # 68 header_crc32
@@ -182,9 +183,17 @@ EXACT_FIELD_OFFSETS = {
     "header_crc32": 68,
 }
 EXACT_CODING_PLANES = 1  # the ordered difference against the full code's decoding, zigzagged, in byte planes
-EXACT_CODINGS = {EXACT_CODING_PLANES: "ordered difference, byte planes"}
+EXACT_CODING_RANS = 2  # 1.5: the zigzagged ordered difference, rANS-coded with a table per (K/V, exponent) context
+EXACT_CODINGS = {EXACT_CODING_PLANES: "ordered difference, byte planes", EXACT_CODING_RANS: "ordered difference, rANS"}
+EXACT_CODING_NAMES = {"planes": EXACT_CODING_PLANES, "rans": EXACT_CODING_RANS}  # the writers' names for them
+EXACT_CODING_MINORS = {EXACT_CODING_RANS: MINOR_EXACT_RANS}  # a coding a reader rejects in a file of an earlier minor
 KNOWN_EXACT_FLAGS = 0
 EXACT_RECORD_CRC_SIZE = 4  # an exact record starts with the CRC-32 of the page's original bytes (K then V)
+# coding 2 (1.5): a record's raw length varies; it is at least the CRC and the four stream_length, and at most
+# those, the largest tables (2·256 + 1 contexts of 1 + 2·alphabet bytes), four streams of 4 + 2·ceil(N/4) bytes
+# and the extra bits (at most w - 2 per element), with alphabet = 16 + 2·(w - 4) for w-bit elements
+EXACT_RANS_MIN_RECORD = 4 + 4 * 4
+EXACT_RANS_CONTEXTS = 2 * 256 + 1
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 # -- page index entry (spec table "Page index entry") --------------------------------------------------------
@@ -203,7 +212,7 @@ PAGE_ENTRY_SIZE = 8 + 4 + 4 + 1 + 3 + 4  # 24
 FLAG_BATCH_DIM = 1 << 0  # the input tensors had a leading batch dimension of 1
 FLAG_PROPERTIES = 1 << 1  # 1.1: the header ends with a properties string of properties_length bytes
 FLAG_KEY_ROTATION = 1 << 2  # 1.3: the keys are rotated along head_dim before quantization (spec §9)
-FLAG_EXTREMES = 1 << 3  # 1.5: scheme extremes = range, the full code's end sub-bins decode at o ∓ s (spec §9.3)
+FLAG_EXTREMES = 1 << 3  # 1.6: scheme extremes = range, the full code's end sub-bins decode at o ∓ s (spec §9.3)
 KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES | FLAG_KEY_ROTATION | FLAG_EXTREMES
 # a flag a reader rejects in a file of an earlier minor
 ANCHOR_FLAG_MINORS = {FLAG_KEY_ROTATION: MINOR_KEY_ROTATION, FLAG_EXTREMES: MINOR_EXTREMES}

@@ -345,9 +345,15 @@ def inline_end(h: AnchorHeader) -> int:
 
 
 
-def exact_record_length(h: AnchorHeader, n: int) -> int:
-    """The raw exact record of a page of ``n`` tokens: the original bytes' CRC-32, then K and V's byte planes."""
-    return c.EXACT_RECORD_CRC_SIZE + 2 * h.kv_heads * n * h.head_dim * c.DTYPE_BYTES[h.dtype]
+def exact_record_length(h: AnchorHeader, n: int, coding: int = c.EXACT_CODING_PLANES) -> int:
+    """The raw exact record of a page of ``n`` tokens: coding 1, the original bytes' CRC-32, then K and V's byte
+    planes; coding 2, the most it may hold (spec §12.6)."""
+    elements, w = 2 * h.kv_heads * n * h.head_dim, 8 * c.DTYPE_BYTES[h.dtype]
+    if coding == c.EXACT_CODING_RANS:
+        tables = c.EXACT_RANS_CONTEXTS * (1 + 2 * (16 + 2 * (w - 4)))
+        streams = 4 * (4 + 2 * -(-elements // 4))  # each its state and a word per element at most
+        return c.EXACT_RANS_MIN_RECORD + tables + streams + -(-elements * (w - 2) // 8)
+    return c.EXACT_RECORD_CRC_SIZE + elements * w // 8
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,15 +365,16 @@ def decoded_bytes(h: AnchorHeader, element_bytes: int) -> int:
     return 2 * h.layers * h.kv_heads * h.tokens * h.head_dim * element_bytes
 
 
-def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:
-    """The raw record length of every page of a segment, in streaming order (layer-major)."""
+def raw_lengths(h: AnchorHeader, kind: int, exact_coding: int = c.EXACT_CODING_PLANES) -> list[int]:
+    """The raw record length of every page of a segment, in streaming order (layer-major); for exact coding 2,
+    the most each may hold."""
     per_page = []
     for p in range(h.pages_per_layer):
         n = page_tokens(h.tokens, h.scheme.page, p)
         if kind == c.SEGMENT_ANCHOR:
             lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, p))
         elif kind == c.SEGMENT_EXACT:
-            per_page.append(exact_record_length(h, n))
+            per_page.append(exact_record_length(h, n, exact_coding))
             continue
         else:
             lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)

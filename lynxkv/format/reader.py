@@ -152,17 +152,48 @@ class PageReader:
         self._indexes[c.SEGMENT_EXACT] = index
         return index
 
-    def apply_exact(self, out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def apply_exact(self, out: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
         """Turn ``out`` -- every layer decoded from the full code in the original dtype (:meth:`dequantize_layers`)
         -- into the original values, in place, page by page from the exact segment; each page's original bytes are
-        checked against their CRC before the page is written. On an error ``out`` is partly rebuilt: callers
-        return nothing then."""
+        checked against their CRC before the page is written. Pages are read in order and rebuilt on up to
+        ``threads`` workers (:func:`lynxkv.quant.dispatch.concurrent_tensors`; at most that many pages held at
+        once); an error is that of the first failing page. On an error ``out`` is partly rebuilt: callers return
+        nothing then."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
         h = self.header
         page = h.scheme.page
-        for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+
+        def rebuild(layer: int, p: int, raw) -> None:
             k, v = out[layer]
             sl = slice(p * page, min((p + 1) * page, h.tokens))
-            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl])
+            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl],
+                               self.exact_header.coding)
+
+        workers = concurrent_tensors(threads)
+        if workers <= 1:
+            for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+                rebuild(layer, p, raw)
+            return
+        pool, pending = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-exact"), deque()
+        try:
+            try:
+                for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+                    if len(pending) == workers and pending[0].exception() is not None:
+                        break  # the oldest page failed: its error is the first
+                    if len(pending) == workers:
+                        pending.popleft()
+                    pending.append(pool.submit(rebuild, layer, p, raw))
+            except BaseException:  # a read error: an earlier page's rebuild error comes first
+                for done in pending:
+                    if done.exception() is not None:
+                        raise done.exception() from None
+                raise
+            for done in pending:
+                done.result()  # in page order
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def source(self, kind: int):
         if kind not in self._sources:

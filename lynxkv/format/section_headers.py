@@ -120,8 +120,14 @@ def parse_exact_header(buf, section_size: int | None = None) -> ExactHeader:
 
 
 def check_exact_matches(a: AnchorHeader, e: ExactHeader) -> None:
-    """The exact header must belong to this anchor header (same cache id, same shape and dtype)."""
+    """The exact header must belong to this anchor header (same cache id, same shape and dtype), and its coding
+    must be one the anchor's version defines (coding 2 from 1.5 on)."""
     _check_belongs(a, e, "exact", "the exact segment", c.EXACT_FIELD_OFFSETS, (("dtype", a.dtype, e.dtype),))
+    since = c.EXACT_CODING_MINORS.get(e.coding, 0)
+    if a.version_minor < since:
+        raise _err("coding", f"exact byte {c.EXACT_FIELD_OFFSETS['coding']}",
+                   f"coding {e.coding} only in a file of version 1.{since} or later (the anchor is "
+                   f"1.{a.version_minor})", e.coding)
 
 
 def _check_shape(off: dict, what: str, layers: int, kv_heads: int, head_dim: int, tokens: int, page: int) -> None:

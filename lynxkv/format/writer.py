@@ -172,7 +172,7 @@ def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_
 def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = None, *,
                 cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "",
                 exact_kv: Sequence[tuple] | None = None, exact: PageSink | None = None,
-                exact_location: str = "") -> AnchorHeader:
+                exact_location: str = "", exact_coding: str = "rans") -> AnchorHeader:
     """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
     section inline after the anchor's) as the layers are read from ``enc.layers``: each layer's pages are written
     before the next layer is read, so a sequence that quantizes layers as they are read keeps only those it is
@@ -181,7 +181,8 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     :func:`build_files`. ``residual_location``: the residual file's path relative to the anchor file's
     directory (or a URL), for two files. ``exact_kv`` (1.4): the original ``(keys, values)`` ``[H, T, D]`` of each
     layer, in the cache's dtype: an exact segment is written too, into ``exact`` (its own file, recorded as
-    ``exact_location``) or, when ``exact`` is None, inline after the other sections. Returns the header as a reader
+    ``exact_location``) or, when ``exact`` is None, inline after the other sections, coded as ``exact_coding``
+    names (``"rans"``: coding 2, format 1.5; ``"planes"``: coding 1, the 1.4 bytes). Returns the header as a reader
     parses it."""
     single_file = residual is None
     cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
@@ -190,12 +191,15 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     pages = len(enc.layers) * enc.pages_per_layer
     blank = [PageEntry(0, 0, 0, c.CODEC_NONE, 0)] * pages
     has_exact = exact_kv is not None
+    if exact_coding not in c.EXACT_CODING_NAMES:
+        raise InputError(f"exact_coding: expected one of {sorted(c.EXACT_CODING_NAMES)}, got {exact_coding!r}")
+    coding = c.EXACT_CODING_NAMES[exact_coding]
     if has_exact and len(exact_kv) != len(enc.layers):
         raise InputError(f"exact_kv: expected {len(enc.layers)} layers of originals, got {len(exact_kv)}")
     if has_exact and exact is not None and not exact_location:
         raise InputError("exact_location: an exact segment in its own file needs that file's location")
     framing = dict(single_file=single_file, residual_location=residual_location,
-                   exact_location=exact_location if exact is not None else None)
+                   exact_location=exact_location if exact is not None else None, exact_coding=coding)
     lead = frame_sections(fields, blank, blank, blank if has_exact else None, **framing)
     index_size = pages * c.PAGE_ENTRY_SIZE
     residual_out = Parts() if single_file else residual  # inline: after the anchor pages, so held until then
@@ -203,7 +207,8 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     a_at, r_at = anchor.reserve(len(lead.anchor_lead)), residual_out.reserve(len(lead.residual_lead))
     e_at = exact_out.reserve(len(lead.exact_lead)) if has_exact else None
     a_sec, r_sec = _Section(index_size, zstd), _Section(c.RESIDUAL_HEADER_SIZE + index_size, zstd)
-    e_sec = _Section(c.EXACT_HEADER_SIZE + index_size, True, EXACT_ZSTD_LEVEL)  # the remainder always pays
+    # the planes always pay for zstd; the rANS records are entropy-coded already, so they are stored raw
+    e_sec = _Section(c.EXACT_HEADER_SIZE + index_size, coding == c.EXACT_CODING_PLANES, EXACT_ZSTD_LEVEL)
     sinks = min(s.sink_tokens, enc.tokens)
     for i, (keys, values) in enumerate(enc.layers):  # layer-major streaming order
         _check_layer(keys, values, s, sinks)
@@ -213,7 +218,7 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
         if has_exact:
             originals = _originals(exact_kv[i], enc, i)
             predicted = tuple(dequantize(t, s, dtype=originals[0].dtype) for t in (keys, values))
-            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens):
+            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens, coding):
                 exact_out.write(e_sec.store(e_rec, splits))
     framed = frame_sections(fields, a_sec.entries, r_sec.entries, e_sec.entries if has_exact else None, **framing)
     anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
@@ -248,15 +253,15 @@ def _originals(pair, enc: EncodedKV, layer: int) -> tuple:
 
 def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: bool = False,
                 zstd: bool = False, residual_location: str = "", exact_kv: Sequence[tuple] | None = None,
-                exact_location: str = "") -> BuiltFiles:
+                exact_location: str = "", exact_coding: str = "rans") -> BuiltFiles:
     """The bytes of a ``.lynx`` cache, in memory (:func:`write_files` into :class:`Parts`). ``residual_location``
     is the residual file's path relative to the anchor file's directory (or a URL); it is ignored for a single
     file. ``exact_kv``: the originals, for an exact segment (1.4), inline unless ``exact_location`` names its own
-    file (then in ``BuiltFiles.exact_parts``)."""
+    file (then in ``BuiltFiles.exact_parts``), coded as ``exact_coding`` names (:func:`write_files`)."""
     anchor, residual = Parts(), None if single_file else Parts()
     exact = Parts() if exact_kv is not None and exact_location else None
     header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=residual_location,
-                         exact_kv=exact_kv, exact=exact, exact_location=exact_location)
+                         exact_kv=exact_kv, exact=exact, exact_location=exact_location, exact_coding=exact_coding)
     return BuiltFiles(tuple(anchor.parts), None if residual is None else tuple(residual.parts), header,
                       None if exact is None else tuple(exact.parts))
 
@@ -271,12 +276,13 @@ class FramedSections:
 
 def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residual_entries: list[PageEntry],
                    exact_entries: list[PageEntry] | None = None, *, single_file: bool = False,
-                   residual_location: str = "", exact_location: str | None = None) -> FramedSections:
+                   residual_location: str = "", exact_location: str | None = None,
+                   exact_coding: int = c.EXACT_CODING_RANS) -> FramedSections:
     """The bytes around the stored pages of a cache: both headers and both page indexes, from the index entries
     (offsets section-relative, as :func:`_section` places them) and ``fields`` (every header field but the segment
     table, which is computed here). The pages themselves are the caller's: written after each lead, in order.
     ``exact_entries`` (1.4): an exact segment's, external at ``exact_location`` or, when that is None, inline after
-    the other inline sections."""
+    the other inline sections, in ``exact_coding`` (coding 2 makes the file 1.5)."""
     a_index, r_index = pack_index(anchor_entries), pack_index(residual_entries)
     a_length = len(a_index) + sum(e.stored_length for e in anchor_entries)
     r_length = c.RESIDUAL_HEADER_SIZE + len(r_index) + sum(e.stored_length for e in residual_entries)
@@ -287,7 +293,8 @@ def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residu
     e_length = c.EXACT_HEADER_SIZE + len(e_index) + sum(e.stored_length for e in exact_entries or ())
     e_head = b"" if exact_entries is None else pack_exact_header(
         ExactHeader(fields.cache_id, fields.layers, fields.kv_heads, fields.head_dim, fields.tokens, fields.scheme.page,
-                    fields.dtype, crc32(e_index)))
+                    fields.dtype, crc32(e_index), exact_coding))
+    exact_minor = c.EXACT_CODING_MINORS.get(exact_coding, 0) if exact_entries is not None else 0
 
     def header(anchor_offset: int) -> AnchorHeader:
         anchor_seg = SegmentEntry(c.SEGMENT_ANCHOR, c.PLACEMENT_INLINE, len(anchor_entries), anchor_offset, a_length,
@@ -309,7 +316,7 @@ def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residu
                                           crc32(e_index), exact_location),)
         return replace(fields, segments=segments,
                        flags=fields.flags | (c.FLAG_PROPERTIES if fields.properties else 0),
-                       version_minor=1 if fields.properties else c.VERSION_MINOR)
+                       version_minor=max(1 if fields.properties else c.VERSION_MINOR, exact_minor))
 
     # The header holds the anchor section's offset, which is the header's own length: pack once to learn it.
     length = len(pack_anchor_header(header(0)))

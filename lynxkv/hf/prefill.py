@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from lynxkv.errors import InputError
+from lynxkv.hf.attention import use_grouped_sdpa
 from lynxkv.cache.kv import KVPairs, cache_to_kv
 
 
@@ -82,7 +83,8 @@ def encode_model(model: str | None, output, scheme, *, prompt: str | None = None
 def forward(model: "torch.nn.Module", input_ids: torch.Tensor, cache):
     """``model(input_ids, cache)`` with ``use_cache``: ``cache`` grows in place. The cache argument is named
     ``cache`` from transformers 5.20 and ``past_key_values`` before (a 5.19 model ignores ``cache=`` silently and
-    would decode without the prompt)."""
+    would decode without the prompt). Attention runs through :func:`lynxkv.hf.attention.use_grouped_sdpa`."""
+    use_grouped_sdpa(model)
     return model(input_ids=input_ids, use_cache=True, **{_cache_argument(type(model)): cache})
 
 

@@ -31,7 +31,7 @@ decoded as ``ẑ = code * (2/Q) - 1`` (full) or at the middle of the anchor's bi
 
 Decoding (nested grid): ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
 level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes); with
-``extremes = "range"`` (format 1.5) the full code's end sub-bins, where the chunk's min and max are encoded
+``extremes = "range"`` (format 1.6) the full code's end sub-bins, where the chunk's min and max are encoded
 (:func:`end_codes`), decode at ``ẑ = ∓1`` instead, the chunk's range ends; then
 ``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * fp32(expm1(|ẑ| * c) / alpha)`` (float64 inside),
 ``x̂ = o + s * û``.

@@ -19,7 +19,7 @@ A scheme fixes everything the decoder needs to turn codes back into values (spec
   format 1.3). Values are not rotated;
 - ``extremes``: where the full code of the nested grid decodes the two end sub-bins that hold the chunk's extremes
   (the codes ``(0, R/2)``, ``(A, R/2 - 1)`` and ``(A, R/2)``): ``midpoint`` (the centre of the sub-bin, like every
-  other code; formats 1.0-1.4) or ``range`` (format 1.5: the chunk's range ends ``o ∓ s``, where its min and max
+  other code; formats 1.0-1.5) or ``range`` (format 1.6: the chunk's range ends ``o ∓ s``, where its min and max
   lie up to the metadata's rounding; the midpoints sit 1/(2R) of an anchor step inside them, so every chunk's
   extremes were pulled towards its centre).
 """
@@ -38,7 +38,7 @@ META_DTYPES = ("fp16", "fp32")
 GRIDS = ("nested", "uniform")
 VALUE_AXES = ("token", "channel")
 KEY_ROTATIONS = ("none", "hadamard")  # 1.3: hadamard is lynxkv.quant.rotation
-EXTREMES = ("midpoint", "range")  # 1.5: range decodes the end sub-bins of the nested grid at the chunk's extremes
+EXTREMES = ("midpoint", "range")  # 1.6: range decodes the end sub-bins of the nested grid at the chunk's extremes
 CODE_BITS = 8
 
 MAX_CHUNK = 1024
@@ -186,7 +186,7 @@ LINEAR = Scheme()
 #: matrix along head_dim before they are quantized, the values grouped per token over channels (KIVI's axis) and
 #: the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone; chosen by measured
 #: anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default scheme"; format 1.3).
-#: Format 1.5 added the full code's end sub-bins decoded at the chunk's extremes (next-token KL of the full code
+#: Format 1.6 added the full code's end sub-bins decoded at the chunk's extremes (next-token KL of the full code
 #: 3.4 times lower on the built-in text; docs/evaluation.md, "Why the full code lowered perplexity").
 DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard",
                          extremes="range")

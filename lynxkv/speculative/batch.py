@@ -13,7 +13,7 @@ and the same drafts: the same first step (:func:`~lynxkv.speculative.model_ops.f
 shapes per request, the same acceptance rules and the same order of draws from its own seeded generator. A
 request whose residual fails or is late ends with its own error (or, with ``allow_anchor_only``, goes on
 unverified on its anchor); the others are not affected. Not supported here (the single runner has them):
-``verify_chunk``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
+``verify_chunk``, ``verify_first``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
 is full. Times in each request's stats are seconds since its own arrival (when its load was opened).
 """
 
@@ -234,7 +234,7 @@ class _Request:
                 q = torch.stack(self.draft_probs) if k else rows[:0]  # [k, V]
                 accepted, next_token = accept_sampled(self.drafts, q, logits_to_probs(rows, params), self.gen)
             self.stats.verify_start_s, self.stats.verify_end_s, self.stats.verify_s = ts, te, te - ts
-            self.stats.verify_passes, self.stats.accepted = 1, accepted
+            self.stats.verify_passes, self.stats.verify_pass_sizes, self.stats.accepted = 1, [k], accepted
             drop_last(self.cache, k - accepted)
             self.draft_probs.clear()
             self.commit(self.drafts[:accepted])

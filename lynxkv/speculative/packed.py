@@ -33,6 +33,7 @@ import threading
 
 import torch
 
+from lynxkv.hf.attention import use_grouped_sdpa
 from lynxkv.hf.prefill import forward
 
 IMPL = "lynxkv_packed"
@@ -144,6 +145,7 @@ def forward_packed(model, caches: list, token_lists: list[list[int]]) -> list[to
     if len(caches) == 1:  # nothing to pack: the batch-1 forward itself
         ids = torch.tensor(token_lists, dtype=torch.long, device=model.device)
         return [forward(model, ids, caches[0]).logits[0].float()]
+    use_grouped_sdpa(model)  # the attention a batch-1 forward runs (lynxkv.hf.prefill.forward): the same rows
     if IMPL not in ALL_ATTENTION_FUNCTIONS:
         _register()
     positions, full_masks, sliding_masks = [], [], []

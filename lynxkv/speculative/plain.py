@@ -20,6 +20,7 @@ def decode_plain(
     *,
     new_token_ids: list[int] | None = None,
     first_forward: list[int] | None = None,
+    first_passes: list[int] | None = None,
     generator: torch.Generator | None = None,
     stop_token_ids: tuple[int, ...] = (),
 ) -> list[int]:
@@ -35,6 +36,8 @@ def decode_plain(
     appended token, drops the rest, and continues one token per forward. In fp32 this changes nothing (one
     multi-token forward and sequential steps give the same argmaxes); in bf16 and fp16 the two round
     differently and can flip a near-tie, so a bf16 run is compared with the reference of its own forward shapes.
+    ``first_passes`` splits that forward as the runner's verify did (``stats.verify_pass_sizes``: the appended
+    tokens each pass fed; default one pass), stopping at the pass where an argmax first differs.
     """
     keep, feed = first_step([int(t) for t in prompt_ids], new_token_ids)
     appended = [int(t) for t in (first_forward or ())]
@@ -42,15 +45,25 @@ def decode_plain(
         raise InputError("first_forward defines greedy decoding only")
     cache = start_cache(model, kv, keep)
     out: list[int] = []
-    rows = forward_tokens(model, cache, feed + appended)[len(feed) - 1 :]  # [len(appended)+1, V]
     if appended:
-        best = rows.argmax(dim=-1).tolist()
+        best, fed = [], 0  # best[j]: the argmax after the fed prompt tokens and appended[:j]
+        for size in first_passes or [len(appended)]:
+            size = min(size, len(appended) - fed)
+            if fed == 0:
+                rows = forward_tokens(model, cache, feed + appended[:size])[len(feed) - 1 :]  # [size+1, V]
+            else:
+                rows = forward_tokens(model, cache, appended[fed : fed + size])  # [size, V]
+            best += rows.argmax(dim=-1).tolist()
+            fed += size
+            if best[:fed] != appended[:fed] or fed == len(appended):  # the runner stops where a pass rejects
+                break
         n = 0
-        while n < len(appended) and best[n] == appended[n]:
+        while n < fed and best[n] == appended[n]:
             n += 1
         out = best[: n + 1]
-        drop_last(cache, len(appended) - n)
+        drop_last(cache, fed - n)
     else:
+        rows = forward_tokens(model, cache, feed)[len(feed) - 1 :]
         out = [choose(rows[-1], sampling, generator)[0]]
     for i, tok in enumerate(out):
         if tok in stop_token_ids or i + 1 == max_new_tokens:

@@ -60,6 +60,10 @@ class RunConfig:
     allow_anchor_only: bool = False  # on residual failure, continue unverified on the anchor (flagged)
     stop_token_ids: tuple[int, ...] = ()
     verify_chunk: int = 0  # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see _verify)
+    # The first pass of the verify takes only this many drafts, whose tokens are committed at once, and a second
+    # pass the rest (pass_sizes): the first tokens come about a decode step after the residual instead of a whole
+    # verify after it, for one more forward's fixed cost. 0: one pass.
+    verify_first: int = 0
     # Start the verify while the residual still arrives, each layer once its own residual is in
     # (lynxkv.speculative.layered; needs a load with layer_in/full_layer, and verify_chunk 0). Off by default: on
     # this project's 2-core CPU it does not pay yet (docs/speculative.md, "The layered verify").
@@ -74,6 +78,8 @@ class RunConfig:
             raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_window < 0:
             raise InputError(f"max_window must be >= 0, got {self.max_window}")
+        if self.verify_first < 0:
+            raise InputError(f"verify_first must be >= 0, got {self.verify_first}")
 
 
 @dataclass
@@ -294,17 +300,28 @@ def stream(
             cache = start_cache(model, full_kv, keep)
 
     # ---- verify: one forward over [fed prompt tokens, d0 .. d(k-1)] ----------------------------------------------
+    early = 0  # drafts committed by a verify pass before the last one
     if cache is not None:
         stats.verify_start_s = now()
         tv = time.perf_counter()
         try:
             if lv is None:
-                accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params,
-                                                            generator, config.verify_chunk)
+                sizes = pass_sizes(len(drafts), config.verify_chunk, config.verify_first)
+                passes_run = _verify(model, cache, feed, drafts, draft_probs, params, generator, sizes)
+                while True:  # the drafts a pass accepted are committed before the next pass runs
+                    try:
+                        accepted_so_far = next(passes_run)
+                    except StopIteration as end:
+                        accepted, next_token, fed, passes = end.value
+                        break
+                    ev = commit(drafts[early:accepted_so_far], confirmed=accepted_so_far - early)
+                    early = accepted_so_far
+                    if ev is not None:
+                        yield ev
             else:
                 with lv.installed():
-                    accepted, next_token, fed, passes = _verify(model, cache, feed, drafts, draft_probs, params,
-                                                                generator, 0)
+                    accepted, next_token, fed, passes = _finish(
+                        _verify(model, cache, feed, drafts, draft_probs, params, generator, [len(drafts)]))
         except TimeoutError:
             if lv is None:
                 raise
@@ -339,7 +356,7 @@ def stream(
         yield Event("done", now(), stats=stats, verified=False)
         return
 
-    stats.verify_passes = passes
+    stats.verify_passes, stats.verify_pass_sizes = len(passes), passes
     stats.accepted = accepted
     if tracker is not None:
         tracker.record(len(drafts), accepted)
@@ -349,7 +366,7 @@ def stream(
     del draft_cache, anchor_kv
     draft_probs.clear()
 
-    ev = commit(drafts[:accepted], confirmed=accepted)
+    ev = commit(drafts[early:accepted], confirmed=accepted - early)
     if ev is not None:
         yield ev
     if provisional and len(drafts) > accepted:
@@ -365,28 +382,51 @@ def stream(
     yield Event("done", now(), stats=stats)
 
 
-def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[torch.Tensor],
-            params: SamplingParams, generator, chunk: int) -> tuple[int, int, int, int]:
-    """Verify ``drafts`` on the full cache (holding what ``feed`` follows): (accepted, next token,
-    drafts fed into the cache, forward passes).
+def pass_sizes(k: int, chunk: int, first: int) -> list[int]:
+    """How many of ``k`` drafts each verify pass takes, at most (the passes stop at the first rejection).
 
-    ``chunk <= 0``: ONE forward over ``feed + drafts`` (``feed``: the last prompt token, or the new prompt
-    tokens; :func:`~lynxkv.speculative.model_ops.first_step`); its last k+1 rows judge the drafts (row j judges draft j, row k gives the bonus). ``chunk > 0``: the
-    same rows computed in passes of ``chunk``, ``2·chunk``, ... drafts that stop at the first rejection. A
-    multi-token forward is nearly free on a GPU but costs about ``k/8`` decode steps on a CPU at long context, so
-    on a CPU with a poor anchor most of a long window is verified for nothing; in fp32 the rows, and so the
+    ``chunk > 0``: ``chunk``, ``2·chunk``, ``4·chunk``, ... (``RunConfig.verify_chunk``). Otherwise ``first > 0``
+    and more than twice as many drafts: ``first``, then the rest (``RunConfig.verify_first``). Otherwise one pass.
+    """
+    if k <= 0:
+        return [0]
+    if chunk > 0:
+        sizes, n, total = [], chunk, 0
+        while total < k:
+            sizes.append(min(n, k - total))
+            total += sizes[-1]
+            n *= 2
+        return sizes
+    if 0 < first and 2 * first < k:
+        return [first, k - first]
+    return [k]
+
+
+def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[torch.Tensor],
+            params: SamplingParams, generator, sizes: list[int]):
+    """Verify ``drafts`` on the full cache (holding what ``feed`` follows) in passes of ``sizes`` drafts
+    (:func:`pass_sizes`). A generator: after every pass that accepted all its drafts and is not the last, it
+    yields how many drafts are accepted so far (final: the caller may commit them); it returns (accepted, next
+    token, drafts fed into the cache, the drafts each forward pass fed).
+
+    The first pass is ONE forward over ``feed`` + its drafts (``feed``: the last prompt token, or the new prompt
+    tokens; :func:`~lynxkv.speculative.model_ops.first_step`); its last m+1 rows judge the drafts (row j judges
+    draft j, row m the next one or gives the bonus); each later pass feeds only drafts. A multi-token forward is
+    nearly free on a GPU but costs about ``k/8`` decode steps on a CPU at long context, so on a CPU with a poor
+    anchor most of a long window is verified for nothing (``verify_chunk``), and a short first pass puts the first
+    tokens out about one decode step after the residual (``verify_first``); in fp32 the rows, and so the
     accepted tokens, are the same either way. With sampling, a bonus drawn at the end of a fully accepted pass
     that is not the last one is discarded: an independent draw, so the law is unchanged.
     """
     k = len(drafts)
-    pos, carry, passes = 0, None, 0
-    while True:
-        m = k - pos if chunk <= 0 else min(chunk, k - pos)
+    pos, carry, passes = 0, None, []
+    for size in sizes:
+        m = min(size, k - pos)
         inputs = (feed if pos == 0 else []) + drafts[pos : pos + m]
         new_rows = forward_tokens(model, cache, inputs)  # [len(inputs), V]
         if pos == 0:
             new_rows = new_rows[len(feed) - 1 :]  # [m+1, V]: the row of the last fed token, then the drafts'
-        passes += 1
+        passes.append(m)
         rows = new_rows if carry is None else torch.cat([carry, new_rows])  # [m+1, V]
         window = drafts[pos : pos + m]
         if params.greedy:
@@ -398,7 +438,17 @@ def _verify(model, cache, feed: list[int], drafts: list[int], draft_probs: list[
         if n < m or pos + m == k:
             return pos + n, next_token, pos + m, passes
         carry, pos = rows[-1:], pos + m
-        chunk *= 2
+        yield pos
+    raise AssertionError(f"verify pass sizes {sizes} do not cover {k} drafts")
+
+
+def _finish(gen):
+    """Run a generator to its end and return its value (a verify whose passes commit nothing early)."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as end:
+            return end.value
 
 
 def _decode(model, cache, pending: list[int], params, generator, commit, finished, stats: RunStats,

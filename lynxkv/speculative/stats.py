@@ -38,6 +38,9 @@ class RunStats:
     first_draft_step_s: float | None = None
     verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
     verify_passes: int = 0
+    # the drafts each verify pass fed, in order (after the fed prompt tokens in the first): the forward shapes
+    # decode_plain(first_forward=draft_token_ids, first_passes=verify_pass_sizes) reproduces
+    verify_pass_sizes: list[int] = field(default_factory=list)
     # The layered verify (lynxkv.speculative.layered): the verify forward started while the residual was still
     # arriving, each layer as its residual landed; verify_waited_s of verify_s went to waiting for layers, and
     # residual_seen_s is when the last layer was in.

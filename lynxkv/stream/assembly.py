@@ -1,6 +1,9 @@
 """The KV a progressive load builds: its output tensors, the anchor code page batch by page batch as the pages
-arrive, and the full code once the whole residual is in, or layer by layer for a caller that asks for a layer as
-soon as its residual is in (:meth:`KVAssembly.full_layer`: the runner's layered verify).
+arrive, and the full code layer by layer as each layer's residual is all in, on one thread of the lowest CPU
+priority (a model drafting on the anchor meanwhile keeps the cores it uses; what it leaves idle dequantizes the
+residual, so little is left to do after the last byte), or at once for a caller that asks for a layer
+(:meth:`KVAssembly.full_layer`: the runner's layered verify). ``LYNXKV_EAGER_RESIDUAL=0`` leaves the full code
+until the whole residual is in (to measure the difference).
 
 Both are dequantized straight from the page records' bytes (:func:`lynxkv.format.records.dequantize_records`,
 compiled passes with the GIL released; the records' own checks run there). A page is exactly P/C whole chunks, so
@@ -55,6 +58,10 @@ class KVAssembly:
         self._done = [False] * header.layers
         self.reader = None  # the load's page reader, told when a layer's records are no longer needed
         self.urgent = False  # a caller waits for layers (full_layer): the residual is on its critical path
+        # Layers dequantized as they come in (see the module docstring): one worker of the lowest priority
+        self._eager = os.environ.get("LYNXKV_EAGER_RESIDUAL", "1") != "0"
+        self._early: ThreadPoolExecutor | None = None
+        self._early_jobs: dict[int, object] = {}  # layer -> its future
 
     @staticmethod
     def batch_pages(header) -> int:
@@ -89,9 +96,26 @@ class KVAssembly:
                                      [x[3] for x in pages])
                 del self._taken[layer]
                 self._in[layer].set()
+                if self._eager and not self.urgent:
+                    if self._early is None:
+                        self._early = ThreadPoolExecutor(1, thread_name_prefix="lynxkv-residual",
+                                                         initializer=lowest_priority)
+                    self._early_jobs[layer] = self._early.submit(self._early_layer, layer)
+
+    def _early_layer(self, layer: int) -> None:
+        if not self.urgent:  # a layered verify takes the layers itself, at its own priority, as it reaches them
+            self.full_layer(layer, threads=1)
+
+    def _end_early(self, cancel: bool) -> None:
+        """Stop taking layers early; wait for the one under way (it reads the page records)."""
+        if self._early is not None:
+            self._early.shutdown(wait=True, cancel_futures=cancel)
+            self._early = None
 
     def release(self) -> None:
         """Let go of the page records still held (a failed or closed load): they may be views of a mapped file."""
+        self._end_early(cancel=True)
+        self._early_jobs.clear()
         for layer, lock in enumerate(self._locks):
             with lock:
                 self._jobs.pop(layer, None)
@@ -112,9 +136,12 @@ class KVAssembly:
                 self.pages(*job, threads=threads)
                 self._done[layer] = True
                 if self.reader is not None:
-                    for kind in (c.SEGMENT_ANCHOR, c.SEGMENT_RESIDUAL):
-                        self.reader.drop_layer(kind, layer)
+                    self._drop(layer)
         return self.full[layer]
+
+    def _drop(self, layer: int) -> None:
+        for kind in (c.SEGMENT_ANCHOR, c.SEGMENT_RESIDUAL):
+            self.reader.drop_layer(kind, layer)
 
     def residual(self, items: list[tuple], anchors: dict, reader=None) -> None:
         """The full code of every page in ``items`` (``("residual", layer, page, raw, n)``, in file order; the
@@ -127,14 +154,29 @@ class KVAssembly:
             self.reader = reader
         self.take(items, anchors)
         layers = sorted({it[1] for it in items})
+        early, self._early_jobs = self._early_jobs, {}
+        self._end_early(cancel=True)  # the layers it has not begun are done below, on every worker
+        failed = {}  # layer -> the error it met early (its records are gone: it is not run again)
+        for layer, job in early.items():
+            if job.cancelled():
+                continue
+            if job.exception() is not None:
+                failed[layer] = job.exception()
+            elif self._done[layer] and self.reader is not None:  # done before the reader was known
+                self._drop(layer)
         if self.urgent:  # a layered verify dequantizes layers in order as it reaches them: meet it from the end,
             for layer in reversed(layers):  # at this thread's own priority (a niced worker holding a layer
-                self.full_layer(layer, threads=1)  # the verify waits for would stall behind the model's threads)
+                if layer in failed:  # the verify waits for would stall behind the model's threads)
+                    raise failed[layer]
+                self.full_layer(layer, threads=1)
             return
         pool = ThreadPoolExecutor(min(concurrent_tensors(), len(layers)), thread_name_prefix="lynxkv-residual",
                                   initializer=lowest_priority)
         try:
-            for done in [pool.submit(self.full_layer, layer, threads=1) for layer in layers]:
-                done.result()  # in layer order: the first failing layer's error
+            jobs = [None if layer in failed else pool.submit(self.full_layer, layer, threads=1) for layer in layers]
+            for layer, done in zip(layers, jobs):  # in layer order: the first failing layer's error
+                if done is None:
+                    raise failed[layer]
+                done.result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -2,8 +2,9 @@
 
 One consumer thread per load takes the page records the two parser threads queue, in drain order: anchor pages
 first, batch by batch onto the CPU workers as they arrive, ``anchor_ready`` once the last is dequantized; residual
-pages held back until then, and dequantized together once the whole residual is in (a model drafting on the
-anchor keeps every core meanwhile), unless a layered verify asks for a layer first (:meth:`KVAssembly.take`). It
+pages held back until then, each layer's full code dequantized once its pages are all in, on one worker of the
+lowest CPU priority (a model drafting on the anchor keeps the cores it uses), or by a layered verify that asks for
+it first, and what is left once the whole residual is in (:class:`KVAssembly`). It
 emits the load's events and ends the load: ``residual`` resolved, or the load failed (:meth:`_fail_all`), or the
 residual alone lost under ``allow_anchor_only`` (:meth:`_residual_failed`). docs/tiers.md, "Inside the
 progressive reader", says why.
@@ -120,8 +121,8 @@ class LoadConsumer:
                     self._outputs_ready.set()  # layer_in may ask the outputs now
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
-                    # Held, not dequantized yet: a model drafting on the anchor uses every core, and any work
-                    # beside it stretches its steps by as much. The residual is dequantized at once when it is in.
+                    # A layer all in is dequantized at the lowest CPU priority (a model drafting on the anchor keeps
+                    # the cores it uses) or asked for by a layered verify; what is left, at once when all is in.
                     taken = [item] + self._take_more(lambda it: it[0] == "residual")
                     for _ in taken:
                         self._residual_slots.release()
