@@ -61,11 +61,13 @@ def test_inspect_json_has_stable_keys(tmp_path, capsys):
     assert "prompt_token_ids" not in d  # a dump carries none
 
 
-@pytest.mark.parametrize("argv, rotation, version", [([], "hadamard", "1.3"),
-                                                     (["--key-rotation", "none", "--alpha", "1"], "none", "1.2"),
+@pytest.mark.parametrize("argv, rotation, version", [([], "hadamard", "1.6"),
+                                                     (["--extremes", "midpoint"], "hadamard", "1.3"),
+                                                     (["--key-rotation", "none", "--alpha", "1", "--extremes",
+                                                       "midpoint"], "none", "1.2"),
                                                      (["--scheme", "linear", "--key-rotation", "hadamard"],
                                                       "hadamard", "1.3")],
-                         ids=["default", "the-1.2-default", "linear-rotated"])
+                         ids=["default", "the-1.3-default", "the-1.2-default", "linear-rotated"])
 def test_key_rotation_override_is_in_the_file(tmp_path, capsys, argv, rotation, version):
     src = tmp_path / "kv.safetensors"
     tensors = _dump(src, layers=1, d=16)

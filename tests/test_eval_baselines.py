@@ -25,7 +25,7 @@ def test_registry_holds_every_required_codec():
     names = set(baselines.registry())
     required = {
         "fp32", "bf16", "fp8-e4m3", "int8-tensor", "int4-tensor", "int8-g64", "int4-g64", "kivi4", "kivi2",
-        "lynx-default", "lynx-default-anchor", "lynx-1.2", "lynx-1.2-anchor", "lynx-paper", "lynx-paper-anchor",
+        "lynx-default", "lynx-default-anchor", "lynx-1.3", "lynx-1.2", "lynx-1.2-anchor", "lynx-paper", "lynx-paper-anchor",
         "lynx-3+5", "lynx-3+5-anchor", "lynx-5+3", "lynx-5+3-anchor", "lynx-6+2", "lynx-6+2-anchor",
     }  # fmt: skip
     assert required <= names
@@ -114,7 +114,9 @@ def test_sweep_and_selection():
     assert sweep["keys=none"].scheme.replace(key_rotation="hadamard") == sweep["default"].scheme
     assert sweep["alpha=1"].scheme.alpha == 1.0 and sweep["alpha=1"].scheme.key_rotation == "hadamard"
     old = baselines.registry()["lynx-1.2-anchor"]  # the format-1.2 default, kept by name
-    assert old.anchor_only and old.scheme == get_scheme("default", alpha=1.0, key_rotation="none")
+    assert old.anchor_only and old.scheme == get_scheme("default", alpha=1.0, key_rotation="none", extremes="midpoint")
+    assert baselines.registry()["lynx-1.3"].scheme == get_scheme("default", extremes="midpoint")
+    assert sweep["extremes=midpoint"].scheme.replace(extremes="range") == sweep["default"].scheme
     chosen = baselines.select("bf16, lynx-default-anchor")
     assert [c.name for c in chosen] == ["bf16", "lynx-default-anchor"]
     with pytest.raises(InputError, match="nope"):

@@ -62,7 +62,8 @@ def test_compiled_remainder_gives_the_reference_bytes(dtype):
 @pytest.mark.parametrize("single_file", [False, True], ids=["two-files", "single-file"])
 def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file, coding, version):
     kv = exact_kv(DTYPES[dtype])
-    info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file, exact_coding=coding)
+    info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file, exact_coding=coding,
+                      scheme=PRESETS["default"].replace(extremes="midpoint"))  # 1.6's flag aside
     assert info.has_exact and info.format_version == version and info.exact_inline == single_file
     assert (tmp_path / "c.lynxe").exists() != single_file
     with open_cache(tmp_path / "c.lynx") as cache:
@@ -73,10 +74,14 @@ def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file, coding, 
     assert verify_file(tmp_path / "c.lynx") == []
 
 
-@pytest.mark.parametrize("scheme", ["default", "linear", "paper"])
+@pytest.mark.parametrize("scheme", ["default", "linear", "paper", "linear-range", "default-midpoint"])
 def test_exact_with_every_preset_and_a_short_last_page(tmp_path, scheme):
+    """Every preset, and the full code's end sub-bins decoded either way (format 1.6's ``extremes``): the remainder
+    is taken against the decoding the file's scheme gives."""
     kv = exact_kv(torch.bfloat16, t=257, d=96)  # rotated keys with b = 32, a page of 1 token at the end
-    save_cache(tmp_path / "c.lynx", kv, PRESETS[scheme], exact=True)
+    name, _, extremes = scheme.partition("-")
+    save_cache(tmp_path / "c.lynx", kv, PRESETS[name].replace(extremes=extremes or PRESETS[name].extremes),
+               exact=True)
     with open_cache(tmp_path / "c.lynx") as cache:
         assert same_bits(cache.load_kv(exact=True), kv)
 
@@ -92,7 +97,8 @@ def test_a_file_without_an_exact_segment_is_byte_identical_to_format_1_3():
                                 "24cb6839ee4c4468c1ad4946b44727dd5888ffa61d8a1113f601eac2ba23769e"),
             ("linear", True): ("6dba79a4d400b433b92405a06b9302d56753c88869f535d03e4bd8924c9cbb1c", None)}
     for (name, single), (anchor, residual) in want.items():
-        b = build_files(encode_kv(kv, PRESETS[name]), cache_id=bytes(range(16)), single_file=single,
+        scheme = PRESETS[name].replace(extremes="midpoint")  # the 1.3 default (1.5 decodes the extremes at o ∓ s)
+        b = build_files(encode_kv(kv, scheme), cache_id=bytes(range(16)), single_file=single,
                         residual_location="x.lynxr")
         assert hashlib.sha256(b.anchor).hexdigest() == anchor, (name, single)
         assert (b.residual is None and residual is None) or hashlib.sha256(b.residual).hexdigest() == residual
@@ -312,7 +318,7 @@ def test_cli_encode_exact_decode_exact_is_bit_identical(tmp_path, capsys, dtype)
         assert not all(torch.equal(bits(g.get_tensor(n)), bits(t)) for n, t in tensors.items())
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual")
     d = json.loads(out)
-    assert code == 0 and d["has_exact"] and d["format_version"] == "1.5" and d["exact_bytes"] > 0
+    assert code == 0 and d["has_exact"] and d["format_version"] == "1.6" and d["exact_bytes"] > 0  # the default
     assert run(capsys, "verify", tmp_path / "c.lynx", *args)[0] == 0
 
 

@@ -19,7 +19,8 @@ from lynxkv.quant.scheme import Scheme, get_scheme
 
 SCHEME = Scheme(chunk=4, page=8)
 #: Format 1.3 with every later feature: keys rotated (flag KEY_ROTATION), values per channel, 4 sink tokens.
-SCHEME_1_3 = get_scheme("default", chunk=4, page=8)
+SCHEME_1_3 = get_scheme("default", chunk=4, page=8, extremes="midpoint")
+SCHEME_1_6 = get_scheme("default", chunk=4, page=8)  # the end sub-bins decoded at the chunk's extremes
 FINGERPRINT = "00112233445566778899aabbccddeeff"
 
 
@@ -258,10 +259,10 @@ def test_every_single_byte_corruption_and_truncation_is_reported(target, zstd):
     _check_every_byte(built.anchor, built.residual, target)
 
 
-@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3], ids=["1.0", "1.3"])
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3, SCHEME_1_6], ids=["1.0", "1.3", "1.6"])
 def test_every_single_byte_corruption_of_a_single_file_is_reported(scheme):
     built = small_cache(single=True, scheme=scheme)
-    assert built.anchor[10] == (3 if scheme is SCHEME_1_3 else 0)
+    assert built.anchor[10] == {SCHEME_1_3: 3, SCHEME_1_6: 6}.get(scheme, 0)
     assert verify_cache(BytesSource(built.anchor), lambda: None) == []
     _check_every_byte(built.anchor, None, "anchor")
 
@@ -291,7 +292,7 @@ def _exercise(a: bytes, r: bytes | None) -> None:
         pass
 
 
-@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3], ids=["1.0", "1.3"])
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3, SCHEME_1_6], ids=["1.0", "1.3", "1.6"])
 def test_fuzz_reader_raises_only_lynx_errors(scheme):
     rng = random.Random(1234)
     built = small_cache(zstd=True, tokens=40, scheme=scheme)

@@ -120,6 +120,36 @@ def test_minor_3_and_the_flag_only_for_rotated_keys():
         assert (data[10], data[12] & 4) == (minor, 4 if minor == 3 else 0), scheme.describe()
 
 
+SCHEME_1_6 = Scheme(chunk=2, page=2, extremes="range")
+
+
+def test_the_1_6_example_is_what_the_writer_writes_and_decodes_the_extremes_exactly(tmp_path):
+    enc = encode_kv([(K, V)], SCHEME_1_6, prompt_token_ids=[1, 2, 3])
+    b = build_files(enc, cache_id=bytes(range(16)), residual_location="example.lynxr")
+    assert b.anchor == example("anchor-1.6"), "1.6 anchor file differs from spec/FORMAT.md §11"
+    assert b.residual == example("residual")  # the codes do not depend on where the extremes decode
+    first = example("anchor")
+    assert [i for i in range(len(first)) if first[i] != b.anchor[i]] == [10, 12, 188, 189, 190, 191]
+    assert b.anchor[10] == 6 and b.anchor[12] == 8  # version_minor, flags: EXTREMES
+    (tmp_path / "example.lynx").write_bytes(b.anchor)
+    (tmp_path / "example.lynxr").write_bytes(b.residual)
+    with open_cache(tmp_path / "example.lynx") as cache:
+        assert cache.verify() == [] and cache.info.scheme == SCHEME_1_6 and cache.info.format_version == "1.6"
+        (k, v), = cache.load_kv()
+        assert torch.equal(k, K) and torch.equal(v, V)  # chunk 0's codes (0, 8) and (15, 8): its extremes
+        assert float(dequantize(quantize(K, SCHEME), SCHEME)[0, 0, 0]) > 0  # 1.0-1.5: half a sub-bin inside
+        (ka, va), = cache.load_kv(anchor_only=True)
+        assert torch.equal(ka, K) and torch.equal(va, V)
+
+
+def test_minor_6_and_the_flag_only_for_extremes_at_the_range():
+    for scheme, minor in ((SCHEME, 0), (SCHEME_1_3, 3), (SCHEME_1_6, 6), (SCHEME_1_3.replace(extremes="range"), 6)):
+        data = build_files(encode_kv([(K, V)], scheme), cache_id=bytes(16), single_file=True).anchor
+        assert (data[10], data[12] & 8) == (minor, 8 if minor == 6 else 0), scheme.describe()
+        with open_cache(data) as cache:
+            assert cache.info.scheme == scheme
+
+
 def built_1_4():
     """The 1.4 example: the tensors in bf16 with an exact segment in its own file."""
     kb, vb = K.to(torch.bfloat16), V.to(torch.bfloat16)

@@ -244,8 +244,9 @@ def test_encode_constant_and_signed_zero_chunks(scheme, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [SHAPES[k] for k in ("T1", "prime-T", "T-100-D6")], ids=["T1", "prime-T", "T-100-D6"])
 @pytest.mark.parametrize("scheme", [get_scheme("default"), get_scheme("paper"),
-                                    get_scheme("default", chunk=4, page=8).replace(sink_tokens=10)],
-                         ids=["default", "paper", "C4-S10"])
+                                    get_scheme("default", chunk=4, page=8).replace(sink_tokens=10),
+                                    get_scheme("default", chunk=4, page=8, extremes="range").replace(sink_tokens=10)],
+                         ids=["default", "paper", "C4-S10", "range-C4-S10"])
 def test_decode_is_the_reference_bit_for_bit(scheme, shape, dtype, device):
     """Through the reference's level table (any compander and grid), keys and values per channel, the sink tokens
     from the full code when decoding the anchor alone: the entry's GPU path gives the reference's values exactly,

@@ -33,6 +33,8 @@ SCHEMES = {
     "alpha-tiny": get_scheme("default", alpha=1e-3),  # every element takes the exact pass
     "alpha-max": get_scheme("default", alpha=65504.0),
     "paper": get_scheme("paper"),  # uniform grid, mean centring
+    "range": get_scheme("default", extremes="range"),  # 1.5: the end sub-bins decode at the chunk's extremes
+    "range-linear-5+3": get_scheme("linear", anchor_bits=5, extremes="range"),
 }
 SHAPES = {
     "T1": (3, 1, 64),

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lynxkv.errors import InputError, SchemeError
-from lynxkv.quant import dequantize, error_bound, join_code, pack_bits, quantize, split_code, unpack_bits
+from lynxkv.quant import (EncodedTensor, dequantize, error_bound, join_code, pack_bits, quantize, split_code,
+                          unpack_bits)
 from lynxkv.quant.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
 
 SCHEMES = {
@@ -18,6 +19,8 @@ SCHEMES = {
     "3+5": DEFAULT.replace(anchor_bits=3, residual_bits=5),
     "6+2": DEFAULT.replace(anchor_bits=6, residual_bits=2),
     "C16-fp32": DEFAULT.replace(chunk=16, meta_dtype="fp32"),
+    "range": DEFAULT.replace(extremes="range"),
+    "range-linear-7+1": Scheme(extremes="range", anchor_bits=7, residual_bits=1),
 }
 
 
@@ -140,3 +143,44 @@ def test_pack_roundtrip(bits, n):
 def test_pack_nibble_order():
     # LSB-first: the first value is the low nibble of the first byte.
     assert pack_bits(torch.tensor([0x1, 0xA, 0x3], dtype=torch.uint8), 4).tolist() == [0xA1, 0x03]
+
+
+@pytest.mark.parametrize("anchor_bits", [1, 4, 6, 7])
+def test_extremes_range_decodes_the_end_sub_bins_at_the_chunk_extremes(anchor_bits):
+    """Format 1.6: the codes (0, R/2), (A, R/2 - 1) and (A, R/2) decode at o - s, o + s and o + s from the full
+    code; every other code, and the anchor alone, as with extremes = midpoint."""
+    mid = Scheme(compander="alpha", alpha=0.5, chunk=4, page=4, anchor_bits=anchor_bits,
+                 residual_bits=8 - anchor_bits)
+    rng = mid.replace(extremes="range")
+    A, R = mid.anchor_steps, mid.residual_levels
+    codes = torch.arange(256, dtype=torch.int32)
+    a, r = (codes // R).to(torch.uint8), (codes % R).to(torch.uint8)
+    keep = (a.long() <= A) & (r.long() < R)
+    a, r = a[keep], r[keep]
+    n = a.numel()
+    enc = EncodedTensor(a.view(1, n, 1), r.view(1, n, 1), torch.full((1, -(-n // 4), 1), 2.0, dtype=torch.float16),
+                        torch.full((1, -(-n // 4), 1), 0.5, dtype=torch.float16))
+    got, was = (dequantize(enc, s).view(-1) for s in (rng, mid))
+    low = (a == 0) & (r == R // 2)
+    high = (a == A) & ((r == R // 2 - 1) | (r == R // 2))
+    assert got[low].tolist() == [1.5] and got[high].tolist() == [2.5, 2.5]
+    assert torch.equal(got[~(low | high)], was[~(low | high)])
+    assert float(was[low]) > 1.5 and float(was[high].max()) > 2.5 > float(was[high].min())  # half a sub-bin off
+    assert torch.equal(dequantize(enc, rng, anchor_only=True), dequantize(enc, mid, anchor_only=True))
+
+
+def test_extremes_range_removes_the_shrink_of_every_chunks_extremes():
+    """With the scale rounded up to fp16, a chunk's max lands just below the grid's top and its min just above
+    the bottom; decoded at the end sub-bins' midpoints both move towards the centre, and the decoded values'
+    energy shrinks. Decoded at the range ends the shrink is gone (KV-like data, 64 channels, 256 tokens)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 256, 64, generator=g) * (torch.rand(64, generator=g) * 2 + 0.1) + torch.randn(64, generator=g)
+    for scheme in (DEFAULT, Scheme()):
+        shrink = {}
+        for extremes in ("midpoint", "range"):
+            s = scheme.replace(extremes=extremes)
+            y = dequantize(quantize(x, s), s)
+            shrink[extremes] = float((y.double() ** 2).sum() / (x.double() ** 2).sum() - 1)
+            assert bool(((y - x).abs() <= error_bound(quantize(x, s), s)).all())
+        assert shrink["midpoint"] < -1e-3, shrink  # the bias 1.6 removes
+        assert abs(shrink["range"]) < abs(shrink["midpoint"]) / 4, shrink

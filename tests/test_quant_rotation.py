@@ -155,13 +155,14 @@ def test_fast_decode_rotates_back_bit_for_bit(d, dtype):
 @pytest.mark.parametrize("d", [64, 96, 80, 5], ids=["D64", "D96", "D80", "D5-b1"])
 def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
     """``load_kv`` (full and anchor-only) and the progressive reader give the reference's bf16 values of the
-    file's own codes; the file is format 1.3 and a non-rotating scheme's file is not. An odd head_dim (blocks of
+    file's own codes; the file is format 1.6 (the default's extremes; 1.3 with the keys' flag alone) and a
+    non-rotating scheme's file does not set the keys' flag. An odd head_dim (blocks of
     one channel: the identity) still sets the flag and takes the unpacked page path."""
     kv = [(kv_like(2, 300, d, seed=i).to(torch.bfloat16), kv_like(2, 300, d, seed=10 + i).to(torch.bfloat16))
           for i in range(2)]
     save_cache(tmp_path / "r.lynx", kv, ROTATED)
     with open_cache(tmp_path / "r.lynx") as cache:
-        assert cache.header.version_minor == 3 and cache.info.scheme == ROTATED
+        assert cache.header.version_minor == 6 and cache.info.scheme == ROTATED  # the default: 1.6 (extremes)
         for anchor_only in (False, True):
             got = cache.load_kv(anchor_only=anchor_only)
             enc = cache.load_encoded(anchor_only=anchor_only)
@@ -175,7 +176,7 @@ def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
         for got, want in ((load.wait_anchor(30), anchor), (load.residual.result(30), full)):
             for (k, v), (kw, vw) in zip(got, want):
                 assert torch.equal(k, kw) and torch.equal(v, vw)
-    save_cache(tmp_path / "p.lynx", kv, ROTATED.replace(key_rotation="none"))
+    save_cache(tmp_path / "p.lynx", kv, ROTATED.replace(key_rotation="none", extremes="midpoint"))
     with open_cache(tmp_path / "p.lynx") as cache:
         assert cache.header.version_minor == 2 and not cache.load_encoded().layers[0][0].rotated
 

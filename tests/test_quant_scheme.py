@@ -28,18 +28,31 @@ def test_bad_key_rotation_is_one_clear_error(rotation):
         get_scheme("default", key_rotation=rotation)
 
 
+@pytest.mark.parametrize("extremes", ["Range", "", "edge", "midpoint "])
+def test_bad_extremes_is_one_clear_error(extremes):
+    with pytest.raises(SchemeError, match=r"^extremes: expected one of \('midpoint', 'range'\)"):
+        get_scheme("default", extremes=extremes)
+
+
+def test_extremes_range_is_for_the_nested_grid_only():
+    with pytest.raises(SchemeError, match=r"^extremes: 'range' applies to the nested grid only"):
+        get_scheme("paper", extremes="range")
+
+
 @st.composite
 def cli_schemes(draw):
-    """What ``lynxkv encode --scheme S --page P --chunk C --alpha A --anchor-bits B --key-rotation R`` accepts."""
+    """What ``lynxkv encode --scheme S --page P --chunk C --alpha A --anchor-bits B --key-rotation R --extremes E``
+    accepts."""
     name = draw(st.sampled_from(sorted(PRESETS)))
     chunk = draw(st.sampled_from([None, 1, 4, 16, 32, 64, 128]))
     page = draw(st.sampled_from([None, 64, 256, 512]))
     alpha = draw(st.one_of(st.none(), st.floats(math.log(MIN_ALPHA), math.log(MAX_ALPHA)).map(math.exp)))
     anchor_bits = draw(st.sampled_from([None, 1, 3, 4, 5, 7]))
     key_rotation = draw(st.sampled_from([None, "none", "hadamard"]))
+    extremes = draw(st.sampled_from([None, "midpoint", "range"]))
     try:
         return get_scheme(name, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits,
-                          key_rotation=key_rotation)
+                          key_rotation=key_rotation, extremes=extremes)
     except SchemeError:  # rejected with one error line: not a scheme the CLI accepts
         assume(False)
 

@@ -46,6 +46,9 @@ def encode(
     anchor_bits: Optional[int] = typer.Option(None, help="Bits of the 8-bit code kept in the anchor."),
     key_rotation: Optional[str] = typer.Option(None, "--key-rotation", help="Rotate the keys along head_dim "
                                                "before quantization: none or hadamard (the default's)."),
+    extremes: Optional[str] = typer.Option(None, "--extremes", help="Where the full code decodes the sub-bins that "
+                                           "hold each chunk's min and max: midpoint or range (at the chunk's "
+                                           "extremes; format 1.6)."),
     single_file: bool = typer.Option(False, "--single-file", help="Anchor and residual in one file."),
     zstd: bool = typer.Option(False, "--zstd", help="zstd-compress each page where it pays."),
     exact: bool = typer.Option(False, "--exact", help="Also write the exact segment (format 1.4), which rebuilds "
@@ -60,7 +63,8 @@ def encode(
     from lynxkv.hf.prefill import encode_model
     from lynxkv.quant.scheme import get_scheme
 
-    sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits, key_rotation=key_rotation)
+    sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits, key_rotation=key_rotation,
+                     extremes=extremes)
     if input is not None and model is not None:
         raise InputError("give either a KV dump file or --model, not both")
     if input is not None and prompt_file is not None:

@@ -17,6 +17,7 @@ MINOR_SCHEME = 2  # 1.2: the scheme fields value_axis and sink_tokens (reserved,
 MINOR_KEY_ROTATION = 3  # 1.3: the flag KEY_ROTATION (the keys are Hadamard-rotated before quantization)
 MINOR_EXACT = 4  # 1.4: segment kind 3, the exact remainder (written only by a cache that has one)
 MINOR_EXACT_RANS = 5  # 1.5: exact coding 2, the remainder entropy-coded (written only by a cache that uses it)
+MINOR_EXTREMES = 6  # 1.6: the flag EXTREMES (the full code's end sub-bins decode at the chunk's extremes)
 
 # -- anchor header: fixed part (spec table "Anchor header") --------------------------------------------------
 ANCHOR_FIXED_STRUCT = (
@@ -211,8 +212,10 @@ PAGE_ENTRY_SIZE = 8 + 4 + 4 + 1 + 3 + 4  # 24
 FLAG_BATCH_DIM = 1 << 0  # the input tensors had a leading batch dimension of 1
 FLAG_PROPERTIES = 1 << 1  # 1.1: the header ends with a properties string of properties_length bytes
 FLAG_KEY_ROTATION = 1 << 2  # 1.3: the keys are rotated along head_dim before quantization (spec §9)
-KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES | FLAG_KEY_ROTATION
-ANCHOR_FLAG_MINORS = {FLAG_KEY_ROTATION: MINOR_KEY_ROTATION}  # a flag a reader rejects in a file of an earlier minor
+FLAG_EXTREMES = 1 << 3  # 1.6: scheme extremes = range, the full code's end sub-bins decode at o ∓ s (spec §9.3)
+KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES | FLAG_KEY_ROTATION | FLAG_EXTREMES
+# a flag a reader rejects in a file of an earlier minor
+ANCHOR_FLAG_MINORS = {FLAG_KEY_ROTATION: MINOR_KEY_ROTATION, FLAG_EXTREMES: MINOR_EXTREMES}
 KNOWN_RESIDUAL_FLAGS = 0
 
 # -- enumerations --------------------------------------------------------------------------------------------

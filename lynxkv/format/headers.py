@@ -112,6 +112,8 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     properties = pack_properties(h.properties)
     flags = (h.flags | c.FLAG_PROPERTIES) if properties else (h.flags & ~c.FLAG_PROPERTIES)
     flags = (flags | c.FLAG_KEY_ROTATION) if s.rotated("key") else (flags & ~c.FLAG_KEY_ROTATION)
+    ranged = s.extremes == "range"
+    flags = (flags | c.FLAG_EXTREMES) if ranged else (flags & ~c.FLAG_EXTREMES)
     var = b"".join(
         _SEGMENT.pack(seg.kind, seg.placement, len(loc), seg.page_count, seg.offset, seg.length,
                       seg.index_crc32, 0)
@@ -121,8 +123,9 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
     exact = any(seg.kind == c.SEGMENT_EXACT for seg in h.segments)
-    minor = max(h.version_minor, c.MINOR_EXACT if exact else c.MINOR_KEY_ROTATION if s.rotated("key")
-                else c.MINOR_SCHEME if s.extended else c.MINOR_PROPERTIES if properties else 0)
+    minor = max(h.version_minor, c.MINOR_EXTREMES if ranged else c.MINOR_EXACT if exact
+                else c.MINOR_KEY_ROTATION if s.rotated("key") else c.MINOR_SCHEME if s.extended
+                else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
         c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
@@ -229,7 +232,8 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
                         page=page, anchor_bits=anchor_bits, residual_bits=residual_bits,
                         meta_dtype=decoded["meta_dtype"], grid=decoded["grid"], value_axis=decoded["value_axis"],
                         sink_tokens=sink_tokens,
-                        key_rotation="hadamard" if flags & c.FLAG_KEY_ROTATION else "none")
+                        key_rotation="hadamard" if flags & c.FLAG_KEY_ROTATION else "none",
+                        extremes="range" if flags & c.FLAG_EXTREMES else "midpoint")
     except SchemeError as exc:
         raise FormatError(f"`scheme` at {what} bytes 20-23, 41-63: {exc}", field="scheme",
                           where=f"{what} byte 41") from None

@@ -30,7 +30,9 @@ decoded as ``ẑ = code * (2/Q) - 1`` (full) or at the middle of the anchor's bi
 ``ẑ = (a * R + (R - 1) / 2) * (2/Q) - 1`` (anchor only).
 
 Decoding (nested grid): ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
-level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes), then
+level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes); with
+``extremes = "range"`` (format 1.6) the full code's end sub-bins, where the chunk's min and max are encoded
+(:func:`end_codes`), decode at ``ẑ = ∓1`` instead, the chunk's range ends; then
 ``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * fp32(expm1(|ẑ| * c) / alpha)`` (float64 inside),
 ``x̂ = o + s * û``.
 
@@ -314,7 +316,19 @@ def expanded_levels(anchor: torch.Tensor, residual: torch.Tensor | None, scheme:
         if residual is not None:
             v = v + ((residual.float() + 0.5) / R - 0.5)
         zhat = v * (2.0 / A) - 1.0
+        if residual is not None and scheme.extremes == "range":
+            low, high = end_codes(anchor, residual, scheme)
+            zhat = torch.where(low, -1.0, torch.where(high, 1.0, zhat))
     return expand(zhat, scheme)
+
+
+def end_codes(anchor: torch.Tensor, residual: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks of the nested grid's end sub-bins, where a chunk's min (``(0, R/2)``: ``v`` in ``[0, 1/R)``) and max
+    (``(A, R/2 - 1)``: ``[A - 1/R, A)``, and ``(A, R/2)``: ``v = A``) are encoded; with ``extremes = "range"`` the
+    full code decodes them at ``ẑ = -1`` and ``ẑ = 1``, the chunk's ``o - s`` and ``o + s``."""
+    a, r = anchor.to(torch.int32), residual.to(torch.int32)
+    half, top = scheme.residual_levels // 2, scheme.anchor_steps
+    return (a == 0) & (r == half), (a == top) & ((r == half - 1) | (r == half))
 
 
 def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False) -> torch.Tensor:
@@ -323,8 +337,9 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     Linear, nested grid: ``s / (A·R)`` for the full code and ``s / A`` for the anchor; uniform grid: ``s / Q`` and
     ``s · R / Q`` (half a bin, the anchor being decoded at its bin's middle). α-law multiplies by the largest slope
     of the expander over the reachable ``|ẑ| <= 1 + step``, ``c·exp(c·(1 + step))/α``, where ``step`` is the
-    linear bound in z units (a top-level anchor may carry a residual just above z = 1). A slack of
-    ``2^-20·(|o| + s)`` covers fp32 rounding.
+    linear bound in z units (a top-level anchor may carry a residual just above z = 1). With ``extremes = "range"``
+    the full code's end sub-bins (:func:`end_codes`) decode at their outer edge, a whole sub-bin from the far
+    side: ``2·s / (A·R)`` there. A slack of ``2^-20·(|o| + s)`` covers fp32 rounding.
 
     Rotated keys (``enc.rotated``): with ``e`` that bound of the rotated rows and ``ŷ`` their fp32 decoding, the
     bound of element ``i`` of a block of ``b = 2^m`` channels is ``2^(k-m)·Σe + (m+1)·2^-23·2^k·Σ(|ŷ| + e) +
@@ -337,6 +352,12 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     step = torch.full((1, t, 1), _step(scheme, anchor_only), device=o.device)
     if anchor_only and enc.sinks:
         step[:, :enc.sinks] = _step(scheme, False)  # the sinks decode from the full code
+    if scheme.extremes == "range":  # the end sub-bins of the full code decode at their outer edge: a whole sub-bin
+        low, high = end_codes(enc.anchor, enc.residual, scheme)
+        ends = low | high
+        if anchor_only:
+            ends[:, enc.sinks:] = False
+        step = torch.where(ends, _step(scheme, False, end=True), step.expand(h, t, d))
     bound = s * step + 2.0**-20 * (o.abs() + s)
     if not enc.rotated:
         return bound
@@ -351,14 +372,16 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
     return (2.0 ** (k - m) * e_sum + (m + 1) * 2.0**-23 * 2.0**k * (y_sum + e_sum) + 2.0**-126).float()
 
 
-def _step(scheme: Scheme, anchor_only: bool) -> float:
+def _step(scheme: Scheme, anchor_only: bool, *, end: bool = False) -> float:
+    """The bound's step in z units (times the expander's largest slope for the α-law); ``end``: an end sub-bin of
+    the full code decoded at the chunk's extreme (``extremes = "range"``), a whole sub-bin ``2/(A·R)``."""
     A = float(scheme.anchor_steps)
     R = float(scheme.residual_levels)
     if scheme.grid == "uniform":
         Q = float(scheme.code_steps)
         step = R / Q if anchor_only else 1.0 / Q
     else:
-        step = 1.0 / A if anchor_only else 1.0 / (A * R)
+        step = 1.0 / A if anchor_only else (2.0 if end else 1.0) / (A * R)
     if scheme.compander == "alpha":
         c = math.log1p(scheme.alpha)
         step *= c * math.exp(c * (1.0 + step)) / scheme.alpha

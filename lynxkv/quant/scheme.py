@@ -16,7 +16,12 @@ A scheme fixes everything the decoder needs to turn codes back into values (spec
   (the anchor records of their pages carry their residual too: attention sinks, format 1.2);
 - ``key_rotation``: ``none`` or ``hadamard``: the keys are rotated along head_dim by an orthonormal
   Walsh–Hadamard matrix before they are quantized and rotated back after decoding (:mod:`lynxkv.quant.rotation`,
-  format 1.3). Values are not rotated.
+  format 1.3). Values are not rotated;
+- ``extremes``: where the full code of the nested grid decodes the two end sub-bins that hold the chunk's extremes
+  (the codes ``(0, R/2)``, ``(A, R/2 - 1)`` and ``(A, R/2)``): ``midpoint`` (the centre of the sub-bin, like every
+  other code; formats 1.0-1.5) or ``range`` (format 1.6: the chunk's range ends ``o ∓ s``, where its min and max
+  lie up to the metadata's rounding; the midpoints sit 1/(2R) of an anchor step inside them, so every chunk's
+  extremes were pulled towards its centre).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ META_DTYPES = ("fp16", "fp32")
 GRIDS = ("nested", "uniform")
 VALUE_AXES = ("token", "channel")
 KEY_ROTATIONS = ("none", "hadamard")  # 1.3: hadamard is lynxkv.quant.rotation
+EXTREMES = ("midpoint", "range")  # 1.6: range decodes the end sub-bins of the nested grid at the chunk's extremes
 CODE_BITS = 8
 
 MAX_CHUNK = 1024
@@ -58,6 +64,7 @@ class Scheme:
     value_axis: str = "token"
     sink_tokens: int = 0
     key_rotation: str = "none"
+    extremes: str = "midpoint"
 
     def __post_init__(self) -> None:
         if self.compander not in COMPANDERS:
@@ -70,6 +77,11 @@ class Scheme:
             raise SchemeError(f"value_axis: expected one of {VALUE_AXES}, got {self.value_axis!r}")
         if self.key_rotation not in KEY_ROTATIONS:
             raise SchemeError(f"key_rotation: expected one of {KEY_ROTATIONS}, got {self.key_rotation!r}")
+        if self.extremes not in EXTREMES:
+            raise SchemeError(f"extremes: expected one of {EXTREMES}, got {self.extremes!r}")
+        if self.extremes == "range" and self.grid != "nested":
+            raise SchemeError("extremes: 'range' applies to the nested grid only (the uniform grid's end codes "
+                              "already decode at the chunk's extremes)")
         if self.meta_dtype not in META_DTYPES:
             raise SchemeError(f"meta_dtype: expected one of {META_DTYPES}, got {self.meta_dtype!r}")
         if self.compander == "alpha":
@@ -151,9 +163,10 @@ class Scheme:
         values = "" if self.value_axis == "token" else f", V per {self.value_axis}"
         sinks = f", {self.sink_tokens} sink tokens" if self.sink_tokens else ""
         rotation = f", K {self.key_rotation}-rotated" if self.rotated("key") else ""
+        extremes = ", extremes at the range" if self.extremes == "range" else ""
         return (
             f"{comp}, {self.centring}{grid}, C={self.chunk}, P={self.page}, "
-            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}{values}{sinks}{rotation}"
+            f"{self.anchor_bits}+{self.residual_bits}, meta {self.meta_dtype}{values}{sinks}{rotation}{extremes}"
         )
 
     def to_dict(self) -> dict:
@@ -173,7 +186,10 @@ LINEAR = Scheme()
 #: matrix along head_dim before they are quantized, the values grouped per token over channels (KIVI's axis) and
 #: the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone; chosen by measured
 #: anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default scheme"; format 1.3).
-DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard")
+#: Format 1.6 added the full code's end sub-bins decoded at the chunk's extremes (next-token KL of the full code
+#: 3.4 times lower on the built-in text; docs/evaluation.md, "Why the full code lowered perplexity").
+DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard",
+                         extremes="range")
 
 #: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
 #: uniform 8-bit grid whose high nibble is the anchor.
