@@ -164,3 +164,36 @@ def test_32_staggered_requests_release_what_they_finish_with(tiny_model):
         ids = prompt_ids(200 + int(r.name), 10 + (7 * int(r.name)) % 40)
         assert r.token_ids == decode_plain(model, full, ids, spec.config.max_new_tokens,
                                            first_forward=r.stats.draft_token_ids)
+
+
+class _BytesIn(PreparedLoad):
+    """A load whose residual bytes are all in (ETA 0) while its full code is still being built, for a while."""
+
+    def residual_eta(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("guard", [0.5, 0.0], ids=["guard", "no-guard"])
+def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(tiny_model, guard):
+    """The ETA guard in a batch: a request whose residual is due within half a draft step sits the steps out
+    (after the one draft step that measures it) until its full code is in, while another request decodes on;
+    without the guard it drafts on to its window. Either way its tokens are decoding on its full code."""
+    model = tiny_model
+    fp = model_fingerprint(model)
+    data = _setup(model, 2)
+    cfg = RunConfig(max_new_tokens=40, max_window=30, eta_guard=guard, min_window_steps=0)
+    reqs = [BatchRequest(PreparedLoad(data[0][2], data[0][3], prompt_token_ids=data[0][0], model_fingerprint=fp),
+                         cfg, name="decoding"),
+            BatchRequest(_BytesIn(data[1][2], data[1][3], residual_delay=1.0, prompt_token_ids=data[1][0],
+                                  model_fingerprint=fp), cfg, name="due")]
+    got = run_batch(model, reqs)
+    due = got.requests[1]
+    if guard:
+        assert due.stats.drafted == 1 and due.stats.waited_on_eta
+        held = (due.stats.draft_steps[-1][1], due.stats.verify_start_s)  # both arrived at 0: the batch's clock
+        assert any(held[0] <= start and end <= held[1] and n == 1 for start, end, n, _ in got.steps)  # the other
+    else:
+        assert due.stats.drafted == 30 and not due.stats.waited_on_eta
+    for (ids, _, a, f), r in zip(data, got.requests):
+        assert r.error is None and r.verified
+        assert r.token_ids == decode_plain(model, f, ids, 40, first_forward=r.stats.draft_token_ids)

@@ -12,9 +12,13 @@ A request's committed tokens are those of :func:`lynxkv.speculative.run` on the 
 and the same drafts: the same first step (:func:`~lynxkv.speculative.model_ops.first_step`), the same forward
 shapes per request, the same acceptance rules and the same order of draws from its own seeded generator. A
 request whose residual fails or is late ends with its own error (or, with ``allow_anchor_only``, goes on
-unverified on its anchor); the others are not affected. Not supported here (the single runner has them):
-``verify_chunk``, ``verify_first``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
-is full. Times in each request's stats are seconds since its own arrival (when its load was opened).
+unverified on its anchor); the others are not affected. As in the single runner, a drafting request sits out
+the steps while its residual is due within ``eta_guard`` of its draft step (its bytes are all in and the full
+code is being built): a draft then could no longer be verified any sooner, and its forward would only take the
+cores from that build, which runs at the lowest CPU priority (measured: a request drafting on to its window's
+end held its own full code back by up to 1.8 s). Not supported here (the single runner has them):
+``verify_chunk``, ``verify_first`` and ``layered_verify``. Times in each request's stats are seconds since its
+own arrival (when its load was opened).
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class _Request:
         self.pending: list[int] = []
         self.verified = True
         self.anchor_kv = None
+        self.step_s: list[float] = []  # its draft steps' seconds (one token each), for the ETA guard
 
     # ---- clock and commits ----------------------------------------------------------------------------------
     t0 = 0.0
@@ -178,6 +183,16 @@ class _Request:
         if self.phase == "wait":
             self._take_residual()
 
+    def holds(self) -> bool:
+        """A drafting request sits this step out: its residual is due within ``eta_guard`` of its draft step."""
+        if self.phase != "draft" or not self.step_s or self.cfg.eta_guard <= 0:
+            return False
+        eta = self.load.residual_eta()
+        if eta is None or eta >= self.cfg.eta_guard * statistics.fmean(self.step_s):
+            return False
+        self.stats.waited_on_eta = True
+        return True
+
     def _on_residual(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None and self.stats.residual_ready_s is None:
             self.stats.residual_ready_s = self.now()
@@ -217,6 +232,8 @@ class _Request:
         if self.phase == "draft":
             token, probs = choose(rows[-1], params, self.gen)
             self.stats.draft_steps.append([ts, te])
+            if len(self.pending) == 1:  # a draft step (the first forward over new prompt tokens is a prefill)
+                self.step_s.append(end - start)
             self.drafts.append(token)
             if probs is not None:
                 self.draft_probs.append(probs)
@@ -307,7 +324,7 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
             live = [r for r in reqs if r.phase != "done"]
             if not live:
                 break
-            ready = [r for r in live if r.phase in ("draft", "verify", "decode")]
+            ready = [r for r in live if r.phase in ("draft", "verify", "decode") and not r.holds()]
             if max_batch is not None:
                 ready = ready[:max_batch]
             if not ready:
@@ -334,7 +351,7 @@ def _idle(live: list[_Request], t0: float) -> None:
     now = time.perf_counter()
     arrivals = [t0 + r.spec.arrival_s - now for r in live if r.phase == "arrive"]
     timeout = min([0.01] + [max(0.0, a) for a in arrivals])
-    futures = [r.load.residual for r in live if r.phase == "wait" and r.load is not None]
+    futures = [r.load.residual for r in live if r.phase in ("wait", "draft") and r.load is not None]
     if futures:
         concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
     else:
