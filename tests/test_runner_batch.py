@@ -197,3 +197,43 @@ def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(t
     for (ids, _, a, f), r in zip(data, got.requests):
         assert r.error is None and r.verified
         assert r.token_ids == decode_plain(model, f, ids, 40, first_forward=r.stats.draft_token_ids)
+
+
+def test_a_verified_request_decodes_without_its_loads_copies(tiny_model):
+    """Once a request's cache holds its full code, the request lets its load go: while it decodes on, neither its
+    load's anchor KV nor (after the verify forward moved the cache into a buffer of its own) its full code is
+    alive any more, so a decoding request holds one copy of its KV, not three."""
+    import weakref
+
+    model = tiny_model
+    fp = model_fingerprint(model)
+    data = _setup(model, 3)
+    refs = {}
+
+    def opener(i):
+        def open_load():
+            _, _, a, f = data[i]
+            a = [(k.clone(), v.clone()) for k, v in a]  # tensors only this load holds
+            f = [(k.clone(), v.clone()) for k, v in f]
+            refs[i] = (weakref.ref(a[0][0]), weakref.ref(f[0][0]))
+            return PreparedLoad(a, f, residual_delay=0.02 * i, prompt_token_ids=data[i][0], model_fingerprint=fp)
+        return open_load
+
+    n = 24
+    reqs = [BatchRequest(opener(i), RunConfig(max_new_tokens=n, max_window=4, min_window_steps=0), name=str(i))
+            for i in range(3)]
+    checked = []
+
+    def on_step(results):
+        for r in results:
+            i = int(r.name)
+            if r.stats.verify_end_s is not None and 0 < len(r.token_ids) < n:  # verified, still decoding
+                anchor, full = refs[i]
+                checked.append(i)
+                assert anchor() is None and full() is None, f"request {i} still holds its load's KV"
+
+    got = run_batch(model, reqs, on_step=on_step)
+    assert set(checked) == {0, 1, 2}
+    for (ids, _, a, f), r in zip(data, got.requests):
+        assert r.verified and r.token_ids == decode_plain(model, f, ids, n, first_forward=r.stats.draft_token_ids)
+        assert r.stats.load["residual_ready_s"] is not None  # the load's timeline was kept

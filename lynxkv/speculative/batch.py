@@ -117,6 +117,7 @@ class _Request:
         self.verified = True
         self.anchor_kv = None
         self.step_s: list[float] = []  # its draft steps' seconds (one token each), for the ETA guard
+        self.close_load = True  # close the load when the request is done with it (run_batch's close_loads)
 
     # ---- clock and commits ----------------------------------------------------------------------------------
     t0 = 0.0
@@ -217,12 +218,23 @@ class _Request:
                 self.cache, self.pending = start_cache(self.model, self.anchor_kv, self.keep), self.feed
             self.commit(self.drafts)
             self.phase = "done" if self.finished() else "decode"
+            self._let_load_go()
             return
         self.stats.residual_seen_s = self.now()
         check_kv(full_kv, self.model.config, len(self.prompt), "full")
         self.cache = start_cache(self.model, full_kv, self.keep)  # the anchor cache goes with it
-        self.anchor_kv = None
         self.pending, self.phase = self.feed + self.drafts, "verify"
+        self._let_load_go()
+
+    def _let_load_go(self) -> None:
+        """The cache holds all this request still needs of its load: keep the load's timeline, close the load
+        and let it go, with the copies it holds (its anchor KV at once; its full code once the next forward has
+        moved the cache into a buffer of its own), rather than when the request leaves: a request decoding
+        would otherwise hold three copies of its KV instead of one."""
+        self.stats.load = asdict(self.load.timeline)
+        if self.close_load:
+            self.load.close()
+        self.load = self.anchor_kv = None
 
     # ---- after a forward ----------------------------------------------------------------------------------------
     def take_rows(self, rows: torch.Tensor, start: float, end: float) -> None:
@@ -285,11 +297,12 @@ class _Request:
             self.stats.load = asdict(self.load.timeline)
         return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
 
-    def leave(self, close: bool) -> None:
-        """The request is over: keep its load's timeline, close the load and let its caches go."""
+    def leave(self) -> None:
+        """The request is over: keep its load's timeline, close the load (if it still has it) and let its caches
+        go."""
         if self.load is not None:
             self.stats.load = asdict(self.load.timeline)
-            if close:
+            if self.close_load:
                 self.load.close()
         self.load = self.cache = self.anchor_kv = None
         self.draft_probs.clear()
@@ -303,10 +316,13 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     to arrive is admitted, and its load opened, only when one of them has left, so memory holds at most
     ``max_batch`` requests' caches whatever the number of requests; its times still count from its arrival.
     ``on_step(partial results)`` is called after every step (a progress display). Each load is closed when its
-    request ends unless ``close_loads`` is False.
+    request is done with it (its cache holds its full code, or the request ended) unless ``close_loads`` is False;
+    either way the request lets it go then, with the KV copies only the load holds.
     """
     fingerprint = fingerprint or model_fingerprint(model)
     reqs = [_Request(spec, i, model, fingerprint) for i, spec in enumerate(requests)]
+    for r in reqs:
+        r.close_load = close_loads
     t0 = time.perf_counter()
     steps: list[list[float]] = []
     try:
@@ -320,7 +336,7 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
                     r.advance(t0)
                     opened += arriving and r.phase not in ("arrive", "done")
                     if r.phase == "done":
-                        r.leave(close_loads)
+                        r.leave()
             live = [r for r in reqs if r.phase != "done"]
             if not live:
                 break
@@ -337,12 +353,12 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
             for r, x in zip(ready, rows):
                 r.take_rows(x, start, end)
                 if r.phase == "done":
-                    r.leave(close_loads)
+                    r.leave()
             if on_step is not None:
                 on_step([r.result() for r in reqs])
     finally:
         for r in reqs:
-            r.leave(close_loads)
+            r.leave()
     return BatchResult([r.result() for r in reqs], steps, time.perf_counter() - t0)
 
 
