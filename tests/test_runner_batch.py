@@ -237,3 +237,42 @@ def test_a_verified_request_decodes_without_its_loads_copies(tiny_model):
     for (ids, _, a, f), r in zip(data, got.requests):
         assert r.verified and r.token_ids == decode_plain(model, f, ids, n, first_forward=r.stats.draft_token_ids)
         assert r.stats.load["residual_ready_s"] is not None  # the load's timeline was kept
+
+
+class _BusyTimeline(PreparedLoad):
+    """A load whose workers keep adding to its timeline's ``extra`` while the batch runs (a progressive load's
+    parser and consumer threads do, a few times per load)."""
+
+    def __init__(self, *args, **kwargs):
+        import threading
+
+        super().__init__(*args, **kwargs)
+        self._timeline.extra.update({f"k{i}": i for i in range(2000)})
+        self._stop = threading.Event()
+        threading.Thread(target=self._churn, daemon=True).start()
+
+    def _churn(self):
+        i = 0
+        while not self._stop.is_set():
+            self._timeline.extra.pop(f"k{i}", None)
+            self._timeline.extra[f"k{i + 2000}"] = i
+            i += 1
+
+    def close(self):
+        super().close()
+        self._stop.set()
+
+
+def test_a_timeline_still_growing_is_read_safely(tiny_model):
+    """The batch reads a load's timeline while the load's own threads may still add to it: every step (for the
+    progress display) it must not, and when it does (once, as the request lets the load go) it copies ``extra`` in
+    one step, so no 'dictionary changed size during iteration' ends the batch."""
+    model = tiny_model
+    fp = model_fingerprint(model)
+    data = _setup(model, 2)
+    reqs = [BatchRequest(_BusyTimeline(a, f, residual_delay=0.05, prompt_token_ids=ids, model_fingerprint=fp),
+                         RunConfig(max_new_tokens=30, min_window_steps=0)) for ids, _, a, f in data]
+    got = run_batch(model, reqs, on_step=lambda results: None)
+    for (ids, _, a, f), r in zip(data, got.requests):
+        assert r.error is None and len(r.stats.load["extra"]) >= 1999  # taken between a pop and its insert, or not
+        assert r.token_ids == decode_plain(model, f, ids, 30, first_forward=r.stats.draft_token_ids)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -231,9 +231,9 @@ class _Request:
         and let it go, with the copies it holds (its anchor KV at once; its full code once the next forward has
         moved the cache into a buffer of its own), rather than when the request leaves: a request decoding
         would otherwise hold three copies of its KV instead of one."""
-        self.stats.load = asdict(self.load.timeline)
         if self.close_load:
             self.load.close()
+        self.stats.load = _timeline(self.load)
         self.load = self.anchor_kv = None
 
     # ---- after a forward ----------------------------------------------------------------------------------------
@@ -293,17 +293,15 @@ class _Request:
             self.stats.decode_step_s = statistics.median(decode)
         self.stats.drafted = len(self.drafts)
         self.stats.draft_token_ids = list(self.drafts)
-        if self.load is not None:
-            self.stats.load = asdict(self.load.timeline)
         return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
 
     def leave(self) -> None:
         """The request is over: keep its load's timeline, close the load (if it still has it) and let its caches
         go."""
         if self.load is not None:
-            self.stats.load = asdict(self.load.timeline)
             if self.close_load:
                 self.load.close()
+            self.stats.load = _timeline(self.load)
         self.load = self.cache = self.anchor_kv = None
         self.draft_probs.clear()
 
@@ -360,6 +358,13 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
         for r in reqs:
             r.leave()
     return BatchResult([r.result() for r in reqs], steps, time.perf_counter() - t0)
+
+
+def _timeline(load) -> dict:
+    """The load's timeline as a dict, taken once the request is done with the load: a load not closed (or one
+    whose workers outlived close's wait) may still be adding to ``extra``, which is copied first, in one step."""
+    timeline = load.timeline
+    return asdict(replace(timeline, extra=dict(timeline.extra)))
 
 
 def _idle(live: list[_Request], t0: float) -> None:
