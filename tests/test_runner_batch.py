@@ -176,7 +176,8 @@ class _BytesIn(PreparedLoad):
 @pytest.mark.parametrize("guard", [0.5, 0.0], ids=["guard", "no-guard"])
 def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(tiny_model, guard):
     """The ETA guard in a batch: a request whose residual is due within half a draft step sits the steps out
-    (after the one draft step that measures it) until its full code is in, while another request decodes on;
+    (after the two draft steps that measure it: the first is not a typical one) until its full code is in, while
+    another request decodes on;
     without the guard it drafts on to its window. Either way its tokens are decoding on its full code."""
     model = tiny_model
     fp = model_fingerprint(model)
@@ -189,7 +190,7 @@ def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(t
     got = run_batch(model, reqs)
     due = got.requests[1]
     if guard:
-        assert due.stats.drafted == 1 and due.stats.waited_on_eta
+        assert due.stats.drafted == 2 and due.stats.waited_on_eta
         held = (due.stats.draft_steps[-1][1], due.stats.verify_start_s)  # both arrived at 0: the batch's clock
         assert any(held[0] <= start and end <= held[1] and n == 1 for start, end, n, _ in got.steps)  # the other
     else:

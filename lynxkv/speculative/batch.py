@@ -185,11 +185,14 @@ class _Request:
             self._take_residual()
 
     def holds(self) -> bool:
-        """A drafting request sits this step out: its residual is due within ``eta_guard`` of its draft step."""
-        if self.phase != "draft" or not self.step_s or self.cfg.eta_guard <= 0:
+        """A drafting request sits this step out: its residual is due within ``eta_guard`` of its draft step. Its
+        first draft step is not a typical one (its fresh cache moves into a buffer with room: the whole anchor
+        copied), so the guard waits for a second and leaves the first out; judged on the first alone, a short
+        residual held a request after one draft."""
+        if self.phase != "draft" or len(self.step_s) < 2 or self.cfg.eta_guard <= 0:
             return False
         eta = self.load.residual_eta()
-        if eta is None or eta >= self.cfg.eta_guard * statistics.fmean(self.step_s):
+        if eta is None or eta >= self.cfg.eta_guard * statistics.fmean(self.step_s[1:]):
             return False
         self.stats.waited_on_eta = True
         return True
