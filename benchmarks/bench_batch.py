@@ -4,16 +4,19 @@ Eight SmolLM2 caches of 500-2,000 tokens (the built-in prompt from eight differe
 ``--dir``), all arriving together over one emulated link (default 60 Mbit/s), 64 tokens each, greedy. Every
 repeat runs, interleaved, through the CLI in this process (``lynxkv.cli.main``, ``--json``):
 
-    lynx-srf   the batch, residuals shortest first          lynx-fifo   the batch, residuals in arrival order
+    lynx-srf   the batch, one cache at a time (``--link-turn cache``, the default), shortest first
     mono-srf   the batch on the monolithic full code (``--compare``; each cache whole, shortest first)
-    one-by-one each cache alone on its own link, one after another (batch 1)
+    lynx-fifo  the batch, one cache at a time in arrival order
+    lynx-res   the batch, every anchor first, then the residuals shortest first (``--link-turn residual``)
+    one-by-one each cache alone on its own link, one after another (batch 1; not with --no-batch1)
     decode-8 / decode-1   with --decode-only, the same without a link (caches on local disk): decode alone
 
 and prints the medians over the repeats: aggregate tokens/s (batch 8 against batch 1), per-request TT64 of Lynx
 against the batched monolithic full code (the gain in units of Δ = min(t_res, 64·TPOT)), mean TT64 with either
-link order, and whether every request's tokens equal its batch-1 run's.
+link order and either turn, and whether every request's tokens equal its batch-1 run's.
 
     python benchmarks/bench_batch.py --repeats 3 [--dir /tmp/bench-batch] [--bandwidth 60Mbps] [--json out.json]
+                                     [--no-batch1]
 """
 
 from __future__ import annotations
@@ -70,27 +73,27 @@ def _delta(st: dict) -> float | None:
     return min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
 
 
-def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> dict:
+def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batch1: bool = True) -> dict:
     common = ["-n", str(n), "--ignore-eos"]
     out = {}
-    srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--compare")
-    fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo")
-    turn, out["wall_cache_turn"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache")
+    srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache", "--compare")
+    fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo", "--link-turn", "cache")
+    turn, out["wall_residual_turn"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "residual")
     singles, walls = [], []
-    for p in paths:
+    for p in paths if batch1 else ():
         doc, wall = cli(p, *common, *link)
         singles.append(doc)
         walls.append(wall)
     tokens = sum(len(r["token_ids"]) for r in srf["requests"])
     out["tps_batch8"] = tokens / out["wall_fifo"]  # the srf call also ran the monolithic batch (--compare)
-    out["tps_batch1"] = tokens / sum(walls)
+    out["tps_batch1"] = tokens / sum(walls) if walls else None
     out["tps_decode8"] = out["tps_decode1"] = None
     if decode_only:
         out["wall_decode8"] = cli(*paths, *common)[1]
         out["tps_decode8"] = tokens / out["wall_decode8"]
         out["tps_decode1"] = tokens / sum(cli(p, *common)[1] for p in paths)
     rows = []
-    for r, s, c in zip(srf["requests"], singles, turn["requests"]):
+    for r, s, c in zip(srf["requests"], singles or [None] * len(paths), turn["requests"]):
         st = r["stats"]
         delta = None
         if st["residual_after_anchor_s"] is not None and st["tpot_s"] is not None:
@@ -98,17 +101,18 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool) -> d
         mono = r["compare"]["monolithic_full"]["tt64_s"]
         rows.append({"name": r["name"], "prompt": st["prompt_tokens"], "tt1": st["tt1_s"], "tt64": st["tt64_s"],
                      "tt64_mono": mono, "gain": r["compare"]["gain_tt64_s"], "delta": delta,
-                     "kept": f"{st['accepted']}/{st['drafted']}", "tt64_batch1": s["stats"]["tt64_s"],
-                     "tt64_cache_turn": c["stats"]["tt64_s"],
-                     "delta_cache_turn": _delta(c["stats"]),
-                     "kept_cache_turn": f"{c['stats']['accepted']}/{c['stats']['drafted']}",
-                     "same_cache_turn": c["token_ids"] == r["token_ids"],
+                     "kept": f"{st['accepted']}/{st['drafted']}",
+                     "tt64_batch1": s["stats"]["tt64_s"] if s else None,
+                     "tt64_residual_turn": c["stats"]["tt64_s"], "tt1_residual_turn": c["stats"]["tt1_s"],
+                     "delta_residual_turn": _delta(c["stats"]),
+                     "kept_residual_turn": f"{c['stats']['accepted']}/{c['stats']['drafted']}",
+                     "same_residual_turn": c["token_ids"] == r["token_ids"],
                      "same_as_mono": r["compare"]["monolithic_full"]["same_tokens_as_lynx"],
-                     "same_as_batch1": r["token_ids"] == s["token_ids"]})
+                     "same_as_batch1": r["token_ids"] == s["token_ids"] if s else None})
     out["rows"] = rows
     out["tt64_mean_srf"] = srf["aggregate"]["tt64_mean_s"]
     out["tt64_mean_fifo"] = fifo["aggregate"]["tt64_mean_s"]
-    out["tt64_mean_cache_turn"] = turn["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_residual_turn"] = turn["aggregate"]["tt64_mean_s"]
     out["tt64_mean_mono"] = srf["aggregate"]["monolithic_full"]["tt64_mean_s"]
     out["acceptance"] = srf["aggregate"]["acceptance_rate"]
     out["verify_per_token"] = srf["aggregate"]["verify_s_per_token"]
@@ -169,6 +173,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--steps-only", action="store_true", help="only the decode step at batch 1 against batch 8")
+    ap.add_argument("--no-batch1", action="store_true", help="skip the one-by-one runs (no batch-1 TT64, no "
+                    "throughput ratio): the TT64 comparisons only, in about half the time")
     ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
                     "a link (decode throughput alone)")
     a = ap.parse_args()
@@ -178,7 +184,7 @@ def main() -> None:
     paths = [encode(a.dir)[i] for i in ORDER]
     rounds = []
     for k in range(a.repeats):
-        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only))
+        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only, not a.no_batch1))
         print(f"round {k + 1} of {a.repeats} done", file=sys.stderr, flush=True)
         if a.json_out:
             with open(a.json_out, "w") as f:
@@ -186,6 +192,9 @@ def main() -> None:
     med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
     print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link; "
           f"medians of {a.repeats} interleaved rounds\n")
+    f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    yes = lambda xs: "-" if any(x is None for x in xs) else ("yes" if all(xs) else "NO")  # noqa: E731
+    print("--link-turn cache (the default: one cache at a time, its anchor then its residual), srf order:\n")
     print("| request | prompt | TT1 | TT64 batch 8 | TT64 monolithic batch 8 | gain | Δ | gain / Δ | drafts kept "
           "| TT64 batch 1 | = monolithic | = batch 1 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
@@ -195,44 +204,49 @@ def main() -> None:
         g, d = med([r["gain"] for r in rs]), med([r["delta"] for r in rs])
         ratio = g / d if g is not None and d else None
         ratios.append(ratio)
-        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         print(f"| {rs[0]['name']} | {rs[0]['prompt']} | {f(med([r['tt1'] for r in rs]))} | "
               f"{f(med([r['tt64'] for r in rs]))} | {f(med([r['tt64_mono'] for r in rs]))} | {f(g)} | {f(d)} | "
               f"{f(ratio)} | {', '.join(r['kept'] for r in rs)} | {f(med([r['tt64_batch1'] for r in rs]))} | "
-              f"{'yes' if all(r['same_as_mono'] for r in rs) else 'NO'} | "
-              f"{'yes' if all(r['same_as_batch1'] for r in rs) else 'NO'} |")
+              f"{yes([r['same_as_mono'] for r in rs])} | {yes([r['same_as_batch1'] for r in rs])} |")
     t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
     d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
-    fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
     print()
-    print("--link-turn cache (one cache at a time, its anchor then its residual), srf order:")
-    print("| request | TT64 | TT64 monolithic | gain | Δ | gain / Δ | drafts kept | = lynx |")
-    print("|---|---:|---:|---:|---:|---:|---|---|")
+    print("--link-turn residual (every anchor first, then one residual at a time), srf order:\n")
+    print("| request | TT1 | TT64 | TT64 monolithic | gain | Δ | gain / Δ | drafts kept | = cache turn |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     turn_ratios = []
     for i in range(len(paths)):
         rs = [r["rows"][i] for r in rounds]
-        tt, mono = med([r["tt64_cache_turn"] for r in rs]), med([r["tt64_mono"] for r in rs])
-        g = med([r["tt64_mono"] - r["tt64_cache_turn"] for r in rs if r["tt64_mono"] and r["tt64_cache_turn"]])
-        d = med([r["delta_cache_turn"] for r in rs])
+        tt, mono = med([r["tt64_residual_turn"] for r in rs]), med([r["tt64_mono"] for r in rs])
+        g = med([r["tt64_mono"] - r["tt64_residual_turn"] for r in rs if r["tt64_mono"] and r["tt64_residual_turn"]])
+        d = med([r["delta_residual_turn"] for r in rs])
         ratio = g / d if g is not None and d else None
         turn_ratios.append(ratio)
-        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-        print(f"| {rs[0]['name']} | {f(tt)} | {f(mono)} | {f(g)} | {f(d)} | {f(ratio)} | "
-              f"{', '.join(r['kept_cache_turn'] for r in rs)} | {'yes' if all(r['same_cache_turn'] for r in rs) else 'NO'} |")
-    print(f"median gain / Δ with --link-turn cache: {statistics.median([r for r in turn_ratios if r is not None]):.2f}; "
-          f"mean TT64: cache turn {med([r['tt64_mean_cache_turn'] for r in rounds]):.2f} s, residual turn "
-          f"{med([r['tt64_mean_srf'] for r in rounds]):.2f} s, monolithic {med([r['tt64_mean_mono'] for r in rounds]):.2f} s")
+        print(f"| {rs[0]['name']} | {f(med([r['tt1_residual_turn'] for r in rs]))} | {f(tt)} | {f(mono)} | {f(g)} "
+              f"| {f(d)} | {f(ratio)} | {', '.join(r['kept_residual_turn'] for r in rs)} | "
+              f"{yes([r['same_residual_turn'] for r in rs])} |")
     print()
-    print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x")
+    # each round's ratios first (its runs were interleaved, minutes apart at most), then their median
+    per = lambda a, b: med([r[a] / r[b] for r in rounds if r[a] and r[b]])  # noqa: E731
+    print(f"mean TT64, medians of the rounds: cache turn {f(med([r['tt64_mean_srf'] for r in rounds]))} s, residual "
+          f"turn {f(med([r['tt64_mean_residual_turn'] for r in rounds]))} s, monolithic "
+          f"{f(med([r['tt64_mean_mono'] for r in rounds]))} s; per round, cache turn / monolithic "
+          f"{f(per('tt64_mean_srf', 'tt64_mean_mono'))}, residual turn / cache turn "
+          f"{f(per('tt64_mean_residual_turn', 'tt64_mean_srf'))}")
+    print(f"median per-request gain over the batched monolithic full code: cache turn "
+          f"{f(statistics.median([r for r in ratios if r is not None]))} Δ, residual turn "
+          f"{f(statistics.median([r for r in turn_ratios if r is not None]))} Δ")
+    fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
+    srf_gain = med([(r["tt64_mean_fifo"] - r["tt64_mean_srf"]) / r["tt64_mean_fifo"] for r in rounds])
+    print(f"mean TT64: srf {fs:.2f} s, fifo {ff:.2f} s: srf {ff - fs:+.2f} s (per round {srf_gain:+.1%}) "
+          f"(same tokens either way: {all(r['same_fifo_tokens'] for r in rounds)})")
+    if t1 is not None:
+        print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x "
+              f"(per round {f(per('tps_batch8', 'tps_batch1'))}x)")
     if d8 is not None:
         print(f"aggregate tokens/s without a link (decode): batch 8 {d8:.1f}, one by one {d1:.1f}: {d8 / d1:.2f}x")
-    print(f"median per-request gain over the batched monolithic full code: "
-          f"{statistics.median([r for r in ratios if r is not None]):.2f} Δ")
-    print(f"mean TT64: srf {fs:.2f} s, fifo {ff:.2f} s: srf {ff - fs:+.2f} s ({(ff - fs) / ff:+.1%}) "
-          f"(same tokens either way: {all(r['same_fifo_tokens'] for r in rounds)})")
     print(f"acceptance {med([r['acceptance'] for r in rounds]):.2f}; verify per accepted token "
           f"{1e3 * med([r['verify_per_token'] for r in rounds]):.0f} ms")
-
 
 if __name__ == "__main__":
     main()

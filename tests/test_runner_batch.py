@@ -164,3 +164,116 @@ def test_32_staggered_requests_release_what_they_finish_with(tiny_model):
         ids = prompt_ids(200 + int(r.name), 10 + (7 * int(r.name)) % 40)
         assert r.token_ids == decode_plain(model, full, ids, spec.config.max_new_tokens,
                                            first_forward=r.stats.draft_token_ids)
+
+
+class _BytesIn(PreparedLoad):
+    """A load whose residual bytes are all in (ETA 0) while its full code is still being built, for a while."""
+
+    def residual_eta(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("guard", [0.5, 0.0], ids=["guard", "no-guard"])
+def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(tiny_model, guard):
+    """The ETA guard in a batch: a request whose residual is due within half a draft step sits the steps out
+    (after the two draft steps that measure it: the first is not a typical one) until its full code is in, while
+    another request decodes on;
+    without the guard it drafts on to its window. Either way its tokens are decoding on its full code."""
+    model = tiny_model
+    fp = model_fingerprint(model)
+    data = _setup(model, 2)
+    cfg = RunConfig(max_new_tokens=40, max_window=30, eta_guard=guard, min_window_steps=0)
+    reqs = [BatchRequest(PreparedLoad(data[0][2], data[0][3], prompt_token_ids=data[0][0], model_fingerprint=fp),
+                         cfg, name="decoding"),
+            BatchRequest(_BytesIn(data[1][2], data[1][3], residual_delay=1.0, prompt_token_ids=data[1][0],
+                                  model_fingerprint=fp), cfg, name="due")]
+    got = run_batch(model, reqs)
+    due = got.requests[1]
+    if guard:
+        assert due.stats.drafted == 2 and due.stats.waited_on_eta
+        held = (due.stats.draft_steps[-1][1], due.stats.verify_start_s)  # both arrived at 0: the batch's clock
+        assert any(held[0] <= start and end <= held[1] and n == 1 for start, end, n, _ in got.steps)  # the other
+    else:
+        assert due.stats.drafted == 30 and not due.stats.waited_on_eta
+    for (ids, _, a, f), r in zip(data, got.requests):
+        assert r.error is None and r.verified
+        assert r.token_ids == decode_plain(model, f, ids, 40, first_forward=r.stats.draft_token_ids)
+
+
+def test_a_verified_request_decodes_without_its_loads_copies(tiny_model):
+    """Once a request's cache holds its full code, the request lets its load go: while it decodes on, neither its
+    load's anchor KV nor (after the verify forward moved the cache into a buffer of its own) its full code is
+    alive any more, so a decoding request holds one copy of its KV, not three."""
+    import weakref
+
+    model = tiny_model
+    fp = model_fingerprint(model)
+    data = _setup(model, 3)
+    refs = {}
+
+    def opener(i):
+        def open_load():
+            _, _, a, f = data[i]
+            a = [(k.clone(), v.clone()) for k, v in a]  # tensors only this load holds
+            f = [(k.clone(), v.clone()) for k, v in f]
+            refs[i] = (weakref.ref(a[0][0]), weakref.ref(f[0][0]))
+            return PreparedLoad(a, f, residual_delay=0.02 * i, prompt_token_ids=data[i][0], model_fingerprint=fp)
+        return open_load
+
+    n = 24
+    reqs = [BatchRequest(opener(i), RunConfig(max_new_tokens=n, max_window=4, min_window_steps=0), name=str(i))
+            for i in range(3)]
+    checked = []
+
+    def on_step(results):
+        for r in results:
+            i = int(r.name)
+            if r.stats.verify_end_s is not None and 0 < len(r.token_ids) < n:  # verified, still decoding
+                anchor, full = refs[i]
+                checked.append(i)
+                assert anchor() is None and full() is None, f"request {i} still holds its load's KV"
+
+    got = run_batch(model, reqs, on_step=on_step)
+    assert set(checked) == {0, 1, 2}
+    for (ids, _, a, f), r in zip(data, got.requests):
+        assert r.verified and r.token_ids == decode_plain(model, f, ids, n, first_forward=r.stats.draft_token_ids)
+        assert r.stats.load["residual_ready_s"] is not None  # the load's timeline was kept
+
+
+class _BusyTimeline(PreparedLoad):
+    """A load whose workers keep adding to its timeline's ``extra`` while the batch runs (a progressive load's
+    parser and consumer threads do, a few times per load)."""
+
+    def __init__(self, *args, **kwargs):
+        import threading
+
+        super().__init__(*args, **kwargs)
+        self._timeline.extra.update({f"k{i}": i for i in range(2000)})
+        self._stop = threading.Event()
+        threading.Thread(target=self._churn, daemon=True).start()
+
+    def _churn(self):
+        i = 0
+        while not self._stop.is_set():
+            self._timeline.extra.pop(f"k{i}", None)
+            self._timeline.extra[f"k{i + 2000}"] = i
+            i += 1
+
+    def close(self):
+        super().close()
+        self._stop.set()
+
+
+def test_a_timeline_still_growing_is_read_safely(tiny_model):
+    """The batch reads a load's timeline while the load's own threads may still add to it: every step (for the
+    progress display) it must not, and when it does (once, as the request lets the load go) it copies ``extra`` in
+    one step, so no 'dictionary changed size during iteration' ends the batch."""
+    model = tiny_model
+    fp = model_fingerprint(model)
+    data = _setup(model, 2)
+    reqs = [BatchRequest(_BusyTimeline(a, f, residual_delay=0.05, prompt_token_ids=ids, model_fingerprint=fp),
+                         RunConfig(max_new_tokens=30, min_window_steps=0)) for ids, _, a, f in data]
+    got = run_batch(model, reqs, on_step=lambda results: None)
+    for (ids, _, a, f), r in zip(data, got.requests):
+        assert r.error is None and len(r.stats.load["extra"]) >= 1999  # taken between a pop and its insert, or not
+        assert r.token_ids == decode_plain(model, f, ids, 30, first_forward=r.stats.draft_token_ids)

@@ -107,6 +107,35 @@ def test_request_file_table_and_plot(batch_dir, capsys, tmp_path, monkeypatch):
         assert r["compare"]["monolithic_full"]["same_tokens_as_lynx"] is True
 
 
+def test_staggered_requests_keep_only_the_open_ones_loaded(batch_dir, capsys, monkeypatch):
+    """Eight requests arriving one after another, at most three open at once: at every step no more than three
+    loads exist, so a request that has left holds nothing (its load and KV are freed as it leaves, by reference
+    counts alone: the cyclic garbage collector is off, as it may not run for a long time in a real batch)."""
+    import gc
+
+    import lynxkv.cli.run_batch as many
+    from lynxkv.stream import progressive
+
+    model, model_dir, paths, refs, d = batch_dir
+    req = d / "staggered.jsonl"
+    req.write_text("\n".join(json.dumps({"cache": os.path.basename(p), "arrival_s": 0.02 * i, "name": str(i)})
+                             for i, p in enumerate(paths)) + "\n")
+    live = []
+    monkeypatch.setattr(many._Progress, "update", lambda self, results: live.append(len(progressive._LIVE)))
+    gc.collect()
+    gc.disable()
+    try:
+        code, out, err = _run(capsys, str(req), "--model", model_dir, "-n", "6", "--ignore-eos", "--bandwidth",
+                              "8MB/s", "--max-batch", "3", "--json")
+    finally:
+        gc.enable()
+    assert code == 0, err
+    doc = json.loads(out)
+    _check_tokens(model, refs, doc, 6)
+    assert len(live) == doc["aggregate"]["steps"] and max(live) <= 3
+    assert len(progressive._LIVE) == 0
+
+
 @pytest.mark.parametrize("fault", ["missing", "corrupt", "foreign"])
 @pytest.mark.parametrize("anchor_only", [False, True], ids=["error", "anchor-only"])
 def test_one_bad_residual_ends_only_its_request(batch_dir, capsys, tmp_path, fault, anchor_only):

@@ -366,6 +366,38 @@ def test_a_finished_load_holds_no_file_open(tmp_path, transport, single):
     failed.close()
 
 
+@pytest.mark.parametrize("link", [False, True], ids=["no-link", "link"])
+@pytest.mark.parametrize("fault", [None, "residual"], ids=["whole", "residual-failed"])
+def test_a_load_nobody_references_is_freed_at_once(tmp_path, transport, link, fault):
+    """A closed load holds no reference cycle: once its last reference goes, it and its KV are freed at once, not
+    at the next full garbage collection (a batch opens loads one after another; each would keep its KV till then).
+    The cyclic collector is off for the test, so only reference counts can free them."""
+    import gc
+    import weakref
+
+    anchor, residual = cache_bytes(random_kv(layers=3, dim=64))
+    path = write_pair(tmp_path, anchor, residual)
+    if fault:
+        os.remove(os.path.join(tmp_path, "x.lynxr"))
+    gc.collect()
+    gc.disable()
+    try:
+        load = open_progressive(path, allow_anchor_only=True, bandwidth="50MB/s" if link else None, **transport)
+        anchor_kv = load.wait_anchor(30)
+        if fault:
+            with pytest.raises(LynxError):
+                load.residual.result(30)
+        else:
+            full = weakref.ref(load.residual.result(30)[0][0])
+        list(load.events(timeout=30))
+        load.close()
+        refs = [weakref.ref(load), weakref.ref(anchor_kv[0][0])] + ([] if fault else [full])
+        del load, anchor_kv
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
 @pytest.mark.parametrize("corrupt", ["anchor", "residual", "exact"])
 def test_a_load_a_corrupt_page_failed_holds_no_file_open_once_ended(tmp_path, corrupt):

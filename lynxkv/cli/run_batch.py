@@ -73,7 +73,7 @@ def read_requests(path: str) -> list[Spec]:
 
 def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay, link_order: str,
              max_batch: int | None, compare: bool, as_json: bool, timeline: Path | None, prompt: str | None,
-             ignore_eos: bool, link_turn: str = "residual") -> dict:
+             ignore_eos: bool, link_turn: str = "cache") -> dict:
     """Decode every request together (lynxkv.speculative.batch) and report one row per request and the aggregate."""
     import torch
 
@@ -150,7 +150,7 @@ def _config(cfg, spec: Spec):
 
 
 def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress,
-              link_turn: str = "residual"):
+              link_turn: str = "cache"):
     from lynxkv.speculative.batch import BatchRequest, run_batch
     from lynxkv.stream.link_queue import LinkQueue
     from lynxkv.stream.progressive import open_progressive
@@ -160,8 +160,8 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
     def opener(index, spec, anchor_bytes, residual_bytes):
         lane = None
         if queue is not None:
-            # the monolithic baseline, and Lynx with --link-turn cache: each cache whole (its anchor first), one after
-            # another; Lynx by default: every anchor first, then the residuals one at a time
+            # the monolithic baseline, and Lynx by default (--link-turn cache): each cache whole (its anchor first),
+            # one after another; Lynx with --link-turn residual: every anchor first, then the residuals one at a time
             whole = not speculate or link_turn == "cache"
             lane = queue.lane(anchor_bytes + residual_bytes if whole else residual_bytes, spec.name, whole=whole)
             if spec.arrival_s == 0 and (max_batch is None or index < max_batch):
@@ -259,7 +259,8 @@ def batch_table(report: dict, compare: bool):
     from rich.table import Table
 
     agg = report["aggregate"]
-    t = Table(title=f"lynx run: {agg['requests']} requests, one link ({agg['link']}, residuals in {agg['link_order']} "
+    turn = "one cache at a time" if agg["link_turn"] == "cache" else "anchors first, then one residual at a time"
+    t = Table(title=f"lynx run: {agg['requests']} requests, one link ({agg['link']}; {turn}, in {agg['link_order']} "
                     "order)", title_justify="left")
     cols = ["request", "prompt", "arrival", "anchor", "residual", "TT1", "TT64", "tokens", "drafted / kept",
             "verify", "verified"]

@@ -12,9 +12,13 @@ A request's committed tokens are those of :func:`lynxkv.speculative.run` on the 
 and the same drafts: the same first step (:func:`~lynxkv.speculative.model_ops.first_step`), the same forward
 shapes per request, the same acceptance rules and the same order of draws from its own seeded generator. A
 request whose residual fails or is late ends with its own error (or, with ``allow_anchor_only``, goes on
-unverified on its anchor); the others are not affected. Not supported here (the single runner has them):
-``verify_chunk``, ``verify_first``, ``layered_verify`` and the ETA guard; a request drafts until its residual is in or its window
-is full. Times in each request's stats are seconds since its own arrival (when its load was opened).
+unverified on its anchor); the others are not affected. As in the single runner, a drafting request sits out
+the steps while its residual is due within ``eta_guard`` of its draft step (its bytes are all in and the full
+code is being built): a draft then could no longer be verified any sooner, and its forward would only take the
+cores from that build, which runs at the lowest CPU priority (measured before the build went layer by layer: a
+request drafting on to its window's end held its own full code back by up to 1.8 s). Not supported here (the single runner has them):
+``verify_chunk``, ``verify_first`` and ``layered_verify``. Times in each request's stats are seconds since its
+own arrival (when its load was opened).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -112,6 +116,8 @@ class _Request:
         self.pending: list[int] = []
         self.verified = True
         self.anchor_kv = None
+        self.step_s: list[float] = []  # its draft steps' seconds (one token each), for the ETA guard
+        self.close_load = True  # close the load when the request is done with it (run_batch's close_loads)
 
     # ---- clock and commits ----------------------------------------------------------------------------------
     t0 = 0.0
@@ -178,6 +184,19 @@ class _Request:
         if self.phase == "wait":
             self._take_residual()
 
+    def holds(self) -> bool:
+        """A drafting request sits this step out: its residual is due within ``eta_guard`` of its draft step. Its
+        first draft step is not a typical one (its fresh cache moves into a buffer with room: the whole anchor
+        copied), so the guard waits for a second and leaves the first out; judged on the first alone, a short
+        residual held a request after one draft."""
+        if self.phase != "draft" or len(self.step_s) < 2 or self.cfg.eta_guard <= 0:
+            return False
+        eta = self.load.residual_eta()
+        if eta is None or eta >= self.cfg.eta_guard * statistics.fmean(self.step_s[1:]):
+            return False
+        self.stats.waited_on_eta = True
+        return True
+
     def _on_residual(self, fut) -> None:
         if not fut.cancelled() and fut.exception() is None and self.stats.residual_ready_s is None:
             self.stats.residual_ready_s = self.now()
@@ -202,12 +221,23 @@ class _Request:
                 self.cache, self.pending = start_cache(self.model, self.anchor_kv, self.keep), self.feed
             self.commit(self.drafts)
             self.phase = "done" if self.finished() else "decode"
+            self._let_load_go()
             return
         self.stats.residual_seen_s = self.now()
         check_kv(full_kv, self.model.config, len(self.prompt), "full")
         self.cache = start_cache(self.model, full_kv, self.keep)  # the anchor cache goes with it
-        self.anchor_kv = None
         self.pending, self.phase = self.feed + self.drafts, "verify"
+        self._let_load_go()
+
+    def _let_load_go(self) -> None:
+        """The cache holds all this request still needs of its load: keep the load's timeline, close the load
+        and let it go, with the copies it holds (its anchor KV at once; its full code once the next forward has
+        moved the cache into a buffer of its own), rather than when the request leaves: a request decoding
+        would otherwise hold three copies of its KV instead of one."""
+        if self.close_load:
+            self.load.close()
+        self.stats.load = _timeline(self.load)
+        self.load = self.anchor_kv = None
 
     # ---- after a forward ----------------------------------------------------------------------------------------
     def take_rows(self, rows: torch.Tensor, start: float, end: float) -> None:
@@ -217,6 +247,8 @@ class _Request:
         if self.phase == "draft":
             token, probs = choose(rows[-1], params, self.gen)
             self.stats.draft_steps.append([ts, te])
+            if len(self.pending) == 1:  # a draft step (the first forward over new prompt tokens is a prefill)
+                self.step_s.append(end - start)
             self.drafts.append(token)
             if probs is not None:
                 self.draft_probs.append(probs)
@@ -264,16 +296,15 @@ class _Request:
             self.stats.decode_step_s = statistics.median(decode)
         self.stats.drafted = len(self.drafts)
         self.stats.draft_token_ids = list(self.drafts)
-        if self.load is not None:
-            self.stats.load = asdict(self.load.timeline)
         return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
 
-    def leave(self, close: bool) -> None:
-        """The request is over: keep its load's timeline, close the load and let its caches go."""
+    def leave(self) -> None:
+        """The request is over: keep its load's timeline, close the load (if it still has it) and let its caches
+        go."""
         if self.load is not None:
-            self.stats.load = asdict(self.load.timeline)
-            if close:
+            if self.close_load:
                 self.load.close()
+            self.stats.load = _timeline(self.load)
         self.load = self.cache = self.anchor_kv = None
         self.draft_probs.clear()
 
@@ -286,10 +317,13 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     to arrive is admitted, and its load opened, only when one of them has left, so memory holds at most
     ``max_batch`` requests' caches whatever the number of requests; its times still count from its arrival.
     ``on_step(partial results)`` is called after every step (a progress display). Each load is closed when its
-    request ends unless ``close_loads`` is False.
+    request is done with it (its cache holds its full code, or the request ended) unless ``close_loads`` is False;
+    either way the request lets it go then, with the KV copies only the load holds.
     """
     fingerprint = fingerprint or model_fingerprint(model)
     reqs = [_Request(spec, i, model, fingerprint) for i, spec in enumerate(requests)]
+    for r in reqs:
+        r.close_load = close_loads
     t0 = time.perf_counter()
     steps: list[list[float]] = []
     try:
@@ -303,11 +337,11 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
                     r.advance(t0)
                     opened += arriving and r.phase not in ("arrive", "done")
                     if r.phase == "done":
-                        r.leave(close_loads)
+                        r.leave()
             live = [r for r in reqs if r.phase != "done"]
             if not live:
                 break
-            ready = [r for r in live if r.phase in ("draft", "verify", "decode")]
+            ready = [r for r in live if r.phase in ("draft", "verify", "decode") and not r.holds()]
             if max_batch is not None:
                 ready = ready[:max_batch]
             if not ready:
@@ -320,13 +354,20 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
             for r, x in zip(ready, rows):
                 r.take_rows(x, start, end)
                 if r.phase == "done":
-                    r.leave(close_loads)
+                    r.leave()
             if on_step is not None:
                 on_step([r.result() for r in reqs])
     finally:
         for r in reqs:
-            r.leave(close_loads)
+            r.leave()
     return BatchResult([r.result() for r in reqs], steps, time.perf_counter() - t0)
+
+
+def _timeline(load) -> dict:
+    """The load's timeline as a dict, taken once the request is done with the load: a load not closed (or one
+    whose workers outlived close's wait) may still be adding to ``extra``, which is copied first, in one step."""
+    timeline = load.timeline
+    return asdict(replace(timeline, extra=dict(timeline.extra)))
 
 
 def _idle(live: list[_Request], t0: float) -> None:
@@ -334,7 +375,7 @@ def _idle(live: list[_Request], t0: float) -> None:
     now = time.perf_counter()
     arrivals = [t0 + r.spec.arrival_s - now for r in live if r.phase == "arrive"]
     timeout = min([0.01] + [max(0.0, a) for a in arrivals])
-    futures = [r.load.residual for r in live if r.phase == "wait" and r.load is not None]
+    futures = [r.load.residual for r in live if r.phase in ("wait", "draft") and r.load is not None]
     if futures:
         concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
     else:

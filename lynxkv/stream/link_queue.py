@@ -1,4 +1,4 @@
-"""One emulated link for many loads: every anchor first, then the residuals one at a time, in a policy's order.
+"""One emulated link for many loads: the residuals (or whole caches) one at a time, in a policy's order.
 
 Each load gets a *lane* (:meth:`LinkQueue.lane`), which it uses as its link (``open_progressive(..., link=lane)``).
 Anchor bytes go straight to the shared :class:`~lynxkv.stream.link.EmulatedLink`, whose strict priority puts every
@@ -16,6 +16,13 @@ completion times (the shortest-processing-time rule), and a request's time to N 
 completion plus a part that does not depend on the order (the decode steps its drafts did not save), so it
 minimises the mean time to N tokens as well. FIFO is the fair baseline: a long residual that arrived first
 delays every shorter one behind it.
+
+A *whole* lane (``lane(..., whole=True)``) takes the turn for its anchor too, and ``size`` counts both: one cache
+at a time, its anchor then its residual. ``lynxkv run`` uses whole lanes for the monolithic baseline and, by
+default (``--link-turn cache``), for Lynx too: a request's time to N tokens counts verified tokens, and with every
+anchor first each residual waits for all the anchors (more than half the bytes), while with whole lanes a request's
+full code lands when the monolithic baseline's does and its anchor a residual's transfer earlier
+(docs/speculative.md, "Batches").
 """
 
 from __future__ import annotations

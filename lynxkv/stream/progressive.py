@@ -86,7 +86,11 @@ class ProgressiveLoad(LoadConsumer):
         self._timeline = LoadTimeline()
         self._timeline.extra.update(anchor_first_s=None, anchor_arrived_s=None, residual_first_s=None,
                                     residual_arrived_s=None, retries=[])
-        self._transfer = ArrivalTransfer(self._timeline, self._now, link=link, tee=tee)
+        # The transport gets a clock of its own, not the bound ``self._now``: nothing it holds may point back at
+        # the load, so a load nobody references is freed at once, its KV with it (not at the next full garbage
+        # collection: a batch opens loads one after another, and each would keep its KV until then).
+        t0 = self._t0
+        self._transfer = ArrivalTransfer(self._timeline, lambda: time.perf_counter() - t0, link=link, tee=tee)
         self._transport = open_transport(source, self._transfer, residual=residual, storage_options=storage_options,
                                          inflight=inflight, block_size=block_size, retry=retry or RetryPolicy(),
                                          fetch_hook=fetch_hook, allow_locations=allow_locations)
