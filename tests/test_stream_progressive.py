@@ -490,6 +490,7 @@ def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_di
             assert kv_equal(full, ref_full)
 
 
+@pytest.mark.timing
 def test_residual_eta_under_a_link(cache_dir):
     """Right after the anchor, the ETA is about the residual's bytes over the link rate (the runner sizes its
     speculation window with it)."""
