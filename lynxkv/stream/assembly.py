@@ -106,15 +106,16 @@ class KVAssembly:
         if not self.urgent:  # a layered verify takes the layers itself, at its own priority, as it reaches them
             self.full_layer(layer, threads=1)
 
-    def _end_early(self, cancel: bool) -> None:
-        """Stop taking layers early; wait for the one under way (it reads the page records)."""
+    def _end_early(self) -> None:
+        """Stop taking layers early (those not begun are cancelled); wait for the one under way (it reads the page
+        records)."""
         if self._early is not None:
-            self._early.shutdown(wait=True, cancel_futures=cancel)
+            self._early.shutdown(wait=True, cancel_futures=True)
             self._early = None
 
     def release(self) -> None:
         """Let go of the page records still held (a failed or closed load): they may be views of a mapped file."""
-        self._end_early(cancel=True)
+        self._end_early()
         self._early_jobs.clear()
         for layer, lock in enumerate(self._locks):
             with lock:
@@ -155,7 +156,7 @@ class KVAssembly:
         self.take(items, anchors)
         layers = sorted({it[1] for it in items})
         early, self._early_jobs = self._early_jobs, {}
-        self._end_early(cancel=True)  # the layers it has not begun are done below, on every worker
+        self._end_early()  # the layers it has not begun are done below, on every worker
         failed = {}  # layer -> the error it met early (its records are gone: it is not run again)
         for layer, job in early.items():
             if job.cancelled():
