@@ -11,7 +11,12 @@ Encodes the built-in prompt with the offline SmolLM2 (``lynxkv encode``), then r
 - ``grouped``: lynxkv's grouped-query SDPA (:mod:`lynxkv.hf.attention`), the residual still dequantized at the end;
 - ``grouped, eager``: and the residual dequantized layer by layer as it lands, at the lowest CPU priority
   (:mod:`lynxkv.stream.assembly`): the defaults;
-- ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own.
+- ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own;
+- ``--layered-verify`` (only with ``--settings``): the defaults with the verify forward run layer by layer as the
+  residual's layers land.
+
+``--settings`` picks which run, by key: ``before``, ``grouped``, ``defaults``, ``first``, ``layered`` (default: the
+first four).
 
 Per setting, medians over the rounds: drafts kept, the verify's seconds and its length in decode steps (the run's own
 plain decode step after the verify), the first token after the residual's last byte (in decode steps; the monolithic
@@ -65,11 +70,20 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", default="60Mbps")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--verify-first", type=int, default=2)
+    ap.add_argument("--settings", default="before,grouped,defaults,first",
+                    help="comma-separated keys: before, grouped, defaults, first, layered")
     a = ap.parse_args(argv)
     late = {"LYNXKV_EAGER_RESIDUAL": "0"}
-    settings = [("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, []), ("grouped", late, []),
-                ("grouped, eager", {}, []),
-                (f"grouped, eager, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)])]
+    known = {"before": ("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, []),
+             "grouped": ("grouped", late, []),
+             "defaults": ("grouped, eager", {}, []),
+             "first": (f"grouped, eager, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)]),
+             "layered": ("grouped, eager, --layered-verify", {}, ["--layered-verify"])}
+    keys = [k.strip() for k in a.settings.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in known]
+    if unknown or not keys:
+        ap.error(f"--settings: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+    settings = [known[k] for k in keys]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in settings}
     with tempfile.TemporaryDirectory() as d:
