@@ -12,11 +12,13 @@ Encodes the built-in prompt with the offline SmolLM2 (``lynxkv encode``), then r
 - ``grouped, eager``: and the residual dequantized layer by layer as it lands, at the lowest CPU priority
   (:mod:`lynxkv.stream.assembly`): the defaults;
 - ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own;
+- ``no interrupt`` (only with ``--settings``): the defaults, but a draft step under way when the residual lands runs
+  to its end (``LYNXKV_INTERRUPT_DRAFTS=0``; by default it is abandoned part-way, :mod:`lynxkv.speculative.interrupt`);
 - ``--layered-verify`` (only with ``--settings``): the defaults with the verify forward run layer by layer as the
   residual's layers land.
 
-``--settings`` picks which run, by key: ``before``, ``grouped``, ``defaults``, ``first``, ``layered`` (default: the
-first four).
+``--settings`` picks which run, by key: ``before``, ``grouped``, ``defaults``, ``first``, ``nointerrupt``, ``layered``
+(default: the first four).
 
 Per setting, medians over the rounds: drafts kept, the verify's seconds and its length in decode steps (the run's own
 plain decode step after the verify), the first token after the residual's last byte (in decode steps; the monolithic
@@ -71,13 +73,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--verify-first", type=int, default=2)
     ap.add_argument("--settings", default="before,grouped,defaults,first",
-                    help="comma-separated keys: before, grouped, defaults, first, layered")
+                    help="comma-separated keys: before, grouped, defaults, first, nointerrupt, layered")
     a = ap.parse_args(argv)
     late = {"LYNXKV_EAGER_RESIDUAL": "0"}
     known = {"before": ("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, []),
              "grouped": ("grouped", late, []),
              "defaults": ("grouped, eager", {}, []),
              "first": (f"grouped, eager, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)]),
+             "nointerrupt": ("grouped, eager, no interrupt", {"LYNXKV_INTERRUPT_DRAFTS": "0"}, []),
              "layered": ("grouped, eager, --layered-verify", {}, ["--layered-verify"])}
     keys = [k.strip() for k in a.settings.split(",") if k.strip()]
     unknown = [k for k in keys if k not in known]

@@ -22,7 +22,9 @@ continues on the anchor cache and is flagged unverified.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.cache.kv import KVPairs
 from lynxkv.cache.loading import CacheLoad
 from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative.interrupt import DraftInterrupt, Superseded
 from lynxkv.speculative.layered import LayeredVerify, decoder_layers, remember_verify, verify_estimate
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
 from lynxkv.speculative.sampling import (
@@ -72,6 +75,9 @@ class RunConfig:
     # it is due within this many decode steps. 0: always draft.
     min_window_steps: float = 2.0
     step_estimate_s: float | None = None  # a decode step's seconds at this cache length (None: from earlier runs)
+    # End the draft forward under way when the residual lands rather than wait for its token, which would come too
+    # late to be verified (lynxkv.speculative.interrupt). LYNXKV_INTERRUPT_DRAFTS=0 turns it off.
+    interrupt_drafts: bool = field(default_factory=lambda: os.environ.get("LYNXKV_INTERRUPT_DRAFTS", "1") != "0")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -226,47 +232,55 @@ def stream(
     # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
     layers = None if config.layered_verify and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
-    while len(drafts) < cap and not residual.done():
-        check_layered = len(step_times) >= 2 and layers  # the first step, on a fresh cache, is not a typical one
-        check_guard = bool(step_times) and config.eta_guard > 0
-        eta = load.residual_eta() if check_layered or check_guard else None  # read once for both checks
-        if check_layered:
-            step = statistics.median(step_times[1:])
-            if eta is not None and eta < verify_estimate(model, len(feed) + len(drafts), step) * (1 - 1 / len(layers)):
-                layered = True
-                break
-        if check_guard:
-            step = sum(step_times) / len(step_times)
-            if eta is not None and eta < config.eta_guard * step:
-                stats.waited_on_eta = True
-                concurrent.futures.wait([residual], timeout=eta + 2 * step + 0.01)  # slack for a late wake-up
-                if residual.done():
+    interrupt = DraftInterrupt(model, residual) if config.interrupt_drafts and cap else None
+    with interrupt.installed() if interrupt is not None else contextlib.nullcontext():
+        while len(drafts) < cap and not residual.done():
+            check_layered = len(step_times) >= 2 and layers  # the first step, on a fresh cache, is not a typical one
+            check_guard = bool(step_times) and config.eta_guard > 0
+            eta = load.residual_eta() if check_layered or check_guard else None  # read once for both checks
+            if check_layered:
+                step = statistics.median(step_times[1:])
+                if eta is not None and eta < verify_estimate(model, len(feed) + len(drafts), step) * (1 - 1 / len(layers)):
+                    layered = True
                     break
-        if draft_cache is None:
-            draft_cache = start_cache(model, anchor_kv, keep)
-            if layers is None:
-                layers = decoder_layers(model, draft_cache) or False
-        ts = time.perf_counter()
-        logits = forward_tokens(model, draft_cache, pending)[-1]  # [V]
-        token, probs = choose(logits, params, generator)
-        te = time.perf_counter()
-        stats.draft_steps.append([ts - t0, te - t0])
-        if len(pending) == 1:  # a draft step; the first forward over new prompt tokens is a prefill
-            step_times.append(te - ts)
-        drafts.append(token)
-        if probs is not None:
-            draft_probs.append(probs)
-        pending = [token]
-        if stats.first_draft_s is None:
-            stats.first_draft_s = now()
-        if stats.window_planned is None and step_times:
-            eta = load.residual_eta()
-            if eta is not None:
-                stats.window_planned = min(cap, len(drafts) + math.ceil(eta / max(step_times[0], 1e-9)))
-        if provisional:
-            yield Event("draft", now(), tokens=[token])
-        if token in stops:
-            break
+            if check_guard:
+                step = sum(step_times) / len(step_times)
+                if eta is not None and eta < config.eta_guard * step:
+                    stats.waited_on_eta = True
+                    concurrent.futures.wait([residual], timeout=eta + 2 * step + 0.01)  # slack for a late wake-up
+                    if residual.done():
+                        break
+            if draft_cache is None:
+                draft_cache = start_cache(model, anchor_kv, keep)
+                if layers is None:
+                    layers = decoder_layers(model, draft_cache) or False
+            ts = time.perf_counter()
+            try:
+                out = forward_tokens(model, draft_cache, pending) if interrupt is None else \
+                    interrupt.run(forward_tokens, model, draft_cache, pending)
+            except Superseded:  # the full code is in: verify now, without this step's token
+                break
+            logits = out[-1]  # [V]
+            token, probs = choose(logits, params, generator)
+            te = time.perf_counter()
+            stats.draft_steps.append([ts - t0, te - t0])
+            if len(pending) == 1:  # a draft step; the first forward over new prompt tokens is a prefill
+                step_times.append(te - ts)
+            drafts.append(token)
+            if probs is not None:
+                draft_probs.append(probs)
+            pending = [token]
+            if stats.first_draft_s is None:
+                stats.first_draft_s = now()
+            if stats.window_planned is None and step_times:
+                eta = load.residual_eta()
+                if eta is not None:
+                    stats.window_planned = min(cap, len(drafts) + math.ceil(eta / max(step_times[0], 1e-9)))
+            if provisional:
+                yield Event("draft", now(), tokens=[token])
+            if token in stops:
+                break
+    stats.drafts_abandoned = interrupt.abandoned if interrupt is not None else 0
     stats.drafted = len(drafts)
     stats.draft_token_ids = list(drafts)
     if step_times:

@@ -1,0 +1,113 @@
+"""The draft step under way when the residual lands is abandoned part-way (lynxkv.speculative.interrupt)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from lynxkv.speculative import RunConfig, decode_plain, run
+from lynxkv.speculative.interrupt import DraftInterrupt, decoder_modules
+from lynxkv.speculative.model_ops import forward_tokens, start_cache
+from runner_helpers import StepLoad, caches, single_thread, prompt_ids
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_llama(3, layers=3)
+
+
+class _LandsInForward(StepLoad):
+    """A load whose residual lands inside the ``nth`` forward of the model, as its second decoder layer starts."""
+
+    def __init__(self, model, ids, anchor_kv, full_kv, nth: int, error: Exception | None = None):
+        super().__init__(model, ids, anchor_kv, full_kv)
+        self._future = concurrent.futures.Future()
+        self.calls = 0
+        self.later_layer_calls = 0
+
+        def land(_module, _args):
+            self.calls += 1
+            if self.calls == nth:
+                if error is None:
+                    self._future.set_result(full_kv)
+                else:
+                    self._future.set_exception(error)
+
+        def count(_module, _args):
+            self.later_layer_calls += 1
+
+        layers = decoder_modules(model)
+        self._handles = [layers[1].register_forward_pre_hook(land), layers[2].register_forward_pre_hook(count)]
+
+    def close(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _run(model, ids, anchor_kv, full_kv, nth, interrupt, error=None, **config):
+    load = _LandsInForward(model, ids, anchor_kv, full_kv, nth, error)
+    try:
+        return run(model, load, RunConfig(max_new_tokens=30, max_window=24, interrupt_drafts=interrupt, **config)), load
+    finally:
+        load.close()
+
+
+@pytest.mark.parametrize("first", [0, 2])
+def test_the_step_under_way_is_abandoned_and_the_output_is_unchanged(model, first):
+    ids = prompt_ids(7, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    want = decode_plain(model, full_kv, ids, 30)
+    res, load = _run(model, ids, anchor_kv, full_kv, 5, True, verify_first=first)
+    # four whole draft steps; the fifth ended at its second layer, so its third layer never ran
+    assert res.stats.drafts_abandoned == 1 and res.stats.drafted == 4 and len(res.stats.draft_steps) == 4
+    assert res.token_ids == want and res.verified
+    verify_and_decode_forwards = load.calls - 5
+    assert load.later_layer_calls == 4 + verify_and_decode_forwards
+
+    res, load = _run(model, ids, anchor_kv, full_kv, 5, False, verify_first=first)
+    assert res.stats.drafts_abandoned == 0 and res.stats.drafted == 5
+    assert res.token_ids == want
+    assert load.later_layer_calls == load.calls  # every forward ran to its end
+
+
+def test_a_failed_residual_never_interrupts_so_the_anchor_fallback_gets_a_whole_cache(model):
+    ids = prompt_ids(8, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    res, load = _run(model, ids, anchor_kv, full_kv, 5, True, error=OSError("link down"), allow_anchor_only=True)
+    assert res.stats.drafts_abandoned == 0 and res.stats.drafted == 5 and not res.verified
+    # anchor-only output is plain greedy decoding on the anchor (the drafts, then one token per step)
+    assert res.token_ids == decode_plain(model, anchor_kv, ids, 30, first_forward=res.stats.draft_token_ids)
+
+
+def test_hooks_end_only_the_arming_threads_forward_and_are_removed_after(model):
+    ids = prompt_ids(9, 20)
+    _, anchor_kv, _ = caches(model, ids)
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    guard = DraftInterrupt(model, done)
+    hooked = sum(len(m._forward_pre_hooks) for m in guard.modules)
+    errors = []
+
+    def other_thread():  # a forward of another request on the same model, while this thread's draft is armed
+        try:
+            forward_tokens(model, start_cache(model, anchor_kv, len(ids) - 1), [ids[-1]])
+        except Exception as exc:  # noqa: BLE001: the assertion below reports it
+            errors.append(exc)
+
+    with guard.installed():
+        guard._armed_in = threading.get_ident()  # as run() arms it around a draft forward
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        guard._armed_in = None
+    assert errors == [] and guard.abandoned == 0
+    assert sum(len(m._forward_pre_hooks) for m in guard.modules) == hooked
+    assert len(guard.modules) == 4 and guard.modules[-1] is model.get_output_embeddings()  # 3 layers and the head
+    with torch.no_grad():
+        assert forward_tokens(model, start_cache(model, anchor_kv, len(ids) - 1), [ids[-1]]).shape[0] == 1
