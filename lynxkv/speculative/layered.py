@@ -29,6 +29,8 @@ from contextlib import contextmanager
 
 import torch
 
+from lynxkv.speculative.interrupt import decoder_modules
+
 # A verify forward over k rows costs about (1 + ROW_COST · k) decode steps on a CPU at long context (SmolLM2, 2-3K
 # tokens: 3.8 steps for 22 drafts, 4 for 17), plus the residual's dequantization, which the layered verify does.
 ROW_COST = 0.16
@@ -41,13 +43,9 @@ def decoder_layers(model, cache) -> list[tuple[int, torch.nn.Module]] | None:
     or the cache's layer kinds are not the ones the layered verify knows."""
     from transformers.cache_utils import DynamicLayer
 
-    layers = None
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == len(cache.layers) and len(module) > 0 \
-                and all(hasattr(m, "self_attn") for m in module):
-            layers = module
-            break
-    if layers is None or any(not isinstance(layer, DynamicLayer) or layer.is_sliding for layer in cache.layers):
+    layers = decoder_modules(model)
+    if not layers or len(layers) != len(cache.layers) \
+            or any(not isinstance(layer, DynamicLayer) or layer.is_sliding for layer in cache.layers):
         return None
     out = []
     for i, m in enumerate(layers):
