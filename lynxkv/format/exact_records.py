@@ -26,6 +26,7 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
+from lynxkv.format.records import dequantize_records
 from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.quant.rans import decode_body, encode_body
 from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes_and_runs
@@ -61,6 +62,28 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-exact") as pool:
         yield from pool.map(record, pages)  # in page order
+
+
+def predict_layer(records, scheme, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype):
+    """The prediction of one layer -- its full code decoded to ``dtype``, ``([H, T, D], [H, T, D])`` -- from the
+    ``(anchor, residual)`` page records the writer produced for it, through the reader's own decoding
+    (:func:`lynxkv.format.records.dequantize_records`: the packed codes read in place)."""
+    anchor, anchor_at = _joined([a for a, _ in records])
+    residual, residual_at = _joined([r for _, r in records])
+    page = scheme.page
+    spans = [(p * page, min(page, tokens - p * page)) for p in range(len(records))]
+    out = tuple(torch.empty(kv_heads, tokens, head_dim, dtype=dtype) for _ in range(2))
+    dequantize_records(anchor, anchor_at, residual, residual_at, spans, scheme, kv_heads, head_dim, out,
+                       lambda p: f"layer page {p}")
+    return out
+
+
+def _joined(parts) -> tuple[bytes, list[int]]:
+    at, run = [], 0
+    for part in parts:
+        at.append(run)
+        run += len(part)
+    return b"".join(parts), at
 
 
 def frame_splits(groups: list[int], n: int, planes: int, min_run: int = EXACT_MIN_RUN) -> list[int]:
