@@ -19,6 +19,8 @@ and the speeds, medians of ``--repeats`` (default 3) interleaved runs:
 - decode: ``load_kv(exact=True)`` (the whole cache, bf16 bit for bit: the full code's decoding and the exact
   segment on it), beside zstd-1's decompression of the raw tensors.
 
+Then the rANS coder of coding 2 alone on the same pages (``encode_body`` / ``decode_body``, one thread, medians of
+the same repeats), beside the rate the decode target asks of the whole load: what bounds the speeds above.
 Then the candidates measured for coding the remainder (sizes only, page by page as the format stores it), on the
 same caches. ``--sweep`` adds the choices inside coding 2: the remainder's order-0 entropy with each context, and
 the bytes the Python coder writes with other literal counts, shared-context thresholds and frequency precisions
@@ -40,7 +42,7 @@ from lynxkv.cache import open_cache, save_cache
 from lynxkv.format.exact_records import frame_splits
 from lynxkv.format.records import compress_frames
 from lynxkv.quant import rans
-from lynxkv.quant.rans import encode_body
+from lynxkv.quant.rans import decode_body, encode_body
 from lynxkv.quant.remainder import element_order, group_sizes, remainder_planes
 from zstd_pages import median_time  # this folder's timer: benchmarks run as scripts from it
 from lynxkv.quant.scheme import DEFAULT
@@ -105,9 +107,17 @@ def measure(name: str, kv, repeats: int, workdir: Path) -> dict:
                 t[f"load_{coding}"].append(median_time(lambda: cache.load_kv(exact=True), 1))
                 if coding == CODINGS[0]:
                     t["load_full"].append(median_time(lambda: cache.load_kv(), 1))
+    with open_cache(paths[CODINGS[0]]) as cache:
+        pages = list(_pages(kv, cache.load_kv(), DEFAULT.page))
+    bodies = [encode_body(x, p) for x, p in pages]
+    for _ in range(repeats):  # the rANS coder alone (coding 2's C kernels, one thread), page by page
+        t.setdefault("coder_enc", []).append(median_time(lambda: [encode_body(x, p) for x, p in pages], 1))
+        t.setdefault("coder_dec", []).append(median_time(
+            lambda: [decode_body(b, p, "") for b, (_, p) in zip(bodies, pages)], 1))
     med = {k: statistics.median(v) for k, v in t.items()}
     out = dict(name=name, raw=raw, zstd1=sum(map(len, c1)), zstd3=sum(map(len, c3)), elements=raw // 2,
-               z1_compress_s=med["z1_c"], z1_decompress_s=med["z1_d"], load_full_s=med["load_full"])
+               z1_compress_s=med["z1_c"], z1_decompress_s=med["z1_d"], load_full_s=med["load_full"],
+               coder_enc_s=med["coder_enc"], coder_dec_s=med["coder_dec"])
     for coding, path in paths.items():
         with open_cache(path) as cache:
             info = cache.info
@@ -246,6 +256,15 @@ def main() -> None:
                   f"{r['z1_compress_s'] / e['encode_s']:>6.2f} | {s(e['load_s']):>13.0f} "
                   f"{s(r['z1_decompress_s']):>14.0f} {r['z1_decompress_s'] / e['load_s']:>6.2f} | "
                   f"{s(e['save_s']):>16.0f} {s(r['load_full_s']):>13.0f}")
+    print("\nthe rANS coder of coding 2 alone (every page's encode_body / decode_body, one thread): what bounds the "
+          "speeds above")
+    for r, name, _ in rows:
+        per = lambda sec: sec / r["elements"] * 1e9  # noqa: E731
+        print(f"{name:<20} encode {r['raw'] / r['coder_enc_s'] / mb:>6.0f} MB/s ({per(r['coder_enc_s']):.2f} ns/element) "
+              f"| decode {r['raw'] / r['coder_dec_s'] / mb:>6.0f} MB/s ({per(r['coder_dec_s']):.2f} ns/element) | "
+              f"2x zstd-1 decompress needs {2 * r['raw'] / r['z1_decompress_s'] / mb:.0f} MB/s for the whole load "
+              f"({per(r['z1_decompress_s'] / 2):.2f} ns/element), the full code alone decodes at "
+              f"{r['raw'] / r['load_full_s'] / mb:.0f} MB/s")
     print("\ncandidates for the remainder (bytes of the exact payload alone; bits per element)")
     for r, name, kv in rows:
         for cand, n in candidates(kv, r["predicted"], DEFAULT.page).items():

@@ -336,3 +336,40 @@ def test_cli_refuses_a_wrong_exact_segment_with_one_line(tmp_path, capsys):
     assert code == 1 and "FAIL exact: `cache_id`" in err
     code, out, _ = run(capsys, "inspect", tmp_path / "a.lynx")
     assert code == 0 and "exact" in out
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_writers_prediction_from_its_records_is_the_full_code_decoded(dtype, name):
+    """The writer predicts each layer from the page records it has just written (the reader's decoding): the
+    same bits as the quantizer's own full-code decoding, sink tokens and a short last page included, and a
+    5-bit split that the packed path does not take."""
+    from lynxkv.cache.encoded import lazy_encoding
+    from lynxkv.format.exact_records import predict_layer
+    from lynxkv.format.records import encode_layer_records
+
+    schemes = [PRESETS[name], PRESETS[name].replace(anchor_bits=3, residual_bits=5)]
+    for scheme in schemes:
+        kv = exact_kv(DTYPES[dtype], layers=1, t=300)
+        for packed in (True, False):
+            k, v = lazy_encoding(kv, scheme, None, None, None, packed=packed).layers[0]
+            records = [(bytes(a), bytes(r)) for a, r in encode_layer_records(k, v, scheme, 300)]
+            got = predict_layer(records, scheme, 2, 64, 300, DTYPES[dtype])
+            want = [dequantize(t, scheme, dtype=DTYPES[dtype]) for t in (k, v)]
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_page_is_joined_k_then_v_and_written_back_into_strided_views(dtype):
+    """The exact path's page copies (numpy's, on the calling thread): K then V of strided token slices, bit for
+    bit (NaN payloads and -0.0 too), and a rebuilt page written back into the slices it came from."""
+    from lynxkv.format.exact_records import _ints, joined
+
+    k, v = exact_kv(DTYPES[dtype], layers=1, h=3, t=40, d=8)[0]
+    k[0, 10, :2] = torch.tensor([float("nan"), -0.0]).to(DTYPES[dtype])
+    got = joined(k[:, 8:24], v[:, 8:24])
+    assert got.dtype == k.dtype and got.is_contiguous()
+    assert torch.equal(bits(got), bits(torch.cat((k[:, 8:24], v[:, 8:24])).reshape(-1)))
+    out = torch.zeros_like(k)
+    _ints(out[:, 8:24])[...] = _ints(got[:got.numel() // 2]).reshape(3, 16, 8)
+    assert torch.equal(bits(out[:, 8:24]), bits(k[:, 8:24])) and not bits(out[:, :8]).any()

@@ -53,6 +53,28 @@ def test_compiled_coder_gives_the_reference_bytes(dtype, n):
         assert torch.equal(bits(rans.reference_decode(body, p, "t")), bits(x))
 
 
+@compiled_only
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_compiled_coder_matches_the_reference_at_the_frequency_extremes(dtype):
+    """The compiled encoder divides by a symbol's frequency through a reciprocal: the bytes stay the reference's
+    for a context of one symbol (frequency 1024), symbols of frequency 1 and power-of-two frequencies, with page
+    lengths that leave 1 to 3 elements outside the four-state blocks."""
+    dt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(5)
+    for n in (3, 5, 6, 7, 4099):
+        x = (torch.randn(n, generator=g) + 3).to(dt)  # one exponent mostly: a big context of each half
+        p = x.clone()  # z = 0 everywhere: a single symbol, frequency 1024
+        body = rans.encode_body(x, p)
+        assert body == rans.reference_encode(x, p)
+        assert torch.equal(bits(rans.decode_body(body, p, "t")), bits(x))
+        y = x.clone()
+        y[::512] = -y[::512]  # a few far remainders: frequency-1 symbols beside a dominant one
+        y[1::2] = (y[1::2].float() * (1 + 2 ** -6)).to(dt)  # and half the elements a few units off
+        body = rans.encode_body(y, p)
+        assert body == rans.reference_encode(y, p)
+        assert torch.equal(bits(rans.decode_body(body, p, "t")), bits(y))
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_python_coder_round_trips_special_values(dtype, monkeypatch):
     monkeypatch.setattr(rans, "_LIB", None)  # LYNXKV_NATIVE=0

@@ -26,6 +26,7 @@ import torch
 from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
+from lynxkv.format.records import dequantize_records
 from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.quant.rans import decode_body, encode_body
 from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes_and_runs
@@ -46,8 +47,8 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
 
     def record(p: int):
         sl = slice(p * page, min((p + 1) * page, tokens))
-        both = torch.cat((k[:, sl], v[:, sl])).reshape(-1)  # K then V of the page, one contiguous copy
-        pred = torch.cat((pk[:, sl], pv[:, sl])).reshape(-1)
+        both = joined(k[:, sl], v[:, sl])  # K then V of the page, one contiguous copy
+        pred = joined(pk[:, sl], pv[:, sl])
         head = struct.pack("<I", crc32(both.view(torch.uint8).numpy()))
         if coding == c.EXACT_CODING_RANS:
             return head + encode_body(both, pred), None
@@ -61,6 +62,43 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-exact") as pool:
         yield from pool.map(record, pages)  # in page order
+
+
+def predict_layer(records, scheme, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype):
+    """The prediction of one layer -- its full code decoded to ``dtype``, ``([H, T, D], [H, T, D])`` -- from the
+    ``(anchor, residual)`` page records the writer produced for it, through the reader's own decoding
+    (:func:`lynxkv.format.records.dequantize_records`: the packed codes read in place)."""
+    anchor, anchor_at = _joined([a for a, _ in records])
+    residual, residual_at = _joined([r for _, r in records])
+    page = scheme.page
+    spans = [(p * page, min(page, tokens - p * page)) for p in range(len(records))]
+    out = tuple(torch.empty(kv_heads, tokens, head_dim, dtype=dtype) for _ in range(2))
+    dequantize_records(anchor, anchor_at, residual, residual_at, spans, scheme, kv_heads, head_dim, out,
+                       lambda p: f"layer page {p}")
+    return out
+
+
+def _joined(parts) -> tuple[bytes, list[int]]:
+    at, run = [], 0
+    for part in parts:
+        at.append(run)
+        run += len(part)
+    return b"".join(parts), at
+
+
+def joined(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K then V of a page (CPU tensors of one dtype, any strides) as one contiguous 1-d tensor. The copy is
+    numpy's, on the calling thread: a torch copy splits itself over torch's intra-op threads, which beside the
+    writer's and reader's own workers on a small machine made each page's copy tens of times slower."""
+    return torch.from_numpy(np.concatenate((_ints(k), _ints(v))).reshape(-1)).view(k.dtype)
+
+
+def _ints(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s bits (integers of its width; numpy has no bf16), writable, same strides."""
+    return t.view(_INT_VIEWS[t.dtype]).numpy()
+
+
+_INT_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def frame_splits(groups: list[int], n: int, planes: int, min_run: int = EXACT_MIN_RUN) -> list[int]:
@@ -90,7 +128,7 @@ def apply_exact_record(raw, predicted_k: torch.Tensor, predicted_v: torch.Tensor
         raise FormatError(f"`page.raw_length` {where}: expected {'at least ' if rans else ''}{want} bytes, got "
                           f"{len(raw)}", field="page.raw_length", where=where)
     stored_crc = struct.unpack_from("<I", raw, 0)[0]
-    predicted = torch.cat((predicted_k, predicted_v)).reshape(-1)
+    predicted = joined(predicted_k, predicted_v)
     if rans:
         both = decode_body(memoryview(raw)[c.EXACT_RECORD_CRC_SIZE:], predicted, where)
     else:
@@ -104,5 +142,5 @@ def apply_exact_record(raw, predicted_k: torch.Tensor, predicted_v: torch.Tensor
         raise ChecksumError(f"`exact.original_crc32` {where}: expected {stored_crc:#010x}, got {got:#010x} (the exact "
                             "record does not rebuild this cache's original values: corrupt, of another cache, or "
                             "decoded from a different full code)", field="exact.original_crc32", where=where)
-    out_k.copy_(both[:n].view(predicted_k.shape))
-    out_v.copy_(both[n:].view(predicted_v.shape))
+    _ints(out_k)[...] = _ints(both[:n]).reshape(out_k.shape)
+    _ints(out_v)[...] = _ints(both[n:]).reshape(out_v.shape)

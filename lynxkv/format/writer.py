@@ -21,10 +21,10 @@ from lynxkv.format.checksum import crc32
 from lynxkv.format.headers import AnchorHeader, SegmentEntry, names_problem, pack_anchor_header
 from lynxkv.format.properties import pack_properties
 from lynxkv.format.section_headers import ExactHeader, ResidualHeader, pack_exact_header, pack_residual_header
-from lynxkv.format.exact_records import EXACT_ZSTD_LEVEL, encode_exact_layer
+from lynxkv.format.exact_records import EXACT_ZSTD_LEVEL, encode_exact_layer, predict_layer
 from lynxkv.format.layout import PageEntry, pack_index
 from lynxkv.format.records import choose_codec, encode_layer_records
-from lynxkv.quant import EncodedTensor, dequantize
+from lynxkv.quant import EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
 
@@ -212,12 +212,17 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     sinks = min(s.sink_tokens, enc.tokens)
     for i, (keys, values) in enumerate(enc.layers):  # layer-major streaming order
         _check_layer(keys, values, s, sinks)
+        records = []
         for a_rec, r_rec in encode_layer_records(keys, values, s, enc.tokens):
             anchor.write(a_sec.store(a_rec))
             residual_out.write(r_sec.store(r_rec))
+            if has_exact:
+                records.append((a_rec, r_rec))
         if has_exact:
             originals = _originals(exact_kv[i], enc, i)
-            predicted = tuple(dequantize(t, s, dtype=originals[0].dtype) for t in (keys, values))
+            # the full code decoded from the records just written, as the reader decodes it (no unpacking)
+            predicted = predict_layer(records, s, enc.kv_heads, enc.head_dim, enc.tokens, originals[0].dtype)
+            del records
             for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens, coding):
                 exact_out.write(e_sec.store(e_rec, splits))
     framed = frame_sections(fields, a_sec.entries, r_sec.entries, e_sec.entries if has_exact else None, **framing)

@@ -54,47 +54,25 @@ static void count_keys(const void *predicted, int64_t from, int64_t to, int32_t 
     for (int k = 0; k < 256; k++) count[k] = c[0][k] + c[1][k] + c[2][k] + c[3][k];
 }
 
-/* ctx[i] for every element and the number of contexts: (half, key) pairs with >= MIN_CONTEXT elements in the
- * order half 0 keys ascending, half 1 keys ascending, then the shared context if any element falls into it. */
-static int contexts(const void *predicted, int64_t n, int32_t width, int32_t fp16, uint16_t *ctx) {
+/* The number of contexts and the first slot (context × 1024) of each (half, key) pair: pairs with >= MIN_CONTEXT
+ * elements in the order half 0 keys ascending, half 1 keys ascending, then the shared context if any element
+ * falls into it. */
+static int context_rows(const void *predicted, int64_t n, int32_t width, int32_t fp16, uint32_t row_of[2 * 256]) {
     int64_t count[2][256];
-    uint16_t index[2][256];
     int64_t half = n / 2;
     count_keys(predicted, 0, half, width, fp16, count[0]);
     count_keys(predicted, half, n, width, fp16, count[1]);
     int c = 0, shared = 0;
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 256; k++)
-            if (count[h][k] >= MIN_CONTEXT) index[h][k] = (uint16_t)c++;
+            if (count[h][k] >= MIN_CONTEXT) row_of[h * 256 + k] = (uint32_t)c++ * PROB_TOTAL;
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 256; k++)
             if (count[h][k] < MIN_CONTEXT) {
-                index[h][k] = (uint16_t)c;
+                row_of[h * 256 + k] = (uint32_t)c * PROB_TOTAL;
                 shared |= count[h][k] > 0;
             }
-    for (int64_t i = 0; i < half; i++) ctx[i] = index[0][key_of(predicted, i, width, fp16)];
-    for (int64_t i = half; i < n; i++) ctx[i] = index[1][key_of(predicted, i, width, fp16)];
     return c + shared;
-}
-
-static inline uint32_t zigzag_at(const void *original, const void *predicted, int64_t i, int32_t width) {
-    if (width == 2) {
-        uint16_t d = (uint16_t)(ord16(((const uint16_t *)original)[i]) - ord16(((const uint16_t *)predicted)[i]));
-        return (uint16_t)((d << 1) ^ (uint16_t)(-(int16_t)(d >> 15)));
-    }
-    uint32_t d = ord32(((const uint32_t *)original)[i]) - ord32(((const uint32_t *)predicted)[i]);
-    return (d << 1) ^ (uint32_t)(-(int32_t)(d >> 31));
-}
-
-/* The symbol of z; *bits gets the number of extra bits (z's low bits, below its two top ones). */
-static inline uint32_t symbol_of(uint32_t z, int *bits) {
-    if (z < LITERALS) {
-        *bits = 0;
-        return z;
-    }
-    int b = 32 - __builtin_clz(z);
-    *bits = b - 2;
-    return LITERALS + 2 * (uint32_t)(b - 5) + ((z >> (b - 2)) & 1);
 }
 
 /* The symbols' raw bits and their base values: z = base[s] | (next extra[s] bits). */
@@ -118,38 +96,102 @@ static inline uint32_t get32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+/* One half of the page (elements [from, to), pair offset off): the symbol and pair of each element into code[i]
+ * (pair << 7 | symbol), the counts of (pair, symbol) into hist (four interleaved histograms of span entries),
+ * and the extra bits appended to xb (acc / held / at carry over between the calls), without a branch. */
+#define FIRST_PASS(T, ORD, W, A)                                                                                   \
+    static void first_pass_##W(const T *x, const T *p, int64_t from, int64_t to, uint32_t off, int fp16,          \
+                               size_t span, uint16_t *code, uint32_t *hist, uint8_t *xb, int64_t *at,             \
+                               uint64_t *acc_io, int *held_io) {                                                  \
+        uint64_t acc = *acc_io;                                                                                    \
+        int held = *held_io, sh = W == 16 ? (fp16 ? 10 : 7) : 23;                                                  \
+        uint32_t km = W == 16 && fp16 ? 0x1F : 0xFF;                                                               \
+        int64_t pos = *at;                                                                                         \
+        uint32_t *h[4] = {hist, hist + span, hist + 2 * span, hist + 3 * span};                                    \
+        for (int64_t i = from; i < to; i++) {                                                                      \
+            T d = (T)(ORD(x[i]) - ORD(p[i]));                                                                      \
+            uint32_t z = (uint32_t)(T)((T)(d << 1) ^ (T)(-(T)(d >> (W - 1))));                                     \
+            uint32_t pair = ((p[i] >> sh) & km) + off;                                                             \
+            int b = 32 - __builtin_clz(z | 1), big = z >= LITERALS;                                                \
+            int bits = big ? b - 2 : 0;                                                                            \
+            uint32_t sym = big ? LITERALS + 2 * (uint32_t)(b - 5) + ((z >> bits) & 1) : z;                         \
+            code[i] = (uint16_t)(pair << 7 | sym);                                                                 \
+            h[i & 3][pair * A + sym]++;                                                                            \
+            acc |= (uint64_t)(z & ((1u << bits) - 1u)) << held;                                                    \
+            held += bits;                                                                                          \
+            int full = held >= 32; /* stored always, kept when full (xb has room for it) */                       \
+            put32(xb + pos, (uint32_t)acc);                                                                        \
+            pos += 4 * full, acc >>= 32 * full, held -= 32 * full;                                                 \
+        }                                                                                                          \
+        *acc_io = acc, *held_io = held, *at = pos;                                                                 \
+    }
+FIRST_PASS(uint16_t, ord16, 16, (LITERALS + 2 * (16 - 4)))
+FIRST_PASS(uint32_t, ord32, 32, (LITERALS + 2 * (32 - 4)))
+#undef FIRST_PASS
+
+/* The encoder's view of a (context, symbol): renormalise while the state is at least xmax; the quotient by the
+ * frequency f is the high half of state × rcp plus add (exact for every state below 2^32 and f <= 1024:
+ * rcp = floor(2^64 / f) + 1, and for f = 1, rcp = 2^64 - 1 and add = 1); the next state is
+ * state + cum + quotient × (1024 - f), i.e. (quotient << 10) + remainder + cum. */
+typedef struct {
+    uint64_t xmax, rcp;
+    uint32_t cum, cmpl, add;
+} enc_sym;
+
+#define PAIRS 512 /* (half, exponent key) */
+
 /* Writes the body into out (cap bytes); returns its length, or E_WIDTH, E_MEMORY, E_CAPACITY. */
 int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n, int32_t width, int32_t fp16,
                          uint8_t *out, int64_t cap) {
     if (width != 2 && width != 4) return E_WIDTH;
     if (n <= 0) return E_LENGTH;
     int a = alphabet(width);
-    uint16_t *ctx = malloc((size_t)n * sizeof *ctx);
-    uint8_t *sym = malloc((size_t)n);
-    uint32_t *zs = malloc((size_t)n * sizeof *zs);
-    uint32_t *cnt = NULL; /* four interleaved histograms per context (no store-to-load chain), then their sum */
-    uint32_t *cum = malloc((size_t)MAX_CONTEXTS * a * sizeof *cum);
-    double *inv = malloc((size_t)MAX_CONTEXTS * a * sizeof *inv);
+    size_t span = (size_t)PAIRS * a;
+    uint16_t *code = malloc((size_t)n * sizeof *code);
+    uint32_t *hist = calloc(4 * span, sizeof *hist); /* four interleaved (pair, symbol) histograms */
+    uint32_t *cnt = calloc((size_t)MAX_CONTEXTS * a, sizeof *cnt); /* per context: counts, then frequencies */
+    enc_sym *tab = malloc((size_t)MAX_CONTEXTS * a * sizeof *tab);
+    int64_t xb_room = (n * (8 * width - 2) + 7) / 8 + 8;
+    uint8_t *xb = malloc((size_t)xb_room);
     int64_t room = 2 * (n / STATES + 1) + 4; /* one stream: its state and a word per element at most */
     uint8_t *stream = malloc((size_t)room * STATES);
-    int64_t pos = 4 * STATES, status = 0;
-    if (!ctx || !sym || !zs || !cum || !inv || !stream) status = E_MEMORY;
-    int nctx = status ? 0 : contexts(predicted, n, width, fp16, ctx);
-    size_t span = (size_t)nctx * a;
-    if (!status && !(cnt = calloc(4 * span, sizeof *cnt))) status = E_MEMORY;
-    uint32_t base[MAX_ALPHABET];
-    int extra[MAX_ALPHABET];
-    symbol_tables(a, base, extra);
-    uint64_t extra_bits = 0;
-    for (int64_t i = 0; i < n && !status; i++) {
-        int bits;
-        zs[i] = zigzag_at(original, predicted, i, width);
-        sym[i] = (uint8_t)symbol_of(zs[i], &bits);
-        extra_bits += (uint64_t)bits;
-        cnt[(size_t)(i & 3) * span + (size_t)ctx[i] * a + sym[i]]++;
+    int64_t pos = 4 * STATES, status = 0, xlen = 0;
+    if (!code || !hist || !cnt || !tab || !xb || !stream) status = E_MEMORY;
+    uint32_t pairbase[PAIRS];
+    int nctx = 0;
+    if (!status) {
+        uint64_t acc = 0;
+        int held = 0;
+        int64_t half = n / 2;
+        if (width == 2) {
+            first_pass_16(original, predicted, 0, half, 0, fp16, span, code, hist, xb, &xlen, &acc, &held);
+            first_pass_16(original, predicted, half, n, 256, fp16, span, code, hist, xb, &xlen, &acc, &held);
+        } else {
+            first_pass_32(original, predicted, 0, half, 0, fp16, span, code, hist, xb, &xlen, &acc, &held);
+            first_pass_32(original, predicted, half, n, 256, fp16, span, code, hist, xb, &xlen, &acc, &held);
+        }
+        for (; held > 0; held -= 8, acc >>= 8) xb[xlen++] = (uint8_t)acc;
+        /* the contexts: pairs with >= MIN_CONTEXT elements in order (half 0 keys ascending, then half 1), then
+         * the shared one if any element falls into it */
+        uint64_t count[PAIRS];
+        for (size_t k = 0; k < span; k++) hist[k] += hist[k + span] + hist[k + 2 * span] + hist[k + 3 * span];
+        for (int q = 0; q < PAIRS; q++) {
+            count[q] = 0;
+            for (int s = 0; s < a; s++) count[q] += hist[(size_t)q * a + s];
+            if (count[q] >= MIN_CONTEXT) pairbase[q] = (uint32_t)(nctx++);
+        }
+        int shared = 0;
+        for (int q = 0; q < PAIRS; q++)
+            if (count[q] < MIN_CONTEXT) pairbase[q] = (uint32_t)nctx, shared |= count[q] > 0;
+        for (int q = 0; q < PAIRS; q++) {
+            uint32_t *row = cnt + (size_t)pairbase[q] * a;
+            if (count[q])
+                for (int s = 0; s < a; s++) row[s] += hist[(size_t)q * a + s];
+            pairbase[q] *= (uint32_t)a;
+        }
+        nctx += shared;
     }
-    for (size_t k = 0; k < span && !status; k++) cnt[k] += cnt[k + span] + cnt[k + 2 * span] + cnt[k + 3 * span];
-    /* frequencies (cnt becomes them), cumulative starts, and the tables */
+    /* frequencies (cnt becomes them), the encoder's tables, and the tables written */
     for (int c = 0; c < nctx && !status; c++) {
         uint32_t *f = cnt + (size_t)c * a;
         uint64_t total = 0;
@@ -172,8 +214,14 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
         out[pos++] = (uint8_t)(last + 1);
         uint32_t run = 0;
         for (int s = 0; s < a; s++) {
-            cum[(size_t)c * a + s] = run;
-            inv[(size_t)c * a + s] = f[s] ? 1.0 / f[s] : 0.0;
+            enc_sym *e = tab + (size_t)c * a + s;
+            e->xmax = ((uint64_t)(STATE_LOW >> PROB_BITS) << 16) * f[s];
+            e->rcp = f[s] > 1 ? UINT64_MAX / f[s] + 1 : UINT64_MAX; /* floor(2^64 / f) + 1 (f > 1: 2^64 % f != 0
+                                                                      unless f is a power of two, exact either
+                                                                      way for the quotients below) */
+            e->add = f[s] <= 1;
+            e->cum = run;
+            e->cmpl = PROB_TOTAL - f[s];
             run += f[s];
             if (s > last) continue;
             if (f[s] < 0x80) {
@@ -188,32 +236,41 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
         uint8_t *end[STATES], *ptr[STATES];
         uint32_t state[STATES];
         for (int j = 0; j < STATES; j++) state[j] = STATE_LOW, end[j] = ptr[j] = stream + room * (j + 1);
-        for (int64_t i = n - 1; i >= 0; i--) {
-            size_t at = (size_t)ctx[i] * a + sym[i];
-            int j = (int)(i % STATES);
-            uint32_t x = state[j];
-            uint32_t f = cnt[at];
-            /* one 16-bit word at most; written always, kept when needed (the buffer has room for it) */
-            uint32_t emit = (uint64_t)x >= ((uint64_t)(STATE_LOW >> PROB_BITS) << 16) * f;
-            ptr[j][-1] = (uint8_t)(x >> 8);
-            ptr[j][-2] = (uint8_t)x;
-            ptr[j] -= 2 * emit;
-            x >>= 16 * emit;
-            /* x / f through the reciprocal, corrected to the exact quotient (x < 2^32: off by one at most) */
-            int64_t q = (int64_t)((double)x * inv[at]), r = (int64_t)x - q * (int64_t)f;
-            int64_t under = r < 0;
-            q -= under, r += under * (int64_t)f;
-            int64_t over = r >= (int64_t)f;
-            q += over, r -= over * (int64_t)f;
-            state[j] = ((uint32_t)q << PROB_BITS) + (uint32_t)r + cum[at];
+        /* One element I with state X and stream pointer P: one 16-bit word at most (written always, kept when
+         * needed: the buffer has room for it), then the state's step. */
+#define ENC(I, X, P)                                                                                               \
+    do {                                                                                                           \
+        uint32_t k = code[I];                                                                                      \
+        const enc_sym *e = tab + pairbase[k >> 7] + (k & 127);                                                     \
+        uint64_t x = (X);                                                                                          \
+        uint64_t emit = x >= e->xmax;                                                                              \
+        (P)[-1] = (uint8_t)(x >> 8);                                                                               \
+        (P)[-2] = (uint8_t)x;                                                                                      \
+        (P) -= 2 * emit;                                                                                           \
+        x >>= 16 * emit;                                                                                           \
+        uint64_t q = (uint64_t)(((unsigned __int128)x * e->rcp) >> 64) + e->add;                                   \
+        (X) = (uint32_t)(x + e->cum + q * e->cmpl);                                                                \
+    } while (0)
+        int64_t blocks = n & ~(int64_t)(STATES - 1);
+        for (int64_t i = n - 1; i >= blocks; i--) ENC(i, state[i & 3], ptr[i & 3]);
+        uint32_t x0 = state[0], x1 = state[1], x2 = state[2], x3 = state[3];
+        uint8_t *p0 = ptr[0], *p1 = ptr[1], *p2 = ptr[2], *p3 = ptr[3];
+        for (int64_t i = blocks - STATES; i >= 0; i -= STATES) {
+            ENC(i + 3, x3, p3);
+            ENC(i + 2, x2, p2);
+            ENC(i + 1, x1, p1);
+            ENC(i, x0, p0);
         }
-        int64_t len = 0, extra_len = (int64_t)((extra_bits + 7) / 8);
+#undef ENC
+        state[0] = x0, state[1] = x1, state[2] = x2, state[3] = x3;
+        ptr[0] = p0, ptr[1] = p1, ptr[2] = p2, ptr[3] = p3;
+        int64_t len = 0;
         for (int j = 0; j < STATES; j++) { /* each stream starts with its final state */
             ptr[j] -= 4;
             put32(ptr[j], state[j]);
             len += end[j] - ptr[j];
         }
-        if (pos + len + extra_len + 8 > cap) {
+        if (pos + len + xlen + 8 > cap) {
             status = E_CAPACITY;
         } else {
             for (int j = 0; j < STATES; j++) {
@@ -221,23 +278,11 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
                 memcpy(out + pos, ptr[j], (size_t)(end[j] - ptr[j]));
                 pos += end[j] - ptr[j];
             }
-            uint64_t acc = 0;
-            int held = 0;
-            for (int64_t i = 0; i < n; i++) { /* the extra bits, 32 at a time */
-                int bits = extra[sym[i]];
-                acc |= (uint64_t)(zs[i] & ((1u << bits) - 1u)) << held;
-                held += bits;
-                if (held >= 32) {
-                    put32(out + pos, (uint32_t)acc);
-                    pos += 4;
-                    acc >>= 32;
-                    held -= 32;
-                }
-            }
-            for (; held > 0; held -= 8, acc >>= 8) out[pos++] = (uint8_t)acc;
+            memcpy(out + pos, xb, (size_t)xlen);
+            pos += xlen;
         }
     }
-    free(ctx), free(sym), free(zs), free(cnt), free(cum), free(inv), free(stream);
+    free(code), free(hist), free(cnt), free(tab), free(xb), free(stream);
     return status ? status : pos;
 }
 
@@ -249,15 +294,11 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
     if (width != 2 && width != 4) return E_WIDTH;
     if (n <= 0) return E_LENGTH;
     int a = alphabet(width);
-    uint16_t *ctx = malloc((size_t)n * sizeof *ctx);
-    if (!ctx) return E_MEMORY;
-    int nctx = contexts(predicted, n, width, fp16, ctx); /* from the prediction: at most 2·256 + 1 */
+    uint32_t row_of[2 * 256]; /* (half, key) -> its context's first slot */
+    int nctx = context_rows(predicted, n, width, fp16, row_of); /* from the prediction: at most 2·256 + 1 */
     /* per context and slot: symbol (bits 0-6), slot minus the symbol's start (7-18), frequency (19-31) */
     uint32_t *slots = malloc((size_t)nctx * PROB_TOTAL * sizeof *slots);
-    if (!slots) {
-        free(ctx);
-        return E_MEMORY;
-    }
+    if (!slots) return E_MEMORY;
     int64_t status = 0, pos = 4 * STATES;
     uint64_t stream_len[STATES], streams = 0;
     if (len < 4 * STATES) status = E_LENGTH;
@@ -329,7 +370,7 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
          * after the loop). */
 #define STEP(I, X, ST, SP, LW, OUT, CHECKED)                                                                       \
     do {                                                                                                           \
-        uint32_t e = slots[(size_t)ctx[I] * PROB_TOTAL + ((X) & (PROB_TOTAL - 1))], s = e & 0x7F;                  \
+        uint32_t e = slots[row_of[KEY(I)] + ((X) & (PROB_TOTAL - 1))], s = e & 0x7F;                                \
         uint32_t y = (e >> 19) * ((X) >> PROB_BITS) + ((e >> 7) & (PROB_TOTAL - 1)), need = y < STATE_LOW;        \
         int64_t at = SP;                                                                                           \
         if (CHECKED) {                                                                                             \
@@ -349,7 +390,7 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
             }                                                                                                      \
         }                                                                                                          \
         int bits = bits_of[s];                                                                                     \
-        (OUT)[I] = base[s] | (uint32_t)(acc & ((1ull << bits) - 1));                                               \
+        REBUILD(OUT, I, base[s] | (uint32_t)(acc & ((1ull << bits) - 1)));                                        \
         acc >>= bits, held -= bits, consumed += (uint64_t)bits;                                                    \
     } while (0)
 #define BLOCKS(OUT)                                                                                                \
@@ -371,25 +412,33 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
         if (i + 1 < n) STEP(i + 1, x1, st1, sp1, lw1, OUT, 1);                                                     \
         if (i + 2 < n) STEP(i + 2, x2, st2, sp2, lw2, OUT, 1);                                                     \
     } while (0)
-        int64_t i = 0;
-        /* z into the output first, then every element rebuilt in one pass (which vectorises) */
+        int64_t i = 0, half = n / 2;
+        int sh = width == 4 ? 23 : fp16 ? 10 : 7;
+        uint32_t km = width == 2 && fp16 ? 0x1F : 0xFF;
+        /* the (half, key) of element I; z of each element into OUT first */
+#define KEY(I) (((uint32_t)p[I] >> sh & km) | (uint32_t)((I) >= half) << 8)
         if (width == 2) {
             uint16_t *out = original;
             const uint16_t *p = predicted;
+#define REBUILD(OUT, I, Z) ((OUT)[I] = (uint16_t)(Z))
             BLOCKS(out);
-            for (i = 0; i < n; i++) {
+#undef REBUILD
+            for (i = 0; i < n; i++) { /* then every element rebuilt in one pass (which vectorises) */
                 uint16_t z = out[i], d = (uint16_t)((z >> 1) ^ (uint16_t)(-(int16_t)(z & 1)));
                 out[i] = ord16((uint16_t)(ord16(p[i]) + d));
             }
         } else {
             uint32_t *out = original;
             const uint32_t *p = predicted;
+#define REBUILD(OUT, I, Z) ((OUT)[I] = (Z))
             BLOCKS(out);
+#undef REBUILD
             for (i = 0; i < n; i++) {
                 uint32_t z = out[i], d = (z >> 1) ^ (uint32_t)(-(int32_t)(z & 1));
                 out[i] = ord32(ord32(p[i]) + d);
             }
         }
+#undef KEY
 #undef BLOCKS
 #undef STEP
         state[0] = x0, state[1] = x1, state[2] = x2, state[3] = x3;
@@ -401,6 +450,6 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
         if (!status && (consumed + 7) / 8 != (uint64_t)extra_len) status = E_EXTRA;
         if (!status && consumed % 8 && extra[extra_len - 1] >> (consumed % 8)) status = E_EXTRA;
     }
-    free(ctx), free(slots);
+    free(slots);
     return status;
 }
