@@ -69,14 +69,15 @@ def test_every_draft_accepted_when_anchor_is_exact(models, window, chunk):
 def test_a_first_pass_commits_its_tokens_before_the_second_pass_runs(models, monkeypatch, window, first, sizes):
     """verify_first: the first pass's drafts are committed (the event is out) before the second pass's forward
     runs; then the rest; the tokens are the full cache's."""
-    from lynxkv.speculative import runner as runner_module
+    from lynxkv.speculative import runner as runner_module, verify_pass
 
     model = models[0]
     ids = prompt_ids(5, 50)
     _, _, full_kv = caches(model, ids)
     forwards = []
     real = runner_module.forward_tokens
-    monkeypatch.setattr(runner_module, "forward_tokens", lambda m, c, t: forwards.append(len(t)) or real(m, c, t))
+    for module in (runner_module, verify_pass):  # the drafts' forwards, then the verify's
+        monkeypatch.setattr(module, "forward_tokens", lambda m, c, t: forwards.append(len(t)) or real(m, c, t))
     config = RunConfig(max_new_tokens=40, max_window=window, verify_first=first)
     commits, seen = [], []
     for ev in stream(model, StepLoad(model, ids, full_kv, full_kv), config):
@@ -94,7 +95,7 @@ def test_a_first_pass_commits_its_tokens_before_the_second_pass_runs(models, mon
 
 
 def test_pass_sizes():
-    from lynxkv.speculative.runner import pass_sizes
+    from lynxkv.speculative.verify_pass import pass_sizes
 
     assert pass_sizes(0, 0, 2) == [0] and pass_sizes(1, 0, 2) == [1] and pass_sizes(5, 0, 2) == [2, 3]
     assert pass_sizes(17, 2, 0) == [2, 4, 8, 3] and pass_sizes(17, 2, 3) == [2, 4, 8, 3]  # chunks win
