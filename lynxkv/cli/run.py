@@ -97,6 +97,10 @@ def stats_table(stats, gain_label: str, gain: float | None):
         rows.append(("window", "stopped drafting: residual due within a fraction of a step"))
     if stats.drafting_disabled:
         rows.append(("drafting disabled", stats.drafting_disabled))
+    if stats.branch_at is not None:
+        kept = "not verified" if stats.branch_accepted is None else f"{stats.branch_accepted} kept"
+        rows.append(("branch (fork at draft / drafts)", f"{stats.branch_at} / {len(stats.branch_token_ids) - 1}, "
+                     f"{kept}"))
     rows.append(("verified", "yes" if stats.verified else f"NO (anchor-only: {stats.residual_error})"))
     for k, v in rows:
         t.add_row(k, v)
@@ -153,6 +157,10 @@ def run(
                                      "drafts in a pass of their own and put their tokens out at once, the rest in a "
                                      "second pass: the first token about one decode step after the residual (0: "
                                      "one pass)."),
+    branch_margin: float = typer.Option(0.0, "--branch-margin", min=0.0, help="Greedy only: at the first draft "
+                                        "whose top-1 − top-2 logit margin on the anchor is below this, also draft "
+                                        "from the runner-up token, verified if the main drafts are rejected there "
+                                        "(0: off)."),
     layered_verify: bool = typer.Option(False, "--layered-verify", help="Start the verify while the residual still "
                                         "arrives, each layer once its own residual is in (experimental)."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
@@ -196,7 +204,7 @@ def run(
     torch_dtype = parse_dtype(dtype)
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
-                       "--verify-first": verify_first,
+                       "--verify-first": verify_first, "--branch-margin": branch_margin,
                        "--layered-verify": layered_verify, "--repeats": repeats > 1}
         named = [k for k, v in unsupported.items() if v]
         if named:
@@ -225,6 +233,10 @@ def run(
     if timeline is not None:
         _check_timeline_path(timeline)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    if branch_margin > 0 and not sampling.greedy:
+        raise InputError("--branch-margin: greedy decoding only (not with --temperature > 0)")
+    if branch_margin > 0 and layered_verify:
+        raise InputError("--branch-margin excludes --layered-verify")
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     exact = exact or exact_file is not None
@@ -250,7 +262,7 @@ def run(
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
-        verify_first=verify_first, layered_verify=layered_verify, stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
+        verify_first=verify_first, layered_verify=layered_verify, branch_margin=branch_margin, stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 
     def open_load():

@@ -71,3 +71,26 @@ def grow_in_place(cache, room: int = 256):
             grown.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("room", "_k", "_v")})
             cache.layers[i] = grown
     return cache
+
+
+def fork_cache(cache):
+    """A second cache holding ``cache`` 's tokens, to grow apart from it (the runner's branch of its drafts).
+
+    Nothing is copied here: the fork's layers hold views of ``cache`` 's tensors, and the fork's first update copies
+    them into its own buffer (as a :class:`GrowingLayer` does with any tensors it was given), so its tokens never
+    land in ``cache`` 's buffer. ``cache`` may go on appending meanwhile (it writes after the viewed tokens), but
+    must not be cropped before the fork's first update. Returns None when a layer is of a kind this does not know
+    (not a plain ``DynamicLayer`` or a :class:`GrowingLayer`).
+    """
+    import copy
+
+    layers = []
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, GrowingLayer):
+            return None
+        fork = GrowingLayer(getattr(layer, "room", 256))
+        fork.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("room", "_k", "_v")})
+        layers.append(fork)
+    forked = copy.copy(cache)
+    forked.layers = layers
+    return forked

@@ -133,10 +133,14 @@ def dense_batched(model) -> bool:
 
 
 @torch.no_grad()
-def forward_packed(model, caches: list, token_lists: list[list[int]]) -> list[torch.Tensor]:
+def forward_packed(model, caches: list, token_lists: list[list[int]], *,
+                   batch_dense: bool | None = None) -> list[torch.Tensor]:
     """Run ``token_lists[b]`` after ``caches[b]`` for every request b in one forward; each cache grows in place.
     Returns each request's logits ``[n_b, V]`` in fp32 (row j predicts the token after ``token_lists[b][j]``),
-    the rows :func:`lynxkv.speculative.model_ops.forward_tokens` gives at batch 1 (see the module docstring)."""
+    the rows :func:`lynxkv.speculative.model_ops.forward_tokens` gives at batch 1 (see the module docstring).
+
+    ``batch_dense=True`` runs the dense layers over all rows at once in every dtype, for forwards whose rows need
+    not be the batch-1 rows (drafts, which a verify judges); None: :func:`dense_batched` decides."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sizes = [len(t) for t in token_lists]
@@ -163,7 +167,8 @@ def forward_packed(model, caches: list, token_lists: list[list[int]]) -> list[to
     _state.pack = _Pack(packed, base_impl, full_masks, sliding_masks)
     config._attn_implementation = IMPL
     try:
-        rows = contextlib.nullcontext() if dense_batched(model) else _rowwise_linears(model, sizes)
+        batched = dense_batched(model) if batch_dense is None else batch_dense
+        rows = contextlib.nullcontext() if batched else _rowwise_linears(model, sizes)
         with rows:
             logits = forward_with_positions(model, ids, packed, torch.cat(positions, dim=1)).logits[0]  # [N, V]
     finally:

@@ -21,6 +21,7 @@ def decode_plain(
     new_token_ids: list[int] | None = None,
     first_forward: list[int] | None = None,
     first_passes: list[int] | None = None,
+    branch: tuple[int | None, list[int]] | None = None,
     generator: torch.Generator | None = None,
     stop_token_ids: tuple[int, ...] = (),
 ) -> list[int]:
@@ -38,6 +39,10 @@ def decode_plain(
     differently and can flip a near-tie, so a bf16 run is compared with the reference of its own forward shapes.
     ``first_passes`` splits that forward as the runner's verify did (``stats.verify_pass_sizes``: the appended
     tokens each pass fed; default one pass), stopping at the pass where an argmax first differs.
+    ``branch=(position, [root, drafts ...])`` (greedy, with ``first_forward``) reproduces the runner's branch of
+    its drafts (``(stats.branch_at, stats.branch_token_ids)``): when the first forward's argmaxes stop matching
+    exactly at ``position`` with ``root`` as the next token, and the branch has drafts, the next forward feeds
+    ``[root, drafts ...]`` at once and its argmaxes are taken up to the first that differs from the next draft.
     """
     keep, feed = first_step([int(t) for t in prompt_ids], new_token_ids)
     appended = [int(t) for t in (first_forward or ())]
@@ -62,6 +67,15 @@ def decode_plain(
             n += 1
         out = best[: n + 1]
         drop_last(cache, fed - n)
+        at, side = branch if branch is not None else (None, [])
+        if (at == n and len(side) > 1 and out[-1] == side[0] and len(out) < max_new_tokens
+                and out[-1] not in stop_token_ids):
+            best = forward_tokens(model, cache, side).argmax(dim=-1).tolist()  # best[j]: after side[: j + 1]
+            m = 0
+            while m < len(side) - 1 and best[m] == side[m + 1]:
+                m += 1
+            out += best[: m + 1]
+            drop_last(cache, len(side) - 1 - m)
     else:
         rows = forward_tokens(model, cache, feed)[len(feed) - 1 :]
         out = [choose(rows[-1], sampling, generator)[0]]

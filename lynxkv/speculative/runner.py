@@ -38,6 +38,7 @@ from lynxkv.cache.loading import CacheLoad
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative.interrupt import DraftInterrupt, Superseded
 from lynxkv.speculative.layered import LayeredVerify, decoder_layers, remember_verify, verify_estimate
+from lynxkv.speculative.branch import Brancher, verify_branch
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
 from lynxkv.speculative.sampling import SamplingParams, choose
 from lynxkv.speculative.schedule import AcceptanceTracker, remember_step, wait_reason
@@ -73,6 +74,10 @@ class RunConfig:
     # End the draft forward under way when the residual lands rather than wait for its token, which would come too
     # late to be verified (lynxkv.speculative.interrupt). LYNXKV_INTERRUPT_DRAFTS=0 turns it off.
     interrupt_drafts: bool = field(default_factory=lambda: os.environ.get("LYNXKV_INTERRUPT_DRAFTS", "1") != "0")
+    # Greedy only: at the first draft whose top-1 − top-2 logit margin on the anchor is below this, fork a second
+    # chain from the runner-up token, drafted in the same forwards and verified when the main chain is rejected
+    # exactly there (lynxkv.speculative.branch). 0: off.
+    branch_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -81,6 +86,12 @@ class RunConfig:
             raise InputError(f"max_window must be >= 0, got {self.max_window}")
         if self.verify_first < 0:
             raise InputError(f"verify_first must be >= 0, got {self.verify_first}")
+        if not self.branch_margin >= 0:
+            raise InputError(f"branch_margin must be >= 0, got {self.branch_margin}")
+        if self.branch_margin > 0 and not self.sampling.greedy:
+            raise InputError("branch_margin: greedy decoding only (not with temperature > 0)")
+        if self.branch_margin > 0 and self.layered_verify:
+            raise InputError("branch_margin: not with layered_verify")
 
 
 @dataclass
@@ -227,6 +238,8 @@ def stream(
     # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
     layers = None if config.layered_verify and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
+    brancher = Brancher(config.branch_margin, stops) if config.branch_margin > 0 and cap else None
+    step_fn = forward_tokens if brancher is None else brancher.forward  # with a branch: its next token too
     interrupt = DraftInterrupt(model, residual) if config.interrupt_drafts and cap else None
     with interrupt.installed() if interrupt is not None else contextlib.nullcontext():
         while len(drafts) < cap and not residual.done():
@@ -251,14 +264,18 @@ def stream(
                     layers = decoder_layers(model, draft_cache) or False
             ts = time.perf_counter()
             try:
-                out = forward_tokens(model, draft_cache, pending) if interrupt is None else \
-                    interrupt.run(forward_tokens, model, draft_cache, pending)
+                out = step_fn(model, draft_cache, pending) if interrupt is None else \
+                    interrupt.run(step_fn, model, draft_cache, pending)
             except Superseded:  # the full code is in: verify now, without this step's token
                 break
             logits = out[-1]  # [V]
+            if brancher is not None:  # fork here if the anchor is unsure (before this step's token is fed)
+                brancher.consider(logits, draft_cache, len(drafts))
             token, probs = choose(logits, params, generator)
             te = time.perf_counter()
             stats.draft_steps.append([ts - t0, te - t0])
+            if brancher is not None and brancher.packed_last:
+                stats.branch_draft_steps.append([ts - t0, te - t0])
             if len(pending) == 1:  # a draft step; the first forward over new prompt tokens is a prefill
                 step_times.append(te - ts)
             drafts.append(token)
@@ -278,6 +295,9 @@ def stream(
     stats.drafts_abandoned = interrupt.abandoned if interrupt is not None else 0
     stats.drafted = len(drafts)
     stats.draft_token_ids = list(drafts)
+    if brancher is not None and brancher.branch is not None:
+        stats.branch_at, stats.branch_forks = brancher.branch.at, brancher.forks
+        stats.branch_token_ids = list(brancher.branch.tokens)
     if step_times:
         later = step_times
         if len(feed) == 1:  # the first draft forward grew the fresh anchor cache (new prompt tokens: the prefill did)
@@ -354,6 +374,7 @@ def stream(
         if not config.allow_anchor_only:
             raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
         stats.verified, stats.residual_error = False, error
+        brancher = None  # the branch is never verified
         if draft_cache is None:
             draft_cache = start_cache(model, anchor_kv, keep)
         ev = commit(drafts, confirmed=len(drafts), verified=False)
@@ -384,6 +405,17 @@ def stream(
         ev = commit([next_token], confirmed=0)
         if ev is not None:
             yield ev
+    side = brancher.to_verify(accepted, next_token) if brancher is not None else None
+    brancher = None
+    if side is not None and not finished():  # the main chain lost exactly at the fork, to the branch's root
+        tb = time.perf_counter()
+        stats.branch_accepted, next_token = verify_branch(model, cache, side)
+        stats.branch_verify_s = time.perf_counter() - tb
+        side = None  # the branch's cache
+        for tokens in (stats.branch_token_ids[1 : 1 + stats.branch_accepted], [next_token]):
+            ev = commit(tokens, confirmed=0) if not finished() else None
+            if ev is not None:
+                yield ev
 
     # ---- continue on the full cache ---------------------------------------------------------------------------
     yield from _decode(model, cache, [next_token], params, generator, commit, finished, stats, t0, verified=True)

@@ -27,6 +27,17 @@ class RunStats:
     decode_steps: list[list[float]] = field(default_factory=list)
     drafted: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # fed to the verify pass after the prompt
+    # The branch of the drafts (RunConfig.branch_margin; lynxkv.speculative.branch): the main chain's draft it
+    # forked at (None: no fork), its tokens [root, drafts ...] (fed to its verify pass, if that ran), the forks
+    # made, how many of its drafts the verify accepted (None: not verified: the main chain was not rejected at the
+    # fork in favour of the root), that verify's seconds, and [start, end] of the draft forwards that ran both chains
+    # (also in draft_steps). decode_plain(..., branch=(branch_at, branch_token_ids)) reproduces the forward shapes.
+    branch_at: int | None = None
+    branch_token_ids: list[int] = field(default_factory=list)
+    branch_forks: int = 0
+    branch_accepted: int | None = None
+    branch_verify_s: float | None = None
+    branch_draft_steps: list[list[float]] = field(default_factory=list)
     accepted: int = 0
     window_cap: int = 0
     window_planned: int | None = None  # from the residual ETA and the draft step time, at the first draft

@@ -1,0 +1,100 @@
+"""A second greedy draft chain, forked where the anchor hesitates: what an early near-tie costs, bounded.
+
+    main chain   d0 d1 .. dp .. d(k-1)       the anchor's greedy tokens (stats.draft_token_ids)
+    fork at p    the first draft whose top-1 − top-2 logit margin on the anchor is below RunConfig.branch_margin:
+                 a fork of the draft cache as it was before dp was fed (lynxkv.hf.growing.fork_cache), its root r
+                 the anchor's runner-up there
+    branch       r b0 b1 ..                  greedy on the anchor; every later draft step runs the main chain and
+                                             the branch in ONE forward (lynxkv.speculative.packed.forward_packed)
+    verify       the main chain as always; if it rejected exactly dp and the full code's token there is r (r is
+                 then committed as the verify's own correction), one more forward over [r, b0, b1, ..] on the same
+                 full cache judges the branch's drafts; the accepted ones and the next token are committed
+
+On SmolLM2 every early disagreement of the anchor with the full code measured on the choosing corpus was a near
+tie of the anchor's logits with the full code's token its runner-up (docs/speculative.md, "Branching at
+low-margin positions"), so one branch at the first low-margin position rescues most of a window that one token
+would otherwise end. Greedy only: with sampling the draft is a sample of the anchor's distribution, and a
+runner-up branch has no place in the acceptance rule (min(1, p/q) over one chain). The reference for bf16 and
+fp16, whose output depends on the forward shapes, is ``decode_plain(..., branch=(stats.branch_at,
+stats.branch_token_ids))``; the branch's own draft forwards need no particular shape (the verify decides), so
+their dense layers are batched in every dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lynxkv.hf.growing import fork_cache
+from lynxkv.speculative.model_ops import drop_last, forward_tokens
+from lynxkv.speculative.packed import forward_packed
+from lynxkv.speculative.sampling import SamplingParams
+from lynxkv.speculative.verify_pass import run_to_end, verify_drafts
+
+
+@dataclass
+class Branch:
+    at: int  # the main chain's draft it replaces (index into the drafts)
+    margin: float  # the anchor's top-1 − top-2 logit margin there
+    cache: object  # the draft cache as it was before draft ``at`` was fed, grown by the branch's tokens
+    tokens: list[int]  # [root, b0, b1, ...]: the anchor's runner-up at ``at``, then the branch's greedy drafts
+    ended: bool = False  # it drafted a stop token: it grows no more
+
+
+class Brancher:
+    """The draft loop's branch: where to fork (:meth:`consider`) and the branch's share of each draft forward
+    (:meth:`forward`). ``refork``: move the fork to a later position whose margin is lower than the current fork's
+    (a new fork of the main cache; the old branch is dropped)."""
+
+    def __init__(self, margin: float, stops, *, refork: bool = False):
+        self.margin, self.stops, self.refork = margin, set(stops), refork
+        self.branch: Branch | None = None
+        self.forks = 0  # forks made (more than one only with refork)
+        self.packed_last = False  # the last forward ran two sequences
+
+    def consider(self, logits: torch.Tensor, cache, at: int) -> None:
+        """After a main draft forward (``logits`` [V] its last row, ``cache`` the draft cache before its token is
+        fed, ``at`` the index that token takes among the drafts): fork here if the margin is below the bound."""
+        top = logits.topk(2)
+        margin = float(top.values[0] - top.values[1])
+        if margin >= self.margin or (self.branch is not None and not (self.refork and margin < self.branch.margin)):
+            return
+        forked = fork_cache(cache)
+        if forked is None:  # a cache layer this cannot fork: no branch
+            return
+        root = int(top.indices[1])
+        self.branch = Branch(at, margin, forked, [root], ended=root in self.stops)
+        self.forks += 1
+
+    def forward(self, model, cache, tokens: list[int]) -> torch.Tensor:
+        """The main chain's forward of ``tokens`` after ``cache`` (its logits ``[len(tokens), V]``), and the
+        branch's next greedy token in the same forward while the branch grows."""
+        b = self.branch
+        self.packed_last = b is not None and not b.ended
+        if not self.packed_last:
+            return forward_tokens(model, cache, tokens)
+        main, side = forward_packed(model, [cache, b.cache], [tokens, b.tokens[-1:]], batch_dense=True)
+        token = int(side[-1].argmax())
+        b.tokens.append(token)
+        b.ended = token in self.stops
+        return main
+
+    def to_verify(self, accepted: int, next_token: int) -> Branch | None:
+        """The branch, if the main chain's verify (``accepted`` drafts, then ``next_token``) rejected exactly
+        the fork's draft in favour of the branch's root, and the branch has drafts to verify; else None."""
+        b = self.branch
+        if b is None or accepted != b.at or next_token != b.tokens[0] or len(b.tokens) < 2:
+            return None
+        return b
+
+
+def verify_branch(model, cache, branch: Branch) -> tuple[int, int]:
+    """The branch's drafts on the full ``cache`` (which holds everything before the root): ONE forward over
+    [root, b0, b1, ...], greedy. Returns (drafts accepted, the next token); the cache keeps the root and the
+    accepted drafts."""
+    drafts = branch.tokens[1:]
+    accepted, next_token, fed, _ = run_to_end(
+        verify_drafts(model, cache, branch.tokens[:1], drafts, [], SamplingParams(), None, [len(drafts)]))
+    drop_last(cache, fed - accepted)
+    return accepted, next_token
