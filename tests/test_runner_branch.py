@@ -1,0 +1,268 @@
+"""The branch of the drafts (``RunConfig.branch_margin``): greedy output stays the full code's, token for token.
+
+Each case is a tiny random model of the matrix with an anchor (the exact KV plus noise) found by seed so that its
+greedy chain first leaves the full code's at a position d where the full code's token is the anchor's runner-up,
+where the anchor's top-1 − top-2 margin is lower than at every earlier position, and where the anchor, given the
+full code's token there, agrees with the next one: a fork at d (the bound between the two margins) is used and
+keeps at least one of its drafts. Compared with decode_plain on the full code with the runner's forward shapes
+(``first_forward``, ``first_passes``, ``branch``), and in fp32 also with plain sequential decoding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import SLIDING_WINDOW, TINY_ARCHS, make_tiny_model
+from lynxkv.cache.kv import TORCH_DTYPES
+from lynxkv.cli import main
+from lynxkv.speculative import RunConfig, decode_plain, run
+from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache
+from runner_helpers import StepLoad, caches, perturbed, prompt_ids, single_thread, tiny_llama_cache
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+PROMPT = 4 * SLIDING_WINDOW + 6
+WINDOW, NEW = 12, 20
+DTYPES = ("fp32", "bf16")
+
+
+def _chain(model, kv, ids, n, forced=None):
+    """n greedy steps on ``kv`` as the runner drafts them: tokens, top-1 − top-2 margins, runner-ups, and with
+    ``forced`` (teacher-forced on those tokens) the rank of each forced token."""
+    keep, feed = first_step(ids, None)
+    cache, pending = start_cache(model, kv, keep), feed
+    tokens, margins, runner_up, ranks = [], [], [], []
+    for i in range(n):
+        logits = forward_tokens(model, cache, pending)[-1]
+        top = logits.topk(2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        runner_up.append(int(top.indices[1]))
+        if forced is not None:
+            ranks.append(int((logits > logits[forced[i]]).sum()))
+        pending = [forced[i] if forced is not None else tokens[-1]]
+    return tokens, margins, runner_up, ranks
+
+
+def _forked_case(model):
+    """(ids, anchor KV, full KV, d, bound): the bound lies between the anchor's margin at d and every earlier one.
+    Confirmed by a run (in bf16 the verify's multi-token forward can round a near-tie apart from the sequential
+    chain the search predicts with)."""
+    for seed in range(60):
+        ids = prompt_ids(seed, PROMPT)
+        exact, _, full_kv = caches(model, ids)
+        want = _chain(model, full_kv, ids, WINDOW)[0]
+        for scale in (0.3, 1.0):
+            anchor = perturbed(exact, scale, seed)
+            tokens, margins, _, _ = _chain(model, anchor, ids, WINDOW)
+            d = next((i for i in range(WINDOW - 3) if tokens[i] != want[i]), None)
+            if d is None or d < 1 or min(margins[:d]) <= 1.5 * margins[d]:
+                continue
+            ranks = _chain(model, anchor, ids, d + 2, forced=want)[3]
+            if ranks[d] != 1 or ranks[d + 1] != 0:
+                continue
+            bound = (margins[d] + min(margins[:d])) / 2
+            s = run(model, StepLoad(model, ids, anchor, full_kv),
+                    RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound)).stats
+            if s.accepted == d and s.branch_at == d and s.branch_accepted:
+                return ids, anchor, full_kv, d, bound
+    raise AssertionError("no seed gives a used fork")
+
+
+@pytest.fixture(scope="module")
+def cases():
+    out = {}
+    for arch in TINY_ARCHS:
+        for dt in DTYPES:
+            model = make_tiny_model(arch).to(TORCH_DTYPES[dt])
+            out[(arch, dt)] = (model, *_forked_case(model))
+    return out
+
+
+def _reference(model, full_kv, ids, stats, n=NEW, **kw):
+    return decode_plain(model, full_kv, ids, n, first_forward=stats.draft_token_ids,
+                        first_passes=stats.verify_pass_sizes, branch=(stats.branch_at, stats.branch_token_ids), **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("first", [0, 2])
+def test_a_used_fork_keeps_the_branch_drafts(cases, arch, dtype, first):
+    model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
+    res = run(model, StepLoad(model, ids, anchor, full_kv),
+              RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound, verify_first=first))
+    s = res.stats
+    assert s.drafted == WINDOW and s.branch_at == d and s.branch_forks == 1
+    assert len(s.branch_token_ids) == WINDOW - d  # the root, then one draft per later step
+    assert len(s.branch_draft_steps) == WINDOW - d - 1
+    if dtype == "fp32" or not first:  # (bf16: a verify split in two passes rounds apart from the one-pass verify)
+        assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
+    assert res.token_ids == _reference(model, full_kv, ids, s)
+    if dtype == "fp32":
+        assert res.token_ids == decode_plain(model, full_kv, ids, NEW)
+    # the same run without the branch keeps d drafts, and with a bound below the fork's margin there is no fork
+    off = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(max_new_tokens=NEW, max_window=WINDOW))
+    low = run(model, StepLoad(model, ids, anchor, full_kv),
+              RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound / 1e6))
+    assert off.stats.branch_at is None and off.stats.branch_accepted is None
+    if low.stats.branch_at is None:  # (unless a later, diverged draft is that close to a tie)
+        assert low.stats.branch_token_ids == [] and low.stats.branch_draft_steps == []
+    assert low.token_ids == _reference(model, full_kv, ids, low.stats)
+    if dtype == "fp32":
+        assert off.token_ids == low.token_ids == res.token_ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_a_fork_that_is_not_used(cases, arch, dtype):
+    """A bound above every margin forks at the first draft: the main chain is not rejected there (d > 0), so the
+    branch is never verified; with the exact KV as the anchor nothing is rejected at all."""
+    model, ids, anchor, full_kv, d, _ = cases[(arch, dtype)]
+    for kv, kept in ((anchor, d), (full_kv, WINDOW)):
+        res = run(model, StepLoad(model, ids, kv, full_kv),
+                  RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=1e9))
+        s = res.stats
+        assert s.branch_at == 0
+        if dtype == "fp32" or kv is anchor:  # (bf16: the verify may round a near-tie of the exact anchor apart)
+            assert s.branch_accepted is None and s.accepted == kept
+        assert len(s.branch_token_ids) == WINDOW and len(s.branch_draft_steps) == WINDOW - 1
+        assert res.token_ids == _reference(model, full_kv, ids, s)
+        if dtype == "fp32":
+            assert res.token_ids == decode_plain(model, full_kv, ids, NEW)
+
+
+def _stop_case(cases, dtype):
+    """A case whose branch's first draft and whose main draft at the fork appear nowhere else in the main chain."""
+    for arch in TINY_ARCHS:
+        model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
+        plain = _chain(model, anchor, ids, WINDOW)[0]
+        config = dict(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound)
+        branch = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config)).stats.branch_token_ids
+        if branch[1] not in plain and plain[d] not in plain[:d]:
+            return model, ids, anchor, full_kv, d, plain, config, branch
+    raise AssertionError("no case fits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stop_tokens_in_either_chain(cases, dtype):
+    model, ids, anchor, full_kv, d, plain, config, branch = _stop_case(cases, dtype)
+    # the branch's first draft is a stop token: the branch ends there, the output at it
+    res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config, stop_token_ids=(branch[1],)))
+    want = _reference(model, full_kv, ids, res.stats, stop_token_ids=(branch[1],))
+    assert res.token_ids == want and res.token_ids[-1] == branch[1]
+    assert res.stats.branch_token_ids == branch[:2] and res.stats.drafted == WINDOW  # the main chain went on
+    # the main chain's draft at the fork is a stop token: drafting ends there, the branch has only its root
+    res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config, stop_token_ids=(plain[d],)))
+    assert res.stats.drafted == d + 1 and res.stats.branch_token_ids == [branch[0]]
+    assert res.stats.branch_accepted is None
+    assert res.token_ids == _reference(model, full_kv, ids, res.stats, stop_token_ids=(plain[d],))
+    if dtype == "fp32":
+        assert res.token_ids == decode_plain(model, full_kv, ids, NEW, stop_token_ids=(plain[d],))
+
+
+def test_the_branch_stops_at_max_new_tokens(cases):
+    """With room for the accepted drafts, the root and one more, the branch's first draft ends the output."""
+    model, ids, anchor, full_kv, d, bound = cases[("llama", "fp32")]
+    res = run(model, StepLoad(model, ids, anchor, full_kv),
+              RunConfig(max_new_tokens=d + 2, max_window=WINDOW, branch_margin=bound))
+    assert res.stats.branch_at == d and res.stats.branch_accepted == 1
+    assert res.token_ids == decode_plain(model, full_kv, ids, d + 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_a_fork_grows_apart_from_its_cache(arch):
+    """fork_cache: the fork and the original, grown by different tokens in one packed forward, give the rows of
+    two caches built separately; the original's tokens are untouched (sliding-window models included)."""
+    from lynxkv.hf.growing import fork_cache
+    from lynxkv.speculative.packed import forward_packed
+
+    model = make_tiny_model(arch)
+    ids = prompt_ids(1, PROMPT)
+    _, _, full_kv = caches(model, ids)
+    keep, feed = first_step(ids, None)
+    main = start_cache(model, full_kv, keep)
+    forward_tokens(model, main, feed + [5, 6])
+    fork = fork_cache(main)
+    a, b = forward_packed(model, [main, fork], [[7, 8], [9]])
+    forward_tokens(model, main, [10])  # the original grows on; the fork's tokens stay its own
+    for tokens, rows in (([7, 8], a), ([9], b)):
+        alone = start_cache(model, full_kv, keep)
+        forward_tokens(model, alone, feed + [5, 6])
+        assert torch.allclose(forward_tokens(model, alone, tokens), rows, atol=1e-4)
+    assert int(main.get_seq_length()) == keep + 6 and int(fork.get_seq_length()) == keep + 4
+    again = start_cache(model, full_kv, keep)
+    ref = forward_tokens(model, again, feed + [5, 6, 9, 11])[-1]
+    assert torch.allclose(forward_tokens(model, fork, [11])[-1], ref, atol=1e-4)
+
+
+def test_fork_cache_refuses_layers_it_does_not_know():
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from lynxkv.hf.growing import fork_cache
+
+    cache = DynamicCache()
+    cache.layers = [DynamicSlidingWindowLayer(sliding_window=4)]
+    assert fork_cache(cache) is None
+
+
+def test_config_refusals():
+    from lynxkv.errors import InputError
+    from lynxkv.speculative import SamplingParams
+
+    with pytest.raises(InputError, match="greedy"):
+        RunConfig(branch_margin=0.1, sampling=SamplingParams(temperature=0.7))
+    with pytest.raises(InputError, match="branch_margin"):
+        RunConfig(branch_margin=-1.0)
+    with pytest.raises(InputError, match="layered"):
+        RunConfig(branch_margin=0.1, layered_verify=True)
+
+
+@pytest.fixture(scope="module")
+def cli_cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("branchcli")
+    model, model_dir, path, ids, kv = tiny_llama_cache(d)
+    return model, model_dir, path, ids, d
+
+
+def _cli(capsys, *args):
+    code = main(["run", *args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_cli_run_with_a_branch_equals_the_full_code(cli_cache, capsys):
+    from lynxkv.cache import open_cache
+
+    model, model_dir, path, ids, _ = cli_cache
+    code, out, err = _cli(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
+                          "--branch-margin", "1e9", "--json")  # every margin is below: a fork at the first draft
+    assert code == 0, err
+    s = json.loads(out)["stats"]
+    with open_cache(path) as c:
+        full_kv = c.load_kv()
+    want = decode_plain(model, full_kv, ids, 24, first_forward=s["draft_token_ids"],
+                        first_passes=s["verify_pass_sizes"], branch=(s["branch_at"], s["branch_token_ids"]))
+    assert json.loads(out)["token_ids"] == want
+    if s["drafted"]:
+        assert s["branch_at"] == 0 and s["branch_forks"] == 1
+        assert len(s["branch_draft_steps"]) == len(s["branch_token_ids"]) - 1 == s["drafted"] - 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "0.8"], "greedy"),
+    (["--layered-verify"], "--layered-verify"),
+])
+def test_cli_refusals(cli_cache, capsys, args, message):
+    _, model_dir, path, _, _ = cli_cache
+    code, out, err = _cli(capsys, path, "--model", model_dir, "--branch-margin", "0.1", *args)
+    assert code == 1 and err.startswith("lynxkv: error:") and message in err and err.count("\n") == 1
+
+
+def test_cli_refuses_a_branch_in_a_batch(cli_cache, capsys):
+    _, model_dir, path, _, _ = cli_cache
+    code, out, err = _cli(capsys, path, path, "--model", model_dir, "--branch-margin", "0.1")
+    assert code == 1 and "--branch-margin" in err and "one cache at a time" in err and err.count("\n") == 1
