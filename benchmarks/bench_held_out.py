@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layered-verify", action="store_true", help="Pass --layered-verify to lynxkv run.")
     ap.add_argument("--verify-first", type=int, default=None, help="Pass --verify-first N to lynxkv run.")
+    ap.add_argument("--branch-margin", type=float, default=None, help="Pass --branch-margin X to lynxkv run.")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write every row here.")
     a = ap.parse_args(argv)
 
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
                 run = subprocess.run([LYNXKV, "run", str(cache), "--bandwidth", rate, "-n", "64", "--ignore-eos",
                                       "--compare", "--repeats", str(a.repeats), "--json",
                                       *(["--layered-verify"] if a.layered_verify else []),
-                                      *(["--verify-first", str(a.verify_first)] if a.verify_first is not None else [])],
+                                      *(["--verify-first", str(a.verify_first)] if a.verify_first is not None else []),
+                                      *(["--branch-margin", str(a.branch_margin)] if a.branch_margin is not None else [])],
                                      check=True, capture_output=True, text=True, env=env)
                 rows.append(row_of(json.loads(run.stdout), f"p{i}", rate))
                 r = rows[-1]

@@ -113,6 +113,12 @@ def test_a_used_fork_keeps_the_branch_drafts(cases, arch, dtype, first):
     assert low.token_ids == _reference(model, full_kv, ids, low.stats)
     if dtype == "fp32":
         assert off.token_ids == low.token_ids == res.token_ids
+    if first == 0 and dtype == "fp32":  # the timeline shows the two-chain steps and the branch's kept drafts
+        from lynxkv.speculative.timeline import render_png, run_timeline
+
+        tl = run_timeline(s)
+        assert tl["branch_steps"] == s.branch_draft_steps and tl["branch_accepted"] == s.branch_accepted
+        assert render_png([tl]).startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,11 +243,14 @@ def _cli(capsys, *args):
 def test_cli_run_with_a_branch_equals_the_full_code(cli_cache, capsys):
     from lynxkv.cache import open_cache
 
-    model, model_dir, path, ids, _ = cli_cache
+    model, model_dir, path, ids, d = cli_cache
+    png = d / "t.png"
     code, out, err = _cli(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
-                          "--branch-margin", "1e9", "--json")  # every margin is below: a fork at the first draft
+                          "--branch-margin", "1e9", "--json", "--timeline", str(png))  # a fork at the first draft
     assert code == 0, err
     s = json.loads(out)["stats"]
+    assert json.loads(out)["timelines"][0]["branch_steps"] == s["branch_draft_steps"]
+    assert png.read_bytes().startswith(b"\x89PNG")
     with open_cache(path) as c:
         full_kv = c.load_kv()
     want = decode_plain(model, full_kv, ids, 24, first_forward=s["draft_token_ids"],

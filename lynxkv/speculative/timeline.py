@@ -28,10 +28,12 @@ def run_timeline(stats: RunStats, method: str = "lynx", *, data_ready_s: float |
         "residual_ready_s": stats.residual_ready_s if data_ready_s is None else data_ready_s,
         "residual_layers": [dict(r) for r in extra.get("residual_layers") or []],
         "draft_steps": [list(s) for s in stats.draft_steps],
+        "branch_steps": [list(s) for s in stats.branch_draft_steps],  # the draft forwards that ran two chains
         "verify": verify,
         "verify_layered": stats.verify_layered,  # the verify ran while the residual arrived, layer by layer
         "drafted": stats.drafted,
         "accepted": stats.accepted,
+        "branch_accepted": stats.branch_accepted,
         "decode_steps": [list(s) for s in stats.decode_steps],
         "tokens_s": list(stats.commit_times_s),
         "verified": stats.verified,
@@ -57,7 +59,7 @@ def stats_timeline(d: dict, method: str) -> dict:
     return run_timeline(RunStats(**fields), method)
 
 
-_COLOURS = {"draft": "#6baed6", "verify": "#d62728", "decode": "#74c476", "layer": "#ff7f0e", "token": "#222222"}
+_COLOURS = {"draft": "#6baed6", "branch": "#08519c", "verify": "#d62728", "decode": "#74c476", "layer": "#ff7f0e", "token": "#222222"}
 
 
 def render_png(timelines: list[dict], *, title: str | None = None, dpi: int = 80) -> bytes:
@@ -79,6 +81,9 @@ def render_png(timelines: list[dict], *, title: str | None = None, dpi: int = 80
         spans = lambda steps: [(s[0], max(s[1] - s[0], 1e-4)) for s in steps]  # noqa: E731
         ax.broken_barh(spans(tl["draft_steps"]), (y - 0.15, 0.3), facecolors=_COLOURS["draft"],
                        edgecolors="white", linewidth=0.3)
+        if tl.get("branch_steps"):
+            ax.broken_barh(spans(tl["branch_steps"]), (y - 0.15, 0.3), facecolors=_COLOURS["branch"],
+                           edgecolors="white", linewidth=0.3)
         if tl["verify"]:
             ax.broken_barh(spans([tl["verify"]]), (y - 0.15, 0.3), facecolors=_COLOURS["verify"])
         ax.broken_barh(spans(tl["decode_steps"]), (y - 0.15, 0.3), facecolors=_COLOURS["decode"],
@@ -98,8 +103,10 @@ def render_png(timelines: list[dict], *, title: str | None = None, dpi: int = 80
     ax.set_xlim(0, end * 1.02 if end else 1)
     ax.set_xlabel("seconds since the load started")
     ax.grid(axis="x", alpha=0.3)
+    branched = [Patch(color=_COLOURS["branch"], label="draft step, two chains")] if any(
+        tl.get("branch_steps") for tl in timelines) else []
     ax.legend(handles=[
-        Patch(color=_COLOURS["draft"], label="draft step (anchor)"),
+        Patch(color=_COLOURS["draft"], label="draft step (anchor)"), *branched,
         Patch(color=_COLOURS["verify"], label="verify"),
         Patch(color=_COLOURS["decode"], label="decode step (full)"),
         Line2D([], [], color=_COLOURS["layer"], label="residual layer arrived"),
@@ -124,6 +131,8 @@ def _label(tl: dict) -> str:
     name = tl["method"] + ("" if tl["verified"] else " (lossy)")
     if tl["method"] == "lynx" and tl["drafted"]:
         name += f"\n{tl['accepted']}/{tl['drafted']} drafts kept"
+        if tl.get("branch_accepted") is not None:
+            name += f", +1+{tl['branch_accepted']} on the branch"
     return name
 
 
