@@ -74,7 +74,9 @@ def row_of(doc: dict, prompt: str, rate: str) -> dict:
     tt1, full_tt1 = rows["lynx"]["tt1_s"], rows["monolithic-full"]["tt1_s"]
     return {
         "prompt": prompt, "rate": rate,
-        "kept": ", ".join(f"{s['accepted']}/{s['drafted']}" for s in lynx),
+        # with --branch-margin, "+1+n": the branch's root and n of its drafts kept after the main chain's
+        "kept": ", ".join(f"{s['accepted']}/{s['drafted']}" + ("" if s.get("branch_accepted") is None
+                                                                 else f"+1+{s['branch_accepted']}") for s in lynx),
         "layered": sum(bool(s.get("verify_layered")) for s in lynx),
         "tt1_lynx_s": tt1, "tt1_full_s": full_tt1, "step_s": step,
         "tt1_met": tt1 is not None and full_tt1 is not None and step is not None and tt1 <= full_tt1 + step,
