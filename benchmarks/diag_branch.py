@@ -20,8 +20,11 @@ below X, the branch's root being the anchor's runner-up there:
 A fork is *true* when p = d and F's token at d is the runner-up: the verify rejects the main chain at d and the
 branch's drafts are verified next. The branch is the anchor run free after F's prefix, so it keeps as many drafts
 as the teacher-forced anchor agrees with F after d. Drafts kept: the main chain's accepted drafts, and with a true
-fork also the root and the branch's accepted drafts. A fork costs a two-sequence draft step from p to the window's
-end (``steps branched`` below), which the window does not account for (it is counted in drafts, not in time).
+fork also the branch's accepted drafts (its root is not counted: without a branch the verify gives that token too,
+as its correction). A fork makes every later draft step a two-chain step; the ones that cost drafts are those
+while the main chain is still right (p < i < d, or to the window's end when nothing disagrees): "costly
+two-chain steps" below. Those after d only slow drafts that are rejected anyway. The window is counted in drafts,
+not in time (the two-chain steps' own cost is measured end to end by bench_branch.py).
 """
 
 from __future__ import annotations
@@ -91,9 +94,9 @@ def simulate(c: dict, x: float, window: int, policy: str) -> dict:
     branch_kept = 0
     if true:
         nxt = next((i for i in range(d + 1, len(c["full"])) if c["rank"][i] != 0), len(c["full"]))
-        branch_kept = 1 + min(nxt - d - 1, window - d - 1)  # the root, then the branch's accepted drafts
+        branch_kept = min(nxt - d - 1, window - d - 1)  # the branch's accepted drafts
     return dict(d=d, fork=fork, forks=forks, true=true, kept=kept, kept_with=kept + branch_kept,
-                branched_steps=0 if fork is None else window - fork - 1)
+                costly=0 if fork is None else max(0, min(d, window) - fork - 1))
 
 
 def main(argv=None) -> int:
@@ -104,15 +107,22 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=45, help="drafts a window holds (45: 3K tokens at 60 Mbit/s)")
     ap.add_argument("--margins", default="0.02,0.05,0.1,0.15,0.2,0.3,0.5,1.0")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write the chains here.")
+    ap.add_argument("--chains", default=None, help="Comma-separated JSON files of an earlier --json: simulate on "
+                    "those chains (the starts they hold) instead of computing them.")
     a = ap.parse_args(argv)
 
-    from lynxkv.hf.models import load_model
+    if a.chains:
+        all_chains = [c for f in a.chains.split(",") for c in json.load(open(f))]
+        a.starts = ",".join(str(c["start"]) for c in all_chains)
+    else:
+        from lynxkv.hf.models import load_model
 
-    torch.set_num_threads(2)
-    lm = load_model()
-    starts = [int(s) for s in a.starts.split(",")]
-    with tempfile.TemporaryDirectory() as d:
-        all_chains = [chains(lm.model, lm.tokenizer, s, a.tokens, a.positions, d) for s in starts]
+        torch.set_num_threads(2)
+        lm = load_model()
+        with tempfile.TemporaryDirectory() as d:
+            all_chains = [chains(lm.model, lm.tokenizer, int(s), a.tokens, a.positions, d) for s in a.starts.split(",")]
+    below = lambda x: sum(m < x for c in all_chains for m in c["anchor_margin"][:min(first_disagreement(c), a.window)])  # noqa: E731
+    agreeing = sum(min(first_disagreement(c), a.window) for c in all_chains)
     print(f"choosing corpus: built-in prompt, {a.tokens} tokens, starts {a.starts}; SmolLM2 fp32; "
           f"{a.positions} positions, window {a.window}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for c in all_chains:
@@ -124,17 +134,17 @@ def main(argv=None) -> int:
         print(f"start {c['start']}: first disagreement {d if d < len(c['full']) else 'none'} ({at}); teacher-forced "
               f"disagreements {dis}; margins before it: 5% {q(0.05):.3f}, median {q(0.5):.3f}")
     print()
-    print("| X (logits) | policy | forks | true forks | fork positions (first disagreement) | drafts kept without "
-          "/ with | two-sequence draft steps |")
-    print("|---:|---|---:|---:|---|---|---:|")
+    print("| X (logits) | policy | agreeing drafts below X | forks | true forks | fork at (first disagreement) | "
+          "drafts kept without / with | costly two-chain steps |")
+    print("|---:|---|---:|---:|---:|---|---|---:|")
     for x in (float(v) for v in a.margins.split(",")):
         for policy in ("first", "lowest"):
             sims = [simulate(c, x, a.window, policy) for c in all_chains]
             pos = ", ".join(f"{'-' if s['fork'] is None else s['fork']} ({s['d'] if s['d'] < a.window else '-'})"
                             for s in sims)
-            print(f"| {x:g} | {policy} | {sum(s['forks'] for s in sims)} | {sum(s['true'] for s in sims)} | {pos} | "
-                  f"{sum(s['kept'] for s in sims)} / {sum(s['kept_with'] for s in sims)} | "
-                  f"{sum(s['branched_steps'] for s in sims)} |")
+            print(f"| {x:g} | {policy} | {below(x)}/{agreeing} | {sum(s['forks'] for s in sims)} | "
+                  f"{sum(s['true'] for s in sims)} | {pos} | {sum(s['kept'] for s in sims)} / "
+                  f"{sum(s['kept_with'] for s in sims)} | {sum(s['costly'] for s in sims)} |")
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(all_chains, f)
