@@ -44,13 +44,14 @@ class Branch:
 
 class Brancher:
     """The draft loop's branch: where to fork (:meth:`consider`) and the branch's share of each draft forward
-    (:meth:`forward`). ``refork``: move the fork to a later position whose margin is lower than the current fork's
-    (a new fork of the main cache; the old branch is dropped)."""
+    (:meth:`forward`). One fork, at the first position below the bound: moving it to a later position of lower
+    margin gained nothing on the choosing corpus at the chosen bound (docs/speculative.md, "Branching at
+    low-margin positions"; benchmarks/diag_branch.py, policy "lowest")."""
 
-    def __init__(self, margin: float, stops, *, refork: bool = False):
-        self.margin, self.stops, self.refork = margin, set(stops), refork
+    def __init__(self, margin: float, stops):
+        self.margin, self.stops = margin, set(stops)
         self.branch: Branch | None = None
-        self.forks = 0  # forks made (more than one only with refork)
+        self.forks = 0  # forks made (0 or 1)
         self.packed_last = False  # the last forward ran two sequences
 
     def consider(self, logits: torch.Tensor, cache, at: int) -> None:
@@ -58,7 +59,7 @@ class Brancher:
         fed, ``at`` the index that token takes among the drafts): fork here if the margin is below the bound."""
         top = logits.topk(2)
         margin = float(top.values[0] - top.values[1])
-        if margin >= self.margin or (self.branch is not None and not (self.refork and margin < self.branch.margin)):
+        if margin >= self.margin or self.branch is not None:
             return
         forked = fork_cache(cache)
         if forked is None:  # a cache layer this cannot fork: no branch
