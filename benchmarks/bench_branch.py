@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="60Mbps")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", dest="json_out", default=None, help="Also write every run's stats here.")
+    ap.add_argument("--dir", default=None, help="Keep the caches here (reused when present) instead of a temporary "
+                    "directory.")
     a = ap.parse_args(argv)
 
     from lynxkv.hf.models import load_model
@@ -43,14 +45,17 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     settings = {"off": [], f"--branch-margin {a.margin:g}": ["--branch-margin", str(a.margin)]}
     runs: dict = {}
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = a.dir or tmp
         caches = {}
         for s in (int(x) for x in a.starts.split(",")):
-            prompt, cache = Path(d) / f"p{s}.txt", Path(d) / f"c{s}.lynx"
+            prompt, cache = Path(d) / f"p{s}-{a.tokens}.txt", Path(d) / f"c{s}-{a.tokens}.lynx"
+            caches[s] = cache
+            if cache.exists():
+                continue
             prompt.write_text(builtin_prompt(tok, a.tokens, start=s))
             subprocess.run([LYNXKV, "encode", "--model", "smollm2", "--prompt-file", str(prompt), "-o", str(cache)],
                            check=True, capture_output=True, env=env)
-            caches[s] = cache
         for r in range(a.repeats):
             for s, cache in caches.items():
                 for name, extra in (settings.items() if r % 2 == 0 else reversed(settings.items())):
