@@ -275,3 +275,23 @@ def test_cli_refuses_a_branch_in_a_batch(cli_cache, capsys):
     _, model_dir, path, _, _ = cli_cache
     code, out, err = _cli(capsys, path, path, "--model", model_dir, "--branch-margin", "0.1")
     assert code == 1 and "--branch-margin" in err and "one cache at a time" in err and err.count("\n") == 1
+
+
+def test_a_two_chain_step_abandoned_when_the_residual_lands():
+    """The residual lands inside a two-chain draft forward: the step is abandoned (lynxkv.speculative.interrupt),
+    the branch keeps the tokens of its whole steps, and the output is the full code's."""
+    from conftest import make_tiny_llama
+    from test_runner_interrupt import _LandsInForward
+
+    model = make_tiny_llama(3, layers=3)
+    ids = prompt_ids(7, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    load = _LandsInForward(model, ids, anchor_kv, full_kv, 5)
+    try:
+        res = run(model, load, RunConfig(max_new_tokens=30, max_window=24, branch_margin=1e9, interrupt_drafts=True))
+    finally:
+        load.close()
+    s = res.stats
+    assert s.drafts_abandoned == 1 and s.drafted == 4 and s.branch_at == 0
+    assert len(s.branch_token_ids) == 4 and len(s.branch_draft_steps) == 3  # forwards 2-4 ran both chains
+    assert res.token_ids == decode_plain(model, full_kv, ids, 30) == _reference(model, full_kv, ids, s, n=30)
