@@ -44,7 +44,7 @@ class RunStats:
     # Mean time of one draft forward on the anchor cache, the first one left out (unless it is the only one): like
     # the verify pass before the plain steps, the first forward on a fresh cache grows it into new storage (the
     # whole KV, first touched), which no later step pays. That one is first_draft_step_s (None when several new
-    # prompt tokens were prefilled first: the prefill grew the cache).
+    # prompt tokens were prefilled first: the prefill grew the cache). With a branch its two-chain steps count too.
     draft_step_s: float | None = None
     first_draft_step_s: float | None = None
     verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
