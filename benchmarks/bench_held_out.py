@@ -75,8 +75,14 @@ def row_of(doc: dict, prompt: str, rate: str) -> dict:
     return {
         "prompt": prompt, "rate": rate,
         # with --branch-margin, "+1+n": the branch's root and n of its drafts kept after the main chain's
-        "kept": ", ".join(f"{s['accepted']}/{s['drafted']}" + ("" if s.get("branch_accepted") is None
-                                                                 else f"+1+{s['branch_accepted']}") for s in lynx),
+        # and "(fork at p)" for a fork whose branch was not verified (the main chain was not rejected there)
+        "kept": ", ".join(f"{s['accepted']}/{s['drafted']}" + (
+            f"+1+{s['branch_accepted']}" if s.get("branch_accepted") is not None
+            else f" (fork at {s['branch_at']})" if s.get("branch_at") is not None else "") for s in lynx),
+        "forks": [s.get("branch_at") for s in lynx],
+        # when each method's full code was in (the monolithic run's whole cache), medians: TT1 starts there
+        "full_code_ready_lynx_s": _med([s["residual_ready_s"] for s in lynx]),
+        "full_code_ready_full_s": _med([s["residual_ready_s"] for s in full]),
         "layered": sum(bool(s.get("verify_layered")) for s in lynx),
         "tt1_lynx_s": tt1, "tt1_full_s": full_tt1, "step_s": step,
         "tt1_met": tt1 is not None and full_tt1 is not None and step is not None and tt1 <= full_tt1 + step,
