@@ -642,3 +642,58 @@ def test_layer_in_waits_without_spinning_until_the_outputs_exist(cache_dir, monk
         assert kv_equal(load.residual.result(30), ref_full)
     assert wall >= 0.5
     assert cpu < 0.1 * wall, f"layer_in used {cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+
+
+@pytest.mark.parametrize("eager", ["1", "0"])
+def test_landed_layers_are_dequantized_by_the_caller_who_asks_and_residual_in_says_when_all_bytes_are(
+        tmp_path, monkeypatch, eager):
+    """``dequantize_landed`` (what the runner calls between draft steps) dequantizes, in the calling thread, the
+    layers whose residual is in and that no worker has begun, and never waits; ``residual_in`` turns True once
+    every residual byte is in, whether or not the full code is built. The full code equals load_kv's."""
+    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", eager)
+    anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
+    path = write_pair(tmp_path, anchor, residual)
+    taken, bytes_in_before_done = 0, False
+    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+        load.wait_anchor(60)
+        assert not load.residual_in()
+        while not load.residual.done():
+            taken += load.dequantize_landed()
+            bytes_in_before_done |= load.residual_in() and not load.residual.done()
+            time.sleep(0.005)
+        full = load.residual.result(60)
+        assert load.residual_in() and load.dequantize_landed() == 0
+    if eager == "0":  # no worker takes layers early: every layer but those landing with the last bytes is ours
+        assert 3 <= taken <= 6, taken
+    else:  # the lowest-priority worker and the caller share them, each layer done once
+        assert 0 <= taken <= 6, taken
+    with open_cache(str(path)) as cache:
+        assert kv_equal(full, cache.load_kv(dtype=torch.float32))
+
+
+def test_a_layer_that_fails_when_taken_early_is_left_for_the_load_to_report(tmp_path, monkeypatch):
+    """A landed layer whose dequantization fails in the asking thread is put back untouched: the caller gets no
+    exception, and the load's own workers build that layer as without the early take (an error there is the
+    load's to report, through its residual)."""
+    from lynxkv.stream.assembly import KVAssembly
+
+    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "0")
+    anchor, residual = cache_bytes(random_kv(layers=3, heads=2, tokens=600, dim=16))
+    path = write_pair(tmp_path, anchor, residual)
+    real = KVAssembly.pages
+    main = threading.get_ident()
+
+    def pages(self, *args, **kwargs):
+        if threading.get_ident() == main:
+            raise ChecksumError("layer record damaged (test)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVAssembly, "pages", pages)
+    with open_progressive(str(path), bandwidth="2Mbps", block_size=16 << 10, inflight=1) as load:
+        load.wait_anchor(60)
+        while not load.residual.done():
+            assert load.dequantize_landed() == 0  # every try fails, quietly
+            time.sleep(0.005)
+        full = load.residual.result(60)  # the load's own workers decode the layers put back
+    with open_cache(str(path)) as cache:
+        assert kv_equal(full, cache.load_kv(dtype=torch.float32))

@@ -134,11 +134,42 @@ class KVAssembly:
                 job = self._jobs.pop(layer, None)
                 if job is None:
                     raise LynxError(f"layer {layer}'s residual is no longer held: the load failed or was closed")
-                self.pages(*job, threads=threads)
-                self._done[layer] = True
-                if self.reader is not None:
-                    self._drop(layer)
+                self._run(layer, job, threads)
         return self.full[layer]
+
+    def _run(self, layer: int, job: tuple, threads: int | None) -> None:
+        self.pages(*job, threads=threads)
+        self._done[layer] = True
+        if self.reader is not None:
+            self._drop(layer)
+
+    def all_in(self) -> bool:
+        """Whether every layer's residual pages are all in (some may not be dequantized yet)."""
+        return all(e.is_set() for e in self._in)
+
+    def take_landed(self) -> int:
+        """Dequantize, in the calling thread (with its torch threads), every layer whose residual is all in and
+        that nobody has begun; a layer another thread holds is left to it, so this never waits. Returns how many
+        layers it did. A layer that fails here is put back as it was: the load meets the same error where it
+        reports errors (:meth:`residual`), not in the caller."""
+        done = 0
+        for layer in list(self._jobs):
+            lock = self._locks[layer]
+            if self._done[layer] or not lock.acquire(blocking=False):
+                continue
+            try:
+                job = None if self._done[layer] else self._jobs.pop(layer, None)
+                if job is None:
+                    continue
+                try:
+                    self._run(layer, job, None)
+                except Exception:  # noqa: BLE001: reported by residual(), which runs the layer again
+                    self._jobs[layer] = job
+                    continue
+                done += 1
+            finally:
+                lock.release()
+        return done
 
     def _drop(self, layer: int) -> None:
         for kind in (c.SEGMENT_ANCHOR, c.SEGMENT_RESIDUAL):

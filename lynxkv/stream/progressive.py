@@ -198,6 +198,18 @@ class ProgressiveLoad(LoadConsumer):
             if deadline is not None and time.monotonic() >= deadline:
                 return False
 
+    def residual_in(self) -> bool:
+        """Whether every byte of the residual is in (its last layers may still be being dequantized); never waits."""
+        return self._outputs_ready.is_set() and self.decode and self._kv.all_in()
+
+    def dequantize_landed(self) -> int:
+        """Dequantize, in the calling thread, the layers whose residual is in and that no worker has begun (the
+        runner calls it between draft steps, so that little is left to do when the last byte lands); never waits.
+        Returns how many layers it did."""
+        if not (self._outputs_ready.is_set() and self.decode) or self._future.done():
+            return 0
+        return self._kv.take_landed()
+
     def full_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The full code of one layer once :meth:`layer_in` said its residual is all in, dequantized in the calling
         thread (the runner's layered verify, :mod:`lynxkv.speculative.layered`)."""
