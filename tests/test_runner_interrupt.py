@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_tiny_llama
 from lynxkv.speculative import RunConfig, decode_plain, run
-from lynxkv.speculative.interrupt import DraftInterrupt, decoder_modules
+from lynxkv.speculative.interrupt import DraftInterrupt, Superseded, decoder_modules
 from lynxkv.speculative.model_ops import forward_tokens, start_cache
 from runner_helpers import StepLoad, caches, single_thread, prompt_ids
 
@@ -111,3 +111,47 @@ def test_hooks_end_only_the_arming_threads_forward_and_are_removed_after(model):
     assert len(guard.modules) == 4 and guard.modules[-1] is model.get_output_embeddings()  # 3 layers and the head
     with torch.no_grad():
         assert forward_tokens(model, start_cache(model, anchor_kv, len(ids) - 1), [ids[-1]]).shape[0] == 1
+
+
+def test_every_residual_byte_in_also_ends_the_draft_forward(model):
+    ids = prompt_ids(9, 20)
+    _, anchor_kv, _ = caches(model, ids)
+    pending = concurrent.futures.Future()  # the full code is not built yet
+    guard = DraftInterrupt(model, pending, also=lambda: True)  # but its bytes are all in
+    with guard.installed(), pytest.raises(Superseded):
+        guard.run(forward_tokens, model, start_cache(model, anchor_kv, len(ids) - 1), [ids[-1]])
+    assert guard.abandoned == 1
+
+
+@pytest.mark.parametrize("between", ["1", "0"])
+def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monkeypatch, between):
+    """Over a link, with the lowest-priority worker off, the runner itself dequantizes the residual's layers that
+    land while it drafts (LYNXKV_DEQUANT_BETWEEN_DRAFTS=0: none), stops drafting once the bytes are all in, and the
+    output is still greedy decoding on the full code."""
+    import os
+
+    from lynxkv.cache import open_cache, save_cache
+    from lynxkv.hf import prefill
+    from lynxkv.hf.models import model_fingerprint
+    from lynxkv.stream import open_progressive
+
+    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "0")
+    monkeypatch.setenv("LYNXKV_DEQUANT_BETWEEN_DRAFTS", between)
+    big = make_tiny_llama(5, layers=6, kv_heads=2, head_dim=64)
+    ids = prompt_ids(5, 400)
+    kv, _ = prefill(big, torch.tensor(ids))
+    path = str(tmp_path / "c.lynx")
+    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(big))
+    with open_cache(path) as c:
+        full_kv = c.load_kv()
+    residual_bytes = os.path.getsize(path + "r")
+    rate = residual_bytes / 1.0  # the residual takes about a second, the anchor a bit more before it
+    with open_progressive(path, bandwidth=rate, block_size=8 << 10, inflight=1) as load:
+        res = run(big, load, RunConfig(max_new_tokens=400, max_window=400, min_window_steps=0))
+    s = res.stats
+    if between == "1":
+        assert s.layers_dequantized_between_drafts >= 2, s.layers_dequantized_between_drafts
+    else:
+        assert s.layers_dequantized_between_drafts == 0
+    assert s.drafted > 0 and s.verified
+    assert res.token_ids == decode_plain(big, full_kv, ids, 400, first_forward=s.draft_token_ids)

@@ -4,7 +4,8 @@ The residual lands at a moment that has nothing to do with the draft steps, so o
 still to run when it does (a whole step on a CPU at long context, 50 ms for SmolLM2 at 3,000 tokens), and the
 token that step drafts comes too late to be verified with the others. :class:`DraftInterrupt` puts a pre-forward
 hook on every decoder layer and on the output head; while a draft forward runs, each hook checks whether the
-residual has arrived (a future that is done without an error) and, if it has, ends the forward with
+residual has arrived (a future that is done without an error, or, for a progressive load, its last byte in) and,
+if it has, ends the forward with
 :class:`Superseded`. The runner then leaves its draft loop at once: the draft cache, which that forward may have
 grown in some layers and not in others, is not used again (the full code replaces it, and a failed residual never
 interrupts, so the anchor-only fallback always gets a whole cache).
@@ -41,8 +42,9 @@ def landed(future: concurrent.futures.Future) -> bool:
 class DraftInterrupt:
     """Hooks that end a draft forward once ``residual`` has landed (see the module docstring)."""
 
-    def __init__(self, model, residual: concurrent.futures.Future):
+    def __init__(self, model, residual: concurrent.futures.Future, also=None):
         self.residual = residual
+        self.also = also  # another reason to end the forward (a callable: every residual byte is in)
         self.modules = decoder_modules(model)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if self.modules and isinstance(head, torch.nn.Module):
@@ -52,7 +54,8 @@ class DraftInterrupt:
 
     def _check(self, *_args) -> None:
         # another thread's forward on the same model (a server running several requests) is never ended
-        if self._armed_in == threading.get_ident() and landed(self.residual):
+        if self._armed_in == threading.get_ident() and (
+                landed(self.residual) or (self.also is not None and self.also())):
             self._armed_in = None
             self.abandoned += 1
             raise Superseded

@@ -74,6 +74,10 @@ class RunConfig:
     # End the draft forward under way when the residual lands rather than wait for its token, which would come too
     # late to be verified (lynxkv.speculative.interrupt). LYNXKV_INTERRUPT_DRAFTS=0 turns it off.
     interrupt_drafts: bool = field(default_factory=lambda: os.environ.get("LYNXKV_INTERRUPT_DRAFTS", "1") != "0")
+    # Between draft steps, dequantize the residual's layers that have landed, in the runner's own thread; stop
+    # drafting once every residual byte is in. LYNXKV_DEQUANT_BETWEEN_DRAFTS=0 turns it off.
+    dequantize_between_drafts: bool = field(
+        default_factory=lambda: os.environ.get("LYNXKV_DEQUANT_BETWEEN_DRAFTS", "1") != "0")
     # Greedy only: at the first draft whose top-1 − top-2 logit margin on the anchor is below this, fork a second
     # chain from the runner-up token, drafted in the same forwards and verified when the main chain is rejected
     # exactly there (lynxkv.speculative.branch). 0: off.
@@ -240,9 +244,14 @@ def stream(
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
     brancher = Brancher(config.branch_margin, stops) if config.branch_margin > 0 and cap else None
     step_fn = forward_tokens if brancher is None else brancher.forward  # with a branch: its next token too
-    interrupt = DraftInterrupt(model, residual) if config.interrupt_drafts and cap else None
+    # A progressive load says when every residual byte is in and dequantizes landed layers on request: the runner
+    # does that between draft steps, and stops drafting (or ends the step under way) once the bytes are all in, so
+    # little of the full code is left to build after the last byte (lynxkv.stream.progressive)
+    bytes_in = getattr(load, "residual_in", None) if config.dequantize_between_drafts else None
+    take_landed = getattr(load, "dequantize_landed", None) if config.dequantize_between_drafts else None
+    interrupt = DraftInterrupt(model, residual, also=bytes_in) if config.interrupt_drafts and cap else None
     with interrupt.installed() if interrupt is not None else contextlib.nullcontext():
-        while len(drafts) < cap and not residual.done():
+        while len(drafts) < cap and not residual.done() and not (bytes_in is not None and bytes_in()):
             check_layered = len(step_times) >= 2 and layers  # the first step, on a fresh cache, is not a typical one
             check_guard = bool(step_times) and config.eta_guard > 0
             eta = load.residual_eta() if check_layered or check_guard else None  # read once for both checks
@@ -282,6 +291,8 @@ def stream(
             if probs is not None:
                 draft_probs.append(probs)
             pending = [token]
+            if take_landed is not None:
+                stats.layers_dequantized_between_drafts += take_landed()
             if stats.first_draft_s is None:
                 stats.first_draft_s = now()
             if stats.window_planned is None and step_times:

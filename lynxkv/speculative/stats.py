@@ -59,6 +59,7 @@ class RunStats:
     verify_waited_s: float | None = None
     decode_step_s: float | None = None  # mean time of one plain decode step after the verify (full cache)
     waited_on_eta: bool = False  # stopped drafting because the residual was due within a fraction of a step
+    layers_dequantized_between_drafts: int = 0  # residual layers the runner dequantized itself while drafting
     drafts_abandoned: int = 0  # draft forwards ended part-way because the full code came in (1 or 0)
     drafting_disabled: str | None = None  # why no drafts were made although speculation was on
     verified: bool = True  # False only for explicitly requested anchor-only output
