@@ -13,12 +13,15 @@ Encodes the built-in prompt with the offline SmolLM2 (``lynxkv encode``), then r
   (:mod:`lynxkv.stream.assembly`): the defaults;
 - ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own;
 - ``no interrupt`` (only with ``--settings``): the defaults, but a draft step under way when the residual lands runs
-  to its end (``LYNXKV_INTERRUPT_DRAFTS=0``; by default it is abandoned part-way, :mod:`lynxkv.speculative.interrupt`);
+  to its end (``LYNXKV_INTERRUPT_DRAFTS=0``; by default it is abandoned part-way, :mod:`lynxkv.speculative.interrupt`)
+  and the runner neither dequantizes landed residual layers between draft steps nor stops drafting when the last
+  byte is in (``LYNXKV_DEQUANT_BETWEEN_DRAFTS=0``): the runner before both;
+- ``no dequantizing between drafts`` (only with ``--settings``): the defaults with ``LYNXKV_DEQUANT_BETWEEN_DRAFTS=0``;
 - ``--layered-verify`` (only with ``--settings``): the defaults with the verify forward run layer by layer as the
   residual's layers land.
 
-``--settings`` picks which run, by key: ``before``, ``grouped``, ``defaults``, ``first``, ``nointerrupt``, ``layered``
-(default: the first four).
+``--settings`` picks which run, by key: ``before``, ``grouped``, ``defaults``, ``first``, ``nointerrupt``,
+``nobetween``, ``layered`` (default: the first four).
 
 Per setting, medians over the rounds: drafts kept, the verify's seconds and its length in decode steps (the run's own
 plain decode step after the verify), the first token after the residual's last byte (in decode steps; the monolithic
@@ -52,6 +55,7 @@ def measure(stats: dict) -> dict:
     times = stats["commit_times_s"]
     return {
         "kept": f"{stats['accepted']}/{stats['drafted']}",
+        "ready_s": res,  # the full code built (the residual's last byte, then what was left to dequantize)
         "verify_s": stats["verify_s"],
         "verify_steps": stats["verify_s"] / step if stats["verify_s"] and step else None,
         "first_after_residual_steps": (stats["first_commit_s"] - res) / step if res is not None and step else None,
@@ -73,14 +77,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--verify-first", type=int, default=2)
     ap.add_argument("--settings", default="before,grouped,defaults,first",
-                    help="comma-separated keys: before, grouped, defaults, first, nointerrupt, layered")
+                    help="comma-separated keys: before, grouped, defaults, first, nointerrupt, nobetween, layered")
     a = ap.parse_args(argv)
     late = {"LYNXKV_EAGER_RESIDUAL": "0"}
     known = {"before": ("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, []),
              "grouped": ("grouped", late, []),
              "defaults": ("grouped, eager", {}, []),
              "first": (f"grouped, eager, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)]),
-             "nointerrupt": ("grouped, eager, no interrupt", {"LYNXKV_INTERRUPT_DRAFTS": "0"}, []),
+             "nointerrupt": ("grouped, eager, no interrupt", {"LYNXKV_INTERRUPT_DRAFTS": "0",
+                                                              "LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"}, []),
+             "nobetween": ("grouped, eager, no dequantizing between drafts", {"LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"}, []),
              "layered": ("grouped, eager, --layered-verify", {}, ["--layered-verify"])}
     keys = [k.strip() for k in a.settings.split(",") if k.strip()]
     unknown = [k for k in keys if k not in known]
@@ -106,13 +112,13 @@ def main(argv=None) -> int:
     same = len({tuple(m["tokens"]) for ms in runs.values() for m in ms}) == 1
     print(f"SmolLM2, built-in prompt of {a.tokens} tokens, {a.bandwidth}, fp32, medians of {a.repeats} interleaved "
           f"rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("| setting | drafts kept | draft / decode step | verify | verify / decode step "
+    print("| setting | drafts kept | draft / decode step | full code ready | verify | verify / decode step "
           "| first token after the residual | TT1 | TT64 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, ms in runs.items():
-        f = {k: _med([m[k] for m in ms]) for k in ("draft_ratio", "verify_s", "verify_steps",
+        f = {k: _med([m[k] for m in ms]) for k in ("draft_ratio", "ready_s", "verify_s", "verify_steps",
                                                       "first_after_residual_steps", "tt1_s", "tt64_s")}
-        print(f"| {name} | {', '.join(m['kept'] for m in ms)} | {fmt(f['draft_ratio'])} "
+        print(f"| {name} | {', '.join(m['kept'] for m in ms)} | {fmt(f['draft_ratio'])} | {fmt(f['ready_s'])} s "
               f"| {fmt(f['verify_s'], '.3f')} s | {fmt(f['verify_steps'])} "
               f"| {fmt(f['first_after_residual_steps'])} steps | {fmt(f['tt1_s'])} s | {fmt(f['tt64_s'])} s |")
     print(f"same tokens in every run: {'yes' if same else 'NO'}")
