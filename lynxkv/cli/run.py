@@ -262,7 +262,8 @@ def run(
     cfg = RunConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
-        verify_first=verify_first, layered_verify=layered_verify, branch_margin=branch_margin, stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
+        verify_first=verify_first, layered_verify=layered_verify, branch_margin=branch_margin,
+        stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
     )
 
     def open_load():

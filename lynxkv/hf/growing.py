@@ -67,10 +67,15 @@ def grow_in_place(cache, room: int = 256):
     copy here); other layer kinds are left as they are. Returns ``cache``."""
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            grown = GrowingLayer(room)
-            grown.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("room", "_k", "_v")})
-            cache.layers[i] = grown
+            cache.layers[i] = _growing(layer, room)
     return cache
+
+
+def _growing(layer, room: int) -> GrowingLayer:
+    """A :class:`GrowingLayer` holding ``layer`` 's tensors and state (views: nothing is copied here)."""
+    grown = GrowingLayer(room)
+    grown.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("room", "_k", "_v")})
+    return grown
 
 
 def fork_cache(cache):
@@ -88,9 +93,7 @@ def fork_cache(cache):
     for layer in cache.layers:
         if type(layer) not in (DynamicLayer, GrowingLayer):
             return None
-        fork = GrowingLayer(getattr(layer, "room", 256))
-        fork.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("room", "_k", "_v")})
-        layers.append(fork)
+        layers.append(_growing(layer, getattr(layer, "room", 256)))
     forked = copy.copy(cache)
     forked.layers = layers
     return forked

@@ -16,9 +16,10 @@ unverified on its anchor); the others are not affected. As in the single runner,
 the steps while its residual is due within ``eta_guard`` of its draft step (its bytes are all in and the full
 code is being built): a draft then could no longer be verified any sooner, and its forward would only take the
 cores from that build, which runs at the lowest CPU priority (measured before the build went layer by layer: a
-request drafting on to its window's end held its own full code back by up to 1.8 s). Not supported here (the single runner has them):
-``verify_chunk``, ``verify_first``, ``layered_verify`` and ``branch_margin``. Times in each request's stats are seconds since its
-own arrival (when its load was opened).
+request drafting on to its window's end held its own full code back by up to 1.8 s). Not supported here (the
+single runner has them): ``verify_chunk``, ``verify_first``, ``layered_verify``, ``branch_margin``,
+``interrupt_drafts`` and ``dequantize_between_drafts``. Times in each request's stats are seconds since its own
+arrival (when its load was opened).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class RunConfig:
     residual_timeout: float | None = None  # seconds from the start
     allow_anchor_only: bool = False  # on residual failure, continue unverified on the anchor (flagged)
     stop_token_ids: tuple[int, ...] = ()
-    verify_chunk: int = 0  # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see verify_pass.verify_drafts)
+    # 0: verify every draft in one forward; n > 0: passes of n, 2n, ... drafts (see verify_pass.verify_drafts)
+    verify_chunk: int = 0
     # The first pass of the verify takes only this many drafts, whose tokens are committed at once, and a second
     # pass the rest (pass_sizes): the first tokens come about a decode step after the residual instead of a whole
     # verify after it, for one more forward's fixed cost. 0: one pass.
@@ -257,7 +258,8 @@ def stream(
             eta = load.residual_eta() if check_layered or check_guard else None  # read once for both checks
             if check_layered:
                 step = statistics.median(step_times[1:])
-                if eta is not None and eta < verify_estimate(model, len(feed) + len(drafts), step) * (1 - 1 / len(layers)):
+                rows = len(feed) + len(drafts)
+                if eta is not None and eta < verify_estimate(model, rows, step) * (1 - 1 / len(layers)):
                     layered = True
                     break
             if check_guard:

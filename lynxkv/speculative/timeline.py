@@ -59,7 +59,8 @@ def stats_timeline(d: dict, method: str) -> dict:
     return run_timeline(RunStats(**fields), method)
 
 
-_COLOURS = {"draft": "#6baed6", "branch": "#08519c", "verify": "#d62728", "decode": "#74c476", "layer": "#ff7f0e", "token": "#222222"}
+_COLOURS = {"draft": "#6baed6", "branch": "#08519c", "verify": "#d62728", "decode": "#74c476", "layer": "#ff7f0e",
+            "token": "#222222"}
 
 
 def render_png(timelines: list[dict], *, title: str | None = None, dpi: int = 80) -> bytes:

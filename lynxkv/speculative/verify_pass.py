@@ -33,7 +33,7 @@ def pass_sizes(k: int, chunk: int, first: int) -> list[int]:
 
 
 def verify_drafts(model, cache, feed: list[int], drafts: list[int], draft_probs: list[torch.Tensor],
-            params: SamplingParams, generator, sizes: list[int]):
+                  params: SamplingParams, generator, sizes: list[int]):
     """Verify ``drafts`` on the full cache (holding what ``feed`` follows) in passes of ``sizes`` drafts
     (:func:`pass_sizes`). A generator: after every pass that accepted all its drafts and is not the last, it
     yields how many drafts are accepted so far (final: the caller may commit them); it returns (accepted, next

@@ -144,8 +144,9 @@ class KVAssembly:
             self._drop(layer)
 
     def all_in(self) -> bool:
-        """Whether every layer's residual pages are all in (some may not be dequantized yet)."""
-        return all(e.is_set() for e in self._in)
+        """Whether every layer's residual pages are all in (some may not be dequantized yet). Asked from the last
+        layer back: the residual comes layer-major, so until the end the first look answers."""
+        return all(e.is_set() for e in reversed(self._in))
 
     def take_landed(self) -> int:
         """Dequantize, in the calling thread (with its torch threads), every layer whose residual is all in and
@@ -158,7 +159,7 @@ class KVAssembly:
             if self._done[layer] or not lock.acquire(blocking=False):
                 continue
             try:
-                job = None if self._done[layer] else self._jobs.pop(layer, None)
+                job = self._jobs.pop(layer, None)  # (a layer is done only once its job is taken)
                 if job is None:
                     continue
                 try:
