@@ -13,6 +13,7 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, synthetic_cache_bytes,
 from lynxkv.cache import open_cache
 from lynxkv.errors import ChecksumError, FormatError, LynxError
 from lynxkv.stream import open_progressive
+from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.progressive import ProgressiveLoad
 from lynxkv.storage import RetryPolicy
 
@@ -186,15 +187,17 @@ def test_a_header_that_lands_as_the_parsers_wait_times_out_still_gets_the_residu
 
 @pytest.mark.timing
 def test_close_stops_a_load_at_once(tmp_path):
-    """close() while the anchor is still being dequantized: the residual worker, which waits for the anchor to
-    be ready before it reads a residual page, leaves at once (not at a poll); queued pages are not decoded; every
-    worker has ended when close returns."""
+    """close() while the anchor is still coming in and being dequantized: the residual worker, which waits for
+    the anchor to be ready before it reads a residual page, leaves at once (not at a poll); queued pages are not
+    decoded; every worker has ended when close returns. The anchor comes through a 50 MB/s link (about 0.4 s for
+    its 21 MB), so the load is still going when close() comes, however busy the machine."""
     anchor, residual = synthetic_cache_bytes(layers=4, heads=8, tokens=4096, dim=128)
     path = write_pair(tmp_path, anchor, residual)
     for _ in range(3):
-        load = ProgressiveLoad(str(path), dtype=torch.bfloat16, max_pending_pages=2)
+        load = ProgressiveLoad(str(path), dtype=torch.bfloat16, max_pending_pages=2, link=EmulatedLink(50e6))
         assert load._header_ready.wait(60)
         time.sleep(0.02)  # the residual transport is open, its worker waits for the anchor
+        assert not load.residual.done()
         t0 = time.perf_counter()
         load.close()
         took = time.perf_counter() - t0
