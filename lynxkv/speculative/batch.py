@@ -17,8 +17,9 @@ the steps while its residual is due within ``eta_guard`` of its draft step (its 
 code is being built): a draft then could no longer be verified any sooner, and its forward would only take the
 cores from that build, which runs at the lowest CPU priority (measured before the build went layer by layer: a
 request drafting on to its window's end held its own full code back by up to 1.8 s). Not supported here (the
-single runner has them): ``verify_chunk``, ``verify_first``, ``layered_verify``, ``branch_margin``,
-``interrupt_drafts`` and ``dequantize_between_drafts``. Times in each request's stats are seconds since its own
+single runner has them): ``verify_chunk``, ``verify_first``, ``layered_verify`` and ``branch_margin`` (a request
+that sets one is refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch does
+without them). Times in each request's stats are seconds since its own
 arrival (when its load was opened).
 """
 
@@ -33,7 +34,7 @@ from typing import Callable
 import torch
 
 from lynxkv.cache.loading import CacheLoad
-from lynxkv.errors import LynxError, ResidualUnavailable
+from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, start_cache
 from lynxkv.speculative.packed import forward_packed
@@ -321,6 +322,14 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     request is done with it (its cache holds its full code, or the request ended) unless ``close_loads`` is False;
     either way the request lets it go then, with the KV copies only the load holds.
     """
+    for i, spec in enumerate(requests):
+        cfg = spec.config
+        named = [name for name, on in (("verify_chunk", cfg.verify_chunk), ("verify_first", cfg.verify_first),
+                                       ("layered_verify", cfg.layered_verify), ("branch_margin", cfg.branch_margin))
+                 if on]
+        if named:
+            raise InputError(f"request {spec.name or i}: {', '.join(named)}: the single runner's only "
+                             "(lynxkv.speculative.run), not in a batch")
     fingerprint = fingerprint or model_fingerprint(model)
     reqs = [_Request(spec, i, model, fingerprint) for i, spec in enumerate(requests)]
     for r in reqs:
