@@ -8,7 +8,8 @@ Choosing corpus only (never the held-out prompts of bench_held_out.py): the buil
 alternating, ``--repeats`` rounds. One row per prompt and setting: drafts kept per run (with the branch:
 "main/drafted+1+n", the root and n branch drafts kept after the main chain's), the fork's position, TT1 and TT64
 (medians), and whether every run gave the same tokens. Then the cost of a draft step that runs both chains: its
-median over the median one-chain draft step of the same runs (the first draft forward, on a fresh cache, left out).
+median over the median one-chain draft step of the same runs (the first draft forward, on a fresh cache, left out),
+per setting (``--copy`` adds the branch whose fork copies the draft cache, ``LYNXKV_BRANCH_SHARED_PREFIX=0``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--rate", default="60Mbps")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--copy", action="store_true", help="Also run the branch with LYNXKV_BRANCH_SHARED_PREFIX=0 "
+                    "(the fork copies the draft cache instead of reading its prefix in place).")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write every run's stats here.")
     ap.add_argument("--dir", default=None, help="Keep the caches here (reused when present) instead of a temporary "
                     "directory.")
@@ -43,7 +46,10 @@ def main(argv=None) -> int:
 
     tok = load_model().tokenizer
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    settings = {"off": [], f"--branch-margin {a.margin:g}": ["--branch-margin", str(a.margin)]}
+    on = ["--branch-margin", str(a.margin)]
+    settings = {"off": ([], {}), f"--branch-margin {a.margin:g}": (on, {})}
+    if a.copy:
+        settings[f"--branch-margin {a.margin:g}, prefix copied"] = (on, {"LYNXKV_BRANCH_SHARED_PREFIX": "0"})
     runs: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         d = a.dir or tmp
@@ -58,9 +64,10 @@ def main(argv=None) -> int:
                            check=True, capture_output=True, env=env)
         for r in range(a.repeats):
             for s, cache in caches.items():
-                for name, extra in (settings.items() if r % 2 == 0 else reversed(settings.items())):
+                for name, (extra, more) in (settings.items() if r % 2 == 0 else reversed(settings.items())):
                     out = subprocess.run([LYNXKV, "run", str(cache), "--bandwidth", a.rate, "-n", "64", "--ignore-eos",
-                                          "--json", *extra], check=True, capture_output=True, text=True, env=env)
+                                          "--json", *extra], check=True, capture_output=True, text=True,
+                                         env={**env, **more})
                     doc = json.loads(out.stdout)
                     runs.setdefault((s, name), []).append({"token_ids": doc["token_ids"], "stats": doc["stats"]})
                     st = doc["stats"]
@@ -71,7 +78,7 @@ def main(argv=None) -> int:
           f"interleaved runs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| start | setting | drafts kept | fork at | TT1 | TT64 | same tokens (all runs of the start) |")
     print("|---:|---|---|---|---:|---:|---|")
-    one, two = [], []
+    one, two = [], {}
     for (s, name), rs in runs.items():
         kept = ", ".join(f"{r['stats']['accepted']}/{r['stats']['drafted']}" + (
             "" if r["stats"]["branch_accepted"] is None else f"+1+{r['stats']['branch_accepted']}") for r in rs)
@@ -84,11 +91,14 @@ def main(argv=None) -> int:
             both = {tuple(x) for x in st["branch_draft_steps"]}
             steps = [x for x in st["draft_steps"][1:]]
             one += [x[1] - x[0] for x in steps if tuple(x) not in both]
-            two += [x[1] - x[0] for x in steps if tuple(x) in both]
-    if one and two:
-        m1, m2 = statistics.median(one), statistics.median(two)
-        print(f"\ndraft step: one chain {m1 * 1e3:.1f} ms (n={len(one)}), two chains {m2 * 1e3:.1f} ms (n={len(two)}): "
-              f"{m2 / m1:.2f}x")
+            two.setdefault(name, []).extend(x[1] - x[0] for x in steps if tuple(x) in both)
+    if one:
+        m1 = statistics.median(one)
+        print(f"\ndraft step: one chain {m1 * 1e3:.1f} ms (n={len(one)})")
+        for name, times in two.items():
+            if times:
+                m2 = statistics.median(times)
+                print(f"two chains, {name}: {m2 * 1e3:.1f} ms (n={len(times)}): {m2 / m1:.2f}x")
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({f"{s} {n}": v for (s, n), v in runs.items()}, f)

@@ -20,6 +20,7 @@ from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.cli import main
 from lynxkv.speculative import RunConfig, decode_plain, run
 from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache
+from lynxkv.speculative.packed import shares_prefix
 from runner_helpers import StepLoad, caches, perturbed, prompt_ids, single_thread, tiny_llama_cache
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
@@ -96,10 +97,12 @@ def test_a_used_fork_keeps_the_branch_drafts(cases, arch, dtype, first):
               RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound, verify_first=first))
     s = res.stats
     assert s.drafted == WINDOW and s.branch_at == d and s.branch_forks == 1
+    assert s.branch_shared_prefix == shares_prefix(model)  # llama, qwen2, phi3: the prefix read in place
     assert len(s.branch_token_ids) == WINDOW - d  # the root, then one draft per later step
     assert len(s.branch_draft_steps) == WINDOW - d - 1
     if dtype == "fp32" or not first:  # (bf16: a verify split in two passes rounds apart from the one-pass verify)
         assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
+        assert sum(s.verify_pass_sizes) == d + 1  # the main chain was not verified past the fork's draft
     assert res.token_ids == _reference(model, full_kv, ids, s)
     if dtype == "fp32":
         assert res.token_ids == decode_plain(model, full_kv, ids, NEW)
@@ -295,3 +298,59 @@ def test_a_two_chain_step_abandoned_when_the_residual_lands():
     assert s.drafts_abandoned == 1 and s.drafted == 4 and s.branch_at == 0
     assert len(s.branch_token_ids) == 4 and len(s.branch_draft_steps) == 3  # forwards 2-4 ran both chains
     assert res.token_ids == decode_plain(model, full_kv, ids, 30) == _reference(model, full_kv, ids, s, n=30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_the_forked_forward_is_two_batch1_forwards(arch, dtype):
+    """forward_forked (the branch reading the draft cache's prefix in place) gives each chain the logits of its
+    own batch-1 forward on a whole cache, to rounding, step after step; models it cannot run (sliding windows,
+    soft-capping) say so, and the runner's branch then copies the prefix as before."""
+    from transformers import DynamicCache
+
+    from lynxkv.hf.growing import fork_cache
+    from lynxkv.speculative.packed import forward_forked
+
+    dt = dtype
+    model = make_tiny_model(arch).to(TORCH_DTYPES[dt])
+    config = model.config
+    plain = (getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)) \
+        and not getattr(config, "attn_logit_softcapping", None) \
+        and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ()))
+    assert shares_prefix(model) == plain
+    if not plain:
+        return
+    ids = prompt_ids(3, PROMPT)
+    _, _, full_kv = caches(model, ids)
+    keep, feed = first_step(ids, None)
+    main, ref_main = start_cache(model, full_kv, keep), start_cache(model, full_kv, keep)
+    forward_tokens(model, main, feed)
+    forward_tokens(model, ref_main, feed)
+    prefix = int(main.get_seq_length())
+    fork, ref_fork = DynamicCache(), fork_cache(ref_main)
+    g = torch.Generator().manual_seed(0)
+    tol = 1e-4 if dt == "fp32" else 5e-2
+    for _ in range(6):
+        t, u = (int(x) for x in torch.randint(0, 128, (2,), generator=g))
+        lm, lf = forward_forked(model, main, fork, prefix, t, u)
+        rf = forward_tokens(model, ref_fork, [u])[-1]  # the fork first: it copies the prefix before main grows
+        rm = forward_tokens(model, ref_main, [t])[-1]
+        scale = max(float(rm.abs().max()), float(rf.abs().max()))
+        assert float((lm - rm).abs().max()) <= tol * scale and float((lf - rf).abs().max()) <= tol * scale
+        assert int(fork.get_seq_length()) == int(ref_fork.get_seq_length()) - prefix
+    assert int(main.get_seq_length()) == int(ref_main.get_seq_length()) == prefix + 6
+
+
+def test_cut_at_ends_a_pass_after_the_forks_draft():
+    from lynxkv.speculative.verify_pass import cut_at, pass_sizes
+
+    assert cut_at([10], 4) == [4, 6]
+    assert cut_at([2, 8], 2) == [2, 8]  # already a boundary
+    assert cut_at([2, 8], 5) == [2, 3, 5]
+    assert cut_at([1, 2, 4, 3], 6) == [1, 2, 3, 1, 3]
+    assert cut_at([10], 10) == [10] and cut_at([10], 0) == [10]
+    for k, first in ((30, 2), (7, 0), (12, 3)):
+        for at in range(k + 1):
+            sizes = cut_at(pass_sizes(k, 0, first), at)
+            assert sum(sizes) == k and all(n > 0 for n in sizes)
+            assert at in {sum(sizes[:i]) for i in range(len(sizes) + 1)}

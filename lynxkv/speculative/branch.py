@@ -2,13 +2,19 @@
 
     main chain   d0 d1 .. dp .. d(k-1)       the anchor's greedy tokens (stats.draft_token_ids)
     fork at p    the first draft whose top-1 − top-2 logit margin on the anchor is below RunConfig.branch_margin:
-                 a fork of the draft cache as it was before dp was fed (lynxkv.hf.growing.fork_cache), its root r
-                 the anchor's runner-up there
+                 the branch starts from the draft cache as it was before dp was fed, its root r the anchor's
+                 runner-up there
     branch       r b0 b1 ..                  greedy on the anchor; every later draft step runs the main chain and
-                                             the branch in ONE forward (lynxkv.speculative.packed.forward_packed)
-    verify       the main chain as always; if it rejected exactly dp and the full code's token there is r (r is
-                 then committed as the verify's own correction), one more forward over [r, b0, b1, ..] on the same
-                 full cache judges the branch's drafts; the accepted ones and the next token are committed
+                                             the branch in ONE forward: with plain attention the branch keeps only
+                                             its own tokens and reads the draft cache's first tokens in place, in
+                                             one product with the main chain's query (packed.forward_forked); else
+                                             it is a fork of the draft cache (lynxkv.hf.growing.fork_cache, which
+                                             copies it at the first step) run by packed.forward_packed
+    verify       the main chain, in passes of which one ends at dp (verify_pass.cut_at): a main chain rejected
+                 exactly there is not verified past it. If it rejected exactly dp and the full code's token there
+                 is r (r is then committed as the verify's own correction), one more forward over [r, b0, b1, ..]
+                 on the same full cache judges the branch's drafts; the accepted ones and the next token are
+                 committed
 
 On SmolLM2 every early disagreement of the anchor with the full code measured on the choosing corpus was a near
 tie of the anchor's logits with the full code's token its runner-up (docs/speculative.md, "Branching at
@@ -25,10 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from lynxkv.hf.growing import fork_cache
 from lynxkv.speculative.model_ops import drop_last, forward_tokens
-from lynxkv.speculative.packed import forward_packed
+from lynxkv.speculative.packed import forward_forked, forward_packed
 from lynxkv.speculative.sampling import SamplingParams
 from lynxkv.speculative.verify_pass import run_to_end, verify_drafts
 
@@ -37,9 +44,10 @@ from lynxkv.speculative.verify_pass import run_to_end, verify_drafts
 class Branch:
     at: int  # the main chain's draft it replaces (index into the drafts)
     margin: float  # the anchor's top-1 − top-2 logit margin there
-    cache: object  # the draft cache as it was before draft ``at`` was fed, grown by the branch's tokens
+    cache: object  # the branch's tokens: after the draft cache's first ``prefix`` (shared), or a whole fork of it
     tokens: list[int]  # [root, b0, b1, ...]: the anchor's runner-up at ``at``, then the branch's greedy drafts
     ended: bool = False  # it drafted a stop token: it grows no more
+    prefix: int | None = None  # the draft cache's length at the fork, when ``cache`` holds the branch's tokens only
 
 
 class Brancher:
@@ -48,8 +56,9 @@ class Brancher:
     margin gained nothing on the choosing corpus at the chosen bound (docs/speculative.md, "Branching at
     low-margin positions"; benchmarks/diag_branch.py, policy "lowest")."""
 
-    def __init__(self, margin: float, stops):
+    def __init__(self, margin: float, stops, *, shared: bool = False):
         self.margin, self.stops = margin, set(stops)
+        self.shared = shared  # the model runs forward_forked: the branch shares the draft cache's prefix
         self.branch: Branch | None = None
         self.forks = 0  # forks made (0 or 1)
         self.packed_last = False  # the last forward ran two sequences
@@ -64,8 +73,10 @@ class Brancher:
         forked = fork_cache(cache)
         if forked is None:  # a cache layer this cannot fork: no branch
             return
-        root = int(top.indices[1])
-        self.branch = Branch(at, margin, forked, [root], ended=root in self.stops)
+        root, prefix = int(top.indices[1]), None
+        if self.shared:  # the branch's own tokens only; the prefix is read from the draft cache
+            forked, prefix = DynamicCache(), int(cache.get_seq_length())
+        self.branch = Branch(at, margin, forked, [root], ended=root in self.stops, prefix=prefix)
         self.forks += 1
 
     def forward(self, model, cache, tokens: list[int]) -> torch.Tensor:
@@ -75,17 +86,29 @@ class Brancher:
         self.packed_last = b is not None and not b.ended
         if not self.packed_last:
             return forward_tokens(model, cache, tokens)
-        main, side = forward_packed(model, [cache, b.cache], [tokens, b.tokens[-1:]], batch_dense=True)
-        token = int(side[-1].argmax())
+        if b.prefix is None:
+            main, side = forward_packed(model, [cache, b.cache], [tokens, b.tokens[-1:]], batch_dense=True)
+            side = side[-1]
+        elif len(tokens) == 1:  # after the fork every draft step feeds one token per chain
+            main, side = forward_forked(model, cache, b.cache, b.prefix, tokens[0], b.tokens[-1])
+            main = main.unsqueeze(0)
+        else:
+            raise RuntimeError(f"a draft step after the fork fed {len(tokens)} tokens")
+        token = int(side.argmax())
         b.tokens.append(token)
         b.ended = token in self.stops
         return main
 
+    def pending(self) -> Branch | None:
+        """The branch, when it has drafts a verify could judge (its root and at least one more token)."""
+        b = self.branch
+        return b if b is not None and len(b.tokens) >= 2 else None
+
     def to_verify(self, accepted: int, next_token: int) -> Branch | None:
         """The branch, if the main chain's verify (``accepted`` drafts, then ``next_token``) rejected exactly
         the fork's draft in favour of the branch's root, and the branch has drafts to verify; else None."""
-        b = self.branch
-        if b is None or accepted != b.at or next_token != b.tokens[0] or len(b.tokens) < 2:
+        b = self.pending()
+        if b is None or accepted != b.at or next_token != b.tokens[0]:
             return None
         return b
 

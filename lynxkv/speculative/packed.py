@@ -37,6 +37,7 @@ from lynxkv.hf.attention import use_grouped_sdpa
 from lynxkv.hf.prefill import forward
 
 IMPL = "lynxkv_packed"
+FORKED_IMPL = "lynxkv_forked"
 _state = threading.local()
 
 
@@ -80,16 +81,45 @@ def _packed_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outs, dim=1), None
 
 
+def _forked_attention(module, query, key, value, attention_mask, scaling: float | None = None, **kwargs):
+    """A main chain and its fork, one new token each (query ``[1, heads, 2, D]``), the fork's cache holding only
+    its tokens after the first ``pack.prefix`` of the main cache: every query row against that shared prefix in
+    ONE product per key and value head, then each row against its own chain's tokens after it, one softmax over
+    both parts. Returns ``[1, 2, heads, D]``. The prefix is read once for both chains, and the fork copies none of
+    it (:func:`forward_forked`)."""
+    pack = _state.pack
+    (k_main, v_main), (k_fork, v_fork) = pack.cache.layer_kv[module.layer_idx]  # [1, Hkv, L, D] each
+    p = pack.prefix
+    hkv, d = k_main.shape[1], query.shape[-1]
+    g = query.shape[1] // hkv
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query[0].reshape(hkv, g * 2, d)  # query head h reads key head h // g; row (j, chain) of group h // g
+    shared = torch.matmul(q, k_main[0, :, :p].transpose(1, 2)).mul_(scale).view(hkv, g, 2, p)
+    probs_shared, outs = [], []
+    for chain, (k, v) in enumerate(((k_main[0, :, p:], v_main[0, :, p:]), (k_fork[0], v_fork[0]))):
+        own = torch.matmul(q.view(hkv, g, 2, d)[:, :, chain], k.transpose(1, 2)).mul_(scale)  # [Hkv, g, n]
+        probs = torch.softmax(torch.cat((shared[:, :, chain], own), dim=-1), dim=-1, dtype=torch.float32)
+        probs = probs.to(query.dtype)
+        probs_shared.append(probs[..., :p])
+        outs.append(torch.matmul(probs[..., p:], v))  # [Hkv, g, D]
+    prefix_out = torch.matmul(torch.stack(probs_shared, dim=2).reshape(hkv, g * 2, p), v_main[0, :, :p])
+    out = prefix_out.view(hkv, g, 2, d) + torch.stack(outs, dim=2)  # [Hkv, g, 2, D]
+    return out.reshape(hkv * g, 2, d).transpose(0, 1).unsqueeze(0), None  # [1, 2, heads, D]
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(IMPL, _packed_attention)
+    AttentionInterface.register(FORKED_IMPL, _forked_attention)
 
 
 class _Pack:
-    def __init__(self, cache: _PackedCache, base_impl: str, full_masks: list, sliding_masks: list):
+    def __init__(self, cache: _PackedCache, base_impl: str, full_masks: list, sliding_masks: list,
+                 prefix: int = 0):
         self.cache, self.base_impl = cache, base_impl
         self.full_masks, self.sliding_masks = full_masks, sliding_masks
+        self.prefix = prefix
 
 
 def _request_masks(model, cache, n: int, positions: torch.Tensor) -> tuple:
@@ -182,3 +212,47 @@ def forward_with_positions(model, ids, cache, positions):
     from lynxkv.hf.prefill import _cache_argument
 
     return model(input_ids=ids, position_ids=positions, use_cache=True, **{_cache_argument(type(model)): cache})
+
+
+def shares_prefix(model) -> bool:
+    """Whether :func:`forward_forked` can run ``model``: plain scaled dot-product attention over every cached
+    token (SDPA or eager; no sliding window, soft-capping or attention sinks), on any device."""
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager", IMPL, FORKED_IMPL, "lynxkv_sdpa"):
+        return False
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return False
+    return not any(getattr(config, name, None) for name in ("attn_logit_softcapping", "final_logit_softcapping",
+                                                              "attention_bias_sinks", "sinks"))
+
+
+@torch.no_grad()
+def forward_forked(model, cache, fork, prefix: int, token: int, fork_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward for a chain and its fork, one new token each: ``token`` after ``cache`` (L tokens) and
+    ``fork_token`` after the first ``prefix`` tokens of ``cache`` followed by ``fork`` (a cache holding only the
+    fork's own tokens); both caches grow in place. Returns the two logits rows ``[V]`` in fp32.
+
+    The dense layers run over both rows at once and the attention reads the shared prefix once for both
+    (:func:`_forked_attention`), so a two-chain step costs about one step plus one token's dense work, and the
+    fork never copies the prefix. Its rows are not those of a batch-1 forward to the last bit (the attention sums
+    in another order): for drafts, which a verify judges. :func:`shares_prefix` says which models it runs."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if FORKED_IMPL not in ALL_ATTENTION_FUNCTIONS:
+        _register()
+    past, own = int(cache.get_seq_length()), int(fork.get_seq_length())
+    positions = torch.tensor([[past, prefix + own]], device=model.device)
+    ids = torch.tensor([[token, fork_token]], dtype=torch.long, device=model.device)
+    config = model.config
+    base_impl = config._attn_implementation
+    _state.pack = _Pack(_PackedCache([cache, fork], [1, 1]), base_impl, [], [], prefix)
+    config._attn_implementation = FORKED_IMPL
+    try:
+        logits = forward_with_positions(model, ids, _state.pack.cache, positions).logits[0]  # [2, V]
+    finally:
+        config._attn_implementation = base_impl
+        _state.pack = None
+    return logits[0].float(), logits[1].float()

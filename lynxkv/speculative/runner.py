@@ -40,10 +40,11 @@ from lynxkv.speculative.interrupt import DraftInterrupt, Superseded
 from lynxkv.speculative.layered import LayeredVerify, decoder_layers, remember_verify, verify_estimate
 from lynxkv.speculative.branch import Brancher, verify_branch
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
+from lynxkv.speculative.packed import shares_prefix
 from lynxkv.speculative.sampling import SamplingParams, choose
 from lynxkv.speculative.schedule import AcceptanceTracker, remember_step, wait_reason
 from lynxkv.speculative.stats import RunStats
-from lynxkv.speculative.verify_pass import pass_sizes, run_to_end, verify_drafts
+from lynxkv.speculative.verify_pass import cut_at, pass_sizes, run_to_end, verify_drafts
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class RunConfig:
     # chain from the runner-up token, drafted in the same forwards and verified when the main chain is rejected
     # exactly there (lynxkv.speculative.branch). 0: off.
     branch_margin: float = 0.0
+    # The branch reads the draft cache's tokens before the fork in place, in one attention product with the main
+    # chain's, instead of copying them (lynxkv.speculative.packed.forward_forked; models with plain attention).
+    # LYNXKV_BRANCH_SHARED_PREFIX=0 turns it off.
+    branch_shared_prefix: bool = field(
+        default_factory=lambda: os.environ.get("LYNXKV_BRANCH_SHARED_PREFIX", "1") != "0")
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -243,7 +249,8 @@ def stream(
     # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
     layers = None if config.layered_verify and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
-    brancher = Brancher(config.branch_margin, stops) if config.branch_margin > 0 and cap else None
+    brancher = (Brancher(config.branch_margin, stops, shared=config.branch_shared_prefix and shares_prefix(model))
+                if config.branch_margin > 0 and cap else None)
     step_fn = forward_tokens if brancher is None else brancher.forward  # with a branch: its next token too
     # A progressive load says when every residual byte is in and dequantizes landed layers on request: the runner
     # does that between draft steps, and stops drafting (or ends the step under way) once the bytes are all in, so
@@ -311,6 +318,7 @@ def stream(
     if brancher is not None and brancher.branch is not None:
         stats.branch_at, stats.branch_forks = brancher.branch.at, brancher.forks
         stats.branch_token_ids = list(brancher.branch.tokens)
+        stats.branch_shared_prefix = brancher.branch.prefix is not None
     if step_times:
         later = step_times
         if len(feed) == 1:  # the first draft forward grew the fresh anchor cache (new prompt tokens: the prefill did)
@@ -349,6 +357,8 @@ def stream(
         try:
             if lv is None:
                 sizes = pass_sizes(len(drafts), config.verify_chunk, config.verify_first)
+                if brancher is not None and brancher.pending() is not None:  # a pass ends at the fork's draft
+                    sizes = cut_at(sizes, brancher.pending().at + 1)
                 passes_run = verify_drafts(model, cache, feed, drafts, draft_probs, params, generator, sizes)
                 while True:  # the drafts a pass accepted are committed before the next pass runs
                     try:

@@ -38,6 +38,8 @@ class RunStats:
     branch_accepted: int | None = None
     branch_verify_s: float | None = None
     branch_draft_steps: list[list[float]] = field(default_factory=list)
+    # the branch read the draft cache's tokens before the fork in place (RunConfig.branch_shared_prefix)
+    branch_shared_prefix: bool = False
     accepted: int = 0
     window_cap: int = 0
     window_planned: int | None = None  # from the residual ETA and the draft step time, at the first draft

@@ -32,6 +32,20 @@ def pass_sizes(k: int, chunk: int, first: int) -> list[int]:
     return [k]
 
 
+def cut_at(sizes: list[int], at: int) -> list[int]:
+    """``sizes`` (:func:`pass_sizes`) with a pass ending right after the first ``at`` drafts, when ``at`` falls
+    inside one: the branch's fork (:mod:`lynxkv.speculative.branch`), so that a main chain the full code rejects
+    exactly there is not verified past it (the passes stop at the first rejection) before the branch is."""
+    out, total = [], 0
+    for size in sizes:
+        if total < at < total + size:
+            out += [at - total, total + size - at]
+        else:
+            out.append(size)
+        total += size
+    return out
+
+
 def verify_drafts(model, cache, feed: list[int], drafts: list[int], draft_probs: list[torch.Tensor],
                   params: SamplingParams, generator, sizes: list[int]):
     """Verify ``drafts`` on the full cache (holding what ``feed`` follows) in passes of ``sizes`` drafts
