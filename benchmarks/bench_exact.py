@@ -184,19 +184,43 @@ def _entropy(z: torch.Tensor, context: torch.Tensor) -> float:
     return total
 
 
+def _scale_keys(kv, scheme):
+    """Per layer, (keys, values) ``[H, T, D]`` int64: the bf16 exponent of each element's chunk scale under
+    ``scheme`` (in the rotated space for rotated keys), through the reference quantizer."""
+    from lynxkv.quant import reference
+
+    out = []
+    for k, v in kv:
+        pair = []
+        for kind, x in (("key", k), ("value", v)):
+            enc = reference.quantize(x, scheme, kind)
+            s = reference.spread(enc.scale, scheme.chunk, enc.axis, x.shape[1], x.shape[2]).to(torch.bfloat16)
+            pair.append((s.view(torch.int16).to(torch.int64) >> 7) & 0xFF)
+        out.append(tuple(pair))
+    return out
+
+
 def sweep(kv, predicted, page: int) -> dict[str, float]:
     """Bits per element of the remainder: order-0 entropies with each context, then coding 2's bytes (Python
-    coder, CRCs included) with its literal count, shared-context threshold and frequency precision varied."""
+    coder, CRCs included) with its literal count, shared-context threshold and frequency precision varied.
+    Two contexts coding 2 does not use (its decoder would need each element's chunk scale) bound what knowing the
+    quantization step buys: the prediction's exponent less its chunk scale's (the step in units of the
+    prediction's last bit), and the two exponents as a pair."""
     out: dict[str, float] = {}
     pages = list(_pages(kv, predicted, page))
+    scales = [x for _, x in _pages(kv, _scale_keys(kv, DEFAULT), page)]
     n = sum(x.numel() for x, _ in pages)
     ent = {"entropy, no context": 0.0, "entropy given the exponent": 0.0,
-           "entropy given the exponent, K and V apart": 0.0}
-    for x, p in pages:
+           "entropy given the exponent, K and V apart": 0.0,
+           "entropy given the exponent less the chunk scale's, K and V apart": 0.0,
+           "entropy given the exponent and the chunk scale's, K and V apart": 0.0}
+    for (x, p), sk in zip(pages, scales):
         z = torch.from_numpy(rans._zigzag(x, p).astype("int64"))
         key = (p.view(torch.int16).to(torch.int64) >> 7) & 0xFF
         half = (torch.arange(len(z)) >= len(z) // 2).to(torch.int64)
-        for name, ctx in zip(ent, (torch.zeros_like(z), key, half * 256 + key)):
+        contexts = (torch.zeros_like(z), key, half * 256 + key, half * 512 + (key - sk + 256),
+                    (half * 256 + key) * 256 + sk)
+        for name, ctx in zip(ent, contexts):
             ent[name] += _entropy(z, ctx)
     out.update({name: bits / n for name, bits in ent.items()})
     configs = {"coding 2 as specified (16 literals, from 256, 10-bit)": {},
