@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from lynxkv.hf.attention import use_grouped_sdpa
+from lynxkv.hf.attention import IMPL as GROUPED_SDPA_IMPL, use_grouped_sdpa
 from lynxkv.hf.prefill import forward
 
 IMPL = "lynxkv_packed"
@@ -171,8 +171,6 @@ def forward_packed(model, caches: list, token_lists: list[list[int]], *,
 
     ``batch_dense=True`` runs the dense layers over all rows at once in every dtype, for forwards whose rows need
     not be the batch-1 rows (drafts, which a verify judges); None: :func:`dense_batched` decides."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     sizes = [len(t) for t in token_lists]
     if any(n < 1 for n in sizes):
         raise ValueError("every request in a packed forward needs at least one token")
@@ -180,8 +178,6 @@ def forward_packed(model, caches: list, token_lists: list[list[int]], *,
         ids = torch.tensor(token_lists, dtype=torch.long, device=model.device)
         return [forward(model, ids, caches[0]).logits[0].float()]
     use_grouped_sdpa(model)  # the attention a batch-1 forward runs (lynxkv.hf.prefill.forward): the same rows
-    if IMPL not in ALL_ATTENTION_FUNCTIONS:
-        _register()
     positions, full_masks, sliding_masks = [], [], []
     for cache, n in zip(caches, sizes):
         past = int(cache.get_seq_length())
@@ -192,19 +188,30 @@ def forward_packed(model, caches: list, token_lists: list[list[int]], *,
         sliding_masks.append(sliding)
     ids = torch.tensor([[t for toks in token_lists for t in toks]], dtype=torch.long, device=model.device)  # [1, N]
     packed = _PackedCache(caches, sizes)
+    batched = dense_batched(model) if batch_dense is None else batch_dense
+    rows = contextlib.nullcontext() if batched else _rowwise_linears(model, sizes)
+    with _attention(model, IMPL, packed, full_masks, sliding_masks), rows:
+        logits = forward_with_positions(model, ids, packed, torch.cat(positions, dim=1)).logits[0]  # [N, V]
+    return [x.float() for x in torch.split(logits, sizes, dim=0)]
+
+
+@contextlib.contextmanager
+def _attention(model, impl: str, packed: _PackedCache, full_masks=(), sliding_masks=(), prefix: int = 0):
+    """Within the block, ``model`` 's attention is ``impl`` (:data:`IMPL` or :data:`FORKED_IMPL`) over ``packed``,
+    this thread's pack; the model's own implementation is restored after it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl not in ALL_ATTENTION_FUNCTIONS:
+        _register()
     config = model.config
     base_impl = config._attn_implementation
-    _state.pack = _Pack(packed, base_impl, full_masks, sliding_masks)
-    config._attn_implementation = IMPL
+    _state.pack = _Pack(packed, base_impl, list(full_masks), list(sliding_masks), prefix)
+    config._attn_implementation = impl
     try:
-        batched = dense_batched(model) if batch_dense is None else batch_dense
-        rows = contextlib.nullcontext() if batched else _rowwise_linears(model, sizes)
-        with rows:
-            logits = forward_with_positions(model, ids, packed, torch.cat(positions, dim=1)).logits[0]  # [N, V]
+        yield
     finally:
         config._attn_implementation = base_impl
         _state.pack = None
-    return [x.float() for x in torch.split(logits, sizes, dim=0)]
 
 
 def forward_with_positions(model, ids, cache, positions):
@@ -219,7 +226,7 @@ def shares_prefix(model) -> bool:
     token (SDPA or eager; no sliding window, soft-capping or attention sinks), on any device."""
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager", IMPL, FORKED_IMPL, "lynxkv_sdpa"):
+    if impl not in ("sdpa", "eager", IMPL, FORKED_IMPL, GROUPED_SDPA_IMPL):
         return False
     if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
         return False
@@ -239,20 +246,10 @@ def forward_forked(model, cache, fork, prefix: int, token: int, fork_token: int)
     (:func:`_forked_attention`), so a two-chain step costs about one step plus one token's dense work, and the
     fork never copies the prefix. Its rows are not those of a batch-1 forward to the last bit (the attention sums
     in another order): for drafts, which a verify judges. :func:`shares_prefix` says which models it runs."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if FORKED_IMPL not in ALL_ATTENTION_FUNCTIONS:
-        _register()
     past, own = int(cache.get_seq_length()), int(fork.get_seq_length())
     positions = torch.tensor([[past, prefix + own]], device=model.device)
     ids = torch.tensor([[token, fork_token]], dtype=torch.long, device=model.device)
-    config = model.config
-    base_impl = config._attn_implementation
-    _state.pack = _Pack(_PackedCache([cache, fork], [1, 1]), base_impl, [], [], prefix)
-    config._attn_implementation = FORKED_IMPL
-    try:
-        logits = forward_with_positions(model, ids, _state.pack.cache, positions).logits[0]  # [2, V]
-    finally:
-        config._attn_implementation = base_impl
-        _state.pack = None
+    packed = _PackedCache([cache, fork], [1, 1])
+    with _attention(model, FORKED_IMPL, packed, prefix=prefix):
+        logits = forward_with_positions(model, ids, packed, positions).logits[0]  # [2, V]
     return logits[0].float(), logits[1].float()

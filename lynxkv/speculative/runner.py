@@ -357,8 +357,9 @@ def stream(
         try:
             if lv is None:
                 sizes = pass_sizes(len(drafts), config.verify_chunk, config.verify_first)
-                if brancher is not None and brancher.pending() is not None:  # a pass ends at the fork's draft
-                    sizes = cut_at(sizes, brancher.pending().at + 1)
+                fork = brancher.pending() if brancher is not None else None
+                if fork is not None:  # a pass ends at the fork's draft
+                    sizes = cut_at(sizes, fork.at + 1)
                 passes_run = verify_drafts(model, cache, feed, drafts, draft_probs, params, generator, sizes)
                 while True:  # the drafts a pass accepted are committed before the next pass runs
                     try:
