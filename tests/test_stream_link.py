@@ -121,6 +121,47 @@ def test_latency_is_paid_once_per_stream_not_per_block():
     assert elapsed < serial + 0.05 + 0.15  # 16 blocks x 50 ms would be 0.8 s
 
 
+class _RecordingLink(EmulatedLink):
+    """An unlimited link that records which block's bytes it was asked to send, in order."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.sent: list[int] = []
+
+    def send(self, stream: int, nbytes: int) -> float:
+        self.sent.append(nbytes)
+        return super().send(stream, nbytes)
+
+
+def test_blocks_in_flight_take_the_link_in_offset_order():
+    # Later blocks answer first; each block's bytes still go on the link after the block before it, as one
+    # connection's bytes do. The last block is the short one and answers first: charged as they answer, it
+    # would be the first on the link.
+    data = bytes(i % 251 for i in range(7500))
+    link = _RecordingLink()
+
+    def fetch(a, b):
+        time.sleep(0.005 * (8 - a // 1000))
+        return data[a:b]
+
+    src = RangeStream("mem", 0, len(data), stream=RESIDUAL, segment="residual", link=link, fetch=fetch,
+                      block_size=1000, inflight=8)
+    assert b"".join(d for _, d in src) == data
+    assert link.sent == [1000] * 7 + [500]
+
+
+@pytest.mark.timing
+def test_a_block_is_handed_over_once_its_own_bytes_are_sent():
+    data = bytes(i % 251 for i in range(400_000))
+    link = EmulatedLink(4e6, quantum=10_000)  # 100 KB blocks of 25 ms each, charged 10 KB at a time
+    src = RangeStream("mem", 0, len(data), stream=RESIDUAL, segment="residual", link=link,
+                      fetch=lambda a, b: data[a:b], block_size=100_000, inflight=4)
+    t0 = time.perf_counter()
+    times = [time.perf_counter() - t0 for _ in src]
+    # charged side by side, the four blocks would all end at about 100 ms; in order, the first ends at about 25
+    assert times[0] < 0.06 and times[-1] > 0.08
+
+
 def test_range_source_retries_and_orders_blocks():
     data = bytes(i % 251 for i in range(300_000))
     calls = {"n": 0}

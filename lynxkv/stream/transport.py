@@ -79,6 +79,11 @@ class RangeStream:
         self.after = after
         self.retries = 0
         self._closed = threading.Event()
+        # The blocks in flight take the link in offset order, one after another, as one connection's bytes do:
+        # charged side by side, their quanta would interleave and every block in flight would finish late, all
+        # together (the residual's last layers arriving as one burst at its end).
+        self._charge_turn = threading.Condition()
+        self._charged_to = start
 
     def close(self) -> None:
         self._closed.set()
@@ -121,7 +126,17 @@ class RangeStream:
                 while self.after is not None and not self.after.wait(0.05):
                     if self._closed.is_set():
                         raise StreamClosed(f"{self.segment} stream closed")
-                delivered = self.link.send(self.stream, len(data))
+                with self._charge_turn:
+                    while self._charged_to != a:
+                        if self._closed.is_set():
+                            raise StreamClosed(f"{self.segment} stream closed")
+                        self._charge_turn.wait(0.05)
+                try:
+                    delivered = self.link.send(self.stream, len(data))
+                finally:
+                    with self._charge_turn:
+                        self._charged_to = b
+                        self._charge_turn.notify_all()
             return data, delivered
         if isinstance(last, LynxError):
             raise last
