@@ -218,6 +218,67 @@ def test_fork_cache_refuses_layers_it_does_not_know():
     assert fork_cache(cache) is None
 
 
+class _LayeredStepLoad(StepLoad):
+    """A :class:`StepLoad` that hands out the full code layer by layer: every layer is in, and the residual is
+    due at once (``residual_eta`` 0) from the model's ``steps``-th forward on, so the runner stops drafting there
+    to verify layer by layer."""
+
+    def __init__(self, model, ids, anchor_kv, full_kv, steps: int):
+        super().__init__(model, ids, anchor_kv, full_kv)
+        self._full, self._steps, self.forwards = full_kv, steps, 0
+        self.asked: list[int] = []
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, _module, _args):
+        self.forwards += 1
+
+    def residual_eta(self):
+        return 0.0 if self.forwards >= self._steps else None
+
+    def layer_in(self, layer, timeout=None):
+        return True
+
+    def full_layer(self, layer):
+        self.asked.append(layer)
+        return self._full[layer]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_used_fork_with_the_layered_verify(cases, arch, dtype, monkeypatch):
+    from lynxkv.speculative import layered
+
+    monkeypatch.setattr(layered, "ROW_COST", 1e4)  # the verify looks long: start it at the first chance
+    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
+    model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
+    load = _LayeredStepLoad(model, ids, anchor, full_kv, steps=WINDOW - 2)
+    try:
+        res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound,
+                                         layered_verify=True))
+    finally:
+        model._forward_pre_hooks.clear()
+    s = res.stats
+    assert s.verify_layered and s.drafted > d + 1 and s.branch_at == d
+    assert sorted(load.asked) == list(range(model.config.num_hidden_layers))  # each layer filled once
+    assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
+    assert sum(s.verify_pass_sizes) == d + 1  # the layered pass ended at the fork's draft
+    assert res.token_ids == _reference(model, full_kv, ids, s)
+    if dtype == "fp32":
+        assert res.token_ids == decode_plain(model, full_kv, ids, NEW)
+    # a fork at the first draft that is not used: the rest of the main chain is verified in a second pass, on the
+    # layers the first pass filled and grew
+    load = _LayeredStepLoad(model, ids, anchor, full_kv, steps=WINDOW - 2)
+    try:
+        res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=1e9,
+                                         layered_verify=True))
+    finally:
+        model._forward_pre_hooks.clear()
+    s = res.stats
+    assert s.verify_layered and s.branch_at == 0 and s.accepted >= 1 and len(s.verify_pass_sizes) == 2
+    assert sorted(load.asked) == list(range(model.config.num_hidden_layers))
+    assert res.token_ids == _reference(model, full_kv, ids, s)
+
+
 def test_config_refusals():
     from lynxkv.errors import InputError
     from lynxkv.speculative import SamplingParams
@@ -226,8 +287,6 @@ def test_config_refusals():
         RunConfig(branch_margin=0.1, sampling=SamplingParams(temperature=0.7))
     with pytest.raises(InputError, match="branch_margin"):
         RunConfig(branch_margin=-1.0)
-    with pytest.raises(InputError, match="layered"):
-        RunConfig(branch_margin=0.1, layered_verify=True)
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +325,6 @@ def test_cli_run_with_a_branch_equals_the_full_code(cli_cache, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "0.8"], "greedy"),
-    (["--layered-verify"], "--layered-verify"),
 ])
 def test_cli_refusals(cli_cache, capsys, args, message):
     _, model_dir, path, _, _ = cli_cache

@@ -235,8 +235,6 @@ def run(
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
     if branch_margin > 0 and not sampling.greedy:
         raise InputError("--branch-margin: greedy decoding only (not with --temperature > 0)")
-    if branch_margin > 0 and layered_verify:
-        raise InputError("--branch-margin excludes --layered-verify")
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     exact = exact or exact_file is not None

@@ -90,8 +90,11 @@ class LayeredVerify:
         self.dtype, self.device, self.deadline = dtype, device, deadline  # deadline: a time.perf_counter()
         self.waited_s = 0.0  # time the forward spent waiting for layers to arrive
         self.last_layer_s: float | None = None  # perf_counter when the last layer's residual was in
+        self._filled: set[int] = set()
 
     def _fill(self, index: int) -> None:
+        if index in self._filled:  # a later pass (the rest after a fork, the branch) reads the grown layer
+            return
         t = time.perf_counter()
         timeout = None if self.deadline is None else max(0.0, self.deadline - t)
         if not self.load.layer_in(index, timeout):
@@ -104,6 +107,7 @@ class LayeredVerify:
         # what kv_to_cache and the crop to the kept tokens make of the whole full code (views when the dtype matches)
         layer.keys = k.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]
         layer.values = v.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]
+        self._filled.add(index)
 
     @contextmanager
     def installed(self):

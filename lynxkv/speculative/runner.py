@@ -44,7 +44,7 @@ from lynxkv.speculative.packed import shares_prefix
 from lynxkv.speculative.sampling import SamplingParams, choose
 from lynxkv.speculative.schedule import AcceptanceTracker, remember_step, wait_reason
 from lynxkv.speculative.stats import RunStats
-from lynxkv.speculative.verify_pass import cut_at, pass_sizes, run_to_end, verify_drafts
+from lynxkv.speculative.verify_pass import cut_at, pass_sizes, verify_drafts
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,6 @@ class RunConfig:
             raise InputError(f"branch_margin must be >= 0, got {self.branch_margin}")
         if self.branch_margin > 0 and not self.sampling.greedy:
             raise InputError("branch_margin: greedy decoding only (not with temperature > 0)")
-        if self.branch_margin > 0 and self.layered_verify:
-            raise InputError("branch_margin: not with layered_verify")
 
 
 @dataclass
@@ -354,12 +352,13 @@ def stream(
     if cache is not None:
         stats.verify_start_s = now()
         tv = time.perf_counter()
+        # the layered verify's first pass fills every layer as it reaches it; a later pass reads the grown layers
+        sizes = [len(drafts)] if lv is not None else pass_sizes(len(drafts), config.verify_chunk, config.verify_first)
+        fork = brancher.pending() if brancher is not None else None
+        if fork is not None:  # a pass ends at the fork's draft
+            sizes = cut_at(sizes, fork.at + 1)
         try:
-            if lv is None:
-                sizes = pass_sizes(len(drafts), config.verify_chunk, config.verify_first)
-                fork = brancher.pending() if brancher is not None else None
-                if fork is not None:  # a pass ends at the fork's draft
-                    sizes = cut_at(sizes, fork.at + 1)
+            with lv.installed() if lv is not None else contextlib.nullcontext():
                 passes_run = verify_drafts(model, cache, feed, drafts, draft_probs, params, generator, sizes)
                 while True:  # the drafts a pass accepted are committed before the next pass runs
                     try:
@@ -371,10 +370,6 @@ def stream(
                     early = accepted_so_far
                     if ev is not None:
                         yield ev
-            else:
-                with lv.installed():
-                    accepted, next_token, fed, passes = run_to_end(
-                        verify_drafts(model, cache, feed, drafts, draft_probs, params, generator, [len(drafts)]))
         except TimeoutError:
             if lv is None:
                 raise
