@@ -124,12 +124,18 @@ def test_the_verify_estimate_learns_from_a_measured_verify(monkeypatch):
     assert layered.verify_estimate(model, 20, 0.1) == pytest.approx(0.1 * (1 + 0.5 * 20))
 
 
-def test_the_layered_verify_is_off_unless_asked_for(tmp_path, eager):
+@pytest.mark.parametrize("options,layered_on", [
+    ({}, True), ({"layered_verify": False}, False), ({"verify_first": 2}, False),
+    ({"verify_first": 2, "layered_verify": True}, True),
+], ids=["default", "off", "verify-first", "verify-first-and-layered"])
+def test_the_layered_verify_is_on_unless_another_verify_is_asked_for(tmp_path, eager, options, layered_on):
     model, ids, path, full_kv = _stored(tmp_path, "llama")
     with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0))
-    assert not result.stats.verify_layered
-    assert result.token_ids == decode_plain(model, full_kv, ids, 24)
+        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0, **options))
+    s = result.stats
+    assert s.drafted > 0 and s.verify_layered == layered_on
+    assert result.token_ids == decode_plain(model, full_kv, ids, 24, first_forward=s.draft_token_ids,
+                                            first_passes=s.verify_pass_sizes)
 
 
 def test_lynxkv_run_layered_verify_flag(tmp_path, eager, capsys):
@@ -145,3 +151,9 @@ def test_lynxkv_run_layered_verify_flag(tmp_path, eager, capsys):
     assert code == 0, out.err
     stats = json.loads(out.out)["stats"]
     assert stats["verify_layered"] and stats["verify_start_s"] < stats["residual_ready_s"]
+    code = main(["run", path, "--model", model_dir, "-n", "20", "--ignore-eos", "--bandwidth",
+                 f"{_bandwidth(path, 1.0):.0f}B/s", "--no-layered-verify", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    stats = json.loads(out.out)["stats"]
+    assert not stats["verify_layered"] and stats["verify_start_s"] >= stats["residual_ready_s"]

@@ -161,8 +161,10 @@ def run(
                                         "whose top-1 − top-2 logit margin on the anchor is below this, also draft "
                                         "from the runner-up token, verified if the main drafts are rejected there "
                                         "(0: off)."),
-    layered_verify: bool = typer.Option(False, "--layered-verify", help="Start the verify while the residual still "
-                                        "arrives, each layer once its own residual is in (experimental)."),
+    layered_verify: bool = typer.Option(None, "--layered-verify/--no-layered-verify", show_default=False,
+                                        help="Start the verify while the residual still arrives, each layer once "
+                                        "its own residual is in [default: on, unless --verify-chunk or "
+                                        "--verify-first]."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
                                            "many seconds from the start."),
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual never arrives, "

@@ -66,9 +66,10 @@ class RunConfig:
     # verify after it, for one more forward's fixed cost. 0: one pass.
     verify_first: int = 0
     # Start the verify while the residual still arrives, each layer once its own residual is in
-    # (lynxkv.speculative.layered; needs a load with layer_in/full_layer, and verify_chunk 0). Off by default: on
-    # this project's 2-core CPU it does not pay yet (docs/speculative.md, "The layered verify").
-    layered_verify: bool = False
+    # (lynxkv.speculative.layered; needs a load with layer_in/full_layer, such as the progressive reader's).
+    # None (the default): on unless verify_chunk or verify_first asks for another shape of verify; True: on (the
+    # layered pass is the first); False: off. The batch runner verifies after the residual (None: off there).
+    layered_verify: bool | None = None
     # Draft only where it can pay (lynxkv.speculative.schedule): wait for the residual instead when, at anchor-ready,
     # it is due within this many decode steps. 0: always draft.
     min_window_steps: float = 2.0
@@ -245,7 +246,9 @@ def stream(
     pending = feed  # the tokens the next forward on the draft cache consumes
     step_times: list[float] = []
     # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
-    layers = None if config.layered_verify and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
+    wants_layered = config.layered_verify if config.layered_verify is not None else (
+        config.verify_chunk <= 0 and config.verify_first <= 0)
+    layers = None if wants_layered and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
     brancher = (Brancher(config.branch_margin, stops, shared=config.branch_shared_prefix and shares_prefix(model))
                 if config.branch_margin > 0 and cap else None)
