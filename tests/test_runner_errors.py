@@ -121,13 +121,16 @@ def test_each_draft_step_reads_the_residual_eta_once(setup):
             readings.append(len(readings))
             return 1e9
 
-        def layer_in(self, layer, timeout=None):  # offers the layered verify; never reached with this ETA
-            raise AssertionError("layer_in called")
+        def layer_in(self, layer, timeout=None):  # offers the layered verify, which starts after the window cap
+            return True
+
+        def full_layer(self, layer):
+            return full_kv[layer]
 
     load = FarOff(model, ids, anchor_kv, full_kv)
     config = RunConfig(max_new_tokens=8, max_window=6, layered_verify=True, eta_guard=0.5, min_window_steps=0)
     res = run(model, load, config)
-    assert res.stats.drafted == 6 and not res.stats.waited_on_eta
+    assert res.stats.drafted == 6 and not res.stats.waited_on_eta and res.stats.verify_layered
     # one reading before each draft step but the first, and one to plan the window after the first
     assert len(readings) == res.stats.drafted, readings
     assert res.token_ids == decode_plain(model, full_kv, ids, 8)
