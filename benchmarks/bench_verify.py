@@ -10,18 +10,22 @@ Encodes the built-in prompt with the offline SmolLM2 (``lynxkv encode``), then r
   all in (``LYNXKV_EAGER_RESIDUAL=0``);
 - ``grouped``: lynxkv's grouped-query SDPA (:mod:`lynxkv.hf.attention`), the residual still dequantized at the end;
 - ``grouped, eager``: and the residual dequantized layer by layer as it lands, at the lowest CPU priority
-  (:mod:`lynxkv.stream.assembly`): the defaults;
-- ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own;
+  (:mod:`lynxkv.stream.assembly`);
+- ``grouped, eager, layered (the defaults)``: and the verify forward run layer by layer as the residual's layers
+  land (:mod:`lynxkv.speculative.layered`); every other setting but ``first`` and ``layered`` passes
+  ``--no-layered-verify``, so it stays the runner it names;
+- ``grouped, eager, --verify-first N``: and the first N drafts verified and committed in a pass of their own (which
+  turns the layered verify off);
 - ``no interrupt`` (only with ``--settings``): the defaults, but a draft step under way when the residual lands runs
   to its end (``LYNXKV_INTERRUPT_DRAFTS=0``; by default it is abandoned part-way, :mod:`lynxkv.speculative.interrupt`)
   and the runner neither dequantizes landed residual layers between draft steps nor stops drafting when the last
   byte is in (``LYNXKV_DEQUANT_BETWEEN_DRAFTS=0``): the runner before both;
 - ``no dequantizing between drafts`` (only with ``--settings``): the defaults with ``LYNXKV_DEQUANT_BETWEEN_DRAFTS=0``;
-- ``--layered-verify`` (only with ``--settings``): the defaults with the verify forward run layer by layer as the
-  residual's layers land.
+- ``--no-layered-verify`` (only with ``--settings``): the defaults with the verify after the whole residual;
+- ``--layered-verify`` (only with ``--settings``): the layered verify asked for explicitly (the defaults' setting).
 
 ``--settings`` picks which run, by key: ``before``, ``grouped``, ``defaults``, ``first``, ``nointerrupt``,
-``nobetween``, ``layered`` (default: the first four).
+``nobetween``, ``nolayered``, ``layered`` (default: the first four).
 
 Per setting, medians over the rounds: drafts kept, the verify's seconds and its length in decode steps (the run's own
 plain decode step after the verify), the first token after the residual's last byte (in decode steps; the monolithic
@@ -77,16 +81,20 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--verify-first", type=int, default=2)
     ap.add_argument("--settings", default="before,grouped,defaults,first",
-                    help="comma-separated keys: before, grouped, defaults, first, nointerrupt, nobetween, layered")
+                    help="comma-separated keys: before, grouped, defaults, first, nointerrupt, nobetween, "
+                         "nolayered, layered")
     a = ap.parse_args(argv)
     late = {"LYNXKV_EAGER_RESIDUAL": "0"}
-    known = {"before": ("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, []),
-             "grouped": ("grouped", late, []),
-             "defaults": ("grouped, eager", {}, []),
+    flat = ["--no-layered-verify"]  # the verify after the whole residual, as every setting but the defaults had it
+    known = {"before": ("before", {"LYNXKV_GROUPED_SDPA": "0", **late}, flat),
+             "grouped": ("grouped", late, flat),
+             "defaults": ("grouped, eager, layered (the defaults)", {}, []),
              "first": (f"grouped, eager, --verify-first {a.verify_first}", {}, ["--verify-first", str(a.verify_first)]),
              "nointerrupt": ("grouped, eager, no interrupt", {"LYNXKV_INTERRUPT_DRAFTS": "0",
-                                                              "LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"}, []),
-             "nobetween": ("grouped, eager, no dequantizing between drafts", {"LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"}, []),
+                                                              "LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"}, flat),
+             "nobetween": ("grouped, eager, no dequantizing between drafts", {"LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"},
+                           flat),
+             "nolayered": ("grouped, eager, --no-layered-verify", {}, flat),
              "layered": ("grouped, eager, --layered-verify", {}, ["--layered-verify"])}
     keys = [k.strip() for k in a.settings.split(",") if k.strip()]
     unknown = [k for k in keys if k not in known]

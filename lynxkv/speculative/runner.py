@@ -8,7 +8,7 @@
               of a draft step (its ETA from the transport); with a load that hands out the full code layer by
               layer, until the residual is due within the verify's own length: the verify then runs layer by
               layer as the rest lands (lynxkv.speculative.layered), as it does whenever drafting ends before the
-              residual is in (the window cap, a stop token, or nothing drafted where drafting would not pay)
+              residual is in (the window cap, a stop token)
     verify -> the same start on the full KV ; ONE forward over [fed tokens, d0 .. d(k-1)] -> the last k+1
               rows of logits; accept the longest valid prefix (greedy: argmax match; sampling: min(1, p/q)), then
               the correction / bonus token from the target; drop the rejected tokens from the cache
@@ -328,13 +328,11 @@ def stream(
             later = step_times[1:] or step_times
         stats.draft_step_s = statistics.median(later)
 
-    # Drafting ended before the residual landed (the window cap, a stop token, or no drafting where it would not
-    # pay): the verify (or with nothing drafted, the first forward) still runs layer by layer as the rest lands,
-    # instead of after the last layer's bytes and dequantization
-    if config.speculate and not layered and layers is not False and not residual.done():
-        if layers is None:
-            layers = decoder_layers(model, start_cache(model, anchor_kv, keep)) or False
-        layered = bool(layers)
+    # Drafting ended before the residual landed (the window cap, a stop token): the verify still runs layer by layer
+    # as the rest lands, instead of after the last layer's bytes and dequantization. With nothing drafted the first
+    # forward waits for the whole full code: run layer by layer it came no sooner (docs/speculative.md, 1 Gbit/s).
+    if drafts and not layered and layers and not residual.done():
+        layered = True
 
     # ---- wait for the residual, or verify layer by layer as it lands -----------------------------------------
     full_kv: KVPairs | None = None
