@@ -227,7 +227,7 @@ class _LayeredStepLoad(StepLoad):
         super().__init__(model, ids, anchor_kv, full_kv)
         self._full, self._steps, self.forwards = full_kv, steps, 0
         self.asked: list[int] = []
-        model.register_forward_pre_hook(self._count)
+        self.hook = model.register_forward_pre_hook(self._count)  # the test removes it
 
     def _count(self, _module, _args):
         self.forwards += 1
@@ -256,7 +256,7 @@ def test_a_used_fork_with_the_layered_verify(cases, arch, dtype, monkeypatch):
         res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound,
                                          layered_verify=True))
     finally:
-        model._forward_pre_hooks.clear()
+        load.hook.remove()
     s = res.stats
     assert s.verify_layered and s.drafted > d + 1 and s.branch_at == d
     assert sorted(load.asked) == list(range(model.config.num_hidden_layers))  # each layer filled once
@@ -272,7 +272,7 @@ def test_a_used_fork_with_the_layered_verify(cases, arch, dtype, monkeypatch):
         res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=1e9,
                                          layered_verify=True))
     finally:
-        model._forward_pre_hooks.clear()
+        load.hook.remove()
     s = res.stats
     assert s.verify_layered and s.branch_at == 0 and s.accepted >= 1 and len(s.verify_pass_sizes) == 2
     assert sorted(load.asked) == list(range(model.config.num_hidden_layers))

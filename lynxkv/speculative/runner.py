@@ -247,9 +247,9 @@ def stream(
     pending = feed  # the tokens the next forward on the draft cache consumes
     step_times: list[float] = []
     # The layered verify (lynxkv.speculative.layered) needs a load that hands out the full code layer by layer
-    wants_layered = config.layered_verify if config.layered_verify is not None else (
-        config.verify_chunk <= 0 and config.verify_first <= 0)
-    layers = None if wants_layered and config.verify_chunk <= 0 and hasattr(load, "layer_in") else False
+    wants_layered = config.verify_chunk <= 0 and (
+        config.layered_verify if config.layered_verify is not None else config.verify_first <= 0)
+    layers = None if wants_layered and hasattr(load, "layer_in") else False
     layered = False  # drafting stopped to verify layer by layer as the rest of the residual lands
     brancher = (Brancher(config.branch_margin, stops, shared=config.branch_shared_prefix and shares_prefix(model))
                 if config.branch_margin > 0 and cap else None)
