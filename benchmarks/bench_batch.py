@@ -7,6 +7,7 @@ repeat runs, interleaved, through the CLI in this process (``lynxkv.cli.main``, 
     lynx-srf   the batch, one cache at a time (``--link-turn cache``, the default), shortest first
     mono-srf   the batch on the monolithic full code (``--compare``; each cache whole, shortest first)
     lynx-fifo  the batch, one cache at a time in arrival order
+    lynx-nolayered  lynx-srf with ``--no-layered-verify`` (each verify after its whole residual)
     lynx-res   the batch, every anchor first, then the residuals shortest first (``--link-turn residual``)
     one-by-one each cache alone on its own link, one after another (batch 1; not with --no-batch1)
     decode-8 / decode-1   with --decode-only, the same without a link (caches on local disk): decode alone
@@ -79,6 +80,8 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batc
     srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache", "--compare")
     fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo", "--link-turn", "cache")
     turn, out["wall_residual_turn"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "residual")
+    flat, out["wall_nolayered"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache",
+                                      "--no-layered-verify")
     singles, walls = [], []
     for p in paths if batch1 else ():
         doc, wall = cli(p, *common, *link)
@@ -93,7 +96,7 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batc
         out["tps_decode8"] = tokens / out["wall_decode8"]
         out["tps_decode1"] = tokens / sum(cli(p, *common)[1] for p in paths)
     rows = []
-    for r, s, c in zip(srf["requests"], singles or [None] * len(paths), turn["requests"]):
+    for r, s, c, nl in zip(srf["requests"], singles or [None] * len(paths), turn["requests"], flat["requests"]):
         st = r["stats"]
         delta = None
         if st["residual_after_anchor_s"] is not None and st["tpot_s"] is not None:
@@ -107,11 +110,16 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batc
                      "delta_residual_turn": _delta(c["stats"]),
                      "kept_residual_turn": f"{c['stats']['accepted']}/{c['stats']['drafted']}",
                      "same_residual_turn": c["token_ids"] == r["token_ids"],
+                     "layered": bool(st.get("verify_layered")), "waited": st.get("verify_waited_s"),
+                     "tt64_nolayered": nl["stats"]["tt64_s"], "delta_nolayered": _delta(nl["stats"]),
+                     "kept_nolayered": f"{nl['stats']['accepted']}/{nl['stats']['drafted']}",
+                     "same_nolayered": nl["token_ids"] == r["token_ids"],
                      "same_as_mono": r["compare"]["monolithic_full"]["same_tokens_as_lynx"],
                      "same_as_batch1": r["token_ids"] == s["token_ids"] if s else None})
     out["rows"] = rows
     out["tt64_mean_srf"] = srf["aggregate"]["tt64_mean_s"]
     out["tt64_mean_fifo"] = fifo["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_nolayered"] = flat["aggregate"]["tt64_mean_s"]
     out["tt64_mean_residual_turn"] = turn["aggregate"]["tt64_mean_s"]
     out["tt64_mean_mono"] = srf["aggregate"]["monolithic_full"]["tt64_mean_s"]
     out["acceptance"] = srf["aggregate"]["acceptance_rate"]
@@ -196,18 +204,24 @@ def main() -> None:
     yes = lambda xs: "-" if any(x is None for x in xs) else ("yes" if all(xs) else "NO")  # noqa: E731
     print("--link-turn cache (the default: one cache at a time, its anchor then its residual), srf order:\n")
     print("| request | prompt | TT1 | TT64 batch 8 | TT64 monolithic batch 8 | gain | Δ | gain / Δ | drafts kept "
-          "| TT64 batch 1 | = monolithic | = batch 1 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
-    ratios = []
+          "| layered verify (waited, s) | gain / Δ without it | TT64 batch 1 | = monolithic | = batch 1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|---|")
+    ratios, flat_ratios = [], []
     for i in range(len(paths)):
         rs = [r["rows"][i] for r in rounds]
         g, d = med([r["gain"] for r in rs]), med([r["delta"] for r in rs])
         ratio = g / d if g is not None and d else None
         ratios.append(ratio)
+        gn = med([r["tt64_mono"] - r["tt64_nolayered"] for r in rs if r["tt64_mono"] and r["tt64_nolayered"]])
+        dn = med([r["delta_nolayered"] for r in rs])
+        flat_ratios.append(gn / dn if gn is not None and dn else None)
+        layered = ", ".join(f"{r['waited']:.2f}" if r["layered"] and r["waited"] is not None else "no" for r in rs)
         print(f"| {rs[0]['name']} | {rs[0]['prompt']} | {f(med([r['tt1'] for r in rs]))} | "
               f"{f(med([r['tt64'] for r in rs]))} | {f(med([r['tt64_mono'] for r in rs]))} | {f(g)} | {f(d)} | "
-              f"{f(ratio)} | {', '.join(r['kept'] for r in rs)} | {f(med([r['tt64_batch1'] for r in rs]))} | "
-              f"{yes([r['same_as_mono'] for r in rs])} | {yes([r['same_as_batch1'] for r in rs])} |")
+              f"{f(ratio)} | {', '.join(r['kept'] for r in rs)} | {layered} | {f(flat_ratios[-1])} | "
+              f"{f(med([r['tt64_batch1'] for r in rs]))} | "
+              f"{yes([r['same_as_mono'] and r['same_nolayered'] for r in rs])} | "
+              f"{yes([r['same_as_batch1'] for r in rs])} |")
     t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
     d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
     print()
@@ -234,7 +248,9 @@ def main() -> None:
           f"{f(per('tt64_mean_srf', 'tt64_mean_mono'))}, residual turn / cache turn "
           f"{f(per('tt64_mean_residual_turn', 'tt64_mean_srf'))}")
     print(f"median per-request gain over the batched monolithic full code: cache turn "
-          f"{f(statistics.median([r for r in ratios if r is not None]))} Δ, residual turn "
+          f"{f(statistics.median([r for r in ratios if r is not None]))} Δ "
+          f"({f(statistics.median([r for r in flat_ratios if r is not None]))} Δ with --no-layered-verify; mean TT64 "
+          f"{f(med([r['tt64_mean_nolayered'] for r in rounds]))} s), residual turn "
           f"{f(statistics.median([r for r in turn_ratios if r is not None]))} Δ")
     fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
     srf_gain = med([(r["tt64_mean_fifo"] - r["tt64_mean_srf"]) / r["tt64_mean_fifo"] for r in rounds])

@@ -5,7 +5,8 @@ its full code, and every step runs all of them in ONE packed forward (lynxkv.spe
     draft   ->  its last token on its anchor cache, in the step's forward, until its residual is in or its window
                 is full (then it waits while the others go on)
     verify  ->  [fed prompt tokens, d0 .. d(k-1)] on its full cache, in the step's forward; accept as the single
-                runner does (greedy: argmax match; sampling: min(1, p/q)), commit, drop the rejected tokens
+                runner does (greedy: argmax match; sampling: min(1, p/q)), commit, drop the rejected tokens;
+                layer by layer as its residual lands when that is due within the verify's own length (below)
     decode  ->  one token per step on its full cache, until its max_new_tokens or a stop token; then it leaves
 
 A request's committed tokens are those of :func:`lynxkv.speculative.run` on the same load with the same config
@@ -16,16 +17,28 @@ unverified on its anchor); the others are not affected. As in the single runner,
 the steps while its residual is due within ``eta_guard`` of its draft step (its bytes are all in and the full
 code is being built): a draft then could no longer be verified any sooner, and its forward would only take the
 cores from that build, which runs at the lowest CPU priority (measured before the build went layer by layer: a
-request drafting on to its window's end held its own full code back by up to 1.8 s). Not supported here (the
-single runner has them): ``verify_chunk``, ``verify_first``, ``layered_verify`` and ``branch_margin`` (a request
-that sets one is refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch does
-without them). Times in each request's stats are seconds since its own
-arrival (when its load was opened).
+request drafting on to its window's end held its own full code back by up to 1.8 s).
+
+The layered verify (:mod:`lynxkv.speculative.layered`, ``RunConfig.layered_verify`` None or True, a load with
+``layer_in``, such as the progressive reader's): once a request has drafts and its residual is due within its
+verify's own length (:func:`~lynxkv.speculative.layered.verify_estimate` in packed steps, learned from the
+batch's own verifies), its verify joins the next step's forward on a cache shaped like its anchor's, and each
+decoder layer takes that request's full code as it reaches the layer, waiting for it if need be. A forward that
+waits holds up every request in it, so the verify starts only that close to the residual's end (drafting ended
+by the window or a stop token does not start it early, as it does at batch 1), and its waits are bounded: a layer
+later than the residual's estimate allowed (by ``patience``) gives up the layered pass, whose rows are dropped,
+and the request verifies after its whole residual as without it. A residual that fails during the pass ends that
+request (or, with ``allow_anchor_only``, sends it on unverified on its anchor) as it would without it.
+
+Not supported here (the single runner has them): ``verify_chunk``, ``verify_first`` and ``branch_margin`` (a
+request that sets one is refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch
+does without them). Times in each request's stats are seconds since its own arrival (when its load was opened).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -36,6 +49,7 @@ import torch
 from lynxkv.cache.loading import CacheLoad
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative.layered import LayeredVerify, decoder_layers, remember_verify, verify_estimate
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, start_cache
 from lynxkv.speculative.packed import forward_packed
 from lynxkv.speculative.runner import RunConfig, check_load, clip_tokens, is_finished
@@ -119,6 +133,10 @@ class _Request:
         self.verified = True
         self.anchor_kv = None
         self.step_s: list[float] = []  # its draft steps' seconds (one token each), for the ETA guard
+        self.layers = None  # its decoder layers for the layered verify (None: not known yet; False: none)
+        self.lv: LayeredVerify | None = None  # its layered verify, while that is in the next forward
+        self.draft_cache = None  # its anchor cache, kept while the layered verify runs on another
+        self.draft_pending: list[int] | None = None  # what that cache's next forward would have fed
         self.close_load = True  # close the load when the request is done with it (run_batch's close_loads)
 
     # ---- clock and commits ----------------------------------------------------------------------------------
@@ -181,10 +199,44 @@ class _Request:
             self.phase = "wait"
             if self.cap and not self.load.residual.done():
                 self.cache, self.pending, self.phase = start_cache(self.model, self.anchor_kv, self.keep), self.feed, "draft"
+                wanted = cfg.layered_verify is not False and hasattr(self.load, "layer_in")
+                self.layers = decoder_layers(self.model, self.cache) if wanted else None
+                self.layers = self.layers or False
         if self.phase == "draft" and (self.load.residual.done() or len(self.drafts) >= self.cap):
             self.phase = "wait"
+        if self.phase in ("draft", "wait") and self._layered_due():
+            self._start_layered()
         if self.phase == "wait":
             self._take_residual()
+
+    def _layered_due(self) -> bool:
+        """Whether to verify layer by layer from the next step on: it has drafts, two draft steps to judge a step
+        by, and its residual, not yet in, is due within the verify's own length (less its last layer)."""
+        if not (self.layers and self.drafts and len(self.step_s) >= 2) or self.load.residual.done():
+            return False
+        eta = self.load.residual_eta()
+        if eta is None:
+            return False
+        step = statistics.median(self.step_s[1:])
+        rows = len(self.feed) + len(self.drafts)
+        return eta < verify_estimate(self.model, rows, step, batch=True) * (1 - 1 / len(self.layers))
+
+    def _start_layered(self) -> None:
+        cfg = self.cfg
+        eta = self.load.residual_eta() or 0.0
+        step = statistics.median(self.step_s[1:])
+        now = time.perf_counter()
+        deadline = None if cfg.residual_timeout is None else self.t0 + cfg.residual_timeout
+        # the residual's own estimate, with room for a late estimate: past that, a forward that waits on the layers
+        # holds up the other requests for longer than verifying after the residual would cost this one
+        patience = now + 2 * eta + 4 * step + 0.05
+        self.draft_cache, self.draft_pending = self.cache, self.pending
+        self.cache = start_cache(self.model, self.anchor_kv, self.keep)  # the anchor's shapes; each layer replaced
+        self.lv = LayeredVerify(self.load, self.cache, self.layers, self.keep, self.model.dtype, self.model.device,
+                                deadline, soft=True, patience=patience)
+        self.stats.drafted, self.stats.draft_token_ids = len(self.drafts), list(self.drafts)
+        self._stop_drafting()
+        self.pending, self.phase = self.feed + self.drafts, "verify"
 
     def holds(self) -> bool:
         """A drafting request sits this step out: its residual is due within ``eta_guard`` of its draft step. Its
@@ -216,20 +268,56 @@ class _Request:
             error = f"the residual failed: {exc}"
         self.stats.drafted, self.stats.draft_token_ids = len(self.drafts), list(self.drafts)
         if error is not None:
-            if not cfg.allow_anchor_only:
-                raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
-            self.stats.verified, self.stats.residual_error, self.verified = False, error, False
-            if self.cache is None:
-                self.cache, self.pending = start_cache(self.model, self.anchor_kv, self.keep), self.feed
-            self.commit(self.drafts)
-            self.phase = "done" if self.finished() else "decode"
-            self._let_load_go()
+            self._residual_failed(error)
             return
         self.stats.residual_seen_s = self.now()
         check_kv(full_kv, self.model.config, len(self.prompt), "full")
         self.cache = start_cache(self.model, full_kv, self.keep)  # the anchor cache goes with it
         self.pending, self.phase = self.feed + self.drafts, "verify"
         self._let_load_go()
+
+    def _residual_failed(self, error: str) -> None:
+        """The residual failed or is too late: the request ends with ``error``, or goes on unverified on its anchor
+        cache (its drafts committed) when anchor-only output is allowed."""
+        if not self.cfg.allow_anchor_only:
+            raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
+        self.stats.verified, self.stats.residual_error, self.verified = False, error, False
+        if self.cache is None:
+            self.cache, self.pending = start_cache(self.model, self.anchor_kv, self.keep), self.feed
+        self.commit(self.drafts)
+        self.phase = "done" if self.finished() else "decode"
+        self._let_load_go()
+
+    def _layered_ended(self, start: float, end: float) -> bool:
+        """After the forward of a layered verify: True when its rows are the verify's (every layer was filled);
+        else its rows are dropped and the request verifies after its whole residual (a late layer), ends, or goes
+        on on its anchor (the residual failed)."""
+        lv, self.lv = self.lv, None
+        self.stats.verify_waited_s = (self.stats.verify_waited_s or 0.0) + lv.waited_s
+        if lv.failure is None:
+            self.draft_cache = self.draft_pending = None
+            self.stats.verify_layered = True
+            self.stats.residual_seen_s = lv.last_layer_s - self.t0
+            if self.stats.residual_ready_s is None or self.stats.residual_seen_s < self.stats.residual_ready_s:
+                self.stats.residual_ready_s = self.stats.residual_seen_s  # the last layer's arrival
+            remember_verify(self.model, len(self.pending), end - start - lv.waited_s,
+                            statistics.median(self.step_s[1:]), batch=True)
+            self._let_load_go()
+            return True
+        self.cache, self.pending = self.draft_cache, self.draft_pending  # the anchor cache, as the drafting left it
+        self.draft_cache = self.draft_pending = None
+        if lv.late:
+            self.layers, self.phase = False, "wait"  # verified once its whole residual is in, as without the pass
+            self.stats.verify_layered_abandoned = True
+            return False
+        error = lv.failure
+        if self.cfg.residual_timeout is not None and lv.deadline is not None and time.perf_counter() >= lv.deadline:
+            error = f"the residual did not arrive within {self.cfg.residual_timeout:g} s"
+        try:
+            self._residual_failed(error)
+        except LynxError as exc:
+            self.fail(str(exc))
+        return False
 
     def _let_load_go(self) -> None:
         """The cache holds all this request still needs of its load: keep the load's timeline, close the load
@@ -260,6 +348,8 @@ class _Request:
             if token in self.cfg.stop_token_ids or len(self.drafts) >= self.cap:
                 self.phase = "wait"
         elif self.phase == "verify":
+            if self.lv is not None and not self._layered_ended(start, end):
+                return
             k = len(self.drafts)
             rows = rows[len(self.feed) - 1 :]  # [k+1, V]
             if params.greedy:
@@ -307,7 +397,7 @@ class _Request:
             if self.close_load:
                 self.load.close()
             self.stats.load = _timeline(self.load)
-        self.load = self.cache = self.anchor_kv = None
+        self.load = self.cache = self.anchor_kv = self.draft_cache = self.lv = None
         self.draft_probs.clear()
 
 
@@ -325,8 +415,7 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     for i, spec in enumerate(requests):
         cfg = spec.config
         named = [name for name, on in (("verify_chunk", cfg.verify_chunk), ("verify_first", cfg.verify_first),
-                                       ("layered_verify", cfg.layered_verify), ("branch_margin", cfg.branch_margin))
-                 if on]
+                                       ("branch_margin", cfg.branch_margin)) if on]
         if named:
             raise InputError(f"request {spec.name or i}: {', '.join(named)}: the single runner's only "
                              "(lynxkv.speculative.run), not in a batch")
@@ -358,7 +447,11 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
                 _idle(live, t0)
                 continue
             start = time.perf_counter()
-            rows = forward_packed(model, [r.cache for r in ready], [r.pending for r in ready])
+            with contextlib.ExitStack() as layered:  # the layered verifies' hooks fill their layers as they land
+                for r in ready:
+                    if r.lv is not None:
+                        layered.enter_context(r.lv.installed())
+                rows = forward_packed(model, [r.cache for r in ready], [r.pending for r in ready])
             end = time.perf_counter()
             steps.append([start - t0, end - t0, len(ready), sum(len(r.pending) for r in ready)])
             for r, x in zip(ready, rows):

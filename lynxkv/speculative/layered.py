@@ -35,6 +35,9 @@ from lynxkv.speculative.interrupt import decoder_modules
 # tokens: 3.8 steps for 22 drafts, 4 for 17), plus the residual's dequantization, which the layered verify does.
 ROW_COST = 0.16
 _SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> measured steps per verified row
+# The same, measured in a batch (lynxkv.speculative.batch): there a step is a packed forward of every request, so a
+# verified row costs a smaller part of it than at batch 1.
+_SEEN_BATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -58,51 +61,81 @@ def decoder_layers(model, cache) -> list[tuple[int, torch.nn.Module]] | None:
     return out
 
 
-def verify_estimate(model, rows: int, step: float) -> float:
+def verify_estimate(model, rows: int, step: float, *, batch: bool = False) -> float:
     """Seconds the layered verify of ``rows`` rows keeps the model busy, from this model's last measured verify
-    (or :data:`ROW_COST`), given a decode step of ``step`` seconds."""
+    (or :data:`ROW_COST`), given a decode step of ``step`` seconds (``batch``: a packed step of a batch)."""
     with _LOCK:
         try:
-            cost = _SEEN.get(model, ROW_COST)
+            cost = (_SEEN_BATCH if batch else _SEEN).get(model, ROW_COST)
         except TypeError:
             cost = ROW_COST
     return step * (1.0 + cost * rows)
 
 
-def remember_verify(model, rows: int, busy: float, step: float) -> None:
+def remember_verify(model, rows: int, busy: float, step: float, *, batch: bool = False) -> None:
     """Note that a verify of ``rows`` rows kept ``model`` busy ``busy`` seconds with decode steps of ``step``."""
     if rows <= 0 or step <= 0:
         return
     cost = max(0.02, (busy / step - 1.0) / rows)
     with _LOCK:
         try:
-            _SEEN[model] = cost
+            (_SEEN_BATCH if batch else _SEEN)[model] = cost
         except TypeError:
             pass
 
 
 class LayeredVerify:
-    """Hooks that fill the verify cache layer by layer from a load as the forward reaches each layer."""
+    """Hooks that fill the verify cache layer by layer from a load as the forward reaches each layer.
+
+    By default a layer that does not arrive by ``deadline`` raises :class:`TimeoutError` in the forward, and the
+    load's failure its own error. With ``soft=True`` (a forward that computes other requests' rows too, in a
+    batch) nothing is raised: the pass records why in :attr:`failure` and fills no further layer, so the forward
+    ends with this pass's rows wrong, for the caller to drop. ``patience`` (a ``time.perf_counter()``, soft only)
+    bounds the waits as well: a layer not in by then leaves :attr:`failure` set with :attr:`late` True (the
+    residual may still come; the caller verifies after it instead)."""
 
     def __init__(self, load, cache, layers: list[tuple[int, torch.nn.Module]], keep: int, dtype, device,
-                 deadline: float | None = None):
+                 deadline: float | None = None, *, soft: bool = False, patience: float | None = None):
         self.load, self.cache, self.layers, self.keep = load, cache, layers, keep
         self.dtype, self.device, self.deadline = dtype, device, deadline  # deadline: a time.perf_counter()
+        self.soft, self.patience = soft, patience if soft else None
         self.waited_s = 0.0  # time the forward spent waiting for layers to arrive
         self.last_layer_s: float | None = None  # perf_counter when the last layer's residual was in
+        self.failure: str | None = None  # soft: why a layer could not be filled
+        self.late = False  # soft: the failure is the patience's, not the load's nor the deadline's
         self._filled: set[int] = set()
 
     def _fill(self, index: int) -> None:
-        if index in self._filled:  # a later pass (the rest after a fork, the branch) reads the grown layer
+        if index in self._filled or self.failure is not None:  # a later pass reads the grown layer
             return
         t = time.perf_counter()
-        timeout = None if self.deadline is None else max(0.0, self.deadline - t)
-        if not self.load.layer_in(index, timeout):
-            raise TimeoutError(f"the residual of layer {index} did not arrive in time")
+        limits = [x for x in (self.deadline, self.patience) if x is not None]
+        timeout = max(0.0, min(limits) - t) if limits else None
+        if not self.soft:
+            arrived = self.load.layer_in(index, timeout)
+        else:
+            try:
+                arrived = self.load.layer_in(index, timeout)
+            except Exception as exc:  # the load's failure, whatever its type
+                self.failure = f"the residual failed: {exc}"
+                return
         now = time.perf_counter()
         self.waited_s += now - t
+        if not arrived:
+            message = f"the residual of layer {index} did not arrive in time"
+            if not self.soft:
+                raise TimeoutError(message)
+            self.failure, self.late = message, self.deadline is None or now < self.deadline
+            return
         self.last_layer_s = now
-        k, v = self.load.full_layer(index)
+        if not self.soft:
+            k, v = self.load.full_layer(index)
+        else:
+            try:
+                k, v = self.load.full_layer(index)
+            except Exception as exc:
+                self.failure = f"the residual failed: {exc}"
+                return
         layer = self.cache.layers[index]
         # what kv_to_cache and the crop to the kept tokens make of the whole full code (views when the dtype matches)
         layer.keys = k.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]

@@ -56,8 +56,10 @@ class RunStats:
     verify_pass_sizes: list[int] = field(default_factory=list)
     # The layered verify (lynxkv.speculative.layered): the verify forward started while the residual was still
     # arriving, each layer as its residual landed; verify_waited_s of verify_s went to waiting for layers, and
-    # residual_seen_s is when the last layer was in.
+    # residual_seen_s is when the last layer was in. In a batch, a layered verify whose layer came later than the
+    # residual's estimate allowed was given up (verify_layered_abandoned) and the verify ran after the residual.
     verify_layered: bool = False
+    verify_layered_abandoned: bool = False
     verify_waited_s: float | None = None
     decode_step_s: float | None = None  # mean time of one plain decode step after the verify (full cache)
     waited_on_eta: bool = False  # stopped drafting because the residual was due within a fraction of a step

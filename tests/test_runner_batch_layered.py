@@ -1,0 +1,143 @@
+"""The layered verify in a batch (lynxkv.speculative.batch): a request's verify joins a packed step while its
+residual still arrives, each layer filled as it lands; a late layer gives the pass up, a failed one ends only its
+request. The tokens are those of decoding on the full code either way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from lynxkv.cache import open_cache, save_cache
+from lynxkv.errors import ChecksumError
+from lynxkv.hf import prefill
+from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative import RunConfig, decode_plain, layered
+from lynxkv.speculative.batch import BatchRequest, run_batch
+from lynxkv.stream import open_progressive
+from runner_helpers import StepLoad, caches, prompt_ids, single_thread
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """The verify looks very long: a request starts its layered verify as soon as it has two draft steps."""
+    monkeypatch.setattr(layered, "ROW_COST", 1e4)
+    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
+    monkeypatch.setattr(layered, "_SEEN_BATCH", type(layered._SEEN_BATCH)())
+
+
+def _stored(tmp_path, model, name: str, tokens: int, seed: int):
+    ids = prompt_ids(seed, tokens)
+    kv, _ = prefill(model, torch.tensor(ids))
+    path = tmp_path / f"{name}.lynx"
+    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    with open_cache(path) as c:
+        return ids, str(path), c.load_kv(), c.load_kv(anchor_only=True)
+
+
+def _rate(path: str, seconds: float) -> float:
+    """Bytes per second at which the whole cache (anchor + residual) takes about ``seconds``."""
+    return (os.path.getsize(path) + os.path.getsize(path + "r")) / seconds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_requests_verify_layer_by_layer_in_a_batch(tmp_path, eager, dtype):
+    """Three requests over their own emulated links: the two that draft verify while their residuals arrive
+    (their verify started before the last layer was in) and every request's tokens are greedy decoding on its
+    full code with the drafts it verified; the third, which does not draft, is untouched."""
+    model = make_tiny_model("llama", 3).to(dtype)
+    stored = [_stored(tmp_path, model, f"c{i}", 120 + 40 * i, i) for i in range(3)]
+    cfgs = [RunConfig(max_new_tokens=20, min_window_steps=0),
+            RunConfig(max_new_tokens=20, min_window_steps=0, layered_verify=True),
+            RunConfig(max_new_tokens=12, min_window_steps=0, speculate=False)]
+    reqs = [BatchRequest(lambda p=path: open_progressive(p, bandwidth=_rate(p, 1.0)), cfg, name=str(i))
+            for i, ((_, path, _, _), cfg) in enumerate(zip(stored, cfgs))]
+    got = run_batch(model, reqs)
+    for (ids, _, full_kv, _), cfg, r in zip(stored, cfgs, got.requests):
+        s = r.stats
+        assert r.error is None and r.verified
+        assert r.token_ids == decode_plain(model, full_kv, ids, cfg.max_new_tokens, first_forward=s.draft_token_ids)
+    for r in got.requests[:2]:
+        s = r.stats
+        assert s.drafted >= 2 and s.verify_layered and not s.verify_layered_abandoned
+        assert s.verify_start_s < s.residual_ready_s <= s.verify_end_s
+    assert not got.requests[2].stats.verify_layered and got.requests[2].stats.drafted == 0
+    assert not model.model.layers[0]._forward_pre_hooks  # the passes' hooks are gone
+
+
+def test_layered_verify_false_verifies_after_the_residual(tmp_path, eager):
+    model = make_tiny_model("llama", 3)
+    ids, path, full_kv, _ = _stored(tmp_path, model, "c", 150, 0)
+    cfg = RunConfig(max_new_tokens=16, min_window_steps=0, layered_verify=False)
+    got = run_batch(model, [BatchRequest(lambda: open_progressive(path, bandwidth=_rate(path, 0.8)), cfg)] * 2)
+    for r in got.requests:
+        s = r.stats
+        assert s.drafted > 0 and not s.verify_layered and s.verify_start_s >= s.residual_ready_s
+        assert r.token_ids == decode_plain(model, full_kv, ids, 16, first_forward=s.draft_token_ids)
+
+
+class _LayeredLoad(StepLoad):
+    """A :class:`StepLoad` that hands out its full code layer by layer, its residual due at once (ETA 0) from its
+    third draft on. ``late`` from that layer on says a layer is not in yet; ``broken`` from that layer on raises
+    the load's failure; the whole residual still lands when the runner asks for it (or fails, with ``error``)."""
+
+    def __init__(self, model, ids, anchor_kv, full_kv, *, late=None, broken=None, error=None):
+        super().__init__(model, ids, anchor_kv, full_kv, error=error)
+        self._full, self.late, self.broken = full_kv, late, broken
+        self.asked: list[int] = []
+        self.etas = 0
+
+    def residual_eta(self):
+        self.etas += 1
+        return 0.0 if self.etas > 3 else None
+
+    def layer_in(self, layer, timeout=None):
+        if self.broken is not None and layer >= self.broken:
+            raise ChecksumError(f"residual layer {layer}: CRC mismatch")
+        return self.late is None or layer < self.late
+
+    def full_layer(self, layer):
+        self.asked.append(layer)
+        return self._full[layer]
+
+
+def _pair(model):
+    """Two requests' (ids, anchor KV, full KV) of different lengths."""
+    return [(ids, a, f) for ids in (prompt_ids(7, 40), prompt_ids(8, 25)) for _, a, f in [caches(model, ids)]]
+
+
+def test_a_late_layer_gives_the_pass_up_and_the_request_verifies_after_its_residual(tiny_model, eager):
+    model = tiny_model
+    (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
+    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0)
+    late = _LayeredLoad(model, ids0, a0, f0, late=1)
+    got = run_batch(model, [BatchRequest(late, cfg, name="late"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
+    r, other = got.requests
+    s = r.stats
+    assert r.error is None and r.verified and s.drafted >= 2
+    assert s.verify_layered_abandoned and not s.verify_layered  # the layered pass was dropped, then a whole verify
+    assert late.asked == [0]  # no layer was filled after the late one
+    assert r.token_ids == decode_plain(model, f0, ids0, 14, first_forward=s.draft_token_ids)
+    assert other.error is None and other.token_ids == decode_plain(model, f1, ids1, 14,
+                                                                   first_forward=other.stats.draft_token_ids)
+
+
+@pytest.mark.parametrize("anchor_only", [False, True], ids=["error", "anchor-only"])
+def test_a_layer_that_fails_during_the_pass_ends_only_its_request(tiny_model, eager, anchor_only):
+    model = tiny_model
+    (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
+    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0, allow_anchor_only=anchor_only)
+    bad = _LayeredLoad(model, ids0, a0, f0, broken=1, error=ChecksumError("residual layer 1: CRC mismatch"))
+    got = run_batch(model, [BatchRequest(bad, cfg, name="bad"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
+    r, other = got.requests
+    if anchor_only:  # its drafts, then plain decoding on its anchor: what decoding on the anchor gives
+        assert r.error is None and not r.verified and "CRC mismatch" in r.stats.residual_error
+        assert r.stats.drafted >= 2 and r.token_ids == decode_plain(model, a0, ids0, 14)
+    else:
+        assert r.token_ids == [] and "CRC mismatch" in r.error and "anchor-only" in r.error
+    assert other.error is None and other.verified
+    assert other.token_ids == decode_plain(model, f1, ids1, 14, first_forward=other.stats.draft_token_ids)
