@@ -279,10 +279,10 @@ def test_a_timeline_still_growing_is_read_safely(tiny_model):
         assert r.token_ids == decode_plain(model, f, ids, 30, first_forward=r.stats.draft_token_ids)
 
 
-@pytest.mark.parametrize("field", ["verify_chunk", "verify_first", "branch_margin"])
+@pytest.mark.parametrize("field", ["verify_chunk", "verify_first"])
 def test_single_runner_options_are_refused_in_a_batch(tiny_model, field):
-    """A batch does not verify in passes or a branch: a request that asks is refused before anything is loaded,
-    naming the request and the option (not run without it)."""
+    """A batch does not verify in passes: a request that asks is refused before anything is loaded, naming the
+    request and the option (not run without it)."""
     from lynxkv.errors import InputError
 
     opened = []
@@ -291,7 +291,7 @@ def test_single_runner_options_are_refused_in_a_batch(tiny_model, field):
         opened.append(1)
         raise AssertionError("nothing is loaded")
 
-    value = {"verify_chunk": 4, "verify_first": 2, "branch_margin": 0.2}[field]
+    value = {"verify_chunk": 4, "verify_first": 2}[field]
     reqs = [BatchRequest(load, RunConfig(max_new_tokens=4), name="a"),
             BatchRequest(load, RunConfig(max_new_tokens=4, **{field: value}), name="b")]
     with pytest.raises(InputError, match=f"request b: {field}"):

@@ -332,10 +332,26 @@ def test_cli_refusals(cli_cache, capsys, args, message):
     assert code == 1 and err.startswith("lynxkv: error:") and message in err and err.count("\n") == 1
 
 
-def test_cli_refuses_a_branch_in_a_batch(cli_cache, capsys):
-    _, model_dir, path, _, _ = cli_cache
-    code, out, err = _cli(capsys, path, path, "--model", model_dir, "--branch-margin", "0.1")
-    assert code == 1 and "--branch-margin" in err and "one cache at a time" in err and err.count("\n") == 1
+def test_cli_a_branch_in_a_batch(cli_cache, capsys):
+    """Two caches with --branch-margin: each request forks at its first draft and its tokens are decoding on the
+    full code with its forward shapes."""
+    from lynxkv.cache import open_cache
+
+    model, model_dir, path, ids, _ = cli_cache
+    code, out, err = _cli(capsys, path, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth",
+                          "8MB/s", "--branch-margin", "1e9", "--json")
+    assert code == 0, err
+    with open_cache(path) as c:
+        full_kv = c.load_kv()
+    requests = json.loads(out)["requests"]
+    assert len(requests) == 2 and any(r["stats"]["drafted"] for r in requests)
+    for r in requests:
+        s = r["stats"]
+        assert r["token_ids"] == decode_plain(model, full_kv, ids, 24, first_forward=s["draft_token_ids"],
+                                              branch=(s["branch_at"], s["branch_token_ids"]))
+        if s["drafted"]:
+            assert s["branch_at"] == 0 and s["branch_forks"] == 1
+            assert len(s["branch_draft_steps"]) == len(s["branch_token_ids"]) - 1 == s["drafted"] - 1
 
 
 def test_a_two_chain_step_abandoned_when_the_residual_lands():
@@ -412,3 +428,49 @@ def test_cut_at_ends_a_pass_after_the_forks_draft():
             sizes = cut_at(pass_sizes(k, 0, first), at)
             assert sum(sizes) == k and all(n > 0 for n in sizes)
             assert at in {sum(sizes[:i]) for i in range(len(sizes) + 1)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("layered_verify", [False, True], ids=["whole", "layered"])
+def test_the_branch_in_a_batch(cases, arch, dtype, layered_verify, monkeypatch):
+    """Three requests in one batch: the forked case with its branch (the main chain verified in one pass, then
+    the branch in the request's next step), the same without a branch, and another request. Each equals decoding
+    on its full code with its own forward shapes, and in fp32 plain decoding."""
+    from lynxkv.speculative import layered
+    from lynxkv.speculative.batch import BatchRequest, run_batch
+
+    monkeypatch.setattr(layered, "ROW_COST", 1e4)  # a layered verify starts at the first chance
+    monkeypatch.setattr(layered, "_SEEN_BATCH", type(layered._SEEN_BATCH)())
+    model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
+    other_ids = prompt_ids(99, PROMPT - 7)
+    _, other_anchor, other_full = caches(model, other_ids)
+    hooks = []
+
+    def load(i, a, f):
+        if not layered_verify:
+            return StepLoad(model, i, a, f)
+        lo = _LayeredStepLoad(model, i, a, f, steps=WINDOW - 2)  # due after the batch's tenth forward
+        hooks.append(lo.hook)
+        return lo
+
+    cfg = RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound, layered_verify=layered_verify)
+    try:
+        got = run_batch(model, [BatchRequest(load(ids, anchor, full_kv), cfg, name="fork"),
+                                BatchRequest(load(ids, anchor, full_kv), RunConfig(max_new_tokens=NEW,
+                                             max_window=WINDOW, layered_verify=layered_verify), name="plain"),
+                                BatchRequest(load(other_ids, other_anchor, other_full), cfg, name="other")])
+    finally:
+        for h in hooks:
+            h.remove()
+    fork, plain, other = got.requests
+    s = fork.stats
+    assert fork.error is None and s.branch_at == d and s.branch_forks == 1 and s.verify_layered == layered_verify
+    assert len(s.branch_token_ids) == s.drafted - d and len(s.branch_draft_steps) == s.drafted - d - 1
+    assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
+    assert fork.token_ids == _reference(model, full_kv, ids, s)
+    assert plain.stats.branch_at is None and plain.stats.accepted == d  # without it, the window ends at d
+    assert plain.token_ids == _reference(model, full_kv, ids, plain.stats)
+    assert other.error is None and other.token_ids == _reference(model, other_full, other_ids, other.stats)
+    if dtype == "fp32":
+        assert fork.token_ids == plain.token_ids == decode_plain(model, full_kv, ids, NEW)

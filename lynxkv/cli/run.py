@@ -206,7 +206,7 @@ def run(
     torch_dtype = parse_dtype(dtype)
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
-                       "--verify-first": verify_first, "--branch-margin": branch_margin, "--repeats": repeats > 1}
+                       "--verify-first": verify_first, "--repeats": repeats > 1}
         named = [k for k, v in unsupported.items() if v]
         if named:
             raise InputError(f"{', '.join(named)}: one cache at a time (not with several caches)")
@@ -218,7 +218,8 @@ def run(
                  else [many.Spec(cache=c, name=f"{i}:{Path(c).name}") for i, c in enumerate(caches)])
         cfg = RunConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, top_p=top_p),
                         seed=seed, max_window=max_window, residual_timeout=residual_timeout,
-                        allow_anchor_only=allow_anchor_only, layered_verify=layered_verify)
+                        allow_anchor_only=allow_anchor_only, layered_verify=layered_verify,
+                        branch_margin=branch_margin)
         return many.run_many(specs, model=model, torch_dtype=torch_dtype, dtype_name=dtype, cfg=cfg,
                              rate=parse_bandwidth(bandwidth), delay=parse_duration(latency), link_order=link_order,
                              max_batch=max_batch, compare=compare, as_json=as_json, timeline=timeline,

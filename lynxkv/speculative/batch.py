@@ -30,9 +30,16 @@ later than the residual's estimate allowed (by ``patience``) gives up the layere
 and the request verifies after its whole residual as without it. A residual that fails during the pass ends that
 request (or, with ``allow_anchor_only``, sends it on unverified on its anchor) as it would without it.
 
-Not supported here (the single runner has them): ``verify_chunk``, ``verify_first`` and ``branch_margin`` (a
-request that sets one is refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch
-does without them). Times in each request's stats are seconds since its own arrival (when its load was opened).
+The branch (``RunConfig.branch_margin``, greedy; :mod:`lynxkv.speculative.branch`): at a request's first draft
+whose anchor margin is below the bound, a second chain forks from its runner-up token and drafts beside the main
+chain, one more sequence of the request in each packed step (a fork of the draft cache: it copies the cache on its
+first step). The main chain is verified in one pass; if that rejects exactly the fork's draft in favour of the
+root, the request's next step feeds ``[root, branch drafts]`` on its full cache and keeps the branch's valid
+prefix and the next token, the forward shapes ``decode_plain(..., first_forward=drafts, branch=(branch_at,
+branch_token_ids))`` reproduces.
+
+Not supported here (the single runner has them): ``verify_chunk`` and ``verify_first`` (a request that sets one is
+refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch does without them). Times in each request's stats are seconds since its own arrival (when its load was opened).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch
 from lynxkv.cache.loading import CacheLoad
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.hf.models import model_fingerprint
+from lynxkv.speculative.branch import Brancher
 from lynxkv.speculative.layered import LayeredVerify, decoder_layers, remember_verify, verify_estimate
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, start_cache
 from lynxkv.speculative.packed import forward_packed
@@ -137,6 +145,8 @@ class _Request:
         self.lv: LayeredVerify | None = None  # its layered verify, while that is in the next forward
         self.draft_cache = None  # its anchor cache, kept while the layered verify runs on another
         self.draft_pending: list[int] | None = None  # what that cache's next forward would have fed
+        self.brancher: Brancher | None = None  # its second draft chain (RunConfig.branch_margin)
+        self.side = None  # the branch to verify in the next step, after the main chain rejected its fork's draft
         self.close_load = True  # close the load when the request is done with it (run_batch's close_loads)
 
     # ---- clock and commits ----------------------------------------------------------------------------------
@@ -202,6 +212,8 @@ class _Request:
                 wanted = cfg.layered_verify is not False and hasattr(self.load, "layer_in")
                 self.layers = decoder_layers(self.model, self.cache) if wanted else None
                 self.layers = self.layers or False
+                if cfg.branch_margin > 0:
+                    self.brancher = Brancher(cfg.branch_margin, cfg.stop_token_ids)
         if self.phase == "draft" and (self.load.residual.done() or len(self.drafts) >= self.cap):
             self.phase = "wait"
         if self.phase in ("draft", "wait") and self._layered_due():
@@ -282,6 +294,8 @@ class _Request:
         if not self.cfg.allow_anchor_only:
             raise ResidualUnavailable(f"{error} (allow anchor-only output to continue unverified on the anchor)")
         self.stats.verified, self.stats.residual_error, self.verified = False, error, False
+        if self.brancher is not None:
+            self._drop_branch()  # never verified
         if self.cache is None:
             self.cache, self.pending = start_cache(self.model, self.anchor_kv, self.keep), self.feed
         self.commit(self.drafts)
@@ -329,12 +343,30 @@ class _Request:
         self.stats.load = _timeline(self.load)
         self.load = self.anchor_kv = None
 
+    # ---- the next forward ---------------------------------------------------------------------------------------
+    def sequences(self) -> list[tuple[object, list[int]]]:
+        """``(cache, tokens)`` of each sequence this request feeds the next forward: its chain, and while it drafts
+        its branch's next token on the branch's cache."""
+        out = [(self.cache, self.pending)]
+        b = self.brancher.branch if self.brancher is not None and self.phase == "draft" else None
+        if b is not None and not b.ended:
+            out.append((b.cache, b.tokens[-1:]))
+        return out
+
     # ---- after a forward ----------------------------------------------------------------------------------------
-    def take_rows(self, rows: torch.Tensor, start: float, end: float) -> None:
-        """Use this request's logits ``[len(pending), V]`` of the step that ran ``[start, end]`` (perf_counter)."""
+    def take_rows(self, rows: torch.Tensor, start: float, end: float, side: torch.Tensor | None = None) -> None:
+        """Use this request's logits ``[len(pending), V]`` of the step that ran ``[start, end]`` (perf_counter),
+        and its branch's row ``side`` when the step ran the branch too."""
         params = self.cfg.sampling
         ts, te = start - self.t0, end - self.t0
         if self.phase == "draft":
+            if side is not None:  # the branch's next greedy token
+                b = self.brancher.branch
+                b.tokens.append(int(side[-1].argmax()))
+                b.ended = b.tokens[-1] in self.brancher.stops
+                self.stats.branch_draft_steps.append([ts, te])
+            if self.brancher is not None:  # fork here if the anchor is unsure (before this step's token is fed)
+                self.brancher.consider(rows[-1], self.cache, len(self.drafts))
             token, probs = choose(rows[-1], params, self.gen)
             self.stats.draft_steps.append([ts, te])
             if len(self.pending) == 1:  # a draft step (the first forward over new prompt tokens is a prefill)
@@ -364,6 +396,20 @@ class _Request:
             self.commit(self.drafts[:accepted])
             if not self.finished():
                 self.commit([next_token])
+            self.side = self._drop_branch().to_verify(accepted, next_token) if self.brancher is not None else None
+            if self.side is not None and not self.finished():  # rejected at the fork, for the branch's root
+                self.pending, self.phase = list(self.side.tokens), "branch"
+            else:
+                self.side, self.pending, self.phase = None, [next_token], "decode"
+        elif self.phase == "branch":  # [root, b0, b1, ..] on the full cache
+            drafts = self.side.tokens[1:]
+            accepted, next_token = accept_greedy(drafts, rows)
+            self.stats.branch_accepted, self.stats.branch_verify_s = accepted, te - ts
+            drop_last(self.cache, len(drafts) - accepted)
+            self.side = None
+            self.commit(drafts[:accepted])
+            if not self.finished():
+                self.commit([next_token])
             self.pending, self.phase = [next_token], "decode"
         else:  # decode, on the full cache or (unverified) on the anchor cache
             length = int(self.cache.get_seq_length()) - len(self.pending)
@@ -372,10 +418,19 @@ class _Request:
                 self.stats.decode_steps.append([ts, te, length])
             self.commit([token])
             self.pending = [token]
-        if self.phase in ("verify", "decode") and self.finished():
+        if self.phase in ("verify", "branch", "decode") and self.finished():
             self.phase, self.cache = "done", None
         if self.phase == "wait":
             self._stop_drafting()
+
+    def _drop_branch(self) -> Brancher:
+        """The brancher, taken from the request (its branch's cache goes with it), its stats noted."""
+        brancher, self.brancher = self.brancher, None
+        b = brancher.branch
+        if b is not None:
+            self.stats.branch_at, self.stats.branch_forks = b.at, brancher.forks
+            self.stats.branch_token_ids = list(b.tokens)
+        return brancher
 
     def _stop_drafting(self) -> None:
         steps = [e - s for s, e in self.stats.draft_steps]
@@ -397,7 +452,9 @@ class _Request:
             if self.close_load:
                 self.load.close()
             self.stats.load = _timeline(self.load)
-        self.load = self.cache = self.anchor_kv = self.draft_cache = self.lv = None
+        self.load = self.cache = self.anchor_kv = self.draft_cache = self.lv = self.side = None
+        if self.brancher is not None:
+            self._drop_branch()
         self.draft_probs.clear()
 
 
@@ -414,8 +471,8 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     """
     for i, spec in enumerate(requests):
         cfg = spec.config
-        named = [name for name, on in (("verify_chunk", cfg.verify_chunk), ("verify_first", cfg.verify_first),
-                                       ("branch_margin", cfg.branch_margin)) if on]
+        named = [name for name, on in (("verify_chunk", cfg.verify_chunk), ("verify_first", cfg.verify_first))
+                 if on]
         if named:
             raise InputError(f"request {spec.name or i}: {', '.join(named)}: the single runner's only "
                              "(lynxkv.speculative.run), not in a batch")
@@ -440,7 +497,7 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
             live = [r for r in reqs if r.phase != "done"]
             if not live:
                 break
-            ready = [r for r in live if r.phase in ("draft", "verify", "decode") and not r.holds()]
+            ready = [r for r in live if r.phase in ("draft", "verify", "branch", "decode") and not r.holds()]
             if max_batch is not None:
                 ready = ready[:max_batch]
             if not ready:
@@ -451,11 +508,15 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
                 for r in ready:
                     if r.lv is not None:
                         layered.enter_context(r.lv.installed())
-                rows = forward_packed(model, [r.cache for r in ready], [r.pending for r in ready])
+                seqs = [r.sequences() for r in ready]
+                rows = forward_packed(model, [c for s in seqs for c, _ in s], [t for s in seqs for _, t in s])
             end = time.perf_counter()
-            steps.append([start - t0, end - t0, len(ready), sum(len(r.pending) for r in ready)])
-            for r, x in zip(ready, rows):
-                r.take_rows(x, start, end)
+            steps.append([start - t0, end - t0, len(ready), sum(len(t) for s in seqs for _, t in s)])
+            at = 0
+            for r, s in zip(ready, seqs):
+                x, side = rows[at], rows[at + 1] if len(s) > 1 else None
+                at += len(s)
+                r.take_rows(x, start, end, side)
                 if r.phase == "done":
                     r.leave()
             if on_step is not None:
