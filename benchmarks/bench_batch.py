@@ -74,8 +74,9 @@ def _delta(st: dict) -> float | None:
     return min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
 
 
-def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batch1: bool = True) -> dict:
-    common = ["-n", str(n), "--ignore-eos"]
+def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batch1: bool = True,
+              lynx: tuple[str, ...] = ()) -> dict:
+    common = ["-n", str(n), "--ignore-eos", *lynx]
     out = {}
     srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache", "--compare")
     fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo", "--link-turn", "cache")
@@ -185,6 +186,8 @@ def main() -> None:
                     "throughput ratio): the TT64 comparisons only, in about half the time")
     ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
                     "a link (decode throughput alone)")
+    ap.add_argument("--branch-margin", type=float, default=0.0, help="passed to every run (the monolithic baseline "
+                    "does not draft)")
     a = ap.parse_args()
     if a.steps_only:
         step_times(a.repeats)
@@ -192,14 +195,16 @@ def main() -> None:
     paths = [encode(a.dir)[i] for i in ORDER]
     rounds = []
     for k in range(a.repeats):
-        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only, not a.no_batch1))
+        lynx = ("--branch-margin", str(a.branch_margin)) if a.branch_margin else ()
+        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only, not a.no_batch1, lynx))
         print(f"round {k + 1} of {a.repeats} done", file=sys.stderr, flush=True)
         if a.json_out:
             with open(a.json_out, "w") as f:
                 json.dump(rounds, f, indent=1)
     med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
-    print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link; "
-          f"medians of {a.repeats} interleaved rounds\n")
+    print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link"
+          f"{f', --branch-margin {a.branch_margin:g}' if a.branch_margin else ''}; medians of {a.repeats} interleaved "
+          "rounds\n")
     f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     yes = lambda xs: "-" if any(x is None for x in xs) else ("yes" if all(xs) else "NO")  # noqa: E731
     print("--link-turn cache (the default: one cache at a time, its anchor then its residual), srf order:\n")
