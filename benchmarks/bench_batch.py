@@ -160,7 +160,19 @@ def step_times(repeats: int, steps: int = 4) -> None:
             t = time.perf_counter()
             forward_packed(model, packed, [[1]] * len(packed))
             eight.append(time.perf_counter() - t)
+    sizes = {}
+    for k in (1, 2, 4):  # one packed step of the first k caches (then all eight, above)
+        caches = [start_cache(model, kv, n) for kv, n in zip(kvs[:k], LENGTHS[:k])]
+        forward_packed(model, caches, [[1]] * k)
+        times = []
+        for _ in range(repeats * steps):
+            t = time.perf_counter()
+            forward_packed(model, caches, [[1]] * k)
+            times.append(time.perf_counter() - t)
+        sizes[k] = statistics.median(times)
     m1, m8 = statistics.median(one), statistics.median(eight)
+    sizes[len(LENGTHS)] = m8
+    print("packed step by requests in it: " + ", ".join(f"{k}: {1e3 * t:.0f} ms" for k, t in sizes.items()))
     print(f"decode step, {len(LENGTHS)} requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens: one by one {m1:.3f} s, packed "
           f"{m8:.3f} s: {m1 / m8:.2f}x the tokens per second (medians of {len(one)} interleaved steps, "
           f"{torch.get_num_threads()} threads)")

@@ -69,7 +69,7 @@ class RunConfig:
     # Start the verify while the residual still arrives, each layer once its own residual is in
     # (lynxkv.speculative.layered; needs a load with layer_in/full_layer, such as the progressive reader's).
     # None (the default): on unless verify_chunk or verify_first asks for another shape of verify; True: on (the
-    # layered pass is the first); False: off. The batch runner verifies after the residual (None: off there).
+    # layered pass is the first); False: off. In a batch (lynxkv.speculative.batch) None and True are on.
     layered_verify: bool | None = None
     # Draft only where it can pay (lynxkv.speculative.schedule): wait for the residual instead when, at anchor-ready,
     # it is due within this many decode steps. 0: always draft.
