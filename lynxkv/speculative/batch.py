@@ -398,6 +398,7 @@ class _Request:
                 self.commit([next_token])
             self.side = self._drop_branch().to_verify(accepted, next_token) if self.brancher is not None else None
             if self.side is not None and not self.finished():  # rejected at the fork, for the branch's root
+                self.side.cache = None  # its tokens are all the verify needs
                 self.pending, self.phase = list(self.side.tokens), "branch"
             else:
                 self.side, self.pending, self.phase = None, [next_token], "decode"
