@@ -85,24 +85,29 @@ class _LayeredLoad(StepLoad):
     third draft on. ``late`` from that layer on says a layer is not in yet; ``broken`` from that layer on raises
     the load's failure; the whole residual still lands when the runner asks for it (or fails, with ``error``)."""
 
-    def __init__(self, model, ids, anchor_kv, full_kv, *, late=None, broken=None, error=None):
+    def __init__(self, model, ids, anchor_kv, full_kv, *, late=None, broken=None, short=None, error=None):
         super().__init__(model, ids, anchor_kv, full_kv, error=error)
-        self._full, self.late, self.broken = full_kv, late, broken
+        self._full, self.late, self.broken, self.short = full_kv, late, broken, short
         self.asked: list[int] = []
         self.etas = 0
+        self.was_late = False  # a layer was late: the residual's estimate is gone (as a stalled link's would be)
 
     def residual_eta(self):
         self.etas += 1
-        return 0.0 if self.etas > 3 else None
+        return 0.0 if self.etas > 3 and not self.was_late else None
 
     def layer_in(self, layer, timeout=None):
         if self.broken is not None and layer >= self.broken:
             raise ChecksumError(f"residual layer {layer}: CRC mismatch")
+        self.was_late |= self.late is not None and layer >= self.late
         return self.late is None or layer < self.late
 
     def full_layer(self, layer):
         self.asked.append(layer)
-        return self._full[layer]
+        k, v = self._full[layer]
+        if self.short is not None and layer >= self.short:  # a load that hands out too few tokens
+            return k[:, :-3], v[:, :-3]
+        return k, v
 
 
 def _pair(model):
@@ -118,8 +123,10 @@ def test_a_late_layer_gives_the_pass_up_and_the_request_verifies_after_its_resid
     got = run_batch(model, [BatchRequest(late, cfg, name="late"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
     r, other = got.requests
     s = r.stats
-    assert r.error is None and r.verified and s.drafted >= 2
+    assert r.error is None and r.verified
     assert s.verify_layered_abandoned and not s.verify_layered  # the layered pass was dropped, then a whole verify
+    assert s.verify_waited_s is None  # the verify that counts did not wait for layers
+    assert s.drafted == 8  # it went back to drafting, to its window's end, as without the pass
     assert late.asked == [0]  # no layer was filled after the late one
     assert r.token_ids == decode_plain(model, f0, ids0, 14, first_forward=s.draft_token_ids)
     assert other.error is None and other.token_ids == decode_plain(model, f1, ids1, 14,
@@ -141,3 +148,17 @@ def test_a_layer_that_fails_during_the_pass_ends_only_its_request(tiny_model, ea
         assert r.token_ids == [] and "CRC mismatch" in r.error and "anchor-only" in r.error
     assert other.error is None and other.verified
     assert other.token_ids == decode_plain(model, f1, ids1, 14, first_forward=other.stats.draft_token_ids)
+
+
+def test_a_full_code_layer_of_the_wrong_shape_ends_only_its_request(tiny_model, eager):
+    """A load that hands out a layer of the wrong shape during the layered pass: that request ends with one clear
+    error (no failed forward for the others), the other request's tokens are decoding on its full code."""
+    model = tiny_model
+    (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
+    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0)
+    got = run_batch(model, [BatchRequest(_LayeredLoad(model, ids0, a0, f0, short=1), cfg, name="short"),
+                            BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
+    r, other = got.requests
+    assert r.token_ids == [] and "layer 1 keys have shape" in r.error and "anchor-only" in r.error
+    assert other.error is None and other.token_ids == decode_plain(model, f1, ids1, 14,
+                                                                   first_forward=other.stats.draft_token_ids)

@@ -474,3 +474,14 @@ def test_the_branch_in_a_batch(cases, arch, dtype, layered_verify, monkeypatch):
     assert other.error is None and other.token_ids == _reference(model, other_full, other_ids, other.stats)
     if dtype == "fp32":
         assert fork.token_ids == plain.token_ids == decode_plain(model, full_kv, ids, NEW)
+
+
+def test_cli_a_branch_with_a_sampled_request_is_refused_before_the_model_loads(cli_cache, capsys, tmp_path):
+    _, model_dir, path, _, _ = cli_cache
+    requests = tmp_path / "r.jsonl"
+    requests.write_text(json.dumps({"cache": path, "name": "greedy"}) + "\n"
+                        + json.dumps({"cache": path, "name": "warm", "temperature": 0.7}) + "\n")
+    code, out, err = _cli(capsys, str(requests), "--model", model_dir, "--branch-margin", "0.1")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("lynxkv: error: request warm:") and "greedy" in err
+    assert "loading model" not in err

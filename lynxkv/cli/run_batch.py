@@ -87,6 +87,11 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
         raise InputError(f"--link-order: expected one of {', '.join(POLICIES)}, got {link_order!r}")
     if link_turn not in ("residual", "cache"):
         raise InputError(f"--link-turn: expected residual or cache, got {link_turn!r}")
+    for spec in specs:  # each request's settings with the command's (--branch-margin is greedy only), first
+        try:
+            _config(cfg, spec)
+        except InputError as exc:
+            raise InputError(f"request {spec.name}: {exc}") from None
     sizes = []
     for spec in specs:  # every cache's recorded model is checked before any weights load
         with open_cache(spec.cache) as c:

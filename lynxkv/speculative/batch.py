@@ -27,7 +27,8 @@ decoder layer takes that request's full code as it reaches the layer, waiting fo
 waits holds up every request in it, so the verify starts only that close to the residual's end (drafting ended
 by the window or a stop token does not start it early, as it does at batch 1), and its waits are bounded: a layer
 later than the residual's estimate allowed (by ``patience``) gives up the layered pass, whose rows are dropped,
-and the request verifies after its whole residual as without it. A residual that fails during the pass ends that
+and the request drafts on (or waits) and verifies after its whole residual as without it. A step that waited is
+left out of the draft-step times, and the verify's learned cost leaves every wait in the step out. A residual that fails during the pass ends that
 request (or, with ``allow_anchor_only``, sends it on unverified on its anchor) as it would without it.
 
 The branch (``RunConfig.branch_margin``, greedy; :mod:`lynxkv.speculative.branch`): at a request's first draft
@@ -145,6 +146,7 @@ class _Request:
         self.lv: LayeredVerify | None = None  # its layered verify, while that is in the next forward
         self.draft_cache = None  # its anchor cache, kept while the layered verify runs on another
         self.draft_pending: list[int] | None = None  # what that cache's next forward would have fed
+        self.draft_phase = "draft"  # the phase the layered verify started from ("draft" or "wait")
         self.brancher: Brancher | None = None  # its second draft chain (RunConfig.branch_margin)
         self.side = None  # the branch to verify in the next step, after the main chain rejected its fork's draft
         self.close_load = True  # close the load when the request is done with it (run_batch's close_loads)
@@ -216,6 +218,7 @@ class _Request:
                     self.brancher = Brancher(cfg.branch_margin, cfg.stop_token_ids)
         if self.phase == "draft" and (self.load.residual.done() or len(self.drafts) >= self.cap):
             self.phase = "wait"
+            self._stop_drafting()
         if self.phase in ("draft", "wait") and self._layered_due():
             self._start_layered()
         if self.phase == "wait":
@@ -242,7 +245,7 @@ class _Request:
         # the residual's own estimate, with room for a late estimate: past that, a forward that waits on the layers
         # holds up the other requests for longer than verifying after the residual would cost this one
         patience = now + 2 * eta + 4 * step + 0.05
-        self.draft_cache, self.draft_pending = self.cache, self.pending
+        self.draft_cache, self.draft_pending, self.draft_phase = self.cache, self.pending, self.phase
         self.cache = start_cache(self.model, self.anchor_kv, self.keep)  # the anchor's shapes; each layer replaced
         self.lv = LayeredVerify(self.load, self.cache, self.layers, self.keep, self.model.dtype, self.model.device,
                                 deadline, soft=True, patience=patience)
@@ -302,26 +305,25 @@ class _Request:
         self.phase = "done" if self.finished() else "decode"
         self._let_load_go()
 
-    def _layered_ended(self, start: float, end: float) -> bool:
-        """After the forward of a layered verify: True when its rows are the verify's (every layer was filled);
-        else its rows are dropped and the request verifies after its whole residual (a late layer), ends, or goes
-        on on its anchor (the residual failed)."""
+    def _layered_ended(self, busy: float) -> bool:
+        """After the forward of a layered verify (``busy``: its seconds less every layer wait in it): True when
+        its rows are the verify's (every layer was filled); else its rows are dropped and the request goes back
+        to drafting or waiting, to verify after its whole residual (a late layer), ends, or goes on on its
+        anchor (the residual failed)."""
         lv, self.lv = self.lv, None
-        self.stats.verify_waited_s = (self.stats.verify_waited_s or 0.0) + lv.waited_s
         if lv.failure is None:
             self.draft_cache = self.draft_pending = None
-            self.stats.verify_layered = True
+            self.stats.verify_layered, self.stats.verify_waited_s = True, lv.waited_s
             self.stats.residual_seen_s = lv.last_layer_s - self.t0
             if self.stats.residual_ready_s is None or self.stats.residual_seen_s < self.stats.residual_ready_s:
                 self.stats.residual_ready_s = self.stats.residual_seen_s  # the last layer's arrival
-            remember_verify(self.model, len(self.pending), end - start - lv.waited_s,
-                            statistics.median(self.step_s[1:]), batch=True)
+            remember_verify(self.model, len(self.pending), busy, statistics.median(self.step_s[1:]), batch=True)
             self._let_load_go()
             return True
         self.cache, self.pending = self.draft_cache, self.draft_pending  # the anchor cache, as the drafting left it
         self.draft_cache = self.draft_pending = None
-        if lv.late:
-            self.layers, self.phase = False, "wait"  # verified once its whole residual is in, as without the pass
+        if lv.late:  # as without the pass: drafting on if it was, then a verify after the whole residual
+            self.layers, self.phase = False, self.draft_phase
             self.stats.verify_layered_abandoned = True
             return False
         error = lv.failure
@@ -349,14 +351,16 @@ class _Request:
         its branch's next token on the branch's cache."""
         out = [(self.cache, self.pending)]
         b = self.brancher.branch if self.brancher is not None and self.phase == "draft" else None
-        if b is not None and not b.ended:
+        if b is not None and not b.ended and b.cache is not None:  # (its cache goes when drafting ends once)
             out.append((b.cache, b.tokens[-1:]))
         return out
 
     # ---- after a forward ----------------------------------------------------------------------------------------
-    def take_rows(self, rows: torch.Tensor, start: float, end: float, side: torch.Tensor | None = None) -> None:
+    def take_rows(self, rows: torch.Tensor, start: float, end: float, side: torch.Tensor | None = None,
+                  waited: float = 0.0) -> None:
         """Use this request's logits ``[len(pending), V]`` of the step that ran ``[start, end]`` (perf_counter),
-        and its branch's row ``side`` when the step ran the branch too."""
+        and its branch's row ``side`` when the step ran the branch too; ``waited``: how long the step's layered
+        verifies waited for layers (not compute: such a step is no measure of a step)."""
         params = self.cfg.sampling
         ts, te = start - self.t0, end - self.t0
         if self.phase == "draft":
@@ -369,7 +373,7 @@ class _Request:
                 self.brancher.consider(rows[-1], self.cache, len(self.drafts))
             token, probs = choose(rows[-1], params, self.gen)
             self.stats.draft_steps.append([ts, te])
-            if len(self.pending) == 1:  # a draft step (the first forward over new prompt tokens is a prefill)
+            if len(self.pending) == 1 and not waited:  # a draft step (a first forward over new tokens: a prefill)
                 self.step_s.append(end - start)
             self.drafts.append(token)
             if probs is not None:
@@ -380,7 +384,7 @@ class _Request:
             if token in self.cfg.stop_token_ids or len(self.drafts) >= self.cap:
                 self.phase = "wait"
         elif self.phase == "verify":
-            if self.lv is not None and not self._layered_ended(start, end):
+            if self.lv is not None and not self._layered_ended(end - start - waited):
                 return
             k = len(self.drafts)
             rows = rows[len(self.feed) - 1 :]  # [k+1, V]
@@ -398,7 +402,6 @@ class _Request:
                 self.commit([next_token])
             self.side = self._drop_branch().to_verify(accepted, next_token) if self.brancher is not None else None
             if self.side is not None and not self.finished():  # rejected at the fork, for the branch's root
-                self.side.cache = None  # its tokens are all the verify needs
                 self.pending, self.phase = list(self.side.tokens), "branch"
             else:
                 self.side, self.pending, self.phase = None, [next_token], "decode"
@@ -434,6 +437,9 @@ class _Request:
         return brancher
 
     def _stop_drafting(self) -> None:
+        """Drafting is over: its step time noted, and the branch's cache let go (its verify needs its tokens)."""
+        if self.brancher is not None and self.brancher.branch is not None:
+            self.brancher.branch.cache = None
         steps = [e - s for s, e in self.stats.draft_steps]
         if steps:
             self.stats.draft_step_s = statistics.median(steps[1:] or steps)
@@ -513,11 +519,12 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
                 rows = forward_packed(model, [c for s in seqs for c, _ in s], [t for s in seqs for _, t in s])
             end = time.perf_counter()
             steps.append([start - t0, end - t0, len(ready), sum(len(t) for s in seqs for _, t in s)])
+            waited = sum(r.lv.waited_s for r in ready if r.lv is not None)  # the whole step waited on these
             at = 0
             for r, s in zip(ready, seqs):
                 x, side = rows[at], rows[at + 1] if len(s) > 1 else None
                 at += len(s)
-                r.take_rows(x, start, end, side)
+                r.take_rows(x, start, end, side, waited)
                 if r.phase == "done":
                     r.leave()
             if on_step is not None:

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+from lynxkv.errors import InputError
 from lynxkv.speculative.interrupt import decoder_modules
 
 # A verify forward over k rows costs about (1 + ROW_COST · k) decode steps on a CPU at long context (SmolLM2, 2-3K
@@ -76,7 +77,7 @@ def remember_verify(model, rows: int, busy: float, step: float, *, batch: bool =
     """Note that a verify of ``rows`` rows kept ``model`` busy ``busy`` seconds with decode steps of ``step``."""
     if rows <= 0 or step <= 0:
         return
-    cost = max(0.02, (busy / step - 1.0) / rows)
+    cost = min(1.0, max(0.02, (busy / step - 1.0) / rows))  # a verified row costs more than a step: noise
     with _LOCK:
         try:
             (_SEEN_BATCH if batch else _SEEN)[model] = cost
@@ -108,19 +109,22 @@ class LayeredVerify:
     def _fill(self, index: int) -> None:
         if index in self._filled or self.failure is not None:  # a later pass reads the grown layer
             return
+        try:
+            self._take(index)
+        except Exception as exc:  # the load's failure, whatever its type (soft: noted, never raised in the forward)
+            if not self.soft:
+                raise
+            self.failure = f"the residual failed: {exc}"
+
+    def _take(self, index: int) -> None:
         t = time.perf_counter()
         limits = [x for x in (self.deadline, self.patience) if x is not None]
         timeout = max(0.0, min(limits) - t) if limits else None
-        if not self.soft:
+        try:
             arrived = self.load.layer_in(index, timeout)
-        else:
-            try:
-                arrived = self.load.layer_in(index, timeout)
-            except Exception as exc:  # the load's failure, whatever its type
-                self.failure = f"the residual failed: {exc}"
-                return
-        now = time.perf_counter()
-        self.waited_s += now - t
+        finally:
+            now = time.perf_counter()
+            self.waited_s += now - t
         if not arrived:
             message = f"the residual of layer {index} did not arrive in time"
             if not self.soft:
@@ -128,15 +132,13 @@ class LayeredVerify:
             self.failure, self.late = message, self.deadline is None or now < self.deadline
             return
         self.last_layer_s = now
-        if not self.soft:
-            k, v = self.load.full_layer(index)
-        else:
-            try:
-                k, v = self.load.full_layer(index)
-            except Exception as exc:
-                self.failure = f"the residual failed: {exc}"
-                return
+        k, v = self.load.full_layer(index)
         layer = self.cache.layers[index]
+        heads, _, dim = layer.keys.shape[1:]  # the anchor's [1, H, keep, D]
+        for name, x in (("keys", k), ("values", v)):
+            if x.dim() != 3 or x.shape[0] != heads or x.shape[2] != dim or x.shape[1] < self.keep:
+                raise InputError(f"the full code's layer {index} {name} have shape {tuple(x.shape)}, not "
+                                 f"[{heads}, >= {self.keep}, {dim}] as the anchor's")
         # what kv_to_cache and the crop to the kept tokens make of the whole full code (views when the dtype matches)
         layer.keys = k.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]
         layer.values = v.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]
