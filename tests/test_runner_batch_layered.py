@@ -24,10 +24,14 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 @pytest.fixture
 def eager(monkeypatch):
-    """The verify looks very long: a request starts its layered verify as soon as it has two draft steps."""
+    """The verify looks very long, and no measured verify says otherwise: a request starts its layered verify as
+    soon as it has two draft steps."""
+    from lynxkv.speculative import batch
+
     monkeypatch.setattr(layered, "ROW_COST", 1e4)
     monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
     monkeypatch.setattr(layered, "_SEEN_BATCH", type(layered._SEEN_BATCH)())
+    monkeypatch.setattr(batch, "remember_verify", lambda *a, **k: None)
 
 
 def _stored(tmp_path, model, name: str, tokens: int, seed: int):
@@ -48,13 +52,16 @@ def _rate(path: str, seconds: float) -> float:
 def test_requests_verify_layer_by_layer_in_a_batch(tmp_path, eager, dtype):
     """Three requests over their own emulated links: the two that draft verify while their residuals arrive
     (their verify started before the last layer was in) and every request's tokens are greedy decoding on its
-    full code with the drafts it verified; the third, which does not draft, is untouched."""
+    full code with the drafts it verified; the third, which does not draft, is untouched. The second arrives
+    after the first's residual: a layered pass that starts this early (``eager``) waits inside the shared
+    forward, and a request drafting beside it would get few draft steps to judge a step by."""
     model = make_tiny_model("llama", 3).to(dtype)
     stored = [_stored(tmp_path, model, f"c{i}", 120 + 40 * i, i) for i in range(3)]
     cfgs = [RunConfig(max_new_tokens=20, min_window_steps=0),
             RunConfig(max_new_tokens=20, min_window_steps=0, layered_verify=True),
             RunConfig(max_new_tokens=12, min_window_steps=0, speculate=False)]
-    reqs = [BatchRequest(lambda p=path: open_progressive(p, bandwidth=_rate(p, 1.0)), cfg, name=str(i))
+    reqs = [BatchRequest(lambda p=path: open_progressive(p, bandwidth=_rate(p, 1.0)), cfg, name=str(i),
+                         arrival_s=1.5 if i == 1 else 0.0)
             for i, ((_, path, _, _), cfg) in enumerate(zip(stored, cfgs))]
     got = run_batch(model, reqs)
     for (ids, _, full_kv, _), cfg, r in zip(stored, cfgs, got.requests):
