@@ -28,8 +28,9 @@ waits holds up every request in it, so the verify starts only that close to the 
 by the window or a stop token does not start it early, as it does at batch 1), and its waits are bounded: a layer
 later than the residual's estimate allowed (by ``patience``) gives up the layered pass, whose rows are dropped,
 and the request drafts on (or waits) and verifies after its whole residual as without it. A step that waited is
-left out of the draft-step times, and the verify's learned cost leaves every wait in the step out. A residual that fails during the pass ends that
-request (or, with ``allow_anchor_only``, sends it on unverified on its anchor) as it would without it.
+left out of the draft-step times, and the verify's learned cost leaves every wait in the step out. A residual
+that fails during the pass ends that request (or, with ``allow_anchor_only``, sends it on unverified on its
+anchor) as it would without it.
 
 The branch (``RunConfig.branch_margin``, greedy; :mod:`lynxkv.speculative.branch`): at a request's first draft
 whose anchor margin is below the bound, a second chain forks from its runner-up token and drafts beside the main
@@ -40,7 +41,8 @@ prefix and the next token, the forward shapes ``decode_plain(..., first_forward=
 branch_token_ids))`` reproduces.
 
 Not supported here (the single runner has them): ``verify_chunk`` and ``verify_first`` (a request that sets one is
-refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch does without them). Times in each request's stats are seconds since its own arrival (when its load was opened).
+refused), ``interrupt_drafts`` and ``dequantize_between_drafts`` (on by default; a batch does without them).
+Times in each request's stats are seconds since its own arrival (when its load was opened).
 """
 
 from __future__ import annotations
@@ -212,33 +214,33 @@ class _Request:
             if self.cap and not self.load.residual.done():
                 self.cache, self.pending, self.phase = start_cache(self.model, self.anchor_kv, self.keep), self.feed, "draft"
                 wanted = cfg.layered_verify is not False and hasattr(self.load, "layer_in")
-                self.layers = decoder_layers(self.model, self.cache) if wanted else None
-                self.layers = self.layers or False
+                self.layers = (wanted and decoder_layers(self.model, self.cache)) or False
                 if cfg.branch_margin > 0:
                     self.brancher = Brancher(cfg.branch_margin, cfg.stop_token_ids)
         if self.phase == "draft" and (self.load.residual.done() or len(self.drafts) >= self.cap):
             self.phase = "wait"
             self._stop_drafting()
-        if self.phase in ("draft", "wait") and self._layered_due():
-            self._start_layered()
+        eta = self._layered_due() if self.phase in ("draft", "wait") else None
+        if eta is not None:
+            self._start_layered(eta)
         if self.phase == "wait":
             self._take_residual()
 
-    def _layered_due(self) -> bool:
-        """Whether to verify layer by layer from the next step on: it has drafts, two draft steps to judge a step
-        by, and its residual, not yet in, is due within the verify's own length (less its last layer)."""
+    def _layered_due(self) -> float | None:
+        """The residual's ETA when it is time to verify layer by layer from the next step on (it has drafts, two
+        draft steps to judge a step by, and its residual, not yet in, is due within the verify's own length, less
+        its last layer); else None."""
         if not (self.layers and self.drafts and len(self.step_s) >= 2) or self.load.residual.done():
-            return False
+            return None
         eta = self.load.residual_eta()
         if eta is None:
-            return False
+            return None
         step = statistics.median(self.step_s[1:])
         rows = len(self.feed) + len(self.drafts)
-        return eta < verify_estimate(self.model, rows, step, batch=True) * (1 - 1 / len(self.layers))
+        return eta if eta < verify_estimate(self.model, rows, step, batch=True) * (1 - 1 / len(self.layers)) else None
 
-    def _start_layered(self) -> None:
+    def _start_layered(self, eta: float) -> None:
         cfg = self.cfg
-        eta = self.load.residual_eta() or 0.0
         step = statistics.median(self.step_s[1:])
         now = time.perf_counter()
         deadline = None if cfg.residual_timeout is None else self.t0 + cfg.residual_timeout
@@ -430,10 +432,7 @@ class _Request:
     def _drop_branch(self) -> Brancher:
         """The brancher, taken from the request (its branch's cache goes with it), its stats noted."""
         brancher, self.brancher = self.brancher, None
-        b = brancher.branch
-        if b is not None:
-            self.stats.branch_at, self.stats.branch_forks = b.at, brancher.forks
-            self.stats.branch_token_ids = list(b.tokens)
+        brancher.record(self.stats)
         return brancher
 
     def _stop_drafting(self) -> None:

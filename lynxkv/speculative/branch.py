@@ -99,6 +99,14 @@ class Brancher:
         b.ended = token in self.stops
         return main
 
+    def record(self, stats) -> None:
+        """Note the branch, if one was forked, in ``stats`` (a :class:`~lynxkv.speculative.stats.RunStats`)."""
+        b = self.branch
+        if b is not None:
+            stats.branch_at, stats.branch_forks = b.at, self.forks
+            stats.branch_token_ids = list(b.tokens)
+            stats.branch_shared_prefix = b.prefix is not None
+
     def pending(self) -> Branch | None:
         """The branch, when it has drafts a verify could judge (its root and at least one more token)."""
         b = self.branch

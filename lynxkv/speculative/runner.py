@@ -317,10 +317,8 @@ def stream(
     stats.drafts_abandoned = interrupt.abandoned if interrupt is not None else 0
     stats.drafted = len(drafts)
     stats.draft_token_ids = list(drafts)
-    if brancher is not None and brancher.branch is not None:
-        stats.branch_at, stats.branch_forks = brancher.branch.at, brancher.forks
-        stats.branch_token_ids = list(brancher.branch.tokens)
-        stats.branch_shared_prefix = brancher.branch.prefix is not None
+    if brancher is not None:
+        brancher.record(stats)
     if step_times:
         later = step_times
         if len(feed) == 1:  # the first draft forward grew the fresh anchor cache (new prompt tokens: the prefill did)
