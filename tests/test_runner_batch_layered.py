@@ -98,6 +98,7 @@ class _LayeredLoad(StepLoad):
         self.asked: list[int] = []
         self.etas = 0
         self.was_late = False  # a layer was late: the residual's estimate is gone (as a stalled link's would be)
+        self.given_up = 0  # calls of layers_given_up
 
     def residual_eta(self):
         self.etas += 1
@@ -108,6 +109,9 @@ class _LayeredLoad(StepLoad):
             raise ChecksumError(f"residual layer {layer}: CRC mismatch")
         self.was_late |= self.late is not None and layer >= self.late
         return self.late is None or layer < self.late
+
+    def layers_given_up(self):
+        self.given_up += 1
 
     def full_layer(self, layer):
         self.asked.append(layer)
@@ -135,6 +139,7 @@ def test_a_late_layer_gives_the_pass_up_and_the_request_verifies_after_its_resid
     assert s.verify_waited_s is None  # the verify that counts did not wait for layers
     assert s.drafted == 8  # it went back to drafting, to its window's end, as without the pass
     assert late.asked == [0]  # no layer was filled after the late one
+    assert late.given_up == 1  # the load was told, so it builds the rest of the full code early again
     assert r.token_ids == decode_plain(model, f0, ids0, 14, first_forward=s.draft_token_ids)
     assert other.error is None and other.token_ids == decode_plain(model, f1, ids1, 14,
                                                                    first_forward=other.stats.draft_token_ids)

@@ -148,6 +148,36 @@ def test_the_full_code_is_dequantized_layer_by_layer_as_the_residual_arrives(tmp
         assert kv_equal(full, cache.load_kv(dtype=torch.float32))
 
 
+@pytest.mark.timing
+def test_a_caller_that_gives_its_layers_up_has_them_dequantized_early_again(tmp_path):
+    """A caller of ``layer_in`` (a layered verify) takes the layers itself, so the load stops dequantizing them
+    early, and ``layer_in(i, 0)`` answers without waiting. Once the caller gives them up (``layers_given_up``: a
+    pass given up in a batch), the layers in that nobody began and every later one are dequantized early again,
+    before the rest of the residual has arrived. The full code equals load_kv's."""
+    anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
+    path = write_pair(tmp_path, anchor, residual)
+    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+        load.wait_anchor(60)
+        assert load.layer_in(0, 60)  # from here on the caller takes the layers
+        t = time.perf_counter()
+        assert not load.layer_in(5, 0)  # the last layer comes last
+        asked_at_once = time.perf_counter() - t
+        assert load._kv._in[2].wait(60)
+        time.sleep(0.05)
+        taken_by_the_caller = list(load._kv._done[:3])  # in, but left to the caller
+        load.layers_given_up()
+        early = 0
+        while load.timeline.extra["residual_arrived_s"] is None and not load.residual.done():
+            early = sum(load._kv._done)
+            time.sleep(0.005)
+        full = load.residual.result(60)
+    assert asked_at_once < 0.04, asked_at_once  # (it waited 50-100 ms before)
+    assert taken_by_the_caller == [False] * 3
+    assert early >= 3, early
+    with open_cache(str(path)) as cache:
+        assert kv_equal(full, cache.load_kv(dtype=torch.float32))
+
+
 class _TimedOutJustThen:
     """A header event whose first wait answers 'timed out' once the whole anchor is in: the header came in just as
     the residual parser's wait ran out, and the anchor finished before the parser looked again."""

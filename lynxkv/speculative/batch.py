@@ -327,6 +327,9 @@ class _Request:
         if lv.late:  # as without the pass: drafting on if it was, then a verify after the whole residual
             self.layers, self.phase = False, self.draft_phase
             self.stats.verify_layered_abandoned = True
+            given_up = getattr(self.load, "layers_given_up", None)
+            if given_up is not None:  # the load goes back to building the rest of the full code early
+                given_up()
             return False
         error = lv.failure
         if self.cfg.residual_timeout is not None and lv.deadline is not None and time.perf_counter() >= lv.deadline:

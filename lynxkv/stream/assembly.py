@@ -62,6 +62,8 @@ class KVAssembly:
         self._eager = os.environ.get("LYNXKV_EAGER_RESIDUAL", "1") != "0"
         self._early: ThreadPoolExecutor | None = None
         self._early_jobs: dict[int, object] = {}  # layer -> its future
+        self._early_lock = threading.Lock()  # the consumer's thread and a layered verify's caller both start jobs
+        self._closed_early = False  # the early worker was shut down: no more early jobs
 
     @staticmethod
     def batch_pages(header) -> int:
@@ -96,11 +98,26 @@ class KVAssembly:
                                      [x[3] for x in pages])
                 del self._taken[layer]
                 self._in[layer].set()
-                if self._eager and not self.urgent:
-                    if self._early is None:
-                        self._early = ThreadPoolExecutor(1, thread_name_prefix="lynxkv-residual",
-                                                         initializer=lowest_priority)
-                    self._early_jobs[layer] = self._early.submit(self._early_layer, layer)
+                if not self.urgent:
+                    self._start_early(layer)
+
+    def _start_early(self, layer: int) -> None:
+        """Dequantize ``layer`` on the early worker (when layers are dequantized early at all)."""
+        if not self._eager:
+            return
+        with self._early_lock:
+            if self._closed_early or layer in self._early_jobs:
+                return
+            if self._early is None:
+                self._early = ThreadPoolExecutor(1, thread_name_prefix="lynxkv-residual", initializer=lowest_priority)
+            self._early_jobs[layer] = self._early.submit(self._early_layer, layer)
+
+    def relax(self) -> None:
+        """No caller waits for layers any more (a layered verify was given up): the layers in that nobody has
+        begun, and every later one, are dequantized early again."""
+        self.urgent = False
+        for layer in sorted(self._jobs):
+            self._start_early(layer)
 
     def _early_layer(self, layer: int) -> None:
         if not self.urgent:  # a layered verify takes the layers itself, at its own priority, as it reaches them
@@ -109,9 +126,10 @@ class KVAssembly:
     def _end_early(self) -> None:
         """Stop taking layers early (those not begun are cancelled); wait for the one under way (it reads the page
         records)."""
-        if self._early is not None:
-            self._early.shutdown(wait=True, cancel_futures=True)
-            self._early = None
+        with self._early_lock:
+            early, self._early, self._closed_early = self._early, None, True
+        if early is not None:
+            early.shutdown(wait=True, cancel_futures=True)
 
     def release(self) -> None:
         """Let go of the page records still held (a failed or closed load): they may be views of a mapped file."""
@@ -187,8 +205,8 @@ class KVAssembly:
             self.reader = reader
         self.take(items, anchors)
         layers = sorted({it[1] for it in items})
-        early, self._early_jobs = self._early_jobs, {}
         self._end_early()  # the layers it has not begun are done below, on every worker
+        early, self._early_jobs = self._early_jobs, {}
         failed = {}  # layer -> the error it met early (its records are gone: it is not run again)
         for layer, job in early.items():
             if job.cancelled():

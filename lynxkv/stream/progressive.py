@@ -183,20 +183,33 @@ class ProgressiveLoad(LoadConsumer):
 
     def layer_in(self, layer: int, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in. The
-        load's failure is raised here (a closed load raises :class:`StreamClosed`)."""
+        load's failure is raised here (a closed load raises :class:`StreamClosed`). ``timeout=0`` never waits.
+
+        From the first call on, the caller takes the layers itself as it reaches them (the load no longer
+        dequantizes them early), until :meth:`layers_given_up`."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float:  # each wait in 50 ms slices (the load's failure is checked between them), never past
+            return 0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))
+
         while True:
             if self._future.done():
                 self._future.result()  # the load's error, if it failed
-            if self._outputs_ready.wait(0.05):  # woken by the consumer, or again in 50 ms to check the load
+            if self._outputs_ready.wait(left()):  # woken by the consumer, or again to check the load
                 if not self.decode:
                     raise InputError("a load opened with decode=False has no full code to hand out")
                 kv = self._kv
                 kv.urgent = True
-                if kv.layer_in(layer, 0.05):
+                if kv.layer_in(layer, left()):
                     return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+
+    def layers_given_up(self) -> None:
+        """The caller of :meth:`layer_in` takes no more layers (a layered verify given up): the layers already in
+        and those still to come are dequantized early again, on the load's own worker."""
+        if self._outputs_ready.is_set() and self.decode:
+            self._kv.relax()
 
     def residual_in(self) -> bool:
         """Whether every byte of the residual is in (its last layers may still be being dequantized); never waits."""
