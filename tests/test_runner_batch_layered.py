@@ -5,6 +5,7 @@ request. The tokens are those of decoding on the full code either way."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -92,9 +93,11 @@ class _LayeredLoad(StepLoad):
     third draft on. ``late`` from that layer on says a layer is not in yet; ``broken`` from that layer on raises
     the load's failure; the whole residual still lands when the runner asks for it (or fails, with ``error``)."""
 
-    def __init__(self, model, ids, anchor_kv, full_kv, *, late=None, broken=None, short=None, error=None):
+    def __init__(self, model, ids, anchor_kv, full_kv, *, late=None, broken=None, short=None, error=None,
+                 slow=None):
         super().__init__(model, ids, anchor_kv, full_kv, error=error)
         self._full, self.late, self.broken, self.short = full_kv, late, broken, short
+        self.slow = dict(slow or {})  # layer -> seconds its residual takes to come in once asked for
         self.asked: list[int] = []
         self.etas = 0
         self.was_late = False  # a layer was late: the residual's estimate is gone (as a stalled link's would be)
@@ -108,6 +111,8 @@ class _LayeredLoad(StepLoad):
         if self.broken is not None and layer >= self.broken:
             raise ChecksumError(f"residual layer {layer}: CRC mismatch")
         self.was_late |= self.late is not None and layer >= self.late
+        if layer in self.slow:
+            time.sleep(self.slow.pop(layer))
         return self.late is None or layer < self.late
 
     def layers_given_up(self):
@@ -143,6 +148,38 @@ def test_a_late_layer_gives_the_pass_up_and_the_request_verifies_after_its_resid
     assert r.token_ids == decode_plain(model, f0, ids0, 14, first_forward=s.draft_token_ids)
     assert other.error is None and other.token_ids == decode_plain(model, f1, ids1, 14,
                                                                    first_forward=other.stats.draft_token_ids)
+
+
+def test_a_step_that_waits_for_a_layer_is_no_draft_step_and_no_verify_cost(tiny_model, eager, monkeypatch):
+    """A layer that comes in late, inside the pass's patience, holds up the whole packed step. That step measures
+    neither a draft step of the request drafting beside the pass (its guard and its own pass judge by its steps)
+    nor the verify's cost, which the batch learns for later passes: the wait is left out of both."""
+    from lynxkv.speculative import batch
+
+    model = tiny_model
+    (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
+    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0)
+    learned, steps = [], {}
+    monkeypatch.setattr(batch, "remember_verify", lambda _m, rows, busy, step, **_: learned.append(busy))
+    leave = batch._Request.leave
+
+    def noting_leave(self):
+        steps.setdefault(self.name, list(self.step_s))
+        leave(self)
+
+    monkeypatch.setattr(batch._Request, "leave", noting_leave)
+    slow = _LayeredLoad(model, ids0, a0, f0, slow={1: 0.4})
+    got = run_batch(model, [BatchRequest(slow, cfg, name="slow"),
+                            BatchRequest(StepLoad(model, ids1, a1, f1), cfg, name="beside")])
+    r, beside = got.requests
+    assert r.error is None and r.stats.verify_layered and r.stats.verify_waited_s >= 0.4
+    assert r.token_ids == decode_plain(model, f0, ids0, 14, first_forward=r.stats.draft_token_ids)
+    assert len(learned) == 1 and learned[0] < 0.2  # the verify's own compute, not the 0.4 s it waited
+    held = [e - s for s, e in beside.stats.draft_steps]
+    assert max(held) >= 0.4  # the request beside drafted in the step that waited ...
+    assert steps["beside"] and max(steps["beside"]) < 0.2  # ... which is not one of its measured draft steps
+    assert beside.error is None and beside.token_ids == decode_plain(model, f1, ids1, 14,
+                                                                     first_forward=beside.stats.draft_token_ids)
 
 
 @pytest.mark.parametrize("anchor_only", [False, True], ids=["error", "anchor-only"])

@@ -454,6 +454,17 @@ def test_the_branch_in_a_batch(cases, arch, dtype, layered_verify, monkeypatch):
         hooks.append(lo.hook)
         return lo
 
+    from lynxkv.speculative import batch
+
+    held = []  # at the fork's verify: whether its branch's cache (the prompt's KV again) was still held
+    take_rows = batch._Request.take_rows
+
+    def noting(self, *args, **kwargs):
+        if self.name == "fork" and self.phase == "verify" and self.brancher is not None:
+            held.append(self.brancher.branch is not None and self.brancher.branch.cache is not None)
+        take_rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(batch._Request, "take_rows", noting)
     cfg = RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound, layered_verify=layered_verify)
     try:
         got = run_batch(model, [BatchRequest(load(ids, anchor, full_kv), cfg, name="fork"),
@@ -469,6 +480,7 @@ def test_the_branch_in_a_batch(cases, arch, dtype, layered_verify, monkeypatch):
     assert len(s.branch_token_ids) == s.drafted - d and len(s.branch_draft_steps) == s.drafted - d - 1
     assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
     assert fork.token_ids == _reference(model, full_kv, ids, s)
+    assert held and not any(held)  # the branch's cache went when drafting ended, before the verify
     assert plain.stats.branch_at is None and plain.stats.accepted == d  # without it, the window ends at d
     assert plain.token_ids == _reference(model, full_kv, ids, plain.stats)
     assert other.error is None and other.token_ids == _reference(model, other_full, other_ids, other.stats)
