@@ -117,6 +117,31 @@ def test_bad_residual_ends_only_its_request(tiny_model, anchor_only):
         assert r.token_ids == decode_plain(model, f, ids, 16, first_forward=r.stats.draft_token_ids)
 
 
+class _BadClose(StepLoad):
+    """A load whose close errs (a file or a socket that fails as it is closed)."""
+
+    def close(self):
+        raise OSError("close: connection reset by peer")
+
+
+def test_a_load_that_fails_to_close_ends_nothing(tiny_model):
+    """Closing a load its request is done with may fail: the request keeps what it has (its tokens, or its own
+    error), the error is kept in its load's timeline, and the other requests go on."""
+    model = tiny_model
+    data = _setup(model, 3)
+    cfg = RunConfig(max_new_tokens=10, max_window=3, min_window_steps=0)
+    reqs = [BatchRequest(_BadClose(model, ids, a, f, error=ChecksumError("residual page 1: CRC mismatch")
+                                   if i == 1 else None), cfg) for i, (ids, _, a, f) in enumerate(data)]
+    got = run_batch(model, reqs)
+    for i, ((ids, _, a, f), r) in enumerate(zip(data, got.requests)):
+        assert "connection reset" in r.stats.load["extra"]["close_error"]
+        if i == 1:
+            assert "CRC mismatch" in r.error
+            continue
+        assert r.error is None and r.verified
+        assert r.token_ids == decode_plain(model, f, ids, 10, first_forward=r.stats.draft_token_ids)
+
+
 def test_foreign_cache_ends_only_its_request(tiny_model):
     model = tiny_model
     data = _setup(model, 3)

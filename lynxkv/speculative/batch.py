@@ -345,10 +345,20 @@ class _Request:
         and let it go, with the copies it holds (its anchor KV at once; its full code once the next forward has
         moved the cache into a buffer of its own), rather than when the request leaves: a request decoding
         would otherwise hold three copies of its KV instead of one."""
-        if self.close_load:
-            self.load.close()
+        self._close_load()
         self.stats.load = _timeline(self.load)
         self.load = self.anchor_kv = None
+
+    def _close_load(self) -> None:
+        """Close the load (unless run_batch was told not to). A load that fails to close (a file or a socket that
+        errs) ends nothing: its request holds all it needs, or has already ended, and the other requests go on; the
+        error is kept in the load's timeline, ``extra["close_error"]``."""
+        if not self.close_load:
+            return
+        try:
+            self.load.close()
+        except (OSError, LynxError) as exc:
+            self.load.timeline.extra["close_error"] = str(exc)
 
     # ---- the next forward ---------------------------------------------------------------------------------------
     def sequences(self) -> list[tuple[object, list[int]]]:
@@ -458,8 +468,7 @@ class _Request:
         """The request is over: keep its load's timeline, close the load (if it still has it) and let its caches
         go."""
         if self.load is not None:
-            if self.close_load:
-                self.load.close()
+            self._close_load()
             self.stats.load = _timeline(self.load)
         self.load = self.cache = self.anchor_kv = self.draft_cache = self.lv = self.side = None
         if self.brancher is not None:
