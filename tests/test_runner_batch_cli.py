@@ -189,3 +189,164 @@ def test_one_cache_options_are_refused_with_several(batch_dir, capsys, option):
     _, model_dir, paths, _, _ = batch_dir
     code, out, err = _run(capsys, *paths[:2], "--model", model_dir, option, "4")
     assert code == 1 and option in err and err.count("\n") == 1
+
+
+def _copies(paths, tmp_path, n):
+    out = []
+    for i, p in enumerate(paths[:n]):
+        for suffix in ("", "r"):
+            shutil.copy(p + suffix, tmp_path / f"c{i}.lynx{suffix}")
+        out.append(str(tmp_path / f"c{i}.lynx"))
+    return out
+
+
+@pytest.mark.parametrize("fault", ["truncated", "missing", "not-a-cache", "directory"])
+def test_one_bad_cache_ends_only_its_request(batch_dir, capsys, tmp_path, fault):
+    """An anchor that cannot be opened (cut short, missing, not a .lynx file, a directory) ends only its request,
+    with an error that names it; the others decode as usual."""
+    model, model_dir, paths, refs, _ = batch_dir
+    mine = _copies(paths, tmp_path, 3)
+    bad = tmp_path / "c1.lynx"
+    if fault == "truncated":
+        bad.write_bytes(bad.read_bytes()[:5000])
+    elif fault == "missing":
+        bad.unlink()
+    elif fault == "not-a-cache":
+        bad.write_bytes(b"not a cache" * 100)
+    else:
+        bad.unlink()
+        bad.mkdir()
+    code, out, err = _run(capsys, *mine, "--model", model_dir, "-n", "8", "--ignore-eos", "--json")
+    assert code == 1 and "Traceback" not in err
+    doc = json.loads(out)
+    assert doc["requests"][1]["error"] and doc["requests"][1]["token_ids"] == []
+    assert err.count("lynxkv: error:") == 1 and "request 1:c1.lynx:" in err and "c1.lynx" in err.split(":", 3)[-1]
+    _check_tokens(model, [refs[0], refs[2]], {"requests": [doc["requests"][0], doc["requests"][2]]}, 8)
+
+
+def test_names_and_errors_are_printed_as_text_not_markup(batch_dir, capsys, tmp_path):
+    """A request's name and its error come from files: printed as they are (rich markup in them is not
+    interpreted, so it can neither fail the output nor hide text), in the table and in the error lines."""
+    _, model_dir, paths, _, _ = batch_dir
+    mine = _copies(paths, tmp_path, 2)
+    (tmp_path / "c1.lynx").write_bytes(b"[/] [bold red]x[/bold red]")
+    req = tmp_path / "r.jsonl"
+    req.write_text(json.dumps({"cache": mine[0], "name": "[bold red]HIDDEN[/bold red] a"}) + "\n"
+                   + json.dumps({"cache": mine[1], "name": "[/]"}) + "\n")
+    code, out, err = _run(capsys, str(req), "--model", model_dir, "-n", "4", "--ignore-eos")
+    assert code == 1 and "Traceback" not in err
+    assert "[bold red]HIDDEN[/bold red] a" in out  # the table's row, as written
+    assert "lynxkv: error: request [/]:" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"cache": "c0.lynx", "arrival_s": NaN}', "finite"),
+    ('{"cache": "c0.lynx", "arrival_s": Infinity}', "finite"),
+    ('{"cache": "c0.lynx", "temperature": Infinity}', "finite"),
+    ('{"cache": "c0.lynx", "name": "\\ud800"}', "not valid text"),
+    ('{"cache": "c0.lynx\\u0000x"}', "not valid text"),
+    ('{"cache": ""}', '"cache"'),
+    ('{"cache": "c0.lynx", "name": "a"}\n{"cache": "c1.lynx", "name": "a"}', "already in the file"),
+], ids=["nan-arrival", "inf-arrival", "inf-temperature", "surrogate", "nul", "empty-cache", "same-name"])
+def test_bad_request_values(batch_dir, capsys, line, message):
+    _, model_dir, _, _, d = batch_dir
+    req = d / "bad.jsonl"
+    req.write_text(line + "\n")
+    code, out, err = _run(capsys, str(req), "--model", model_dir)
+    assert code == 1 and out == "" and message in err and "line " in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_request_file_with_a_bom_and_nulls_takes_the_defaults(batch_dir, capsys):
+    """A byte-order mark (as some editors write) is not part of the first line; a key given as null takes the
+    command's default."""
+    model, model_dir, paths, refs, d = batch_dir
+    req = d / "bom.jsonl"
+    req.write_bytes("\ufeff".encode() + (json.dumps({"cache": paths[0], "max_new_tokens": None, "seed": None,
+                                                     "name": None}) + "\n").encode())
+    code, out, err = _run(capsys, str(req), "--model", model_dir, "-n", "5", "--ignore-eos", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["requests"][0]["name"] == f"0:{os.path.basename(paths[0])}"
+    _check_tokens(model, refs[:1], doc, 5)
+
+
+def test_a_request_file_larger_than_any_prompt_is_refused(batch_dir, capsys, monkeypatch):
+    from lynxkv.cli import console
+
+    _, model_dir, paths, _, d = batch_dir
+    monkeypatch.setattr(console, "TEXT_LIMIT", 100)
+    req = d / "big.jsonl"
+    req.write_text(json.dumps({"cache": paths[0], "prompt": "w" * 200}) + "\n")
+    code, out, err = _run(capsys, str(req), "--model", model_dir)
+    assert code == 1 and "more than 100 bytes" in err
+
+
+def test_a_request_past_the_models_context_ends_alone(batch_dir, capsys):
+    """A request whose prompt and new tokens need more positions than the model has ends with that error before
+    any of its forwards (a long prompt would otherwise build a mask of its length squared); the others go on."""
+    model, model_dir, paths, refs, d = batch_dir
+    context = model.config.max_position_embeddings
+    req = d / "long.jsonl"
+    req.write_text(json.dumps({"cache": paths[0]}) + "\n"
+                   + json.dumps({"cache": paths[1], "max_new_tokens": context}) + "\n")
+    code, out, err = _run(capsys, str(req), "--model", model_dir, "-n", "6", "--ignore-eos", "--json")
+    assert code == 1
+    doc = json.loads(out)
+    assert f"the model has {context}" in doc["requests"][1]["error"] and doc["requests"][1]["token_ids"] == []
+    _check_tokens(model, refs[:1], {"requests": doc["requests"][:1]}, 6)
+    code, _, err = main(["run", paths[1], "--model", model_dir, "-n", str(context)]), None, capsys.readouterr().err
+    assert code == 1 and f"the model has {context}" in err
+
+
+def test_the_results_are_printed_before_a_timeline_that_cannot_be_written(batch_dir, capsys, tmp_path,
+                                                                         monkeypatch):
+    import lynxkv.storage
+    from lynxkv.errors import InputError
+
+    model, model_dir, paths, refs, _ = batch_dir
+
+    def full(path, data):
+        raise InputError(f"{path}: no space left on the device; nothing was written")
+
+    monkeypatch.setattr(lynxkv.storage, "write_atomic", full)
+    code, out, err = _run(capsys, *paths[:2], "--model", model_dir, "-n", "4", "--ignore-eos", "--json",
+                          "--timeline", str(tmp_path / "t.png"))
+    assert code == 1 and "no space left" in err
+    _check_tokens(model, refs[:2], json.loads(out), 4)
+
+
+def test_compare_does_not_call_two_failures_the_same_tokens(batch_dir, capsys, tmp_path):
+    _, model_dir, paths, _, _ = batch_dir
+    mine = _copies(paths, tmp_path, 2)
+    (tmp_path / "c1.lynxr").unlink()
+    code, out, err = _run(capsys, *mine, "--model", model_dir, "-n", "4", "--ignore-eos", "--json", "--compare")
+    doc = json.loads(out)
+    assert code == 1 and doc["requests"][1]["compare"]["monolithic_full"]["same_tokens_as_lynx"] is None
+    assert doc["requests"][0]["compare"]["monolithic_full"]["same_tokens_as_lynx"] is True
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0"])
+def test_a_residual_timeout_must_be_a_positive_number(batch_dir, capsys, value):
+    _, model_dir, paths, _, _ = batch_dir
+    code, out, err = _run(capsys, paths[0], "--model", model_dir, "--residual-timeout", value)
+    assert code == 1 and "--residual-timeout" in err
+
+
+def test_allow_location_lets_run_read_a_residual_on_another_tier(batch_dir, capsys, tmp_path):
+    """A residual recorded outside the anchor's folder is refused unless the user allows its place, with
+    --allow-location as for the other commands (or $LYNXKV_ALLOW_LOCATIONS)."""
+    from lynxkv.stream.tier import move_cache
+
+    model, model_dir, paths, refs, _ = batch_dir
+    hot, cold = tmp_path / "hot", tmp_path / "cold"
+    hot.mkdir(), cold.mkdir()
+    mine = _copies(paths, hot, 1)[0]
+    move_cache(mine, residual_to=str(cold / "c0.lynxr"))
+    code, out, err = _run(capsys, mine, "--model", model_dir, "-n", "4", "--ignore-eos", "--json")
+    assert code == 1 and "--allow-location" in err
+    for args in ([mine], [mine, mine]):
+        code, out, err = _run(capsys, *args, "--model", model_dir, "-n", "4", "--ignore-eos", "--json",
+                              "--allow-location", str(cold))
+        assert code == 0, err
+        doc = json.loads(out)
+        _check_tokens(model, refs[:1] * len(args), doc if "requests" in doc else {"requests": [doc]}, 4)

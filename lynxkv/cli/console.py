@@ -65,19 +65,30 @@ def progress_step(description: str):
         yield
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """A text file's contents, or one clear error (missing, a directory, not UTF-8)."""
+#: The most a text input (a prompt file, a request file) may hold: far more than any prompt, and a bound on what
+#: a file that never ends (``/dev/zero``) can make lynxkv read.
+TEXT_LIMIT = 64 << 20
+
+
+def read_text(path: str | os.PathLike, limit: int | None = None) -> str:
+    """A text file's contents (a UTF-8 byte-order mark dropped), or one clear error (missing, a directory, over
+    ``limit`` bytes (default :data:`TEXT_LIMIT`), not UTF-8)."""
+    limit = TEXT_LIMIT if limit is None else limit
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, not a text file") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise InputError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    if len(data) > limit:
+        raise InputError(f"{path}: more than {limit:,} bytes; not a text input lynxkv reads")
+    try:
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
 
 
 def parse_dtype(name: str, *, auto: bool = False):

@@ -9,11 +9,12 @@ command line are every request's defaults.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lynxkv.cli.console import err, out, read_text
+from lynxkv.cli.console import err, escape, out, read_text
 from lynxkv.errors import InputError
 from lynxkv.stream.units import format_seconds as _s
 
@@ -37,50 +38,72 @@ def is_request_file(args: list[str]) -> bool:
 
 
 def read_requests(path: str) -> list[Spec]:
-    """The requests of a JSONL file, each checked; one clear error naming the line otherwise."""
+    """The requests of a JSONL file, each checked; one clear error naming the line otherwise. A key whose value
+    is ``null`` takes the command's default."""
     base = Path(path).parent
-    specs = []
+    specs, names = [], set()
+    types = {"prompt": str, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
+             "seed": int, "arrival_s": (int, float), "name": str}
     for n, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}, line {n}"
         try:
             obj = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InputError(f"{where}: not JSON ({exc})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("cache"), str):
+        if not isinstance(obj, dict) or not isinstance(obj.get("cache"), str) or not obj["cache"]:
             raise InputError(f'{where}: expected an object with a "cache" path')
         unknown = set(obj) - _KEYS
         if unknown:
             raise InputError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(_KEYS))})")
-        types = {"prompt": str, "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float),
-                 "seed": int, "arrival_s": (int, float), "name": str}
+        obj = {k: v for k, v in obj.items() if v is not None}
         for key, kind in types.items():
             if key in obj and (not isinstance(obj[key], kind) or isinstance(obj[key], bool)):
                 raise InputError(f"{where}: {key!r} has the wrong type ({type(obj[key]).__name__})")
+        for key in ("cache", "prompt", "name"):
+            if key in obj and not _is_text(obj[key]):
+                raise InputError(f"{where}: {key!r} is not valid text (a NUL or an unpaired surrogate)")
+        for key in ("temperature", "top_p", "arrival_s"):
+            if key in obj and not math.isfinite(obj[key]):
+                raise InputError(f"{where}: {key!r} must be a finite number, got {obj[key]}")
         if obj.get("max_new_tokens", 1) < 1 or obj.get("arrival_s", 0) < 0:
             raise InputError(f"{where}: max_new_tokens must be >= 1 and arrival_s >= 0")
         cache = obj["cache"]
         if "://" not in cache and not os.path.isabs(cache):
             cache = str(base / cache)
-        specs.append(Spec(cache=cache, name=obj.get("name") or f"{len(specs)}:{Path(cache).name}",
-                          **{k: obj[k] for k in ("prompt", "max_new_tokens", "temperature", "top_p", "seed",
-                                                 "arrival_s") if k in obj}))
+        name = obj.get("name") or f"{len(specs)}:{Path(cache).name}"
+        if name in names:
+            raise InputError(f"{where}: a request named {name!r} is already in the file (names are the requests' "
+                             "keys in the output)")
+        names.add(name)
+        specs.append(Spec(cache=cache, name=name, **{k: obj[k] for k in ("prompt", "max_new_tokens", "temperature",
+                                                                       "top_p", "seed", "arrival_s") if k in obj}))
     if not specs:
         raise InputError(f"{path}: no requests")
     return specs
 
 
+def _is_text(value: str) -> bool:
+    """Whether ``value`` can be printed and written as UTF-8, and used as a path (no NUL)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
 def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay, link_order: str,
              max_batch: int | None, compare: bool, as_json: bool, timeline: Path | None, prompt: str | None,
-             ignore_eos: bool, link_turn: str = "cache") -> dict:
+             ignore_eos: bool, link_turn: str = "cache", allow_locations: tuple = ()) -> dict:
     """Decode every request together (lynxkv.speculative.batch) and report one row per request and the aggregate."""
     import torch
 
     from lynxkv.cache import open_cache
     from lynxkv.cli.console import model_label, print_json, progress_step
+    from lynxkv.errors import LynxError
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import load_model, model_for_cache
+    from lynxkv.hf.models import context_length, load_model, model_for_cache
     from lynxkv.stream.link_queue import POLICIES
 
     if link_order not in POLICIES:
@@ -92,56 +115,85 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
             _config(cfg, spec)
         except InputError as exc:
             raise InputError(f"request {spec.name}: {exc}") from None
-    sizes = []
-    for spec in specs:  # every cache's recorded model is checked before any weights load
-        with open_cache(spec.cache) as c:
-            model = model_for_cache(c.info.properties, model)
-            sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
+    sizes, errors = [], {}  # errors: request index -> why it cannot run (it ends with that, the others go on)
+    recorded = None  # the model the caches name, when none was asked for
+    for i, spec in enumerate(specs):  # every cache's recorded model is checked before any weights load
+        try:
+            with open_cache(spec.cache, allow_locations=allow_locations) as c:
+                named = model_for_cache(c.info.properties, model or recorded)
+                if model is None and named is not None:
+                    recorded = named
+                sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
+        except LynxError as exc:
+            errors[i] = f"{spec.cache}: {exc}" if spec.cache not in str(exc) else str(exc)
+            sizes.append((0, 0, []))
+    if len(errors) == len(specs):
+        _report_errors([(spec.name, errors[i]) for i, spec in enumerate(specs)])
+        raise SystemExit(1)
+    model = model if model is not None else recorded
     with progress_step(f"loading model {model_label(model)} ({dtype_name})"):
-        loaded = load_model(model, dtype=torch_dtype)
+        # a model only a cache names is loaded from this machine only: a cache never makes lynxkv download one
+        loaded = load_model(model, dtype=torch_dtype, local_only=recorded is not None and model == recorded)
         with torch.no_grad():
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cfg = replace(cfg, stop_token_ids=() if ignore_eos or eos is None else (int(eos),))
+    context = context_length(loaded.model.config)
     requests = []
-    for spec, (_, _, ids) in zip(specs, sizes):
+    for i, (spec, (_, _, ids)) in enumerate(zip(specs, sizes)):
         text = spec.prompt if spec.prompt is not None else prompt
-        new = continuation_ids(loaded.tokenizer, ids, text) if text is not None and ids else None
-        requests.append((spec, _config(cfg, spec), new))
+        config, new = _config(cfg, spec), None
+        if i not in errors:
+            try:
+                new = continuation_ids(loaded.tokenizer, ids, text) if text is not None and ids else None
+                need = len(ids) + len(new or []) + config.max_new_tokens
+                if context is not None and need > context:
+                    raise InputError(f"{len(ids) + len(new or [])} prompt tokens and {config.max_new_tokens} new "
+                                     f"ones need {need} positions; the model has {context}")
+            except InputError as exc:
+                errors[i] = str(exc)
+        requests.append((spec, config, new, errors.get(i)))
 
     lynx = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, cfg.allow_anchor_only,
-                     speculate=True, progress=not as_json, link_turn=link_turn)
+                     speculate=True, progress=not as_json, link_turn=link_turn, allow_locations=allow_locations)
     report = {"requests": [_request_report(loaded, r, spec, ids + (new or []))
-                           for r, (spec, _, new), (_, _, ids) in zip(lynx.requests, requests, sizes)],
+                           for r, (spec, _, new, _), (_, _, ids) in zip(lynx.requests, requests, sizes)],
               "aggregate": {**lynx.aggregate(), "link_order": link_order, "link_turn": link_turn,
                             "link": _link_text(rate, delay),
                             "residuals_sent_in_order": lynx.link_order}}
     if compare:
         err.print("running the monolithic full code on the same link, batched the same way ...")
         mono = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, False, speculate=False,
-                         progress=False)
+                         progress=False, allow_locations=allow_locations)
         for row, m in zip(report["requests"], mono.requests):
             tt_l, tt_m = row["stats"]["tt64_s"], m.stats.tt(64)
+            same = None if m.error or row["error"] else m.token_ids == row["token_ids"]  # nothing to compare
             row["compare"] = {"monolithic_full": {"tt1_s": m.stats.tt(1), "tt64_s": tt_m, "error": m.error,
-                                                  "same_tokens_as_lynx": m.token_ids == row["token_ids"]},
+                                                  "same_tokens_as_lynx": same},
                               "gain_tt64_s": None if tt_l is None or tt_m is None else tt_m - tt_l}
         report["aggregate"]["monolithic_full"] = mono.aggregate()
+    if as_json:  # the results first: a --timeline that cannot be written loses none of them
+        print_json(report)
+    else:
+        out.print(batch_table(report, compare))
     if timeline is not None:
         from lynxkv.speculative.timeline import render_batch_png
         from lynxkv.storage import write_atomic
 
         write_atomic(timeline, render_batch_png(report["requests"], title=f"lynxkv run: {len(specs)} requests"))
-        err.print(f"tokens over time written to {timeline}")
-    if as_json:
-        print_json(report)
-    else:
-        out.print(batch_table(report, compare))
-    failed = [r for r in report["requests"] if r["error"]]
-    for r in failed:
-        err.print(f"lynxkv: error: request {r['name']}: {r['error']}")
+        err.print(f"tokens over time written to {escape(str(timeline))}")
+    failed = [(r["name"], r["error"]) for r in report["requests"] if r["error"]]
     if failed:
+        _report_errors(failed)
         raise SystemExit(1)  # every other request's output is above
     return report
+
+
+def _report_errors(failed: list[tuple[str, str]]) -> None:
+    """One line per request that failed, its name and its error as plain text (never markup)."""
+    for name, error in failed:
+        err.print(f"[bold red]lynxkv: error:[/] request {escape(name)}: {escape(error)}", highlight=False,
+                  soft_wrap=True)
 
 
 def _config(cfg, spec: Spec):
@@ -155,14 +207,18 @@ def _config(cfg, spec: Spec):
 
 
 def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress,
-              link_turn: str = "cache"):
+              link_turn: str = "cache", allow_locations: tuple = ()):
     from lynxkv.speculative.batch import BatchRequest, run_batch
     from lynxkv.stream.link_queue import LinkQueue
     from lynxkv.stream.progressive import open_progressive
 
     queue = LinkQueue(rate, delay, policy=link_order) if rate is not None or delay > 0 else None
 
-    def opener(index, spec, anchor_bytes, residual_bytes):
+    def opener(index, spec, anchor_bytes, residual_bytes, error):
+        if error is not None:  # it ends with its error as it opens; it takes no turn on the link
+            def refuse():
+                raise InputError(error)
+            return refuse
         lane = None
         if queue is not None:
             # the monolithic baseline, and Lynx by default (--link-turn cache): each cache whole (its anchor first),
@@ -174,10 +230,12 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
 
         def open_load():
             if lane is None:
-                return open_progressive(spec.cache, allow_anchor_only=allow_anchor_only)
+                return open_progressive(spec.cache, allow_anchor_only=allow_anchor_only,
+                                        allow_locations=allow_locations)
             lane.join()
             try:
-                load = open_progressive(spec.cache, link=lane, allow_anchor_only=allow_anchor_only)
+                load = open_progressive(spec.cache, link=lane, allow_anchor_only=allow_anchor_only,
+                                        allow_locations=allow_locations)
             except BaseException:
                 lane.release()
                 raise
@@ -185,9 +243,10 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
             return _LaneLoad(load, lane)
         return open_load
 
-    batch = [BatchRequest(opener(i, spec, a, r), replace(c, speculate=speculate, allow_anchor_only=allow_anchor_only),
+    batch = [BatchRequest(opener(i, spec, a, r, error),
+                          replace(c, speculate=speculate, allow_anchor_only=allow_anchor_only),
                           new_token_ids=new, arrival_s=spec.arrival_s, name=spec.name)
-             for i, ((spec, c, new), (a, r, _)) in enumerate(zip(requests, sizes))]
+             for i, ((spec, c, new, error), (a, r, _)) in enumerate(zip(requests, sizes))]
     with _Progress(requests, enabled=progress and err.is_terminal) as bar:
         result = run_batch(loaded.model, batch, fingerprint=loaded.fingerprint, max_batch=max_batch,
                            on_step=bar.update)
@@ -224,7 +283,8 @@ class _Progress:
             self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
                                  transient=True)
             self.bars.start()
-            self.tasks = [self.bars.add_task(spec.name, total=c.max_new_tokens) for spec, c, _ in self.requests]
+            self.tasks = [self.bars.add_task(escape(spec.name), total=c.max_new_tokens)
+                          for spec, c, _, _ in self.requests]
         return self
 
     def update(self, results) -> None:
@@ -275,14 +335,14 @@ def batch_table(report: dict, compare: bool):
         t.add_column(c, no_wrap=True)
     for r in report["requests"]:
         s = r["stats"]
-        cells = [r["name"], str(s["prompt_tokens"]), _s(r["arrival_s"]), _s(s["anchor_ready_s"]),
+        cells = [escape(r["name"]), str(s["prompt_tokens"]), _s(r["arrival_s"]), _s(s["anchor_ready_s"]),
                  _s(s["residual_ready_s"]), _s(s["tt1_s"]), _s(s["tt64_s"]), str(s["committed"]),
                  f"{s['drafted']} / {s['accepted']}", _s(s["verify_s"], "ms"),
                  "ERROR" if r["error"] else ("yes" if r["verified"] else "NO (anchor only)")]
         if compare:
             c = r["compare"]
             cells += [_s(c["monolithic_full"]["tt64_s"]), _s(c["gain_tt64_s"]),
-                      "yes" if c["monolithic_full"]["same_tokens_as_lynx"] else "no"]
+                      {True: "yes", False: "no", None: "-"}[c["monolithic_full"]["same_tokens_as_lynx"]]]
         t.add_row(*cells)
     acc = agg["acceptance_rate"]
     vpt = agg["verify_s_per_token"]
