@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 
 from lynxkv.errors import InputError, LynxError
-from lynxkv.storage.urls import as_lynx_error, filesystem, is_local, local_path
+from lynxkv.storage.urls import as_lynx_error, filesystem, is_local, local_path, refuse_nul
 
 
 _TMP_SUFFIX = ".tmp"
@@ -122,7 +122,10 @@ class AtomicWriter:
         self._done = False
         self._f = None
         if is_local(self.url):
+            refuse_nul(self.url)  # os.stat / os.open would raise a bare ValueError ("embedded null byte")
             path = os.path.abspath(local_path(self.url))
+            if os.path.isdir(path) and not os.path.islink(path):  # os.replace would fail only at the commit
+                raise InputError(f"{self.url} is a directory; cannot write a file in its place")
             d = os.path.dirname(path)
             if make_dirs:
                 try:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lynxkv.storage.atomic import _storage_error
-from lynxkv.storage.urls import as_lynx_error, is_local, local_path
+from lynxkv.storage.urls import as_lynx_error, is_local, local_path, refuse_nul
 
 LOCK_SUFFIX = ".lock"
 KINDS = ("new", "old", "tmp")  # a file the writer creates / one it removes once done / one it only overwrites
@@ -97,6 +97,7 @@ def writer_lock(final: str | os.PathLike, *, make_dirs: bool = False) -> Iterato
         return
     import fcntl
 
+    refuse_nul(final)  # os.open of the lock would raise a bare ValueError ("embedded null byte")
     path = os.path.abspath(local_path(final))
     d, base = os.path.split(path)
     if make_dirs:

@@ -9,7 +9,7 @@ import threading
 from typing import Protocol
 
 from lynxkv.errors import InputError, LynxError
-from lynxkv.storage.urls import as_lynx_error, filesystem, has_protocol, is_local, local_path
+from lynxkv.storage.urls import as_lynx_error, filesystem, has_protocol, is_local, local_path, refuse_nul
 
 
 class ByteSource(Protocol):
@@ -50,15 +50,27 @@ class FileSource:
         import stat
 
         self.name = os.fspath(path)
+        refuse_nul(self.name)  # os.open would raise a bare ValueError ("embedded null byte")
         try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
             fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
             raise as_lynx_error(self.name, exc) from None
-        self._f = os.fdopen(fd, "rb")
-        try:
-            st = os.fstat(self._f.fileno())
+        try:  # what the descriptor is, before a file object owns it (os.fdopen of a directory raises, fd left open)
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise InputError(f"{self.name} is a directory, not a cache file")
             if not stat.S_ISREG(st.st_mode):
                 raise InputError(f"{self.name} is not a regular file; refusing to read it")
+            self._f = os.fdopen(fd, "rb")
+        except BaseException as exc:
+            try:
+                os.close(fd)
+            except OSError:  # already closed by a failed fdopen
+                pass
+            if isinstance(exc, OSError):
+                raise InputError(f"{self.name}: cannot open the file ({exc.strerror or exc})") from None
+            raise
+        try:
             self.size = st.st_size
             self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
         except InputError:

@@ -36,10 +36,24 @@ def filesystem(url: str, storage_options: dict | None = None):
         raise InputError(f"cannot open storage URL {url!r}: {exc}") from None
 
 
+def shown_path(path: str) -> str:
+    """``path`` as a message shows it: a NUL byte written as ``\\x00`` (never sent to a terminal as it is)."""
+    return path.replace("\x00", "\\x00")
+
+
+def refuse_nul(path: str) -> None:
+    """An InputError naming ``path`` if it holds a NUL byte (the OS cannot open such a name: ``os.open`` raises a
+    bare ValueError)."""
+    if "\x00" in path:
+        raise InputError(f"{shown_path(path)}: a path may not contain a NUL byte")
+
+
 def as_lynx_error(url: str, exc: BaseException) -> LynxError:
     """Every storage failure as a LynxError: the ones worth retrying as TransientError."""
     if isinstance(exc, LynxError):
         return exc
+    if isinstance(exc, ValueError) and "\x00" in url:  # "embedded null byte": never worth a retry
+        return InputError(f"{shown_path(url)}: a path may not contain a NUL byte")
     if isinstance(exc, FileNotFoundError):
         return InputError(f"{url}: no such file or object (it does not exist)")
     if isinstance(exc, PermissionError):

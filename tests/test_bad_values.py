@@ -1,0 +1,94 @@
+"""Bad values a user can give: each is one ``lynxkv: error:`` line and exit 1, never a traceback. A directory or
+a name with a NUL byte where a cache file goes; a rate, latency or size that is infinite, NaN or absurd; a
+temperature too small to sample from or infinite; a seed past 64 bits; a stdout that cannot be written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from lynxkv.cli import main
+from lynxkv.errors import InputError
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _one_error(capsys, *argv) -> str:
+    code, out, err = _run(capsys, *argv)
+    assert code == 1 and out == "" and "Traceback" not in err, err
+    assert err.startswith("lynxkv: error:") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _tiny_cache(path) -> str:
+    from lynxkv.cache.save import save_cache
+
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(2, 40, 8, generator=g), torch.randn(2, 40, 8, generator=g)) for _ in range(2)]
+    save_cache(str(path), kv)
+    return str(path)
+
+
+# --- cache paths: a directory, a NUL byte -------------------------------------------------------------------
+
+
+def test_inspect_of_a_directory_is_one_error_and_leaks_no_descriptor(tmp_path, capsys):
+    d = tmp_path / "somedir"
+    d.mkdir()
+    _one_error(capsys, "inspect", d)  # warm: imports may open files of their own
+    before = _open_fds()
+    for _ in range(5):
+        err = _one_error(capsys, "inspect", d)
+        assert f"{d} is a directory, not a cache file" in err
+    assert _open_fds() == before
+
+
+def test_inspect_of_a_name_with_a_nul_byte_is_one_error(tmp_path, capsys):
+    err = _one_error(capsys, "inspect", str(tmp_path / "c0.lynx") + "\x00x")
+    assert "c0.lynx\\x00x: a path may not contain a NUL byte" in err
+    assert "\x00" not in err  # never sent to a terminal as it is
+
+
+def test_storage_openers_refuse_a_nul_byte_and_a_directory(tmp_path):
+    from lynxkv.storage import FileSource, read_range, size_of, write_atomic, writer_lock
+
+    nul = str(tmp_path / "c.lynx\x00x")
+    for call in (lambda: FileSource(nul), lambda: read_range(nul, 0, 1), lambda: size_of(nul),
+                 lambda: write_atomic(nul, b"x")):
+        with pytest.raises(InputError, match="a path may not contain a NUL byte"):
+            call()
+    with pytest.raises(InputError, match="a path may not contain a NUL byte"):
+        with writer_lock(nul):
+            pass
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(InputError, match="is a directory, not a cache file"):
+        FileSource(str(d))
+    with pytest.raises(InputError, match="is a directory"):
+        read_range(str(d), 0, 1)
+    with pytest.raises(InputError, match="is a directory; cannot write a file in its place"):
+        write_atomic(str(d), b"x")
+    assert sorted(os.listdir(tmp_path)) == ["d"] and os.listdir(d) == []  # no temporary left behind
+
+
+def test_encode_over_a_directory_writes_nothing(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "kv.safetensors"
+    save_file({f"layers.0.{k}": torch.randn(2, 40, 8) for k in ("key", "value")}, src)
+    d = tmp_path / "out"
+    d.mkdir()
+    err = _one_error(capsys, "encode", src, "-o", d, "--force")
+    assert "is a directory" in err
+    assert sorted(os.listdir(tmp_path)) == ["kv.safetensors", "out"] and os.listdir(d) == []
