@@ -92,3 +92,62 @@ def test_encode_over_a_directory_writes_nothing(tmp_path, capsys):
     err = _one_error(capsys, "encode", src, "-o", d, "--force")
     assert "is a directory" in err
     assert sorted(os.listdir(tmp_path)) == ["kv.safetensors", "out"] and os.listdir(d) == []
+
+
+# --- rates, durations, sizes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1e400Mbps", "too large"), ("8001Tbps", "too large"), (float("inf"), "too large"), (float("nan"), "not a number"),
+    (10**400, "too large"), (2e15, "too large"), ("1e-300bps", "too small"), ("0.5bps", "too small"),
+    (float("-inf"), "must be positive"),
+], ids=lambda v: repr(v)[:24])
+def test_bandwidth_must_be_finite_and_sane(value, message):
+    from lynxkv.stream.units import parse_bandwidth
+
+    with pytest.raises(InputError, match=f"bandwidth.*{message}"):
+        parse_bandwidth(value)
+
+
+def test_bandwidth_bounds_are_accepted():
+    from lynxkv.stream.units import parse_bandwidth
+
+    assert parse_bandwidth("8000Tbps") == 1e15 and parse_bandwidth(1e15) == 1e15
+    assert parse_bandwidth("1bps") == 0.125
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1e300s", "too long"), ("1e400", "too long"), (float("inf"), "too long"), (float("nan"), "not a number"),
+    (10**400, "too large"), (1.0000001e9, "too long"), (float("-inf"), "must not be negative"),
+], ids=lambda v: repr(v)[:24])
+def test_duration_must_be_finite_and_sane(value, message):
+    from lynxkv.stream.units import parse_duration
+
+    with pytest.raises(InputError, match=f"duration.*{message}"):
+        parse_duration(value)
+
+
+def test_duration_bound_is_accepted():
+    from lynxkv.stream.units import parse_duration
+
+    assert parse_duration("1e9s") == 1e9 and parse_duration(1e9) == 1e9 and parse_duration("1000000ms") == 1000.0
+
+
+@pytest.mark.parametrize("value, message", [
+    ("1e400", "too large"), ("1025TiB", "too large"), (10**400, "too large"), (2**50 + 1, "too large"),
+    ("0.5", "at least 1 byte"), ("0", "at least 1 byte"),
+], ids=lambda v: repr(v)[:24])
+def test_size_must_be_finite_and_sane(value, message):
+    from lynxkv.stream.units import parse_size
+
+    with pytest.raises(InputError, match=f"size.*{message}"):
+        parse_size(value)
+    assert parse_size("1024TiB") == 2**50 and parse_size("1") == 1
+
+
+@pytest.mark.parametrize("argv", [["--bandwidth", "1e400Mbps"], ["--latency", "1e300s"],
+                                  ["--bandwidth", "1e-300bps"]])
+def test_stream_with_an_absurd_link_is_one_error(tmp_path, capsys, argv):
+    cache = _tiny_cache(tmp_path / "c.lynx")
+    err = _one_error(capsys, "stream", cache, *argv)
+    assert repr(argv[1]) in err

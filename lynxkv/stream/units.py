@@ -19,13 +19,36 @@ _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]i?)?
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s)?\s*$")
 _TIME_UNIT = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}
 
+# The largest values accepted: far beyond any real link, cache or wait, yet small enough that every time, sleep
+# and byte count computed from them stays a finite number the platform can hold (``1e400Mbps`` is infinite,
+# ``1e300s`` past every clock). The smallest rate is 1 bit/s: below it a single block would take longer to send
+# than any wait can last.
+MAX_BANDWIDTH = 1e15  # bytes/s: 8 Pbit/s
+MIN_BANDWIDTH = 1.0 / 8.0  # bytes/s: 1 bit/s
+MAX_DURATION = 1e9  # seconds: about 31.7 years
+MAX_SIZE = 2**50  # bytes: 1 PiB
+
+
+def _as_float(text, what: str) -> float:
+    """A number given as a number (not text) as a float; an int too large for a float is an InputError."""
+    try:
+        return float(text)
+    except OverflowError:
+        raise InputError(f"{what}: a number of {len(str(abs(text)))} digits is too large") from None
+
+
+def _refuse_nan(value: float, text, what: str) -> None:
+    """NaN passes every comparison's ``not``: refused here, before the range checks (which catch infinities)."""
+    if value != value:
+        raise InputError(f"{what} {text!r}: not a number")
+
 
 def parse_bandwidth(text: str | float | int | None) -> float | None:
     """``"1Gbps"`` -> 125e6 (bytes/s). Numbers pass through as bytes/s; ``None`` or ``""`` means unlimited."""
     if text is None or text == "":
         return None
     if isinstance(text, (int, float)):
-        value = float(text)
+        value = _as_float(text, "bandwidth")
     else:
         m = _RATE.match(text)
         if not m:
@@ -36,8 +59,13 @@ def parse_bandwidth(text: str | float | int | None) -> float | None:
         mult = _BINARY[prefix] if prefix.endswith("i") else _PREFIX[prefix]
         per_byte = 1.0 if unit in ("B/s", "Bps", "B") else 1.0 / 8.0
         value = number * mult * per_byte
+    _refuse_nan(value, text, "bandwidth")
     if not value > 0:
         raise InputError(f"bandwidth {text!r}: must be positive")
+    if value > MAX_BANDWIDTH:
+        raise InputError(f"bandwidth {text!r}: too large (at most 8000Tbps, {MAX_BANDWIDTH:.0e} bytes/s)")
+    if value < MIN_BANDWIDTH:
+        raise InputError(f"bandwidth {text!r}: too small (at least 1bps, one bit per second)")
     return value
 
 
@@ -46,14 +74,17 @@ def parse_duration(text: str | float | int | None) -> float:
     if text is None or text == "":
         return 0.0
     if isinstance(text, (int, float)):
-        value = float(text)
+        value = _as_float(text, "duration")
     else:
         m = _TIME.match(text)
         if not m:
             raise InputError(f"duration {text!r}: expected a number with a unit such as 2ms, 150us or 0.5s")
         value = float(m.group(1)) * _TIME_UNIT[m.group(2)]
+    _refuse_nan(value, text, "duration")
     if value < 0:
         raise InputError(f"duration {text!r}: must not be negative")
+    if value > MAX_DURATION:
+        raise InputError(f"duration {text!r}: too long (at most {MAX_DURATION:.0e} s, about 31 years)")
     return value
 
 
@@ -63,7 +94,7 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKmMgGtT]i?)?
 def parse_size(text: str | int) -> int:
     """``"256KiB"`` -> 262144, ``"64MB"`` -> 64000000, ``"4096"`` -> 4096 (bytes)."""
     if isinstance(text, int):
-        value = float(text)
+        value = _as_float(text, "size")
     else:
         m = _SIZE.match(text)
         if not m:
@@ -71,8 +102,11 @@ def parse_size(text: str | int) -> int:
                              "or 64MB")
         prefix = m.group(2) or ""
         value = float(m.group(1)) * (_BINARY[prefix] if prefix.endswith("i") else _PREFIX[prefix])
-    if not value > 0:
-        raise InputError(f"size {text!r}: must be positive")
+    _refuse_nan(value, text, "size")
+    if not value >= 1:  # 0.5 would round down to no bytes at all
+        raise InputError(f"size {text!r}: must be at least 1 byte")
+    if value > MAX_SIZE:
+        raise InputError(f"size {text!r}: too large (at most 1024TiB, {MAX_SIZE} bytes)")
     return int(value)
 
 
