@@ -151,3 +151,47 @@ def test_stream_with_an_absurd_link_is_one_error(tmp_path, capsys, argv):
     cache = _tiny_cache(tmp_path / "c.lynx")
     err = _one_error(capsys, "stream", cache, *argv)
     assert repr(argv[1]) in err
+
+
+# --- sampling parameters and seeds ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature, message", [
+    (float("inf"), "must be finite"), (1e-40, "too small to sample from.*use 0 for greedy decoding"),
+    (9.9e-6, "too small"), (5e-324, "too small"), (float("nan"), ">= 0"), (-1.0, ">= 0"),
+], ids=lambda v: repr(v)[:24])
+def test_temperature_must_be_finite_and_not_tiny(temperature, message):
+    from lynxkv.speculative.sampling import SamplingParams
+
+    with pytest.raises(InputError, match=message):
+        SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("top_p", [float("nan"), float("inf"), float("-inf"), 0.0, 1.5])
+def test_top_p_must_be_in_range(top_p):
+    from lynxkv.speculative.sampling import SamplingParams
+
+    with pytest.raises(InputError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=top_p)
+
+
+def test_smallest_temperature_samples_real_logits():
+    """1e-5 (the smallest) samples without error; like greedy on real logits, never NaN even with logits of
+    +-1e4 in any dtype, whatever the top-p."""
+    from lynxkv.speculative.sampling import MIN_TEMPERATURE, SamplingParams, choose, logits_to_probs
+
+    assert MIN_TEMPERATURE == 1e-5
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50_000, generator=g) * 10
+    for _ in range(20):
+        token, probs = choose(logits, SamplingParams(temperature=1e-5), g)
+        assert token == int(logits.argmax()) and torch.isfinite(probs).all()
+    for i in range(60):
+        scale = 10 ** (i % 7 - 2)  # 0.01 .. 1e4
+        x = (torch.rand(2, 3000, generator=g) * 2 - 1) * scale
+        x[:, 0], x[:, 1] = 1e4, -1e4
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for t in (1e-5, 1e-3, 1.0, 1e6):
+                for top_p in (1.0, 0.9, 1e-6):
+                    p = logits_to_probs(x.to(dtype), SamplingParams(temperature=t, top_p=top_p))
+                    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2), atol=1e-3)

@@ -23,17 +23,29 @@ import torch
 from lynxkv.errors import InputError
 
 
+# The smallest temperature that samples (vLLM's ``_SAMPLING_EPS``): below it the distribution is greedy in all
+# but name, and ``logits / temperature`` can overflow fp32 to inf (softmax then gives NaN, and drawing from it fails).
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` is greedy; otherwise softmax(logits / temperature) restricted to the top-p mass."""
+    """``temperature == 0`` is greedy; otherwise softmax(logits / temperature) restricted to the top-p mass.
+    A sampling temperature is finite and at least :data:`MIN_TEMPERATURE`."""
 
     temperature: float = 0.0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        t = self.temperature
+        if not (t >= 0.0) or t != t:  # NaN fails both
+            raise InputError(f"temperature must be >= 0, got {t}")
+        if t == float("inf"):
+            raise InputError(f"temperature must be finite, got {t}")
+        if 0.0 < t < MIN_TEMPERATURE:
+            raise InputError(f"temperature {t} is too small to sample from (the smallest is {MIN_TEMPERATURE:g}); "
+                             "use 0 for greedy decoding")
+        if not (0.0 < self.top_p <= 1.0):  # NaN and infinities fail it too
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
