@@ -195,3 +195,38 @@ def test_smallest_temperature_samples_real_logits():
                 for top_p in (1.0, 0.9, 1e-6):
                     p = logits_to_probs(x.to(dtype), SamplingParams(temperature=t, top_p=top_p))
                     assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2), atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", [2**63, 99999999999999999999999, -1, 1.5, True, "7"], ids=lambda v: repr(v)[:24])
+def test_seed_must_fit_64_bits(seed):
+    from lynxkv.speculative import RunConfig
+
+    with pytest.raises(InputError, match="seed must be an integer from 0 to 2\\*\\*63 - 1"):
+        RunConfig(seed=seed)
+
+
+def test_seed_bounds_are_accepted():
+    from lynxkv.speculative import RunConfig
+
+    for seed in (None, 0, 2**63 - 1):
+        cfg = RunConfig(seed=seed)
+        if seed is not None:
+            torch.Generator().manual_seed(cfg.seed)  # what the runner does with it
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "99999999999999999999999", "--temperature", "0.7"], "seed must be an integer"),
+    (["--temperature", "1e-40"], "too small to sample from"),
+    (["--temperature", "inf"], "must be finite"),
+])
+def test_run_with_a_bad_seed_or_temperature_is_one_error(tmp_path, capsys, argv, message):
+    from runner_helpers import single_thread, tiny_llama_cache
+
+    with contextlib.contextmanager(single_thread)():
+        _, model_dir, path, _, _ = tiny_llama_cache(tmp_path, tokens=40)
+        capsys.readouterr()  # (saving the model reports its progress)
+        err = _one_error(capsys, "run", path, "--model", model_dir, "-n", "4", *argv)
+    assert message in err
+    # several caches at once (a batch): the same check, before any cache is opened
+    err = _one_error(capsys, "run", tmp_path / "a.lynx", tmp_path / "b.lynx", *argv)
+    assert message in err

@@ -103,6 +103,10 @@ class RunConfig:
             raise InputError(f"branch_margin must be >= 0, got {self.branch_margin}")
         if self.branch_margin > 0 and not self.sampling.greedy:
             raise InputError("branch_margin: greedy decoding only (not with temperature > 0)")
+        # torch.Generator.manual_seed takes a 64-bit number: a larger one fails at the run's start (ValueError)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise InputError(f"seed must be an integer from 0 to 2**63 - 1 ({2**63 - 1}), got {self.seed!r}")
 
 
 @dataclass
