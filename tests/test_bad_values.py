@@ -230,3 +230,91 @@ def test_run_with_a_bad_seed_or_temperature_is_one_error(tmp_path, capsys, argv,
     # several caches at once (a batch): the same check, before any cache is opened
     err = _one_error(capsys, "run", tmp_path / "a.lynx", tmp_path / "b.lynx", *argv)
     assert message in err
+
+
+# --- a stdout that cannot be written -------------------------------------------------------------------------
+
+
+class _FailingStdout:
+    """A stdout whose every write fails as a full disk (or a closed pipe) fails."""
+
+    encoding = "utf-8"
+
+    def __init__(self, error: int):
+        self.errno = error
+        self.writes = 0
+
+    def write(self, text):
+        self.writes += 1
+        raise OSError(self.errno, os.strerror(self.errno))
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+@pytest.mark.parametrize("json_flag", [["--json"], []], ids=["json", "table"])
+def test_a_full_stdout_is_one_error(tmp_path, capsys, monkeypatch, json_flag):
+    import errno
+    import sys
+
+    cache = _tiny_cache(tmp_path / "c.lynx")
+    capsys.readouterr()
+    failing = _FailingStdout(errno.ENOSPC)
+    monkeypatch.setattr(sys, "stdout", failing)
+    code = main(["inspect", cache, *json_flag])
+    assert sys.stdout is failing  # put back as it was
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 1 and failing.writes >= 1
+    assert err == "lynxkv: error: cannot write the output: No space left on device\n"
+
+
+def test_a_broken_pipe_ends_quietly(tmp_path, capsys, monkeypatch):
+    import errno
+    import sys
+
+    cache = _tiny_cache(tmp_path / "c.lynx")
+    capsys.readouterr()
+    failing = _FailingStdout(errno.EPIPE)
+    stderr = sys.stderr
+    monkeypatch.setattr(sys, "stdout", failing)
+    code = main(["inspect", cache, "--json"])
+    assert sys.stdout is failing and sys.stderr is stderr  # typer's pacifying wrappers do not outlive the call
+    monkeypatch.undo()
+    assert code == 1 and capsys.readouterr().err == ""
+
+
+def test_other_errors_are_not_taken_for_the_output(tmp_path, capsys):
+    """An error that is not the output's keeps its own message, even if stdout is fine."""
+    err = _one_error(capsys, "inspect", tmp_path / "missing.lynx")
+    assert "cannot write the output" not in err and "missing.lynx" in err
+
+
+def test_the_cli_process_with_a_full_or_closed_stdout(tmp_path):
+    """The real process: /dev/full and a closed stdout are one line and exit 1; a reader gone from the pipe
+    is exit 1 and nothing at all (no "Exception ignored" at the interpreter's exit)."""
+    import subprocess
+    import sys
+
+    cache = _tiny_cache(tmp_path / "c.lynx")
+    cmd = [sys.executable, "-m", "lynxkv", "inspect", cache]
+    for extra in (["--json"], []):
+        if os.path.exists("/dev/full"):
+            with open("/dev/full", "w") as full:
+                p = subprocess.run(cmd + extra, stdout=full, stderr=subprocess.PIPE, text=True)
+            assert (p.returncode, p.stderr) == (1, "lynxkv: error: cannot write the output: No space left on "
+                                                   "device\n")
+        p = subprocess.run(cmd + extra, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: os.close(1))
+        assert (p.returncode, p.stderr) == (1, "lynxkv: error: cannot write the output: standard output is "
+                                               "closed\n")
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            p = subprocess.run(cmd + extra, stdout=w, stderr=subprocess.PIPE, text=True)
+        finally:
+            os.close(w)
+        assert (p.returncode, p.stderr) == (1, "")
