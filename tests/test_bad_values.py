@@ -219,12 +219,18 @@ def test_seed_bounds_are_accepted():
     (["--temperature", "1e-40"], "too small to sample from"),
     (["--temperature", "inf"], "must be finite"),
 ])
-def test_run_with_a_bad_seed_or_temperature_is_one_error(tmp_path, capsys, argv, message):
+def test_run_with_a_bad_seed_or_temperature_is_one_error(tmp_path, capsys, monkeypatch, argv, message):
     from runner_helpers import single_thread, tiny_llama_cache
+    from lynxkv.hf import models
 
     with contextlib.contextmanager(single_thread)():
         _, model_dir, path, _, _ = tiny_llama_cache(tmp_path, tokens=40)
         capsys.readouterr()  # (saving the model reports its progress)
+
+        def no_loading(*args, **kwargs):
+            raise AssertionError("the model was loaded before the settings were checked")
+
+        monkeypatch.setattr(models, "load_model", no_loading)
         err = _one_error(capsys, "run", path, "--model", model_dir, "-n", "4", *argv)
     assert message in err
     # several caches at once (a batch): the same check, before any cache is opened

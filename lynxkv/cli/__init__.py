@@ -72,8 +72,15 @@ def _output_failed(stream, exc: OSError) -> int:
                 os.close(devnull)
         except (OSError, ValueError):
             pass
+    from lynxkv.cli.console import err, escape, out
+
+    for console in (out, err):
+        # What could not be written is dropped (rich keeps a failed write's text in its buffer), not printed first by
+        # the next command of this process (main called again: tests, an embedding program); and rich's
+        # broken-pipe handler's "quiet" was this command's only.
+        del console._buffer[:]
+        console.quiet = False
     if exc.errno != errno.EPIPE:
-        from lynxkv.cli.console import err, escape
 
         err.print(f"[bold red]lynxkv: error:[/] cannot write the output: {escape(exc.strerror or str(exc))}",
                   highlight=False, soft_wrap=True)

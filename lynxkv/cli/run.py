@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -245,6 +246,10 @@ def run(
     if branch_margin > 0 and not sampling.greedy:
         raise InputError("--branch-margin: greedy decoding only (not with --temperature > 0)")
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
+    cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
+        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
+        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
+        verify_first=verify_first, layered_verify=layered_verify, branch_margin=branch_margin)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     exact = exact or exact_file is not None
     if exact and (store is not None or compare or allow_anchor_only):
@@ -269,12 +274,7 @@ def run(
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
     fingerprint = lmcache_source.name_fingerprint(store.model) if store is not None else loaded.fingerprint
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
-    cfg = RunConfig(
-        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
-        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
-        verify_first=verify_first, layered_verify=layered_verify, branch_margin=branch_margin,
-        stop_token_ids=() if ignore_eos or eos is None else (int(eos),),
-    )
+    cfg = replace(cfg, stop_token_ids=() if ignore_eos or eos is None else (int(eos),))
 
     def open_load():
         load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
