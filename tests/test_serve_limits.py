@@ -178,6 +178,8 @@ def test_limits_are_checked_and_the_cli_reports_its_counters(big, capsys):
     path, _, _ = big
     with pytest.raises(InputError, match="write_buffer"):
         Limits(write_buffer=10)
+    with pytest.raises(InputError, match="at most 1073741824"):  # each connection's SO_SNDBUF would refuse it
+        Limits(write_buffer=3 << 30)
     assert main(["serve", path, "--port", "0", "--max-buffered", "lots"]) == 1
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("lynxkv: error: size 'lots'") and "Traceback" not in err

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from lynxkv.errors import InputError
 
 EVICT_AFTER = 1.0  # seconds idle before a connection may be closed to make room for a new one
+_MAX_WRITE_BUFFER = 1 << 30  # write_buffer is each connection's kernel send buffer too (a C int, doubled by Linux)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Limits:
                           ("write_buffer", 4096), ("max_buffered", 4096)):
             if not getattr(self, name) >= low:
                 raise InputError(f"server limit {name}: expected at least {low}, got {getattr(self, name)!r}")
+        if self.write_buffer > _MAX_WRITE_BUFFER:
+            raise InputError(f"server limit write_buffer: expected at most {_MAX_WRITE_BUFFER} (1 GiB), got "
+                             f"{self.write_buffer!r}")
 
     @property
     def extra_refusing(self) -> int:
