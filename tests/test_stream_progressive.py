@@ -730,3 +730,28 @@ def test_a_layer_that_fails_when_taken_early_is_left_for_the_load_to_report(tmp_
         full = load.residual.result(60)  # the load's own workers decode the layers put back
     with open_cache(str(path)) as cache:
         assert kv_equal(full, cache.load_kv(dtype=torch.float32))
+
+
+def test_a_layer_whose_early_job_found_it_taken_is_dequantized_once_it_is_given_up(monkeypatch):
+    """An early job that started after a caller began taking the layers itself does nothing; when the caller
+    gives the layers up, that layer gets a new early job rather than waiting for the end of the residual."""
+    from concurrent.futures import wait
+    from lynxkv.stream.assembly import KVAssembly
+
+    kv = object.__new__(KVAssembly)  # only the early-worker state (the dequantization itself is stood in for)
+    kv.__dict__.update(_eager=True, _early=None, _early_jobs={}, _early_lock=threading.Lock(), _closed_early=False,
+                       _done=[False, False], _jobs={0: "job 0", 1: "job 1"}, urgent=True)
+    done = []
+
+    def full_layer(layer, threads=None):
+        done.append(layer)
+        kv._done[layer] = True
+
+    monkeypatch.setattr(kv, "full_layer", full_layer, raising=False)
+    kv._start_early(0)  # queued before the caller came, run after: it finds the layers taken
+    wait(list(kv._early_jobs.values()))
+    assert done == []
+    kv.relax()
+    wait(list(kv._early_jobs.values()))
+    assert sorted(done) == [0, 1]
+    kv._end_early()

@@ -106,7 +106,10 @@ class KVAssembly:
         if not self._eager:
             return
         with self._early_lock:
-            if self._closed_early or layer in self._early_jobs:
+            job = self._early_jobs.get(layer)
+            # a job that ran while a caller took the layers did nothing: the layer gets another, once it is let go
+            idle = job is not None and job.done() and job.exception() is None and not self._done[layer]
+            if self._closed_early or (job is not None and not idle):
                 return
             if self._early is None:
                 self._early = ThreadPoolExecutor(1, thread_name_prefix="lynxkv-residual", initializer=lowest_priority)
