@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,20 +198,22 @@ def test_smallest_temperature_samples_real_logits():
                     assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2), atol=1e-3)
 
 
-@pytest.mark.parametrize("seed", [2**63, 99999999999999999999999, -1, 1.5, True, "7"], ids=lambda v: repr(v)[:24])
+@pytest.mark.parametrize("seed", [2**64, 99999999999999999999999, -2**63 - 1, 1.5, True, "7"],
+                         ids=lambda v: repr(v)[:24])
 def test_seed_must_fit_64_bits(seed):
     from lynxkv.speculative import RunConfig
 
-    with pytest.raises(InputError, match="seed must be an integer from 0 to 2\\*\\*63 - 1"):
+    with pytest.raises(InputError, match="seed must be an integer that fits 64 bits"):
         RunConfig(seed=seed)
 
 
 def test_seed_bounds_are_accepted():
     from lynxkv.speculative import RunConfig
 
-    for seed in (None, 0, 2**63 - 1):
+    for seed in (None, 0, 2**63 - 1, 2**64 - 1, -2**63, -1, np.int64(7)):
         cfg = RunConfig(seed=seed)
         if seed is not None:
+            assert type(cfg.seed) is int
             torch.Generator().manual_seed(cfg.seed)  # what the runner does with it
 
 
@@ -324,3 +327,14 @@ def test_the_cli_process_with_a_full_or_closed_stdout(tmp_path):
         finally:
             os.close(w)
         assert (p.returncode, p.stderr) == (1, "")
+
+
+def test_text_inputs_read_newlines_as_text_mode_does(tmp_path):
+    """A prompt file written on Windows (\\r\\n) or old Macs (\\r) reads as the same text as with \\n: the prompt's
+    tokens, and so a cached prompt's continuation, do not depend on the system that wrote the file."""
+    from lynxkv.cli.console import read_text
+
+    for ending in ("\r\n", "\r", "\n"):
+        p = tmp_path / "p.txt"
+        p.write_bytes(("\ufeff" if ending == "\r" else "").encode() + ending.join(["one", "two", ""]).encode())
+        assert read_text(p) == "one\ntwo\n"

@@ -85,8 +85,8 @@ def read_text(path: str | os.PathLike, limit: int | None = None) -> str:
         raise InputError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     if len(data) > limit:
         raise InputError(f"{path}: more than {limit:,} bytes; not a text input lynxkv reads")
-    try:
-        return data.decode("utf-8-sig")
+    try:  # newlines as text mode reads them: \r\n and \r are \n (a prompt must read the same on every system)
+        return data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 

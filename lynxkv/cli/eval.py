@@ -8,6 +8,9 @@ from lynxkv.cli.app import app
 from lynxkv.cli.console import err, model_label, out, print_json, read_text
 from lynxkv.errors import InputError
 
+#: A held-out corpus is read whole, like a prompt, but may be a book or several: larger than a prompt's limit.
+HELDOUT_LIMIT = 1 << 30
+
 
 def _lengths(spec: str) -> list[int]:
     try:
@@ -133,7 +136,7 @@ def eval_command(
             if "heldout" in roles:
                 corpora.append(
                     Corpus("heldout", "text from " + ", ".join(heldout_text),
-                           "\n\n".join(read_text(p) for p in heldout_text))
+                           "\n\n".join(read_text(p, limit=HELDOUT_LIMIT) for p in heldout_text))
                     if heldout_text else stdlib_corpus()
                 )
             if "choosing" in roles:

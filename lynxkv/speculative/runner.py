@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import math
+import operator
 import os
 import statistics
 import time
@@ -103,10 +104,15 @@ class RunConfig:
             raise InputError(f"branch_margin must be >= 0, got {self.branch_margin}")
         if self.branch_margin > 0 and not self.sampling.greedy:
             raise InputError("branch_margin: greedy decoding only (not with temperature > 0)")
-        # torch.Generator.manual_seed takes a 64-bit number: a larger one fails at the run's start (ValueError)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
-            raise InputError(f"seed must be an integer from 0 to 2**63 - 1 ({2**63 - 1}), got {self.seed!r}")
+        # torch.Generator.manual_seed takes what fits 64 bits, signed or not: more fails at the run's start
+        if self.seed is not None:
+            try:
+                seed = None if isinstance(self.seed, bool) else operator.index(self.seed)  # numpy ints too
+            except TypeError:
+                seed = None
+            if seed is None or not -2**63 <= seed < 2**64:
+                raise InputError(f"seed must be an integer that fits 64 bits (-2**63 to 2**64 - 1), got {self.seed!r}")
+            object.__setattr__(self, "seed", seed)
 
 
 @dataclass
