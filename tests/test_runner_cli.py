@@ -158,3 +158,19 @@ def test_terminal_view_shows_drafts_dim_and_retracts_them(tiny_cache, monkeypatc
     assert views[3][0] == text_of([5, 6, 7])  # w5 now final, w6 w7 still dim
     assert views[4] == (text_of([5]), [])  # retracted
     assert views[5][0] == text_of([5, 9]) and p.committed == [5, 9]
+
+
+def test_the_output_is_printed_before_a_timeline_that_cannot_be_written(tiny_cache, capsys, tmp_path, monkeypatch):
+    """A --timeline whose write fails (a full disk) after the run loses none of the run's output."""
+    import lynxkv.storage
+    from lynxkv.errors import InputError
+
+    model_dir, path, want, _ = tiny_cache
+
+    def full(target, data):
+        raise InputError(f"{target}: no space left on the device; nothing was written")
+
+    monkeypatch.setattr(lynxkv.storage, "write_atomic", full)
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--json",
+                          "--timeline", str(tmp_path / "t.png"))
+    assert code == 1 and "no space left" in err and json.loads(out)["token_ids"] == want

@@ -12,7 +12,7 @@ import typer
 
 from lynxkv.cli.app import app
 from lynxkv.cli.codec import ALLOW_HELP
-from lynxkv.cli.console import err, out, print_json, read_text
+from lynxkv.cli.console import err, escape, out, print_json, read_text
 from lynxkv.errors import InputError
 from lynxkv.stream.units import format_seconds as _s
 
@@ -338,17 +338,17 @@ def run(
             printer.close()
         load.close()
 
+    if as_json:  # the results first: a --timeline that cannot be written loses none of them
+        print_json(report)
+    else:
+        out.print(stats_table(stats, gain_label, gain))
+        if compare:
+            link = report["compare"]["link"]
+            link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
+            out.print(compare_table(report["compare"], link_text))
+            print_judge(report["compare"]["judge"])
     if timeline is not None:
         write_timeline(timeline, report["timelines"], cache)
-    if as_json:
-        print_json(report)
-        return report
-    out.print(stats_table(stats, gain_label, gain))
-    if compare:
-        link = report["compare"]["link"]
-        link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
-        out.print(compare_table(report["compare"], link_text))
-        print_judge(report["compare"]["judge"])
     return report
 
 
@@ -368,7 +368,7 @@ def write_timeline(path: Path, timelines: list[dict], cache: str) -> None:
     from lynxkv.storage import write_atomic
 
     write_atomic(path, render_png(timelines, title=f"lynxkv run {Path(cache).name}"))
-    err.print(f"timeline written to {path}")
+    err.print(f"timeline written to {escape(str(path))}")
 
 
 def print_judge(j: dict) -> None:

@@ -103,7 +103,7 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     from lynxkv.cli.console import model_label, print_json, progress_step
     from lynxkv.errors import LynxError
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import context_length, load_model, model_for_cache
+    from lynxkv.hf.models import MODEL_PROPERTY, context_length, load_model, model_for_cache
     from lynxkv.stream.link_queue import POLICIES
 
     if link_order not in POLICIES:
@@ -120,6 +120,10 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     for i, spec in enumerate(specs):  # every cache's recorded model is checked before any weights load
         try:
             with open_cache(spec.cache, allow_locations=allow_locations) as c:
+                other = c.info.properties.get(MODEL_PROPERTY)
+                if model is None and recorded is not None and other is not None and other != recorded:
+                    raise InputError(f"the cache was made with model {other!r}, an earlier request's with "
+                                     f"{recorded!r}: a batch runs one model (--model chooses it)")
                 named = model_for_cache(c.info.properties, model or recorded)
                 if model is None and named is not None:
                     recorded = named
@@ -176,15 +180,15 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
         print_json(report)
     else:
         out.print(batch_table(report, compare))
+    failed = [(r["name"], r["error"]) for r in report["requests"] if r["error"]]
+    _report_errors(failed)
     if timeline is not None:
         from lynxkv.speculative.timeline import render_batch_png
         from lynxkv.storage import write_atomic
 
         write_atomic(timeline, render_batch_png(report["requests"], title=f"lynxkv run: {len(specs)} requests"))
         err.print(f"tokens over time written to {escape(str(timeline))}")
-    failed = [(r["name"], r["error"]) for r in report["requests"] if r["error"]]
     if failed:
-        _report_errors(failed)
         raise SystemExit(1)  # every other request's output is above
     return report
 

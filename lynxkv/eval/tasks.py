@@ -329,7 +329,7 @@ def _std(values: list[float]) -> float:
 def model_context(name: str | None) -> int | None:
     """The model's context (``max_position_embeddings``) read from its configuration alone, before any weights
     are loaded; ``None`` when the configuration does not say (or cannot be read: loading will then tell)."""
-    from lynxkv.hf.models import DEFAULT_MODEL, _resolve
+    from lynxkv.hf.models import DEFAULT_MODEL, _resolve, context_length
 
     try:
         from transformers import AutoConfig
@@ -338,8 +338,7 @@ def model_context(name: str | None) -> int | None:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError, KeyError):
         return None
-    value = getattr(config, "max_position_embeddings", None)
-    return int(value) if value else None
+    return context_length(config)
 
 
 def evaluate(loaded, corpus, grid: Grid, codecs: list, *, progress=None) -> dict:

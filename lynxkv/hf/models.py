@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import os
 import struct
@@ -95,7 +96,11 @@ def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.floa
     ``dtype``; ``"auto"`` takes the model's own dtype from its config, as ``transformers`` does (a GGUF file's
     weights are dequantized to fp32). ``local_only``: a hub name is loaded from this machine's Hugging Face cache
     only, never downloaded (for a name a cache file records rather than one the user gave)."""
-    return _load_cached(name or DEFAULT_MODEL, dtype, local_only)
+    token = _LOCAL_ONLY.set(local_only)  # (not part of the cache's key: a model loaded once is here either way)
+    try:
+        return _load_cached(name or DEFAULT_MODEL, dtype)
+    finally:
+        _LOCAL_ONLY.reset(token)
 
 
 def context_length(config) -> int | None:
@@ -104,14 +109,18 @@ def context_length(config) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+_LOCAL_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("lynxkv_local_only", default=False)
+
+
 @lru_cache(maxsize=2)
-def _load_cached(name: str, dtype: torch.dtype | str, local_only: bool = False) -> LoadedModel:
+def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # GGUF conversion bars would clutter stderr
     path, kwargs = _resolve(name)
+    local_only = _LOCAL_ONLY.get()
     if local_only:
         kwargs = {**kwargs, "local_files_only": True}
     try:
