@@ -11,21 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from cli_helpers import one_error as _one_error, run_cli as _run
 from lynxkv.cli import main
 from lynxkv.errors import InputError
-
-
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _one_error(capsys, *argv) -> str:
-    code, out, err = _run(capsys, *argv)
-    assert code == 1 and out == "" and "Traceback" not in err, err
-    assert err.startswith("lynxkv: error:") and len(err.strip().splitlines()) == 1, err
-    return err
 
 
 def _open_fds() -> int:

@@ -10,20 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from lynxkv import __version__
-from lynxkv.cli import main
-
-
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _one_error(capsys, *argv) -> str:
-    code, out, err = _run(capsys, *argv)
-    assert code == 1 and out == "" and "Traceback" not in err
-    assert err.startswith("lynxkv: error:") and len(err.strip().splitlines()) == 1, err
-    return err
+from cli_helpers import one_error as _one_error, run_cli as _run
 
 
 def _dump(path, shape, *, metadata=None):

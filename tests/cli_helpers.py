@@ -1,0 +1,21 @@
+"""Running the CLI in-process from tests: its exit code and what it printed."""
+
+from __future__ import annotations
+
+from lynxkv.cli import main
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``lynxkv ARGV...``: (exit code, stdout, stderr)."""
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error(capsys, *argv) -> str:
+    """``lynxkv ARGV...``, which must fail with exactly one ``lynxkv: error:`` line and nothing on stdout; that
+    line."""
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and out == "" and "Traceback" not in err, err
+    assert err.startswith("lynxkv: error:") and len(err.strip().splitlines()) == 1, err
+    return err
