@@ -60,9 +60,19 @@ def test_run_refuses_another_model_before_loading_weights(encoded, capsys, monke
     assert f"the cache was made with model '{os.path.realpath(one)}'" in err and len(err.strip().splitlines()) == 1
 
 
-def test_run_uses_the_recorded_model_when_none_is_given(encoded, capsys):
+def test_run_loads_the_recorded_model_only_when_asked(encoded, capsys, monkeypatch):
+    """Without --model a cache made with another model than the offline default is refused before anything
+    loads, naming the --model to pass: a cache never makes lynxkv read a model directory (or download a hub
+    model) that the user did not name. With it, the run goes ahead."""
+    import lynxkv.hf.models as models
+
     root, one, _ = encoded
-    code, out, err = _run(capsys, "run", root / "x.lynx", "-n", "4", "--json", "--ignore-eos")
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    code, out, err = _run(capsys, "run", root / "x.lynx", "-n", "4")
+    assert code == 1 and out == "" and f"pass --model {os.path.realpath(one)}" in err
+    monkeypatch.setattr(models, "load_model", real)
+    code, out, err = _run(capsys, "run", root / "x.lynx", "-n", "4", "--json", "--ignore-eos", "--model", one)
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) == 4
 
@@ -101,9 +111,9 @@ def test_a_header_whose_properties_are_not_a_json_object_is_refused(tmp_path):
         open_cache(bytes(a))
 
 
-def test_a_model_only_the_cache_names_is_never_downloaded(encoded, capsys, monkeypatch, tmp_path):
-    """Without --model, run loads the model the cache records, but from this machine only: a cache file never
-    makes lynxkv download a model. The user names it with --model to fetch it."""
+def test_a_hub_model_the_cache_names_is_never_downloaded_unasked(encoded, capsys, monkeypatch, tmp_path):
+    """A cache recording a hub id loads nothing without --model (one line naming the --model to pass); named by
+    the user, the model is fetched as usual."""
     import transformers
 
     from lynxkv import save_cache
@@ -117,14 +127,14 @@ def test_a_model_only_the_cache_names_is_never_downloaded(encoded, capsys, monke
     asked = []
 
     def offline(name, **kwargs):
-        asked.append((name, kwargs.get("local_files_only")))
+        asked.append(name)
         raise OSError(f"{name} is not in the local cache")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
     models._load_cached.cache_clear()
     code, out, err = _run(capsys, "run", tmp_path / "h.lynx", "-n", "2")
-    assert code == 1 and out == "" and asked == [("someorg/othermodel", True)]
-    assert "not on this machine" in err and "pass --model someorg/othermodel" in err
-    asked.clear()
+    assert code == 1 and out == "" and asked == [] and "pass --model someorg/othermodel" in err
+    code, out, err = _run(capsys, "run", tmp_path / "h.lynx", tmp_path / "h.lynx", "-n", "2")  # a batch too
+    assert code == 1 and asked == [] and err.count("pass --model someorg/othermodel") == 2
     code, out, err = _run(capsys, "run", tmp_path / "h.lynx", "-n", "2", "--model", "someorg/othermodel")
-    assert code == 1 and asked == [("someorg/othermodel", None)]  # named by the user: fetched as usual
+    assert code == 1 and asked == ["someorg/othermodel"]  # named by the user: fetched as usual

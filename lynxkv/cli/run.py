@@ -233,7 +233,7 @@ def run(
                              max_batch=max_batch, compare=compare, as_json=as_json, timeline=timeline,
                              prompt=read_text(prompt_file) if prompt_file is not None else prompt,
                              ignore_eos=ignore_eos, link_turn=link_turn, allow_locations=allow)
-    cache, requested = caches[0], model
+    cache = caches[0]
     if prompt is not None and prompt_file is not None:
         raise InputError("--prompt and --prompt-file exclude each other")
     if repeats > 1 and not compare:
@@ -258,7 +258,8 @@ def run(
     if store is not None:  # an LMCache store knows its model by name: the one its keys were made for
         if prompt is not None:
             raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
-        model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model)
+        # (its model is the one the user named in the address)
+        model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model or store.model)
         cached = 0  # (its tokens= are the prompt: the ones after the stored prefix come as new text)
     else:
         with open_cache(cache, residual=residual, allow_locations=allow, exact=exact_file) as c:
@@ -267,8 +268,7 @@ def run(
             if exact and not c.info.has_exact:
                 raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
-        # a model only the cache names is loaded from this machine only: a cache never makes lynxkv download one
-        loaded = load_model(model, dtype=torch_dtype, local_only=requested is None and store is None)
+        loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():  # first-call initialisation is not charged to the first draft
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint

