@@ -81,7 +81,6 @@ def _output_failed(stream, exc: OSError) -> int:
         del console._buffer[:]
         console.quiet = False
     if exc.errno != errno.EPIPE:
-
         err.print(f"[bold red]lynxkv: error:[/] cannot write the output: {escape(exc.strerror or str(exc))}",
                   highlight=False, soft_wrap=True)
     return 1

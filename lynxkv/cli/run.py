@@ -196,7 +196,7 @@ def run(
     from lynxkv.cli.console import model_label, parse_dtype, progress_step
     from lynxkv.hf import continuation_ids
     from lynxkv.cache import open_cache
-    from lynxkv.hf.models import context_length, load_model, model_for_cache, model_id
+    from lynxkv.hf.models import check_context, load_model, model_for_cache, model_id
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
@@ -295,11 +295,7 @@ def run(
             load.wait_anchor()
             new = list(store.tokens[len(load.prompt_token_ids or []):]) or None
             cached = len(load.prompt_token_ids or [])
-        context = context_length(loaded.model.config)
-        held = cached + len(new or [])
-        if context is not None and held + max_new_tokens > context:
-            raise InputError(f"{held} prompt tokens and {max_new_tokens} new ones need {held + max_new_tokens} "
-                             f"positions; the model has {context}")
+        check_context(loaded.model.config, cached + len(new or []), max_new_tokens)
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None

@@ -103,16 +103,17 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     from lynxkv.cli.console import model_label, print_json, progress_step
     from lynxkv.errors import LynxError
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import context_length, load_model, model_for_cache
+    from lynxkv.hf.models import check_context, load_model, model_for_cache
     from lynxkv.stream.link_queue import POLICIES
 
     if link_order not in POLICIES:
         raise InputError(f"--link-order: expected one of {', '.join(POLICIES)}, got {link_order!r}")
     if link_turn not in ("residual", "cache"):
         raise InputError(f"--link-turn: expected residual or cache, got {link_turn!r}")
-    for spec in specs:  # each request's settings with the command's (--branch-margin is greedy only), first
+    configs = []  # each request's settings with the command's (--branch-margin is greedy only), checked first
+    for spec in specs:
         try:
-            _config(cfg, spec)
+            configs.append(_config(cfg, spec))
         except InputError as exc:
             raise InputError(f"request {spec.name}: {exc}") from None
     sizes, errors = [], {}  # errors: request index -> why it cannot run (it ends with that, the others go on)
@@ -132,19 +133,15 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
         with torch.no_grad():
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
-    cfg = replace(cfg, stop_token_ids=() if ignore_eos or eos is None else (int(eos),))
-    context = context_length(loaded.model.config)
+    stops = () if ignore_eos or eos is None else (int(eos),)
     requests = []
-    for i, (spec, (_, _, ids)) in enumerate(zip(specs, sizes)):
+    for i, (spec, config, (_, _, ids)) in enumerate(zip(specs, configs, sizes)):
         text = spec.prompt if spec.prompt is not None else prompt
-        config, new = _config(cfg, spec), None
+        config, new = replace(config, stop_token_ids=stops), None
         if i not in errors:
             try:
                 new = continuation_ids(loaded.tokenizer, ids, text) if text is not None and ids else None
-                need = len(ids) + len(new or []) + config.max_new_tokens
-                if context is not None and need > context:
-                    raise InputError(f"{len(ids) + len(new or [])} prompt tokens and {config.max_new_tokens} new "
-                                     f"ones need {need} positions; the model has {context}")
+                check_context(loaded.model.config, len(ids) + len(new or []), config.max_new_tokens)
             except InputError as exc:
                 errors[i] = str(exc)
         requests.append((spec, config, new, errors.get(i)))

@@ -107,6 +107,15 @@ def context_length(config) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+def check_context(config, prompt_tokens: int, new_tokens: int) -> None:
+    """An InputError when a prompt of ``prompt_tokens`` and ``new_tokens`` generated after it need more positions
+    than ``config`` 's model has (a long prompt would otherwise build a mask of its length squared first)."""
+    context, need = context_length(config), prompt_tokens + new_tokens
+    if context is not None and need > context:
+        raise InputError(f"{prompt_tokens} prompt tokens and {new_tokens} new ones need {need} positions; the model "
+                         f"has {context}")
+
+
 @lru_cache(maxsize=2)
 def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
     import transformers

@@ -45,7 +45,11 @@ def refuse_nul(path: str) -> None:
     """An InputError naming ``path`` if it holds a NUL byte (the OS cannot open such a name: ``os.open`` raises a
     bare ValueError)."""
     if "\x00" in path:
-        raise InputError(f"{shown_path(path)}: a path may not contain a NUL byte")
+        raise _nul_error(path)
+
+
+def _nul_error(path: str) -> InputError:
+    return InputError(f"{shown_path(path)}: a path may not contain a NUL byte")
 
 
 def as_lynx_error(url: str, exc: BaseException) -> LynxError:
@@ -53,7 +57,7 @@ def as_lynx_error(url: str, exc: BaseException) -> LynxError:
     if isinstance(exc, LynxError):
         return exc
     if isinstance(exc, ValueError) and "\x00" in url:  # "embedded null byte": never worth a retry
-        return InputError(f"{shown_path(url)}: a path may not contain a NUL byte")
+        return _nul_error(url)
     if isinstance(exc, FileNotFoundError):
         return InputError(f"{url}: no such file or object (it does not exist)")
     if isinstance(exc, PermissionError):
