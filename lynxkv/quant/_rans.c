@@ -378,7 +378,7 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
             at = (SP) <= (LW) ? (SP) : 0;                                                                          \
         }                                                                                                          \
         uint32_t word = (uint32_t)(ST)[at] | (uint32_t)(ST)[at + 1] << 8;                                          \
-        (X) = need ? (y << 16) | word : y;                                                                         \
+        (X) = (y << (need << 4)) | (word & (0u - need)); /* arithmetic: a branch here is taken at random */      \
         (SP) += 2 * need;                                                                                          \
         if (held < 32) {                                                                                           \
             if (ep + 4 <= extra_len) {                                                                             \
