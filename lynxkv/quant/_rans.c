@@ -395,17 +395,27 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
     } while (0)
 #define BLOCKS(OUT)                                                                                                \
     do {                                                                                                           \
-        for (; i + STATES <= n; i += STATES) {                                                                     \
-            if ((sp0 <= lw0) & (sp1 <= lw1) & (sp2 <= lw2) & (sp3 <= lw3)) {                                       \
-                STEP(i, x0, st0, sp0, lw0, OUT, 0);                                                                \
-                STEP(i + 1, x1, st1, sp1, lw1, OUT, 0);                                                            \
-                STEP(i + 2, x2, st2, sp2, lw2, OUT, 0);                                                            \
-                STEP(i + 3, x3, st3, sp3, lw3, OUT, 0);                                                            \
+        while (i + STATES <= n) {                                                                                  \
+            /* blocks that every stream has a word for (a block takes one element, so one word at most, from      \
+             * each): unchecked; then one checked block */                                                         \
+            int64_t safe = (n - i) / STATES;                                                                       \
+            safe = sp0 <= lw0 && (lw0 - sp0) / 2 + 1 < safe ? (lw0 - sp0) / 2 + 1 : sp0 <= lw0 ? safe : 0;        \
+            safe = sp1 <= lw1 && (lw1 - sp1) / 2 + 1 < safe ? (lw1 - sp1) / 2 + 1 : sp1 <= lw1 ? safe : 0;        \
+            safe = sp2 <= lw2 && (lw2 - sp2) / 2 + 1 < safe ? (lw2 - sp2) / 2 + 1 : sp2 <= lw2 ? safe : 0;        \
+            safe = sp3 <= lw3 && (lw3 - sp3) / 2 + 1 < safe ? (lw3 - sp3) / 2 + 1 : sp3 <= lw3 ? safe : 0;        \
+            if (safe > 0) {                                                                                        \
+                for (int64_t end = i + safe * STATES; i < end; i += STATES) {                                      \
+                    STEP(i, x0, st0, sp0, lw0, OUT, 0);                                                            \
+                    STEP(i + 1, x1, st1, sp1, lw1, OUT, 0);                                                        \
+                    STEP(i + 2, x2, st2, sp2, lw2, OUT, 0);                                                        \
+                    STEP(i + 3, x3, st3, sp3, lw3, OUT, 0);                                                        \
+                }                                                                                                  \
             } else {                                                                                               \
                 STEP(i, x0, st0, sp0, lw0, OUT, 1);                                                                \
                 STEP(i + 1, x1, st1, sp1, lw1, OUT, 1);                                                            \
                 STEP(i + 2, x2, st2, sp2, lw2, OUT, 1);                                                            \
                 STEP(i + 3, x3, st3, sp3, lw3, OUT, 1);                                                            \
+                i += STATES;                                                                                       \
             }                                                                                                      \
         }                                                                                                          \
         if (i < n) STEP(i, x0, st0, sp0, lw0, OUT, 1);                                                             \
@@ -413,15 +423,26 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
         if (i + 2 < n) STEP(i + 2, x2, st2, sp2, lw2, OUT, 1);                                                     \
     } while (0)
         int64_t i = 0, half = n / 2;
-        int sh = width == 4 ? 23 : fp16 ? 10 : 7;
-        uint32_t km = width == 2 && fp16 ? 0x1F : 0xFF;
-        /* the (half, key) of element I; z of each element into OUT first */
-#define KEY(I) (((uint32_t)p[I] >> sh & km) | (uint32_t)((I) >= half) << 8)
+        /* the (half, key) of element I (SH, KM: the prediction's exponent field, constants in each loop below); z
+         * of each element into OUT first */
+#define KEY(I) (((uint32_t)p[I] >> SH & KM) | (uint32_t)((I) >= half) << 8)
         if (width == 2) {
             uint16_t *out = original;
             const uint16_t *p = predicted;
 #define REBUILD(OUT, I, Z) ((OUT)[I] = (uint16_t)(Z))
-            BLOCKS(out);
+            if (fp16) {
+#define SH 10
+#define KM 0x1Fu
+                BLOCKS(out);
+#undef SH
+#undef KM
+            } else {
+#define SH 7
+#define KM 0xFFu
+                BLOCKS(out);
+#undef SH
+#undef KM
+            }
 #undef REBUILD
             for (i = 0; i < n; i++) { /* then every element rebuilt in one pass (which vectorises) */
                 uint16_t z = out[i], d = (uint16_t)((z >> 1) ^ (uint16_t)(-(int16_t)(z & 1)));
@@ -431,7 +452,11 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
             uint32_t *out = original;
             const uint32_t *p = predicted;
 #define REBUILD(OUT, I, Z) ((OUT)[I] = (Z))
+#define SH 23
+#define KM 0xFFu
             BLOCKS(out);
+#undef SH
+#undef KM
 #undef REBUILD
             for (i = 0; i < n; i++) {
                 uint32_t z = out[i], d = (z >> 1) ^ (uint32_t)(-(int32_t)(z & 1));
