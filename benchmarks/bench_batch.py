@@ -132,7 +132,8 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batc
 def step_times(repeats: int, steps: int = 4) -> None:
     """Decode throughput alone, without links or speculation: per repeat (interleaved) one decode step of each of
     the eight caches' lengths at batch 1, then one packed step of all eight; and how the packed step splits
-    between attention (per request, over its own cache) and the rest (torch.profiler)."""
+    between attention (per request, over its own cache) and the rest (torch.profiler); then the step's attention
+    alone against a plain sum over the same keys and values (the memory's rate for one pass over them)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -184,6 +185,33 @@ def step_times(repeats: int, steps: int = 4) -> None:
     whole = sum(total.values())
     print(f"packed step by operator (self CPU time): attention {attn / whole:.0%}, matrix products {dense / whole:.0%}, "
           f"the rest {(whole - attn - dense) / whole:.0%}")
+    # The attention of one packed step alone (each request's keys and values as the step reads them: the same SDPA
+    # call per request and layer), against a plain reduction over the same tensors: how near the attention comes to
+    # what this machine's memory gives one pass over the caches.
+    kv_views = [[(layer.keys, layer.values) for layer in c.layers] for c in packed]
+    q = torch.randn(1, model.config.num_attention_heads, 1, dim)
+    nbytes = sum(t.numel() * t.element_size() for kv in kv_views for pair in kv for t in pair)
+
+    def attention_pass():
+        for kv in kv_views:
+            for k, v in kv:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def reduction_pass():
+        for kv in kv_views:
+            for k, v in kv:
+                k.sum(), v.sum()
+
+    passes = {"attention": [], "reduction": []}
+    for _ in range(repeats * steps):  # interleaved
+        for name, fn in (("attention", attention_pass), ("reduction", reduction_pass)):
+            t = time.perf_counter()
+            fn()
+            passes[name].append(time.perf_counter() - t)
+    a_s, r_s = (statistics.median(passes[k]) for k in ("attention", "reduction"))
+    print(f"attention of one packed step alone: {1e3 * a_s:.0f} ms for {nbytes / 1e6:.0f} MB of keys and values "
+          f"({nbytes / a_s / 1e9:.1f} GB/s); a plain sum over the same tensors {1e3 * r_s:.0f} ms "
+          f"({nbytes / r_s / 1e9:.1f} GB/s)")
 
 
 def main() -> None:
