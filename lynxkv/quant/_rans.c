@@ -286,6 +286,11 @@ int64_t lynx_rans_encode(const void *original, const void *predicted, int64_t n,
     return status ? status : pos;
 }
 
+/* The 16-bit words a stream has left from position sp, its last word at lw (none once sp is past it). */
+static inline int64_t words_left(int64_t sp, int64_t lw) { return sp <= lw ? (lw - sp) / 2 + 1 : 0; }
+
+static inline int64_t least(int64_t a, int64_t b) { return a < b ? a : b; }
+
 /* The n original elements from a body of len bytes and the same n predicted elements; returns 0 or an error code
  * (E_LENGTH: stream_length; E_TABLE: a table; E_STREAM: the stream ends early; E_STATE: the final state or the
  * stream's length; E_EXTRA: the extra bits' length or padding). Nothing is read outside [body, body + len). */
@@ -398,11 +403,9 @@ int64_t lynx_rans_decode(const uint8_t *body, int64_t len, const void *predicted
         while (i + STATES <= n) {                                                                                  \
             /* blocks that every stream has a word for (a block takes one element, so one word at most, from      \
              * each): unchecked; then one checked block */                                                         \
-            int64_t safe = (n - i) / STATES;                                                                       \
-            safe = sp0 <= lw0 && (lw0 - sp0) / 2 + 1 < safe ? (lw0 - sp0) / 2 + 1 : sp0 <= lw0 ? safe : 0;        \
-            safe = sp1 <= lw1 && (lw1 - sp1) / 2 + 1 < safe ? (lw1 - sp1) / 2 + 1 : sp1 <= lw1 ? safe : 0;        \
-            safe = sp2 <= lw2 && (lw2 - sp2) / 2 + 1 < safe ? (lw2 - sp2) / 2 + 1 : sp2 <= lw2 ? safe : 0;        \
-            safe = sp3 <= lw3 && (lw3 - sp3) / 2 + 1 < safe ? (lw3 - sp3) / 2 + 1 : sp3 <= lw3 ? safe : 0;        \
+            int64_t safe = least(least(words_left(sp0, lw0), words_left(sp1, lw1)),                                \
+                                 least(words_left(sp2, lw2), words_left(sp3, lw3)));                               \
+            safe = least(safe, (n - i) / STATES);                                                                  \
             if (safe > 0) {                                                                                        \
                 for (int64_t end = i + safe * STATES; i < end; i += STATES) {                                      \
                     STEP(i, x0, st0, sp0, lw0, OUT, 0);                                                            \
