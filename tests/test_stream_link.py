@@ -78,6 +78,32 @@ def test_strict_priority_and_shared_rate():
     assert rep["total"]["rate"] == pytest.approx(50e6, rel=0.10)
 
 
+@pytest.mark.timing
+def test_a_sender_late_between_blocks_loses_no_link_time():
+    """A reader hands each block to the next sender a few ms late, or wakes late within a block, as the reader's
+    threads do while a forward holds both cores: a real link keeps moving bytes into the receiver's socket buffer
+    meanwhile, so the transfer still ends when the rate says. It never ends sooner."""
+    rate, block, blocks = 10e6, 100_000, 20  # 2 MB, 0.2 s on the wire
+    link = EmulatedLink(rate, quantum=25_000)
+    t0 = time.perf_counter()
+    for i in range(blocks):
+        link.send(RESIDUAL, block)
+        time.sleep(0.004)  # the hand-over: 80 ms of gaps in all, each far under the idle spell
+    elapsed = time.perf_counter() - t0 - 0.004  # the last gap is after the transfer
+    ideal = blocks * block / rate
+    assert ideal - 0.002 <= elapsed < ideal + 0.03  # losing each gap would take 0.28 s
+
+
+@pytest.mark.timing
+def test_a_transfer_after_an_idle_link_gets_no_credit_for_it():
+    link = EmulatedLink(10e6)
+    link.send(ANCHOR, 100_000)
+    time.sleep(0.1)  # idle: no send waiting for far longer than a hand-over
+    t0 = time.perf_counter()
+    link.send(RESIDUAL, 200_000)
+    assert time.perf_counter() - t0 >= 200_000 / 10e6 - 0.002  # 20 ms: no head start from the idle spell
+
+
 def test_residual_uses_what_the_anchor_leaves():
     """While the anchor has nothing to send, the residual gets the whole link."""
     link = EmulatedLink(20e6)

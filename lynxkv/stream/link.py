@@ -6,8 +6,12 @@ serialised (a pipe: latency adds once per stream, not once per block). The strea
     tokens(t) = min(burst, tokens(t0) + bandwidth * (t - t0))      # refill, capped at `burst` bytes
     send(n):  tokens -= n;  sleep until tokens >= 0                  # debt model: exact long-run rate
 
-The cap ``burst`` absorbs scheduler hiccups (a thread woken late does not lose link time) without letting a
-stream exceed the rate for long. Strict priority: a residual block is granted only while no anchor block is
+The bytes never arrive sooner than on an ideal link that started with the first send: the bucket starts empty, and
+credit only accrues at the link's rate. The cap ``burst`` (50 ms of link time by default) is the room a real
+receiver has in its socket buffer: while a transfer goes on, the link keeps moving bytes when the receiving thread
+is late, so neither a late wake-up nor the hand-over from one block's sender to the next loses link time. After an
+idle spell of 20 ms or more (no send waiting), the bucket starts empty again, so a new transfer gets no credit for
+the idle time. Strict priority: a residual block is granted only while no anchor block is
 waiting, so the residual gets exactly what the anchor leaves (the paper's rule; a stalled anchor source leaves
 the link to the residual), and an exact block (format 1.4) only while neither is waiting. Blocks are granted whole, so a grant delays the anchor by at most one residual block:
 callers send in quanta of ``quantum`` bytes.
@@ -69,14 +73,17 @@ class EmulatedLink:
         self.bandwidth = bandwidth
         self.latency = latency
         self.quantum = quantum
-        # 5 ms of link time: enough to forgive a late wake-up on a busy machine, too little to distort a rate
-        # measured over a transfer of a few hundred milliseconds.
-        self.burst = burst if burst is not None else int((bandwidth or 0) * 0.005)
+        # 50 ms of link time (a socket buffer's worth: 1.25 MB at 200 Mbit/s): a reader's thread woken late while
+        # the runner's forward holds both cores (up to about 25 ms measured) or the hand-over between two blocks'
+        # senders (a few ms, 3-4% of the rate in all at 200 Mbit/s) costs no link time (docs/tiers.md).
+        self.burst = burst if burst is not None else int((bandwidth or 0) * 0.050)
+        # A link with no send waiting for this long was idle, not between two blocks of one transfer.
+        self.idle_restart_s = 0.020
         self.t0 = time.perf_counter()
         self._cond = threading.Condition()
         self._waiting = [0] * len(STREAMS)  # blocks waiting for a grant, per stream
         self._bucket = TokenBucket(bandwidth, self.burst) if bandwidth else None
-        self._idle = True
+        self._idle_since: float | None = None  # perf_counter when the last send ended with none waiting
         self.stats = tuple(StreamStats() for _ in STREAMS)
 
     def now(self) -> float:
@@ -114,7 +121,7 @@ class EmulatedLink:
                 if nbytes > 0:
                     st.last_s = end + self.latency - self.t0
                 if not any(self._waiting):
-                    self._idle = True
+                    self._idle_since = end
                 self._cond.notify_all()
         return end + self.latency
 
@@ -136,8 +143,10 @@ class EmulatedLink:
         if self.bandwidth is None:
             return
         with self._cond:
-            wait = self._bucket.debit(n, time.perf_counter(), restart=self._idle)
-            self._idle = False
+            now = time.perf_counter()
+            idle = self._idle_since is not None and now - self._idle_since >= self.idle_restart_s
+            wait = self._bucket.debit(n, now, restart=idle)
+            self._idle_since = None
         if wait > 0:
             time.sleep(wait)
 
