@@ -67,8 +67,12 @@ class PreparedLoad:
         model_fingerprint: str | None = None,
         anchor_bytes: int = 0,
         residual_bytes: int = 0,
+        grow_in_place: bool = False,
     ):
         self.prompt_token_ids = prompt_token_ids
+        # a runner's caches may grow into the room of these tensors' buffers, where they have any (the caller
+        # hands them over for one run at a time: lynxkv.hf.growing)
+        self.grow_in_place = grow_in_place
         self.model_fingerprint = model_fingerprint
         self._anchor_kv = anchor_kv
         self._t0 = time.perf_counter()

@@ -276,10 +276,14 @@ def run(
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
     cfg = replace(cfg, stop_token_ids=() if ignore_eos or eos is None else (int(eos),))
 
+    # Room after the cached tokens for what the run appends (new prompt tokens, drafts, decoded tokens): the runner's
+    # caches grow into it in place instead of copying the whole cache at their first step (a longer run copies once)
+    room = max_new_tokens + 1 + (len(loaded.tokenizer.encode(prompt)) + 32 if prompt else 0)
+
     def open_load():
         load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
                                 allow_anchor_only=allow_anchor_only, exact=exact, exact_file=exact_file,
-                                allow_locations=allow)
+                                allow_locations=allow, room=room)
         # the exact stage streams behind the residual in the same load (anchor -> full code -> exact)
         return ExactLoad(load, load.exact.result) if exact else load
 

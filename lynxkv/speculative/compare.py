@@ -47,8 +47,9 @@ def baseline_cases(anchor_kv: KVPairs, full_kv: KVPairs, anchor_bytes: int,
 
 def run_baseline(model, case: tuple[int, KVPairs, bool], prompt_ids: list[int], fingerprint: str, *,
                  bandwidth: float | None, latency: float | None, config: RunConfig,
-                 new_token_ids: list[int] | None = None) -> tuple[float, RunResult]:
-    """One baseline: wait for its whole transfer, then decode plainly; ``(transfer seconds, result)``."""
+                 new_token_ids: list[int] | None = None, grow_in_place: bool = False) -> tuple[float, RunResult]:
+    """One baseline: wait for its whole transfer, then decode plainly; ``(transfer seconds, result)``.
+    ``grow_in_place``: its cache may grow into the room of the KV's buffers, as the Lynx run's did."""
     nbytes, kv, lossy = case
     delay = transfer_time(nbytes, bandwidth, latency)
     cfg = replace(config, speculate=False, allow_anchor_only=lossy, residual_timeout=None)
@@ -62,6 +63,7 @@ def run_baseline(model, case: tuple[int, KVPairs, bool], prompt_ids: list[int], 
         prompt_token_ids=prompt_ids,
         model_fingerprint=fingerprint,
         anchor_bytes=nbytes,
+        grow_in_place=grow_in_place,
     )
     try:
         return delay, run(model, load, cfg, new_token_ids=new_token_ids, fingerprint=fingerprint, started_at=started)
@@ -174,6 +176,10 @@ def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fing
         total = tl.anchor_bytes + tl.residual_bytes
         bandwidth = total / tl.residual_ready_s if tl.residual_ready_s else None
     cases = baseline_cases(anchor_kv, full_kv, tl.anchor_bytes, tl.residual_bytes)
+    # Where the Lynx load handed out its KV with room, the baselines' caches grow into it too (one run at a time;
+    # every run drops or rewrites the rows from the cached prompt's last token on), so that no method pays a first
+    # step's copy of the whole cache that another does not
+    room = bool(getattr(load, "grow_in_place", False))
     prompt_ids = list(load.prompt_token_ids)
     runs: Runs = {m: [] for m in METHODS}
     runs["lynx"].append((lynx.stats.residual_ready_s, lynx))
@@ -184,7 +190,8 @@ def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fing
                     runs["lynx"].append(run_lynx(model, open_load, config, fingerprint, new_token_ids))
                 continue
             runs[method].append(run_baseline(model, cases[method], prompt_ids, fingerprint, bandwidth=bandwidth,
-                                             latency=latency, config=config, new_token_ids=new_token_ids))
+                                             latency=latency, config=config, new_token_ids=new_token_ids,
+                                             grow_in_place=room))
     return {
         "link": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
         "transfer": "monolithic: computed as latency + bytes / bandwidth, then actually waited before decoding",

@@ -96,8 +96,10 @@ class LayeredVerify:
     residual may still come; the caller verifies after it instead)."""
 
     def __init__(self, load, cache, layers: list[tuple[int, torch.nn.Module]], keep: int, dtype, device,
-                 deadline: float | None = None, *, soft: bool = False, patience: float | None = None):
+                 deadline: float | None = None, *, soft: bool = False, patience: float | None = None,
+                 adopt: bool = False):
         self.load, self.cache, self.layers, self.keep = load, cache, layers, keep
+        self.adopt = adopt  # a filled layer may grow into the room of the load's full-code buffers
         self.dtype, self.device, self.deadline = dtype, device, deadline  # deadline: a time.perf_counter()
         self.soft, self.patience = soft, patience if soft else None
         self.waited_s = 0.0  # time the forward spent waiting for layers to arrive
@@ -142,6 +144,8 @@ class LayeredVerify:
         # what kv_to_cache and the crop to the kept tokens make of the whole full code (views when the dtype matches)
         layer.keys = k.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]
         layer.values = v.to(dtype=self.dtype, device=self.device).unsqueeze(0)[..., : self.keep, :]
+        if self.adopt and hasattr(layer, "adopt"):
+            layer.adopt = True
         self._filled.add(index)
 
     @contextmanager

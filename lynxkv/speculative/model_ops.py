@@ -48,7 +48,7 @@ def first_step(prompt: list[int], new: list[int] | None) -> tuple[int, list[int]
     return len(prompt) - 1, [int(prompt[-1])]
 
 
-def start_cache(model, kv: KVPairs, keep: int):
+def start_cache(model, kv: KVPairs, keep: int, *, adopt: bool = False):
     """A fresh ``transformers`` cache, in ``model`` 's dtype and on its device, with the first ``keep`` tokens of
     ``kv`` (each ``[H, T, D]``).
 
@@ -56,6 +56,8 @@ def start_cache(model, kv: KVPairs, keep: int):
     opening a 4K-token cache costs nothing (slicing ``[:, :keep]`` first would copy every layer). The tensors may
     be shared with ``kv`` but are never written: the layers are :class:`~lynxkv.hf.growing.GrowingLayer` s, whose
     first update copies them into a buffer with room to spare, where later tokens are appended in place.
+    ``adopt``: unless they are the front of buffers with room (a load's ``grow_in_place``): then the first update
+    writes into that room and row ``keep`` on, and nothing is copied (:mod:`lynxkv.hf.growing`).
     """
     from transformers import DynamicCache
 
@@ -63,7 +65,7 @@ def start_cache(model, kv: KVPairs, keep: int):
         return DynamicCache()
     cache = kv_to_cache(kv, dtype=model.dtype, device=model.device)
     drop_last(cache, int(cache.get_seq_length()) - keep)
-    return grow_in_place(cache)
+    return grow_in_place(cache, adopt=adopt)
 
 
 @torch.no_grad()

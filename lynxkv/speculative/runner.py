@@ -238,6 +238,9 @@ def stream(
     stats.prompt_tokens = len(prompt) + len(new)
     check_kv(anchor_kv, config_obj, len(prompt), "anchor")
     keep, feed = first_step(prompt, new)  # the stored tokens the caches keep, what their first forward consumes
+    # The load hands its KV out as the front of buffers with room (open_progressive(room=N)): the draft cache grows
+    # into the anchor's and the verify cache into the full code's, so neither first step copies the whole cache
+    adopt = bool(getattr(load, "grow_in_place", False))
 
     # ---- draft while the residual streams -------------------------------------------------------------------
     cap = min(config.max_window, config.max_new_tokens) if config.speculate else 0
@@ -289,7 +292,7 @@ def stream(
                     if residual.done():
                         break
             if draft_cache is None:
-                draft_cache = start_cache(model, anchor_kv, keep)
+                draft_cache = start_cache(model, anchor_kv, keep, adopt=adopt)
                 if layers is None:
                     layers = decoder_layers(model, draft_cache) or False
             ts = time.perf_counter()
@@ -351,7 +354,7 @@ def stream(
     cache = lv = None
     if layered:
         cache = start_cache(model, anchor_kv, keep)  # the anchor's shapes; each layer is replaced before its use
-        lv = LayeredVerify(load, cache, layers, keep, model.dtype, model.device, deadline)
+        lv = LayeredVerify(load, cache, layers, keep, model.dtype, model.device, deadline, adopt=adopt)
         stats.verify_layered = True
     else:
         try:
@@ -363,7 +366,7 @@ def stream(
         if full_kv is not None:
             stats.residual_seen_s = now()
             check_kv(full_kv, config_obj, len(prompt), "full")
-            cache = start_cache(model, full_kv, keep)
+            cache = start_cache(model, full_kv, keep, adopt=adopt)
 
     # ---- verify: one forward over [fed prompt tokens, d0 .. d(k-1)] ----------------------------------------------
     early = 0  # drafts committed by a verify pass before the last one
@@ -413,7 +416,7 @@ def stream(
         stats.verified, stats.residual_error = False, error
         brancher = None  # the branch is never verified
         if draft_cache is None:
-            draft_cache = start_cache(model, anchor_kv, keep)
+            draft_cache = start_cache(model, anchor_kv, keep, adopt=adopt)
         ev = commit(drafts, confirmed=len(drafts), verified=False)
         if ev:
             yield ev

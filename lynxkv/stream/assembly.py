@@ -37,16 +37,22 @@ def lowest_priority() -> None:
 
 
 class KVAssembly:
-    """The two outputs of one load, allocated from its header: ``anchor`` (anchor-only KV) and ``full``."""
+    """The two outputs of one load, allocated from its header: ``anchor`` (anchor-only KV) and ``full``.
 
-    def __init__(self, header, dtype: torch.dtype):
+    ``room`` > 0: each ``[H, T, D]`` tensor is the front of a buffer of ``T + room`` tokens a head, for a runner's
+    cache to grow into in place (:class:`~lynxkv.hf.growing.GrowingLayer`) instead of copying it at its first
+    step; the room is never touched here."""
+
+    def __init__(self, header, dtype: torch.dtype, room: int = 0):
         check_decoded_size(header, dtype)
         self.header = header
-        shape = (header.kv_heads, header.tokens, header.head_dim)
-        self.anchor: KVPairs = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-                                for _ in range(header.layers)]
-        self.full: KVPairs = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-                              for _ in range(header.layers)]
+        h, t, d = header.kv_heads, header.tokens, header.head_dim
+
+        def out() -> torch.Tensor:
+            return torch.empty((h, t + max(room, 0), d), dtype=dtype)[:, :t, :]
+
+        self.anchor: KVPairs = [(out(), out()) for _ in range(header.layers)]
+        self.full: KVPairs = [(out(), out()) for _ in range(header.layers)]
         # Residual pages taken so far, per layer; a layer whose pages are all in becomes a job (its records and
         # its anchor records), run once, by whoever asks first: full_layer, or residual() at the end.
         self._pages = -(-header.tokens // header.scheme.page)

@@ -117,7 +117,7 @@ class LoadConsumer:
                         # with the exact stage (exact=None: where the cache has one), the cache's own dtype
                         exact = self.exact_mode or (self.exact_mode is None and h.segment(c.SEGMENT_EXACT))
                         dtype = self.dtype or (TORCH_DTYPES[h.dtype] if exact else torch.float32)
-                        self._kv = KVAssembly(h, dtype)
+                        self._kv = KVAssembly(h, dtype, room=self.room)
                     self._outputs_ready.set()  # layer_in may ask the outputs now
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:

@@ -66,11 +66,16 @@ class ProgressiveLoad(LoadConsumer):
                  retry: RetryPolicy | None = None, dtype: torch.dtype | None = None,
                  fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
                  decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
-                 exact: bool | None = False, exact_file: str | None = None):
+                 exact: bool | None = False, exact_file: str | None = None, room: int = 0):
         self.source = source
         self.link = link
         self.allow_anchor_only = allow_anchor_only
         self.dtype = dtype  # None: fp32, or with the exact stage the cache's own dtype (known from the header)
+        if room < 0:
+            raise InputError(f"room: expected >= 0 tokens, got {room}")
+        self.room = int(room)
+        # a runner's caches may grow into the room of the KV it hands out (lynxkv.hf.growing.GrowingLayer)
+        self.grow_in_place = self.room > 0
         self.decode = decode
         self.exact_mode = True if exact_file is not None else exact  # None: when the cache has an exact segment
         self._exact_file = exact_file
@@ -357,7 +362,7 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                      dtype: torch.dtype | None = None, link: EmulatedLink | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
                      tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
-                     exact: bool | None = False, exact_file: str | None = None) -> ProgressiveLoad:
+                     exact: bool | None = False, exact_file: str | None = None, room: int = 0) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.cache.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
@@ -390,4 +395,4 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
                            fetch_hook=fetch_hook, decode=decode, tee=tee, allow_locations=allow_locations,
-                           exact=exact, exact_file=exact_file)
+                           exact=exact, exact_file=exact_file, room=room)
