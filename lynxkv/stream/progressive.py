@@ -184,7 +184,11 @@ class ProgressiveLoad(LoadConsumer):
             return 0.0
         anchor_left = 0 if self._anchor_done.is_set() or self.header is None else max(
             0, (self._transport.anchor_size or 0) - self._timeline.anchor_bytes)
-        return self._transfer.residual_eta(self._residual_bytes_total, anchor_left)
+        total = self._residual_bytes_total
+        if total is None and self.header is not None:  # known from the header before the residual's worker runs
+            seg = self.header.segment(c.SEGMENT_RESIDUAL)
+            total = seg.length if seg is not None else None
+        return self._transfer.residual_eta(total, anchor_left)
 
     def layer_in(self, layer: int, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in. The
