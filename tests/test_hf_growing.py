@@ -9,8 +9,8 @@ import torch
 from conftest import make_tiny_model
 from lynxkv.hf import prefill
 from lynxkv.hf.convert import kv_to_cache
-from lynxkv.hf.growing import GrowingLayer, grow_in_place
-from lynxkv.speculative.model_ops import drop_last, forward_tokens
+from lynxkv.hf.growing import GrowingLayer, fork_cache, grow_in_place
+from lynxkv.speculative.model_ops import drop_last, forward_tokens, start_cache
 from runner_helpers import prompt_ids
 
 
@@ -63,3 +63,62 @@ def test_a_step_writes_in_place_until_the_room_is_used_up():
     layer.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))  # past the room: a bigger buffer, same tokens
     assert layer.keys.data_ptr() != buffer and layer.keys.shape[-2] == 16
     assert torch.equal(layer.keys[..., :10, :], first)
+
+
+def _with_room(x: torch.Tensor, room: int) -> torch.Tensor:
+    """``x`` ([H, T, D]) copied to the front of a buffer of T + room tokens a head, the room filled with NaN."""
+    h, t, d = x.shape
+    buf = torch.full((h, t + room, d), float("nan"), dtype=x.dtype)
+    buf[:, :t].copy_(x)
+    return buf[:, :t]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_an_adopting_cache_grows_into_the_room_of_the_tensors_it_was_given(arch):
+    model = make_tiny_model(arch, 2)
+    ids = prompt_ids(2, 90)
+    kv, _ = prefill(model, torch.tensor(ids))
+    keep, room = len(ids) - 1, 16
+    roomy = [(_with_room(k, room), _with_room(v, room)) for k, v in kv]
+    want = _steps(model, start_cache(model, kv, keep), ids)
+    cache = start_cache(model, roomy, keep, adopt=True)
+    got = _steps(model, cache, ids)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    grown = [(layer, k, v) for layer, (k, v) in zip(cache.layers, roomy) if isinstance(layer, GrowingLayer)]
+    assert grown  # (a sliding-window layer keeps its own kind)
+    for layer, k, v in grown:  # the cache's tokens are the given buffer's: nothing was copied
+        assert layer.keys.data_ptr() == k.data_ptr() and layer.values.data_ptr() == v.data_ptr()
+        assert not torch.isnan(layer.keys).any()  # the new tokens landed in the room
+    for (k, v), (k0, v0) in zip(roomy, kv):  # the tokens the cache kept are the given ones, untouched
+        assert torch.equal(k[:, :keep], k0[:, :keep]) and torch.equal(v[:, :keep], v0[:, :keep])
+
+
+def test_without_room_or_without_adopting_the_first_step_copies():
+    model = make_tiny_model("llama", 2)
+    ids = prompt_ids(2, 40)
+    kv, _ = prefill(model, torch.tensor(ids))
+    keep = len(ids) - 1
+    for given, adopt in (([(k.clone(), v.clone()) for k, v in kv], True),  # no room to grow into
+                         ([(_with_room(k, 8), _with_room(v, 8)) for k, v in kv], False),  # room, not adopted
+                         ([(_with_room(k, 1), _with_room(v, 1)) for k, v in kv], True)):  # too little room
+        before = [(k.clone(), v.clone()) for k, v in given]
+        cache = start_cache(model, given, keep, adopt=adopt)
+        forward_tokens(model, cache, [ids[-1], 4, 5])
+        assert all(layer.keys.data_ptr() != k.data_ptr() for layer, (k, _) in zip(cache.layers, given))
+        assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(given, before))
+
+
+def test_a_fork_of_an_adopting_cache_never_writes_into_its_buffer():
+    model = make_tiny_model("llama", 2)
+    ids = prompt_ids(2, 40)
+    kv, _ = prefill(model, torch.tensor(ids))
+    keep = len(ids) - 1
+    roomy = [(_with_room(k, 32), _with_room(v, 32)) for k, v in kv]
+    cache = start_cache(model, roomy, keep, adopt=True)
+    forward_tokens(model, cache, [ids[-1], 4])
+    mine = [layer.keys[0].clone() for layer in cache.layers]
+    fork = fork_cache(cache)
+    forward_tokens(model, fork, [7, 8, 9])
+    assert all(f.keys.data_ptr() != k.data_ptr() for f, (k, _) in zip(fork.layers, roomy))
+    forward_tokens(model, cache, [6])  # the main chain goes on where it was, over its own tokens
+    assert all(torch.equal(layer.keys[0, :, :-1], m) for layer, m in zip(cache.layers, mine))

@@ -79,6 +79,26 @@ def test_a_run_verifies_layer_by_layer_and_equals_decoding_on_the_full_code(tmp_
     assert result.token_ids == decode_plain(model, full_kv, ids, 24, first_forward=s.draft_token_ids)
 
 
+def test_a_load_with_room_is_grown_into_in_place_with_the_same_tokens(tmp_path, eager):
+    model, ids, path, full_kv = _stored(tmp_path, "llama")
+    keep = len(ids) - 1
+    with open_cache(path) as c:
+        anchor0 = c.load_kv(anchor_only=True, dtype=torch.float32)
+    with open_progressive(path, bandwidth=_bandwidth(path, 1.0), room=32) as load:
+        assert load.grow_in_place
+        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0, layered_verify=True))
+        anchor, full = load.wait_anchor(), load.residual.result()
+    s = result.stats
+    assert s.verified and s.verify_layered and s.drafted > 0
+    assert result.token_ids == decode_plain(model, full_kv, ids, 24, first_forward=s.draft_token_ids)
+    # The draft cache grew into the anchor's buffers and the verify cache into the full code's: the cached prompt's
+    # last token, fed again, was written over its stored row in place; the rows before it are the stored ones.
+    assert not torch.equal(anchor[0][0][:, keep], anchor0[0][0][:, keep])
+    assert not torch.equal(full[0][0][:, keep], full_kv[0][0][:, keep])
+    for (k, v), (k0, v0) in zip(anchor + full, anchor0 + full_kv):
+        assert torch.equal(k[:, :keep], k0[:, :keep]) and torch.equal(v[:, :keep], v0[:, :keep])
+
+
 def test_without_the_early_start_the_verify_waits_for_the_whole_residual(tmp_path):
     model, ids, path, full_kv = _stored(tmp_path, "llama")
     with open_progressive(path, bandwidth=_bandwidth(path, 0.5)) as load:
