@@ -179,7 +179,7 @@ def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fing
     # Where the Lynx load handed out its KV with room, the baselines' caches grow into it too (one run at a time;
     # every run drops or rewrites the rows from the cached prompt's last token on), so that no method pays a first
     # step's copy of the whole cache that another does not
-    room = bool(getattr(load, "grow_in_place", False))
+    grow = bool(getattr(load, "grow_in_place", False))
     prompt_ids = list(load.prompt_token_ids)
     runs: Runs = {m: [] for m in METHODS}
     runs["lynx"].append((lynx.stats.residual_ready_s, lynx))
@@ -191,7 +191,7 @@ def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fing
                 continue
             runs[method].append(run_baseline(model, cases[method], prompt_ids, fingerprint, bandwidth=bandwidth,
                                              latency=latency, config=config, new_token_ids=new_token_ids,
-                                             grow_in_place=room))
+                                             grow_in_place=grow))
     return {
         "link": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
         "transfer": "monolithic: computed as latency + bytes / bandwidth, then actually waited before decoding",

@@ -49,7 +49,7 @@ class KVAssembly:
         h, t, d = header.kv_heads, header.tokens, header.head_dim
 
         def out() -> torch.Tensor:
-            return torch.empty((h, t + max(room, 0), d), dtype=dtype)[:, :t, :]
+            return torch.empty((h, t + room, d), dtype=dtype)[:, :t, :]
 
         self.anchor: KVPairs = [(out(), out()) for _ in range(header.layers)]
         self.full: KVPairs = [(out(), out()) for _ in range(header.layers)]

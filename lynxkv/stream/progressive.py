@@ -74,8 +74,6 @@ class ProgressiveLoad(LoadConsumer):
         if room < 0:
             raise InputError(f"room: expected >= 0 tokens, got {room}")
         self.room = int(room)
-        # a runner's caches may grow into the room of the KV it hands out (lynxkv.hf.growing.GrowingLayer)
-        self.grow_in_place = self.room > 0
         self.decode = decode
         self.exact_mode = True if exact_file is not None else exact  # None: when the cache has an exact segment
         self._exact_file = exact_file
@@ -160,6 +158,12 @@ class ProgressiveLoad(LoadConsumer):
         return getattr(self._transport, "exact_url", None)
 
     @property
+    def grow_in_place(self) -> bool:
+        """Whether a runner's caches may grow into the room of the KV this load hands out
+        (:mod:`lynxkv.hf.growing`)."""
+        return self.room > 0
+
+    @property
     def sizes(self) -> tuple[int | None, int | None]:
         """(anchor bytes, residual bytes) to transfer, as far as known yet (None until known)."""
         return (self._transport.anchor_size or None), self._residual_bytes_total
@@ -184,11 +188,7 @@ class ProgressiveLoad(LoadConsumer):
             return 0.0
         anchor_left = 0 if self._anchor_done.is_set() or self.header is None else max(
             0, (self._transport.anchor_size or 0) - self._timeline.anchor_bytes)
-        total = self._residual_bytes_total
-        if total is None and self.header is not None:  # known from the header before the residual's worker runs
-            seg = self.header.segment(c.SEGMENT_RESIDUAL)
-            total = seg.length if seg is not None else None
-        return self._transfer.residual_eta(total, anchor_left)
+        return self._transfer.residual_eta(self._residual_bytes_total, anchor_left)
 
     def layer_in(self, layer: int, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in. The
@@ -307,6 +307,8 @@ class ProgressiveLoad(LoadConsumer):
         # exact length against header + both inline sections.
         self._reader = reader = PageReader(buf)
         h = self.header = reader.header
+        seg = h.segment(c.SEGMENT_RESIDUAL)  # its length is known now, before the residual's worker runs
+        self._residual_bytes_total = seg.length if seg is not None else None
         self.prompt_token_ids = list(h.prompt_token_ids) or None
         self.model_fingerprint = h.fingerprint or None
         reader.index(c.SEGMENT_ANCHOR)
@@ -330,7 +332,6 @@ class ProgressiveLoad(LoadConsumer):
         seg = h.segment(c.SEGMENT_RESIDUAL)
         if seg is None:
             raise ResidualUnavailable("this cache has no residual segment")
-        self._residual_bytes_total = seg.length
         buf = self._transport.open_residual(h)
         reader.attach_residual(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)
         # Residual pages wait for the anchor anyway (the consumer holds them until it is ready), so they are read
