@@ -155,3 +155,43 @@ def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monk
         assert s.layers_dequantized_between_drafts == 0
     assert s.drafted > 0 and s.verified
     assert res.token_ids == decode_plain(big, full_kv, ids, 400, first_forward=s.draft_token_ids)
+
+
+def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_path, monkeypatch):
+    """With the load's lowest-priority worker on (the default), a drafting runner still dequantizes the landed layers
+    itself, between its steps: the load holds the worker back (``hold_early``), which would otherwise take a core
+    from the draft forwards. No layer is dequantized by an early job, and the output is greedy decoding on the
+    full code."""
+    import os
+
+    from lynxkv.cache import open_cache, save_cache
+    from lynxkv.hf import prefill
+    from lynxkv.hf.models import model_fingerprint
+    from lynxkv.stream import open_progressive
+    from lynxkv.stream.assembly import KVAssembly
+
+    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "1")
+    early: list[int] = []
+    real = KVAssembly._early_layer
+
+    def early_layer(self, layer):
+        if not (self.urgent or self._held):  # the job dequantizes this layer
+            early.append(layer)
+        return real(self, layer)
+
+    monkeypatch.setattr(KVAssembly, "_early_layer", early_layer)
+    big = make_tiny_llama(5, layers=6, kv_heads=2, head_dim=64)
+    ids = prompt_ids(5, 400)
+    kv, _ = prefill(big, torch.tensor(ids))
+    path = str(tmp_path / "c.lynx")
+    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(big))
+    with open_cache(path) as c:
+        full_kv = c.load_kv()
+    rate = os.path.getsize(path + "r") / 1.0  # the residual takes about a second
+    with open_progressive(path, bandwidth=rate, block_size=8 << 10, inflight=1) as load:
+        res = run(big, load, RunConfig(max_new_tokens=400, max_window=400, min_window_steps=0))
+    s = res.stats
+    assert s.drafted > 0 and s.verified and s.verify_layered
+    assert s.layers_dequantized_between_drafts >= 2, s.layers_dequantized_between_drafts
+    assert early == []
+    assert res.token_ids == decode_plain(big, full_kv, ids, 400, first_forward=s.draft_token_ids)

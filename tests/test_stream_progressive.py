@@ -187,6 +187,76 @@ def test_a_caller_that_gives_its_layers_up_has_them_dequantized_early_again(tmp_
         assert kv_equal(full, cache.load_kv(dtype=torch.float32))
 
 
+@pytest.mark.timing
+def test_a_caller_that_holds_the_early_worker_takes_the_landed_layers_itself_until_it_lets_go(tmp_path):
+    """``hold_early(True)`` (a runner drafting, which dequantizes the landed layers between its steps): the load's
+    early worker begins no layer, ``dequantize_landed`` takes them; ``hold_early(False)``: the worker takes those
+    in and those to come again, before the rest of the residual has arrived. The full code equals load_kv's."""
+    anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
+    path = write_pair(tmp_path, anchor, residual)
+    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+        load.wait_anchor(60)
+        load.hold_early(True)
+        assert load._kv._in[1].wait(60)
+        time.sleep(0.05)
+        held = list(load._kv._done[:2])  # in, and left to the caller
+        taken = load.dequantize_landed()
+        load.hold_early(False)
+        early = 0
+        while load.timeline.extra["residual_arrived_s"] is None and not load.residual.done():
+            early = sum(load._kv._done) - taken
+            time.sleep(0.005)
+        full = load.residual.result(60)
+    assert held == [False, False]
+    assert taken >= 2, taken
+    assert early >= 2, early
+    with open_cache(str(path)) as cache:
+        assert kv_equal(full, cache.load_kv(dtype=torch.float32))
+
+
+def test_prefault_maps_the_full_code_and_never_writes_over_a_dequantized_layer(tmp_path):
+    """``KVAssembly.prefault`` (run while the anchor is on its way) touches the full code's tensors layer by layer,
+    stops when told, skips a layer already dequantized (its values stay), and leaves the anchor's tensors alone."""
+    from lynxkv.stream.assembly import KVAssembly
+
+    path = write_pair(tmp_path, *cache_bytes(random_kv(layers=4, heads=2, tokens=300, dim=16)))
+    with open_cache(str(path)) as cache:
+        header = cache.header
+    kv = KVAssembly(header, torch.float32, room=8)
+    for k, v in kv.full:
+        k.fill_(7.0)
+        v.fill_(7.0)
+    kv.anchor[0][0].fill_(3.0)
+    kv._done[1] = True  # layer 1 was dequantized: its values are kept
+    assert kv.prefault(lambda: False) == 3
+    page = 4096 // 4
+    for layer, (k, v) in enumerate(kv.full):
+        for t in (k, v):
+            touched = t[0].reshape(-1)[::page]
+            assert bool((touched == 7.0).all()) if layer == 1 else bool((touched == 0).all()), layer
+            assert int((t != 7.0).sum()) == (0 if layer == 1 else t.shape[0] * touched.numel()), layer
+    assert bool((kv.anchor[0][0] == 3.0).all())
+    calls = []
+    assert kv.prefault(lambda: calls.append(1) or len(calls) > 2) == 1  # told to stop before its third layer
+
+
+def test_letting_the_layers_go_after_the_early_worker_was_shut_down_starts_nothing():
+    """``hold(False)`` or ``relax()`` once the load has shut its early worker down (the residual all in, its
+    unbegun early jobs cancelled) starts no job and raises nothing (a cancelled job has no outcome to ask)."""
+    from concurrent.futures import Future
+
+    from lynxkv.stream.assembly import KVAssembly
+
+    cancelled = Future()
+    cancelled.cancel()
+    kv = object.__new__(KVAssembly)
+    kv.__dict__.update(_eager=True, _early=None, _early_jobs={0: cancelled}, _early_lock=threading.Lock(),
+                       _closed_early=True, _done=[False], _jobs={0: "job 0"}, urgent=False, _held=True)
+    kv.hold(False)
+    kv.relax()
+    assert kv._early is None and kv._early_jobs == {0: cancelled}
+
+
 class _TimedOutJustThen:
     """A header event whose first wait answers 'timed out' once the whole anchor is in: the header came in just as
     the residual parser's wait ran out, and the anchor finished before the parser looked again."""

@@ -273,6 +273,11 @@ def stream(
     bytes_in = getattr(load, "residual_in", None) if config.dequantize_between_drafts else None
     take_landed = getattr(load, "dequantize_landed", None) if config.dequantize_between_drafts else None
     interrupt = DraftInterrupt(model, residual, also=bytes_in) if config.interrupt_drafts and cap else None
+    # While it drafts, the runner alone dequantizes the landed layers, between its steps: the load's early worker
+    # running during a step would take a core from the forward's threads (docs/speculative.md, "Drafting alone")
+    hold = getattr(load, "hold_early", None) if take_landed is not None and cap else None
+    if hold is not None:
+        hold(True)
     with interrupt.installed() if interrupt is not None else contextlib.nullcontext():
         while len(drafts) < cap and not residual.done() and not (bytes_in is not None and bytes_in()):
             check_layered = len(step_times) >= 2 and layers  # the first step, on a fresh cache, is not a typical one
@@ -344,6 +349,8 @@ def stream(
     # forward waits for the whole full code: run layer by layer it came no sooner (docs/speculative.md, 1 Gbit/s).
     if drafts and not layered and layers and not residual.done():
         layered = True
+    if hold is not None and not layered:  # waiting for the whole residual: the early worker takes the idle cores
+        hold(False)  # (a layered verify takes each layer itself as it reaches it)
 
     # ---- wait for the residual, or verify layer by layer as it lands -----------------------------------------
     full_kv: KVPairs | None = None

@@ -2,8 +2,11 @@
 arrive, and the full code layer by layer as each layer's residual is all in, on one thread of the lowest CPU
 priority (a model drafting on the anchor meanwhile keeps the cores it uses; what it leaves idle dequantizes the
 residual, so little is left to do after the last byte), or at once for a caller that asks for a layer
-(:meth:`KVAssembly.full_layer`: the runner's layered verify). ``LYNXKV_EAGER_RESIDUAL=0`` leaves the full code
-until the whole residual is in (to measure the difference).
+(:meth:`KVAssembly.full_layer`: the runner's layered verify). A caller that dequantizes the landed layers itself
+between its steps holds that worker back (:meth:`KVAssembly.hold`: the runner while it drafts).
+``LYNXKV_EAGER_RESIDUAL=0`` leaves the full code until the whole residual is in (to measure the difference). The
+full code's memory pages are mapped while the anchor is on its way (:meth:`KVAssembly.prefault`), so that the
+dequantization after it writes into pages the kernel has already provided.
 
 Both are dequantized straight from the page records' bytes (:func:`lynxkv.format.records.dequantize_records`,
 compiled passes with the GIL released; the records' own checks run there). A page is exactly P/C whole chunks, so
@@ -15,6 +18,7 @@ import contextlib
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -64,12 +68,35 @@ class KVAssembly:
         self._done = [False] * header.layers
         self.reader = None  # the load's page reader, told when a layer's records are no longer needed
         self.urgent = False  # a caller waits for layers (full_layer): the residual is on its critical path
+        # A caller dequantizes the landed layers itself between its steps (take_landed): the early worker would
+        # only take a core from those steps (a model's forward waits for its slowest thread), so it leaves them
+        self._held = False
         # Layers dequantized as they come in (see the module docstring): one worker of the lowest priority
         self._eager = os.environ.get("LYNXKV_EAGER_RESIDUAL", "1") != "0"
         self._early: ThreadPoolExecutor | None = None
         self._early_jobs: dict[int, object] = {}  # layer -> its future
         self._early_lock = threading.Lock()  # the consumer's thread and a layered verify's caller both start jobs
         self._closed_early = False  # the early worker was shut down: no more early jobs
+
+    def prefault(self, stop: Callable[[], bool]) -> int:
+        """Touch every memory page of the full code's tensors, layer by layer, until ``stop()``; returns how
+        many layers it did. A fresh tensor's pages are mapped by the kernel at their first write, which costs
+        about as much as the dequantization that writes them (0.24 ms a MB here, against 0.05 for the write
+        itself): done while the anchor is on its way, when the cores are idle, that is off the draft window and
+        off the verify. Writes one element a page, which the dequantization overwrites (the view's rows only)."""
+        page = max(1, 4096 // self.full[0][0].element_size())
+        done = 0
+        for layer, pair in enumerate(self.full):
+            if stop():
+                break
+            with self._locks[layer]:  # never over a layer being dequantized (full_layer holds the lock)
+                if self._done[layer]:
+                    continue
+                for t in pair:
+                    for head in t:  # [T, D], contiguous
+                        head.view(-1)[::page].zero_()
+            done += 1
+        return done
 
     @staticmethod
     def batch_pages(header) -> int:
@@ -104,7 +131,7 @@ class KVAssembly:
                                      [x[3] for x in pages])
                 del self._taken[layer]
                 self._in[layer].set()
-                if not self.urgent:
+                if not (self.urgent or self._held):
                     self._start_early(layer)
 
     def _start_early(self, layer: int) -> None:
@@ -112,24 +139,35 @@ class KVAssembly:
         if not self._eager:
             return
         with self._early_lock:
+            if self._closed_early:  # (its jobs may be cancelled: they are not asked for their outcome)
+                return
             job = self._early_jobs.get(layer)
             # a job that ran while a caller took the layers did nothing: the layer gets another, once it is let go
-            idle = job is not None and job.done() and job.exception() is None and not self._done[layer]
-            if self._closed_early or (job is not None and not idle):
+            idle = (job is not None and job.done() and not job.cancelled() and job.exception() is None
+                    and not self._done[layer])
+            if job is not None and not idle:
                 return
             if self._early is None:
                 self._early = ThreadPoolExecutor(1, thread_name_prefix="lynxkv-residual", initializer=lowest_priority)
             self._early_jobs[layer] = self._early.submit(self._early_layer, layer)
 
+    def hold(self, on: bool) -> None:
+        """``on``: the caller takes the landed layers itself between its steps (:meth:`take_landed`), so the early
+        worker begins none (one under way finishes); ``False``: it takes them again, those already in first."""
+        self._held = on
+        if not on and not self.urgent:
+            for layer in sorted(self._jobs):
+                self._start_early(layer)
+
     def relax(self) -> None:
         """No caller waits for layers any more (a layered verify was given up): the layers in that nobody has
         begun, and every later one, are dequantized early again."""
-        self.urgent = False
+        self.urgent = self._held = False
         for layer in sorted(self._jobs):
             self._start_early(layer)
 
     def _early_layer(self, layer: int) -> None:
-        if not self.urgent:  # a layered verify takes the layers itself, at its own priority, as it reaches them
+        if not (self.urgent or self._held):  # a layered verify, or a drafting runner, takes the layers itself
             self.full_layer(layer, threads=1)
 
     def _end_early(self) -> None:

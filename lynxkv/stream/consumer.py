@@ -13,6 +13,7 @@ progressive reader", says why.
 from __future__ import annotations
 
 import queue
+import threading
 import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.errors import LynxError
 from lynxkv.format import constants as c
 from lynxkv.quant.dispatch import concurrent_tensors
-from lynxkv.stream.assembly import KVAssembly
+from lynxkv.stream.assembly import KVAssembly, lowest_priority
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.events import LoadEvent
 
@@ -72,6 +73,11 @@ class LoadConsumer:
                 traceback.clear_frames(exc.__traceback__)  # a frame still running is left as it is
                 exc = exc.__cause__ or exc.__context__
 
+    def _prefault(self, kv: KVAssembly) -> None:
+        """Map the full code's memory pages until the anchor is in (or the load closed), at the lowest priority."""
+        lowest_priority()
+        kv.prefault(lambda: self._anchor_done.is_set() or self._closed.is_set())
+
     def _part_ended(self) -> None:
         """The consumer or the exact worker is done; the last one closes the transport and ends the events."""
         with self._parts_lock:
@@ -118,6 +124,11 @@ class LoadConsumer:
                         exact = self.exact_mode or (self.exact_mode is None and h.segment(c.SEGMENT_EXACT))
                         dtype = self.dtype or (TORCH_DTYPES[h.dtype] if exact else torch.float32)
                         self._kv = KVAssembly(h, dtype, room=self.room)
+                        # the full code's memory pages mapped while the anchor is on its way (the cores idle)
+                        # (joined by close(), like the load's other threads: it holds the KV)
+                        self._prefaulter = threading.Thread(target=self._prefault, args=(self._kv,), daemon=True,
+                                                            name="lynxkv-prefault")
+                        self._prefaulter.start()
                     self._outputs_ready.set()  # layer_in may ask the outputs now
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:

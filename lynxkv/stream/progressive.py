@@ -115,6 +115,7 @@ class ProgressiveLoad(LoadConsumer):
         self._residual_bytes_total: int | None = None
         self._kv: KVAssembly | None = None  # the outputs, once the header is in
         self._reader: PageReader | None = None
+        self._prefaulter: threading.Thread | None = None  # started by the consumer with the outputs
         self._threads = [
             threading.Thread(target=self._guard, args=("anchor", self._anchor_worker), daemon=True,
                              name="lynxkv-anchor"),
@@ -232,6 +233,13 @@ class ProgressiveLoad(LoadConsumer):
             return 0
         return self._kv.take_landed()
 
+    def hold_early(self, on: bool) -> None:
+        """``on``: the caller dequantizes the landed layers itself between its steps (:meth:`dequantize_landed`; the
+        runner, while it drafts), so the load's early worker leaves them to it; ``False``: the worker takes them
+        again. Only who dequantizes a layer, and when, changes: the load still builds every layer by its end."""
+        if self._outputs_ready.is_set() and self.decode:
+            self._kv.hold(on)
+
     def full_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The full code of one layer once :meth:`layer_in` said its residual is all in, dequantized in the calling
         thread (the runner's layered verify, :mod:`lynxkv.speculative.layered`)."""
@@ -269,6 +277,8 @@ class ProgressiveLoad(LoadConsumer):
         for t in self._threads:  # let the workers leave torch code before the caller goes on (or exits)
             if t is not threading.current_thread():
                 t.join(timeout=5)
+        if self._prefaulter is not None:  # (read once the consumer, which starts it, is done)
+            self._prefaulter.join(timeout=5)
 
     def __enter__(self) -> "ProgressiveLoad":
         return self
