@@ -123,11 +123,9 @@ def test_every_residual_byte_in_also_ends_the_draft_forward(model):
     assert guard.abandoned == 1
 
 
-@pytest.mark.parametrize("between", ["1", "0"])
-def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monkeypatch, between):
-    """Over a link, with the lowest-priority worker off, the runner itself dequantizes the residual's layers that
-    land while it drafts (LYNXKV_DEQUANT_BETWEEN_DRAFTS=0: none), stops drafting once the bytes are all in, and the
-    output is still greedy decoding on the full code."""
+def _run_over_a_link(tmp_path):
+    """A 6-layer tiny Llama's 400-token cache run with Lynx over a link on which its residual takes about a
+    second (the anchor a bit more before it): (result, the greedy tokens on the full code)."""
     import os
 
     from lynxkv.cache import open_cache, save_cache
@@ -135,8 +133,6 @@ def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monk
     from lynxkv.hf.models import model_fingerprint
     from lynxkv.stream import open_progressive
 
-    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "0")
-    monkeypatch.setenv("LYNXKV_DEQUANT_BETWEEN_DRAFTS", between)
     big = make_tiny_llama(5, layers=6, kv_heads=2, head_dim=64)
     ids = prompt_ids(5, 400)
     kv, _ = prefill(big, torch.tensor(ids))
@@ -144,17 +140,27 @@ def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monk
     save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(big))
     with open_cache(path) as c:
         full_kv = c.load_kv()
-    residual_bytes = os.path.getsize(path + "r")
-    rate = residual_bytes / 1.0  # the residual takes about a second, the anchor a bit more before it
+    rate = os.path.getsize(path + "r") / 1.0
     with open_progressive(path, bandwidth=rate, block_size=8 << 10, inflight=1) as load:
         res = run(big, load, RunConfig(max_new_tokens=400, max_window=400, min_window_steps=0))
+    return res, decode_plain(big, full_kv, ids, 400, first_forward=res.stats.draft_token_ids)
+
+
+@pytest.mark.parametrize("between", ["1", "0"])
+def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monkeypatch, between):
+    """Over a link, with the lowest-priority worker off, the runner itself dequantizes the residual's layers that
+    land while it drafts (LYNXKV_DEQUANT_BETWEEN_DRAFTS=0: none), stops drafting once the bytes are all in, and the
+    output is still greedy decoding on the full code."""
+    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "0")
+    monkeypatch.setenv("LYNXKV_DEQUANT_BETWEEN_DRAFTS", between)
+    res, want = _run_over_a_link(tmp_path)
     s = res.stats
     if between == "1":
         assert s.layers_dequantized_between_drafts >= 2, s.layers_dequantized_between_drafts
     else:
         assert s.layers_dequantized_between_drafts == 0
     assert s.drafted > 0 and s.verified
-    assert res.token_ids == decode_plain(big, full_kv, ids, 400, first_forward=s.draft_token_ids)
+    assert res.token_ids == want
 
 
 def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_path, monkeypatch):
@@ -162,12 +168,6 @@ def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_pat
     itself, between its steps: the load holds the worker back (``hold_early``), which would otherwise take a core
     from the draft forwards. No layer is dequantized by an early job, and the output is greedy decoding on the
     full code."""
-    import os
-
-    from lynxkv.cache import open_cache, save_cache
-    from lynxkv.hf import prefill
-    from lynxkv.hf.models import model_fingerprint
-    from lynxkv.stream import open_progressive
     from lynxkv.stream.assembly import KVAssembly
 
     monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "1")
@@ -180,18 +180,9 @@ def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_pat
         return real(self, layer)
 
     monkeypatch.setattr(KVAssembly, "_early_layer", early_layer)
-    big = make_tiny_llama(5, layers=6, kv_heads=2, head_dim=64)
-    ids = prompt_ids(5, 400)
-    kv, _ = prefill(big, torch.tensor(ids))
-    path = str(tmp_path / "c.lynx")
-    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(big))
-    with open_cache(path) as c:
-        full_kv = c.load_kv()
-    rate = os.path.getsize(path + "r") / 1.0  # the residual takes about a second
-    with open_progressive(path, bandwidth=rate, block_size=8 << 10, inflight=1) as load:
-        res = run(big, load, RunConfig(max_new_tokens=400, max_window=400, min_window_steps=0))
+    res, want = _run_over_a_link(tmp_path)
     s = res.stats
     assert s.drafted > 0 and s.verified and s.verify_layered
     assert s.layers_dequantized_between_drafts >= 2, s.layers_dequantized_between_drafts
     assert early == []
-    assert res.token_ids == decode_plain(big, full_kv, ids, 400, first_forward=s.draft_token_ids)
+    assert res.token_ids == want
