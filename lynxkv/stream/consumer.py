@@ -124,11 +124,12 @@ class LoadConsumer:
                         exact = self.exact_mode or (self.exact_mode is None and h.segment(c.SEGMENT_EXACT))
                         dtype = self.dtype or (TORCH_DTYPES[h.dtype] if exact else torch.float32)
                         self._kv = KVAssembly(h, dtype, room=self.room)
-                        # the full code's memory pages mapped while the anchor is on its way (the cores idle)
-                        # (joined by close(), like the load's other threads: it holds the KV)
-                        self._prefaulter = threading.Thread(target=self._prefault, args=(self._kv,), daemon=True,
-                                                            name="lynxkv-prefault")
-                        self._prefaulter.start()
+                        # the full code's memory pages mapped while the anchor is on its way (the cores idle), when
+                        # there is a residual to build it from; joined by close(), like the load's other threads
+                        if h.segment(c.SEGMENT_RESIDUAL) is not None:
+                            self._prefaulter = threading.Thread(target=self._prefault, args=(self._kv,), daemon=True,
+                                                                name="lynxkv-prefault")
+                            self._prefaulter.start()
                     self._outputs_ready.set()  # layer_in may ask the outputs now
                     continue
                 if kind == "residual" and self.decode and not self._future.done() and anchor_complete:
