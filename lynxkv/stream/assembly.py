@@ -162,9 +162,8 @@ class KVAssembly:
     def relax(self) -> None:
         """No caller waits for layers any more (a layered verify was given up): the layers in that nobody has
         begun, and every later one, are dequantized early again."""
-        self.urgent = self._held = False
-        for layer in sorted(self._jobs):
-            self._start_early(layer)
+        self.urgent = False
+        self.hold(False)
 
     def _early_layer(self, layer: int) -> None:
         if not (self.urgent or self._held):  # a layered verify, or a drafting runner, takes the layers itself
