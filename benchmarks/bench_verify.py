@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-first", type=int, default=2)
     ap.add_argument("--settings", default="before,grouped,defaults,first",
                     help="comma-separated keys: before, grouped, defaults, first, nointerrupt, nobetween, "
-                         "nolayered, layered")
+                         "nolayered, layered, window0 .. window4 (the defaults with --min-window 0 .. 4)")
     a = ap.parse_args(argv)
     late = {"LYNXKV_EAGER_RESIDUAL": "0"}
     flat = ["--no-layered-verify"]  # the verify after the whole residual, as every setting but the defaults had it
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
              "nobetween": ("grouped, eager, no dequantizing between drafts", {"LYNXKV_DEQUANT_BETWEEN_DRAFTS": "0"},
                            flat),
              "nolayered": ("grouped, eager, --no-layered-verify", {}, flat),
-             "layered": ("grouped, eager, --layered-verify", {}, ["--layered-verify"])}
+             "layered": ("grouped, eager, --layered-verify", {}, ["--layered-verify"]),
+             **{f"window{w}": (f"the defaults, --min-window {w}", {}, ["--min-window", w]) for w in "01234"}}
     keys = [k.strip() for k in a.settings.split(",") if k.strip()]
     unknown = [k for k in keys if k not in known]
     if unknown or not keys:

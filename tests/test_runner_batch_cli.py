@@ -184,7 +184,7 @@ def test_bad_request_file(batch_dir, capsys, line, message):
     assert code == 1 and "lynxkv: error:" in err and message in err and "line 1" in err
 
 
-@pytest.mark.parametrize("option", ["--verify-chunk", "--verify-first"])
+@pytest.mark.parametrize("option", ["--verify-chunk", "--verify-first", "--min-window"])
 def test_one_cache_options_are_refused_with_several(batch_dir, capsys, option):
     _, model_dir, paths, _, _ = batch_dir
     code, out, err = _run(capsys, *paths[:2], "--model", model_dir, option, "4")

@@ -113,6 +113,24 @@ def test_compare_repeats_every_method_and_judges_on_medians(tiny_cache, capsys, 
     assert code == 1 and "--repeats needs --compare" in err
 
 
+def test_the_first_run_of_a_process_knows_its_step_before_drafting(tiny_cache, capsys):
+    # `lynxkv run` times a decode step at the cache's length before it opens the load, so even its one run can
+    # judge the window: a residual due within --min-window steps is waited for, with the same tokens
+    model_dir, path, want, _ = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
+                          "--min-window", "1000000", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["token_ids"] == want
+    assert doc["stats"]["drafted"] == 0
+    assert "waiting for it instead of drafting" in doc["stats"]["drafting_disabled"]
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
+                          "--min-window", "0", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["token_ids"] == want and doc["stats"]["drafted"] > 0 and doc["stats"]["drafting_disabled"] is None
+
+
 def test_wrong_model_is_one_clear_error(tiny_cache, capsys, tmp_path):
     _, path, _, _ = tiny_cache
     other = save_tiny_model_dir(make_tiny_llama(5, layers=3, head_dim=32), tmp_path / "other")

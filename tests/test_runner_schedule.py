@@ -62,3 +62,34 @@ def test_a_run_remembers_its_decode_step(setup):
     res = run(model, _load(setup, 0.0), RunConfig(max_new_tokens=6, min_window_steps=0))
     assert res.stats.decode_step_s is not None
     assert schedule.step_estimate(model, len(ids)) == pytest.approx(res.stats.decode_step_s, rel=0.1)
+
+
+def test_calibrate_measures_and_remembers_a_step_at_the_caches_length():
+    model = make_tiny_llama(10, layers=2, head_dim=16)
+    assert schedule.step_estimate(model, 300) is None
+    assert schedule.calibrate(model, 0) is None  # nothing cached: nothing to measure
+    seconds = schedule.calibrate(model, 300)
+    assert seconds is not None and seconds > 0
+    assert schedule.step_estimate(model, 300) == pytest.approx(seconds)
+    # a residual due within 3 of those steps is waited for; one due well after them is drafted on
+    assert schedule.wait_reason(model, 2.0 * seconds, 300, schedule.MIN_WINDOW_STEPS) is not None
+    assert schedule.wait_reason(model, 10.0 * seconds, 300, schedule.MIN_WINDOW_STEPS) is None
+
+
+def test_calibrate_bounds_the_cache_it_builds(monkeypatch):
+    model = make_tiny_llama(11, layers=1, head_dim=16)
+    seen = []
+    monkeypatch.setattr("lynxkv.speculative.model_ops.measure_tpot",
+                        lambda m, kv, prompt_len, steps: seen.append((kv[0][0].shape[1], prompt_len)) or 0.01)
+    schedule.calibrate(model, 10 * schedule.CALIBRATE_MAX_TOKENS)
+    assert seen == [(schedule.CALIBRATE_MAX_TOKENS, schedule.CALIBRATE_MAX_TOKENS + 1)]
+    assert schedule.step_estimate(model, schedule.CALIBRATE_MAX_TOKENS) == pytest.approx(0.01)
+
+
+def test_the_default_window_is_the_clis(capsys, monkeypatch):
+    from lynxkv.cli import main
+
+    assert RunConfig().min_window_steps == schedule.MIN_WINDOW_STEPS
+    monkeypatch.setenv("COLUMNS", "300")  # the option's help on one line
+    assert main(["run", "--help"]) == 0
+    assert f"(default {schedule.MIN_WINDOW_STEPS:g};" in capsys.readouterr().out

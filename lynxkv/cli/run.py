@@ -156,6 +156,9 @@ def run(
                                "segment, format 1.4): the output is greedy decoding on the original cache."),
     exact_file: str = typer.Option(None, "--exact-file", help="Read the exact segment from here (implies --exact)."),
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
+    min_window: Optional[float] = typer.Option(None, "--min-window", min=0.0, help="Wait for the residual "
+                                               "instead of drafting when, once the anchor is in, it is due within "
+                                               "this many decode steps (default 4; 0: always draft)."),
     verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
                                      "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
     verify_first: int = typer.Option(0, "--verify-first", min=0, help="Verify the first N "
@@ -200,6 +203,7 @@ def run(
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
+    from lynxkv.speculative.schedule import calibrate, step_estimate
     from lynxkv.speculative.timeline import compare_timelines, run_timeline
     from lynxkv.integrations.lmcache import source as lmcache_source
     from lynxkv.stream.exact_load import ExactLoad
@@ -214,7 +218,8 @@ def run(
     allow = tuple(allow_location or ())
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
-                       "--verify-first": verify_first, "--repeats": repeats > 1}
+                       "--verify-first": verify_first, "--repeats": repeats > 1,
+                       "--min-window": min_window is not None}
         named = [k for k, v in unsupported.items() if v]
         if named:
             raise InputError(f"{', '.join(named)}: one cache at a time (not with several caches)")
@@ -248,8 +253,9 @@ def run(
     rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
     cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
-        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk,
-        verify_first=verify_first, layered_verify=layered_verify, branch_margin=branch_margin)
+        **({} if min_window is None else {"min_window_steps": min_window}), residual_timeout=residual_timeout,
+        allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk, verify_first=verify_first, layered_verify=layered_verify,
+        branch_margin=branch_margin)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     exact = exact or exact_file is not None
     if exact and (store is not None or compare or allow_anchor_only):
@@ -269,8 +275,13 @@ def run(
                 raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
-        with torch.no_grad():  # first-call initialisation is not charged to the first draft
-            loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
+        # Whether the first window pays is judged on this machine's decode step at the cache's length
+        # (lynxkv.speculative.schedule): timed here, before the load opens, unless a run in this process measured
+        # it. Its warm-up, or a 4-token forward, keeps first-call initialisation off the first draft
+        known = bool(max_window) and step_estimate(loaded.model, cached) is not None
+        if not known and not (max_window and calibrate(loaded.model, cached)):
+            with torch.no_grad():
+                loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
     fingerprint = lmcache_source.name_fingerprint(store.model) if store is not None else loaded.fingerprint
     eos = getattr(loaded.tokenizer, "eos_token_id", None)

@@ -44,7 +44,7 @@ from lynxkv.speculative.branch import Brancher, verify_branch
 from lynxkv.speculative.model_ops import check_kv, drop_last, first_step, forward_tokens, start_cache
 from lynxkv.speculative.packed import shares_prefix
 from lynxkv.speculative.sampling import SamplingParams, choose
-from lynxkv.speculative.schedule import AcceptanceTracker, remember_step, wait_reason
+from lynxkv.speculative.schedule import MIN_WINDOW_STEPS, AcceptanceTracker, remember_step, wait_reason
 from lynxkv.speculative.stats import RunStats
 from lynxkv.speculative.verify_pass import cut_at, pass_sizes, verify_drafts
 
@@ -74,7 +74,7 @@ class RunConfig:
     layered_verify: bool | None = None
     # Draft only where it can pay (lynxkv.speculative.schedule): wait for the residual instead when, at anchor-ready,
     # it is due within this many decode steps. 0: always draft.
-    min_window_steps: float = 2.0
+    min_window_steps: float = MIN_WINDOW_STEPS
     step_estimate_s: float | None = None  # a decode step's seconds at this cache length (None: from earlier runs)
     # End the draft forward under way when the residual lands rather than wait for its token, which would come too
     # late to be verified (lynxkv.speculative.interrupt). LYNXKV_INTERRUPT_DRAFTS=0 turns it off.

@@ -6,8 +6,9 @@
    of the anchor (a fast link, a short prompt), there is no room for drafts that would pay for that, so the run
    waits and starts on the full code at once: it is then the monolithic full-code run, and never slower than it
    by more than the noise. The step time comes from ``RunConfig.step_estimate_s`` or from this model's last
-   measured step in this process (:func:`remember_step`, scaled to the cache length); with neither, the run
-   drafts (and the ETA guard still stops a draft that would overrun the residual).
+   measured step in this process (:func:`remember_step`, scaled to the cache length), which :func:`calibrate`
+   provides before a process's first run; with neither, the run drafts (and the ETA guard still stops a draft
+   that would overrun the residual).
 2. **The anchor keeps disagreeing** (:class:`AcceptanceTracker`): recent windows accepted too little.
 """
 
@@ -16,6 +17,9 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
+
+# The default of RunConfig.min_window_steps and `lynxkv run --min-window` (docs/speculative.md, "When drafting pays")
+MIN_WINDOW_STEPS = 4.0
 
 _STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (cache tokens, seconds per step)
 _LOCK = threading.Lock()
@@ -28,6 +32,35 @@ def remember_step(model, tokens: int, seconds: float) -> None:
             _STEPS[model] = (max(1, int(tokens)), float(seconds))
         except TypeError:  # not weak-referenceable: nothing is remembered
             pass
+
+
+# The longest cache calibrate() builds: beyond it the estimate is left to the runs themselves
+CALIBRATE_MAX_TOKENS = 8192
+
+
+def calibrate(model, tokens: int, steps: int = 2) -> float | None:
+    """Measure ``model``'s plain decode step after ``tokens`` cached tokens and remember it (:func:`remember_step`);
+    returns the seconds, or None for an empty cache.
+
+    The cache is zeros of the model's KV shape (at most :data:`CALIBRATE_MAX_TOKENS` tokens; a step costs the same
+    whatever the values), so the run's first window is judged on this machine's real step before the first draft:
+    without it a process's first run always drafts. One warm-up step, then the median of ``steps``; the warm-up
+    also takes the model's first-call initialisation out of the run. ``lynxkv run`` calls it after loading the
+    model, before opening the cache's load (about 0.25 s for SmolLM2 at 3,000 tokens on two cores)."""
+    import torch
+
+    from lynxkv.hf.models import kv_shape
+    from lynxkv.speculative.model_ops import measure_tpot
+
+    length = min(int(tokens), CALIBRATE_MAX_TOKENS)
+    if length < 1:
+        return None
+    layers, heads, head_dim = kv_shape(model.config)
+    zeros = lambda: torch.zeros(heads, length, head_dim, dtype=model.dtype, device=model.device)  # noqa: E731
+    kv = [(zeros(), zeros()) for _ in range(layers)]
+    seconds = measure_tpot(model, kv, length + 1, steps=steps)  # a cache of `length` tokens, then one more
+    remember_step(model, length, seconds)
+    return seconds
 
 
 def step_estimate(model, tokens: int) -> float | None:
