@@ -12,7 +12,8 @@ repeat runs, interleaved, through the CLI in this process (``lynxkv.cli.main``, 
     one-by-one each cache alone on its own link, one after another (batch 1; not with --no-batch1)
     decode-8 / decode-1   with --decode-only, the same without a link (caches on local disk): decode alone
 
-and prints the medians over the repeats: aggregate tokens/s (batch 8 against batch 1), per-request TT64 of Lynx
+and prints the medians over the repeats: aggregate tokens/s (batch 8 against batch 1, beside the bound the link
+alone sets on that ratio), per-request TT64 of Lynx
 against the batched monolithic full code (the gain in units of Δ = min(t_res, 64·TPOT)), mean TT64 with either
 link order and either turn, and whether every request's tokens equal its batch-1 run's.
 
@@ -67,6 +68,22 @@ def cli(*args: str) -> tuple[dict, float]:
     return json.loads(buf.getvalue()), wall
 
 
+def link_bound(requests: list[dict], singles: list[dict], walls: list[float], link: list[str]) -> dict | None:
+    """The most that batch 8 over one link can gain on the same requests one by one: a batch cannot end before the
+    link has carried every cache (their bytes over the rate) and then decoded the last one to land, which takes at
+    least the shortest time any single run spent past its own bytes. ``{"link_s", "ratio"}``, or None without the
+    one-by-one runs or a link."""
+    from lynxkv.stream.units import parse_bandwidth
+
+    rate = parse_bandwidth(link[link.index("--bandwidth") + 1]) if "--bandwidth" in link else None
+    if not singles or not rate:
+        return None
+    sent = lambda st: st["load"]["anchor_bytes"] + st["load"]["residual_bytes"]  # noqa: E731
+    link_s = sum(sent(r["stats"]) for r in requests) / rate
+    after = min(w - sent(d["stats"]) / rate for d, w in zip(singles, walls))
+    return {"link_s": link_s, "ratio": sum(walls) / (link_s + after)}
+
+
 def _delta(st: dict) -> float | None:
     """Δ = min(t_res, 64·TPOT) of one request's stats."""
     if st["residual_after_anchor_s"] is None or st["tpot_s"] is None:
@@ -91,6 +108,7 @@ def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batc
     tokens = sum(len(r["token_ids"]) for r in srf["requests"])
     out["tps_batch8"] = tokens / out["wall_fifo"]  # the srf call also ran the monolithic batch (--compare)
     out["tps_batch1"] = tokens / sum(walls) if walls else None
+    out["link_bound"] = link_bound(srf["requests"], singles, walls, link)
     out["tps_decode8"] = out["tps_decode1"] = None
     if decode_only:
         out["wall_decode8"] = cli(*paths, *common)[1]
@@ -304,6 +322,11 @@ def main() -> None:
     if t1 is not None:
         print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x "
               f"(per round {f(per('tps_batch8', 'tps_batch1'))}x)")
+        bounds = [r["link_bound"] for r in rounds if r.get("link_bound")]
+        if bounds:
+            print(f"  the link alone bounds that at {med([b['ratio'] for b in bounds]):.2f}x: it carries the eight "
+                  f"caches in {med([b['link_s'] for b in bounds]):.1f} s, and the batch ends at least one request's "
+                  "own decode after that")
     if d8 is not None:
         print(f"aggregate tokens/s without a link (decode): batch 8 {d8:.1f}, one by one {d1:.1f}: {d8 / d1:.2f}x")
     print(f"acceptance {med([r['acceptance'] for r in rounds]):.2f}; verify per accepted token "
