@@ -113,22 +113,40 @@ def test_compare_repeats_every_method_and_judges_on_medians(tiny_cache, capsys, 
     assert code == 1 and "--repeats needs --compare" in err
 
 
-def test_the_first_run_of_a_process_knows_its_step_before_drafting(tiny_cache, capsys):
+def test_the_first_run_of_a_process_knows_its_step_before_drafting(tiny_cache, capsys, monkeypatch):
     # `lynxkv run` times a decode step at the cache's length before it opens the load, so even its one run can
     # judge the window: a residual due within --min-window steps is waited for, with the same tokens
+    import weakref
+
+    from lynxkv.speculative import schedule
+
     model_dir, path, want, _ = tiny_cache
+    monkeypatch.setattr(schedule, "_STEPS", weakref.WeakKeyDictionary())  # no step known from earlier tests
+    calls = []
+    real = schedule.calibrate
+    monkeypatch.setattr(schedule, "calibrate", lambda model, tokens: calls.append(tokens) or real(model, tokens))
     code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
                           "--min-window", "1000000", "--json")
     assert code == 0, err
     doc = json.loads(out)
+    assert calls == [len(doc["prompt_token_ids"])]
     assert doc["token_ids"] == want
     assert doc["stats"]["drafted"] == 0
     assert "waiting for it instead of drafting" in doc["stats"]["drafting_disabled"]
-    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
-                          "--min-window", "0", "--json")
+    # the step is known now: not timed again; and the rule, with a window of 0 steps, lets the run draft
+    code, out, err = _run(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "1MB/s",
+                          "--max-window", "8", "--min-window", "0", "--json")
     assert code == 0, err
     doc = json.loads(out)
+    assert len(calls) == 1
     assert doc["token_ids"] == want and doc["stats"]["drafted"] > 0 and doc["stats"]["drafting_disabled"] is None
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_window_that_is_not_a_finite_number_is_refused(tiny_cache, capsys, value):
+    model_dir, path, _, _ = tiny_cache
+    code, out, err = _run(capsys, path, "--model", model_dir, "--min-window", value)
+    assert code != 0 and "--min-window" in err
 
 
 def test_wrong_model_is_one_clear_error(tiny_cache, capsys, tmp_path):

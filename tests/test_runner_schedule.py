@@ -78,12 +78,23 @@ def test_calibrate_measures_and_remembers_a_step_at_the_caches_length():
 
 def test_calibrate_bounds_the_cache_it_builds(monkeypatch):
     model = make_tiny_llama(11, layers=1, head_dim=16)
+    whole = schedule.CALIBRATE_WHOLE_TOKENS
     seen = []
     monkeypatch.setattr("lynxkv.speculative.model_ops.measure_tpot",
                         lambda m, kv, prompt_len, steps: seen.append((kv[0][0].shape[1], prompt_len)) or 0.01)
-    schedule.calibrate(model, 10 * schedule.CALIBRATE_MAX_TOKENS)
-    assert seen == [(schedule.CALIBRATE_MAX_TOKENS, schedule.CALIBRATE_MAX_TOKENS + 1)]
-    assert schedule.step_estimate(model, schedule.CALIBRATE_MAX_TOKENS) == pytest.approx(0.01)
+    for tokens in (whole, whole + 10, 10 * whole):
+        schedule.calibrate(model, tokens)
+        assert schedule.step_estimate(model, tokens) is not None  # within the factor of two it is scaled by
+    # the cache's own length up to CALIBRATE_WHOLE_TOKENS, beyond it no less than half the length
+    assert seen == [(whole, whole + 1), (whole, whole + 1), (5 * whole, 5 * whole + 1)]
+
+
+def test_a_window_that_is_not_a_finite_number_is_refused():
+    from lynxkv.errors import InputError
+
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(InputError, match="min_window_steps"):
+            RunConfig(min_window_steps=bad)
 
 
 def test_the_default_window_is_the_clis(capsys, monkeypatch):

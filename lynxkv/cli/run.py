@@ -135,6 +135,26 @@ def compare_table(compare: dict, link_text: str):
     return t
 
 
+def _warm_up(model, tokens: int, cfg) -> None:
+    """Before the load opens: time one decode step at ``tokens`` cached tokens where the run's window rule needs one
+    and no run in this process has measured it (:func:`lynxkv.speculative.schedule.calibrate`), else one 4-token
+    forward; either keeps the model's first-call initialisation off the first draft."""
+    import torch
+
+    from lynxkv.speculative.schedule import calibrate, step_estimate
+
+    if cfg.max_window and cfg.min_window_steps > 0:
+        if step_estimate(model, tokens) is not None:
+            return
+        try:
+            if calibrate(model, tokens) is not None:
+                return
+        except Exception:  # noqa: BLE001 - only an estimate: without it the run drafts, and meets any error itself
+            pass
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=model.device))
+
+
 @app.command()
 def run(
     caches: list[str] = typer.Argument(..., metavar="CACHE...", help="The cache: path or URL of the anchor file (http://HOST:PORT/NAME for lynxkv serve, lmcache://MODEL?anchor_path=DIR&tokens=IDS for an LMCache store). Several caches, or one .jsonl request file, are decoded together in one batch over one link."),
@@ -203,7 +223,6 @@ def run(
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.speculative import runner as sd
     from lynxkv.speculative.compare import compare_run
-    from lynxkv.speculative.schedule import calibrate, step_estimate
     from lynxkv.speculative.timeline import compare_timelines, run_timeline
     from lynxkv.integrations.lmcache import source as lmcache_source
     from lynxkv.stream.exact_load import ExactLoad
@@ -215,6 +234,8 @@ def run(
     torch_dtype = parse_dtype(dtype)
     if residual_timeout is not None and not (math.isfinite(residual_timeout) and residual_timeout > 0):
         raise InputError(f"--residual-timeout: expected a positive number of seconds, got {residual_timeout}")
+    if min_window is not None and not math.isfinite(min_window):
+        raise InputError(f"--min-window: expected a finite number of decode steps >= 0, got {min_window}")
     allow = tuple(allow_location or ())
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
@@ -254,8 +275,8 @@ def run(
     cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         **({} if min_window is None else {"min_window_steps": min_window}), residual_timeout=residual_timeout,
-        allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk, verify_first=verify_first, layered_verify=layered_verify,
-        branch_margin=branch_margin)
+        allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk, verify_first=verify_first,
+        layered_verify=layered_verify, branch_margin=branch_margin)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     exact = exact or exact_file is not None
     if exact and (store is not None or compare or allow_anchor_only):
@@ -275,13 +296,8 @@ def run(
                 raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
-        # Whether the first window pays is judged on this machine's decode step at the cache's length
-        # (lynxkv.speculative.schedule): timed here, before the load opens, unless a run in this process measured
-        # it. Its warm-up, or a 4-token forward, keeps first-call initialisation off the first draft
-        known = bool(max_window) and step_estimate(loaded.model, cached) is not None
-        if not known and not (max_window and calibrate(loaded.model, cached)):
-            with torch.no_grad():
-                loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
+        new_tokens = len(loaded.tokenizer.encode(prompt)) if prompt else 0
+        _warm_up(loaded.model, len(store.tokens) if store is not None else cached + new_tokens, cfg)
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
     fingerprint = lmcache_source.name_fingerprint(store.model) if store is not None else loaded.fingerprint
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
@@ -289,7 +305,7 @@ def run(
 
     # Room after the cached tokens for what the run appends (new prompt tokens, drafts, decoded tokens): the runner's
     # caches grow into it in place instead of copying the whole cache at their first step (a longer run copies once)
-    room = max_new_tokens + 1 + (len(loaded.tokenizer.encode(prompt)) + 32 if prompt else 0)
+    room = max_new_tokens + 1 + (new_tokens + 32 if prompt else 0)
 
     def open_load():
         load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,

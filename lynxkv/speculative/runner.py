@@ -100,6 +100,8 @@ class RunConfig:
             raise InputError(f"max_window must be >= 0, got {self.max_window}")
         if self.verify_first < 0:
             raise InputError(f"verify_first must be >= 0, got {self.verify_first}")
+        if not 0 <= self.min_window_steps < math.inf:
+            raise InputError(f"min_window_steps must be a finite number >= 0, got {self.min_window_steps}")
         if not self.branch_margin >= 0:
             raise InputError(f"branch_margin must be >= 0, got {self.branch_margin}")
         if self.branch_margin > 0 and not self.sampling.greedy:

@@ -34,29 +34,36 @@ def remember_step(model, tokens: int, seconds: float) -> None:
             pass
 
 
-# The longest cache calibrate() builds: beyond it the estimate is left to the runs themselves
-CALIBRATE_MAX_TOKENS = 8192
+# Up to this many cached tokens calibrate() times a step at the cache's own length; beyond it at half the length
+# or more (step_estimate scales a step by the length up to twice it), so its zeros take at most half the memory
+# of one copy of the KV the run loads
+CALIBRATE_WHOLE_TOKENS = 8192
 
 
-def calibrate(model, tokens: int, steps: int = 2) -> float | None:
+def calibrate(model, tokens: int, steps: int = 3) -> float | None:
     """Measure ``model``'s plain decode step after ``tokens`` cached tokens and remember it (:func:`remember_step`);
     returns the seconds, or None for an empty cache.
 
-    The cache is zeros of the model's KV shape (at most :data:`CALIBRATE_MAX_TOKENS` tokens; a step costs the same
-    whatever the values), so the run's first window is judged on this machine's real step before the first draft:
-    without it a process's first run always drafts. One warm-up step, then the median of ``steps``; the warm-up
-    also takes the model's first-call initialisation out of the run. ``lynxkv run`` calls it after loading the
-    model, before opening the cache's load (about 0.25 s for SmolLM2 at 3,000 tokens on two cores)."""
+    The cache is zeros of the model's KV shape (a step costs the same whatever the values), ``tokens`` long up to
+    :data:`CALIBRATE_WHOLE_TOKENS`, half as long or more beyond, so that a run's first window is judged on this
+    machine's real step before the first draft: without it a process's first run always drafts. One warm-up step,
+    then the median of ``steps``; the warm-up also takes the model's first-call initialisation out of the run.
+    ``lynxkv run`` calls it after loading the model, before opening the cache's load (about a quarter of a second
+    for SmolLM2 at 3,000 tokens on two cores)."""
     import torch
 
     from lynxkv.hf.models import kv_shape
     from lynxkv.speculative.model_ops import measure_tpot
 
-    length = min(int(tokens), CALIBRATE_MAX_TOKENS)
+    tokens = int(tokens)
+    length = min(tokens, max(CALIBRATE_WHOLE_TOKENS, -(-tokens // 2)))
     if length < 1:
         return None
     layers, heads, head_dim = kv_shape(model.config)
-    zeros = lambda: torch.zeros(heads, length, head_dim, dtype=model.dtype, device=model.device)  # noqa: E731
+
+    def zeros():
+        return torch.zeros(heads, length, head_dim, dtype=model.dtype, device=model.device)
+
     kv = [(zeros(), zeros()) for _ in range(layers)]
     seconds = measure_tpot(model, kv, length + 1, steps=steps)  # a cache of `length` tokens, then one more
     remember_step(model, length, seconds)
