@@ -330,9 +330,9 @@ def main() -> None:
               f"(per round {f(per('tps_batch8', 'tps_batch1'))}x)")
         bounds = [r["link_bound"] for r in rounds if r.get("link_bound")]
         if bounds:
-            print(f"  by this estimate the link alone bounds that at {med([b['ratio'] for b in bounds]):.2f}x: it carries the eight "
-                  f"caches in {med([b['link_s'] for b in bounds]):.1f} s, and the batch ends at least one request's "
-                  "own decode after that")
+            print(f"  by this estimate the link alone bounds that at {med([b['ratio'] for b in bounds]):.2f}x: it "
+                  f"carries the eight caches in {med([b['link_s'] for b in bounds]):.1f} s, and the batch ends at "
+                  "least one request's own decode after that")
     if d8 is not None:
         print(f"aggregate tokens/s without a link (decode): batch 8 {d8:.1f}, one by one {d1:.1f}: {d8 / d1:.2f}x")
     print(f"acceptance {med([r['acceptance'] for r in rounds]):.2f}; verify per accepted token "

@@ -35,8 +35,8 @@ def remember_step(model, tokens: int, seconds: float) -> None:
 
 
 # Up to this many cached tokens calibrate() times a step at the cache's own length; beyond it at half the length
-# or more (step_estimate scales a step by the length up to twice it), so its zeros take at most half the memory
-# of one copy of the KV the run loads
+# or more (step_estimate scales a step by the length up to twice it). Its zeros and the cache they are copied into
+# hold at most two copies of the prompt's KV, for a moment before the load opens; a run holds three at its verify
 CALIBRATE_WHOLE_TOKENS = 8192
 
 
