@@ -6,11 +6,11 @@ import concurrent.futures
 
 import torch
 
-from lynxkv.cache.loading import LoadTimeline
+from lynxkv.cache.loading import CacheLoad, LoadTimeline
 from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.quant.scheme import get_scheme
-from lynxkv.speculative.simulated import split_kv
+from lynxkv.bench.simulated import split_kv
 
 
 def prompt_ids(seed: int, length: int, vocab: int = 128) -> list[int]:
@@ -51,7 +51,7 @@ class _OnDemand(concurrent.futures.Future):
         return super().result(timeout)
 
 
-class StepLoad:
+class StepLoad(CacheLoad):
     """A CacheLoad whose anchor is ready at once and whose residual arrives after the window cap is drafted."""
 
     def __init__(self, model, ids, anchor_kv, full_kv, *, error=None, fingerprint=None):

@@ -12,7 +12,7 @@ from lynxkv.hf import prefill
 from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.speculative import decode_plain
-from lynxkv.speculative.simulated import split_kv
+from lynxkv.bench.simulated import split_kv
 from lynxkv.quant.scheme import get_scheme
 from runner_helpers import save_tiny_model_dir, single_thread, text_of
 

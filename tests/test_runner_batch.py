@@ -12,7 +12,7 @@ from lynxkv.cache.loading import PreparedLoad
 from lynxkv.errors import ChecksumError
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import RunConfig, SamplingParams, decode_plain, run
-from lynxkv.speculative.batch import BatchRequest, run_batch
+from lynxkv.speculative import BatchRequest, run_batch
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 

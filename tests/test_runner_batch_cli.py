@@ -18,7 +18,7 @@ from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import decode_plain
-from lynxkv.speculative.simulated import split_kv
+from lynxkv.bench.simulated import split_kv
 from runner_helpers import prompt_ids, save_tiny_model_dir, single_thread
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)

@@ -16,7 +16,7 @@ from lynxkv.errors import ChecksumError
 from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import RunConfig, decode_plain, layered
-from lynxkv.speculative.batch import BatchRequest, run_batch
+from lynxkv.speculative import BatchRequest, run_batch
 from lynxkv.stream import open_progressive
 from runner_helpers import StepLoad, caches, prompt_ids, single_thread
 

@@ -117,7 +117,7 @@ def test_a_used_fork_keeps_the_branch_drafts(cases, arch, dtype, first):
     if dtype == "fp32":
         assert off.token_ids == low.token_ids == res.token_ids
     if first == 0 and dtype == "fp32":  # the timeline shows the two-chain steps and the branch's kept drafts
-        from lynxkv.speculative.timeline import render_png, run_timeline
+        from lynxkv.bench.timeline import render_png, run_timeline
 
         tl = run_timeline(s)
         assert tl["branch_steps"] == s.branch_draft_steps and tl["branch_accepted"] == s.branch_accepted
@@ -438,7 +438,7 @@ def test_the_branch_in_a_batch(cases, arch, dtype, layered_verify, monkeypatch):
     the branch in the request's next step), the same without a branch, and another request. Each equals decoding
     on its full code with its own forward shapes, and in fp32 plain decoding."""
     from lynxkv.speculative import layered
-    from lynxkv.speculative.batch import BatchRequest, run_batch
+    from lynxkv.speculative import BatchRequest, run_batch
 
     monkeypatch.setattr(layered, "ROW_COST", 1e4)  # a layered verify starts at the first chance
     monkeypatch.setattr(layered, "_SEEN_BATCH", type(layered._SEEN_BATCH)())

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_tiny_llama
 from lynxkv.cli import main
 from lynxkv.speculative import decode_plain
-from lynxkv.speculative.simulated import split_kv
+from lynxkv.bench.simulated import split_kv
 from lynxkv.quant.scheme import get_scheme
 from runner_helpers import save_tiny_model_dir, single_thread, text_of, tiny_llama_cache
 

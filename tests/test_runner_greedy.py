@@ -35,71 +35,27 @@ def _logit_gap_report(model, full_kv, ids, got, want):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("length", [1, 2, 33, 100])
-@pytest.mark.parametrize("window,chunk,first", [(0, 0, 0), (1, 0, 0), (5, 0, 0), (24, 0, 0), (5, 3, 0), (24, 3, 0),
-                                                (5, 0, 2), (24, 0, 2), (24, 0, 1)])
-def test_greedy_matches_full_cache(models, seed, length, window, chunk, first):
+@pytest.mark.parametrize("window", [0, 1, 5, 24])
+def test_greedy_matches_full_cache(models, seed, length, window):
     model = models[seed]
     ids = prompt_ids(seed, length)
     _, anchor_kv, full_kv = caches(model, ids)
     want = decode_plain(model, full_kv, ids, 40)
     load = StepLoad(model, ids, anchor_kv, full_kv)
-    res = run(model, load, RunConfig(max_new_tokens=40, max_window=window, verify_chunk=chunk, verify_first=first))
+    res = run(model, load, RunConfig(max_new_tokens=40, max_window=window))
     assert res.stats.drafted == min(window, 40)
     assert res.token_ids == want, _logit_gap_report(model, full_kv, ids, res.token_ids, want)
     assert res.verified and res.stats.committed == 40
 
 
 @pytest.mark.parametrize("window", [1, 8, 30])
-@pytest.mark.parametrize("chunk", [0, 2])
-def test_every_draft_accepted_when_anchor_is_exact(models, window, chunk):
+def test_every_draft_accepted_when_anchor_is_exact(models, window):
     model = models[0]
     ids = prompt_ids(5, 50)
     _, _, full_kv = caches(model, ids)
-    res = run(model, StepLoad(model, ids, full_kv, full_kv), RunConfig(max_new_tokens=32, max_window=window, verify_chunk=chunk))
-    assert res.stats.drafted == window and res.stats.accepted == window
-    # chunks of 2, 4, 8, 16, ... until every draft is covered
-    passes, covered, c = 0, 0, chunk
-    while chunk and covered < window:
-        covered, c, passes = covered + c, c * 2, passes + 1
-    assert res.stats.verify_passes == (passes if chunk else 1)
+    res = run(model, StepLoad(model, ids, full_kv, full_kv), RunConfig(max_new_tokens=32, max_window=window))
+    assert res.stats.drafted == window and res.stats.accepted == window and res.stats.verify_passes == 1
     assert res.token_ids == decode_plain(model, full_kv, ids, 32)
-
-
-@pytest.mark.parametrize("window,first,sizes", [(30, 2, [2, 28]), (5, 2, [2, 3]), (4, 2, [4]), (30, 0, [30])])
-def test_a_first_pass_commits_its_tokens_before_the_second_pass_runs(models, monkeypatch, window, first, sizes):
-    """verify_first: the first pass's drafts are committed (the event is out) before the second pass's forward
-    runs; then the rest; the tokens are the full cache's."""
-    from lynxkv.speculative import runner as runner_module, verify_pass
-
-    model = models[0]
-    ids = prompt_ids(5, 50)
-    _, _, full_kv = caches(model, ids)
-    forwards = []
-    real = runner_module.forward_tokens
-    for module in (runner_module, verify_pass):  # the drafts' forwards, then the verify's
-        monkeypatch.setattr(module, "forward_tokens", lambda m, c, t: forwards.append(len(t)) or real(m, c, t))
-    config = RunConfig(max_new_tokens=40, max_window=window, verify_first=first)
-    commits, seen = [], []
-    for ev in stream(model, StepLoad(model, ids, full_kv, full_kv), config):
-        if ev.kind == "commit":
-            commits.append(ev.tokens)
-            seen.append(len(forwards))
-        if ev.kind == "done":
-            stats = ev.stats
-    verify = forwards[window : window + len(sizes)]  # after the drafts' forwards, one per draft
-    assert verify == [1 + sizes[0]] + sizes[1:]  # the first pass feeds the last prompt token too
-    assert stats.verify_passes == len(sizes) and stats.verify_pass_sizes == sizes and stats.accepted == window
-    if len(sizes) > 1:
-        assert commits[0] == stats.draft_token_ids[:first] and seen[0] == window + 1  # out before pass two ran
-    assert [t for c in commits for t in c] == decode_plain(model, full_kv, ids, 40)
-
-
-def test_pass_sizes():
-    from lynxkv.speculative.verify_pass import pass_sizes
-
-    assert pass_sizes(0, 0, 2) == [0] and pass_sizes(1, 0, 2) == [1] and pass_sizes(5, 0, 2) == [2, 3]
-    assert pass_sizes(17, 2, 0) == [2, 4, 8, 3] and pass_sizes(17, 2, 3) == [2, 4, 8, 3]  # chunks win
-    assert pass_sizes(17, 0, 0) == [17]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -112,7 +68,7 @@ def test_first_draft_rejected_with_coarse_anchor(models, seed):
     coarse = next(
         c for c in (perturbed(exact, 3.0, s) for s in range(seed, seed + 20)) if decode_plain(model, c, ids, 1)[0] != first
     )
-    res = run(model, StepLoad(model, ids, coarse, full_kv), RunConfig(max_new_tokens=20, max_window=6, verify_chunk=2))
+    res = run(model, StepLoad(model, ids, coarse, full_kv), RunConfig(max_new_tokens=20, max_window=6))
     assert res.stats.drafted == 6 and res.stats.accepted == 0 and res.stats.verify_passes == 1
     assert res.token_ids == decode_plain(model, full_kv, ids, 20)
 
@@ -201,12 +157,12 @@ def test_the_first_draft_forward_is_reported_apart_from_the_draft_step(models, m
     first_draft_step_s, and draft_step_s is the mean of the draft forwards after it (as decode_step_s is of the
     plain steps after the verify pass). After new prompt tokens the prefill grew the cache: every single-token
     draft counts. A slow first forward (0.5 s more, injected) shows in the one and not in the other."""
-    from lynxkv.speculative import runner
+    from lynxkv.speculative import branch, request
 
     model = models[0]
     ids = prompt_ids(7, 40)
     _, anchor_kv, full_kv = caches(model, ids)
-    real, calls = runner.forward_tokens, []
+    real, calls = request.forward_tokens, []
 
     def forward(model, cache, tokens):
         calls.append(len(tokens))
@@ -214,7 +170,8 @@ def test_the_first_draft_forward_is_reported_apart_from_the_draft_step(models, m
             time.sleep(0.5)
         return real(model, cache, tokens)
 
-    monkeypatch.setattr(runner, "forward_tokens", forward)
+    for module in (request, branch):  # a draft step without a fork, or the verify and later steps
+        monkeypatch.setattr(module, "forward_tokens", forward)
     new = prompt_ids(8, 3) if question else None
     res = run(model, StepLoad(model, ids, anchor_kv, full_kv), RunConfig(max_new_tokens=12, max_window=6),
               new_token_ids=new)

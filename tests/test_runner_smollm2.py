@@ -9,7 +9,7 @@ from lynxkv.hf.models import encode_prompt
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, decode_plain, run
-from lynxkv.speculative.simulated import split_kv
+from lynxkv.bench.simulated import split_kv
 from lynxkv.speculative.model_ops import forward_tokens, start_cache
 from runner_helpers import StepLoad, perturbed, single_thread
 

@@ -7,11 +7,14 @@ the residual keeps arriving in the background. The decode runner only needs this
 
 from __future__ import annotations
 
+import abc
+import concurrent.futures
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
 
 from lynxkv.cache.kv import KVPairs
 
@@ -28,32 +31,84 @@ class LoadTimeline:
     residual_failed: str | None = None
     extra: dict = field(default_factory=dict)
 
+    def as_dict(self) -> dict:
+        """A copy as a dict; ``extra`` is copied first, in one step (a load's workers may still be adding to it)."""
+        return asdict(replace(self, extra=dict(self.extra)))
 
-class CacheLoad(Protocol):
-    """A progressively loading cache."""
 
-    prompt_token_ids: list[int] | None
-    model_fingerprint: str | None
+class CacheLoad(abc.ABC):
+    """A progressively loading cache: everything the decode engine uses of a load, declared here.
 
+    Every load implements the five abstract members. The others have defaults for a load whose residual arrives
+    all at once; the progressive reader overrides them to hand out the full code layer by layer. The engine
+    refuses an object that is not a :class:`CacheLoad`, and reads nothing else of it.
+    """
+
+    prompt_token_ids: list[int] | None = None
+    model_fingerprint: str | None = None
+    #: Whether the KV handed out has room to grow in place (:mod:`lynxkv.hf.growing`): the engine's caches may then
+    #: grow into its buffers rather than copy them (one run at a time per load).
+    grow_in_place: bool = False
+    #: Whether :meth:`layer_in` / :meth:`full_layer` hand out the full code layer by layer as the residual lands
+    #: (the layered verify). False: the engine waits for :attr:`residual` instead.
+    streams_layers: bool = False
+
+    @abc.abstractmethod
     def wait_anchor(self, timeout: float | None = None) -> KVPairs:
-        """Block until every anchor page has arrived; return the anchor-only KV (dequantized)."""
+        """Block until every anchor page has arrived; return the anchor-only KV (dequantized). Raises
+        :class:`TimeoutError` when ``timeout`` seconds pass first (0: never waits)."""
 
     @property
+    @abc.abstractmethod
     def residual(self) -> "Future[KVPairs]":
-        """Completes with the full KV (anchor + residual, dequantized) or fails with a LynxError."""
+        """Completes with the full KV (anchor + residual, dequantized) or fails with the transport's error."""
 
+    @abc.abstractmethod
     def residual_eta(self) -> float | None:
-        """Estimated seconds until the residual is complete, from the observed rate (None if unknown)."""
+        """Estimated seconds until the residual is complete, from the bytes seen arriving so far (None while
+        unknown). Never from a configured rate: a real link tells nobody its rate."""
 
     @property
+    @abc.abstractmethod
     def timeline(self) -> LoadTimeline: ...
 
+    @abc.abstractmethod
     def close(self) -> None: ...
 
+    # ---- optional: the full code layer by layer (streams_layers) -------------------------------------------------
+    def layer_in(self, layer: int, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for every residual page of ``layer``; True once they are all in."""
+        try:
+            self.residual.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
-class PreparedLoad:
+    def full_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full code of one layer, once :meth:`layer_in` said it is in."""
+        return self.residual.result()[layer]
+
+    def layers_given_up(self) -> None:
+        """The caller of :meth:`layer_in` takes no more layers (a layered verify given up)."""
+
+    def residual_in(self) -> bool:
+        """Whether every residual byte is in (the full code may still be being built); never waits."""
+        return self.residual.done()
+
+    def dequantize_landed(self) -> int:
+        """Build, in the calling thread, the parts of the full code whose bytes are in; the number of layers built.
+        The engine calls it between draft steps."""
+        return 0
+
+    def hold_early(self, on: bool) -> None:
+        """``on``: the caller builds landed layers itself (:meth:`dequantize_landed`), the load's own worker leaves
+        them; ``False``: the worker takes them again."""
+
+
+class PreparedLoad(CacheLoad):
     """A :class:`CacheLoad` over KV tensors already in memory, releasing the anchor and the residual after
-    fixed delays (seconds from construction). For tests, examples and latency experiments."""
+    fixed delays (seconds from construction). For tests and examples. Its ETA is the time left to the residual's
+    release, which it knows because it is its own clock."""
 
     def __init__(
         self,

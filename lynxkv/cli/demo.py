@@ -47,7 +47,7 @@ def demo(
     from lynxkv.hf.prompts import builtin_prompt
     from lynxkv.quant.scheme import DEFAULT
     from lynxkv.speculative import RunConfig, run
-    from lynxkv.speculative.compare import compare_run
+    from lynxkv.bench.compare import compare_run
     from lynxkv.speculative.model_ops import measure_tpot
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate

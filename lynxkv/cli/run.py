@@ -135,24 +135,24 @@ def compare_table(compare: dict, link_text: str):
     return t
 
 
-def _warm_up(model, tokens: int, cfg) -> None:
-    """Before the load opens: time one decode step at ``tokens`` cached tokens where the run's window rule needs one
-    and no run in this process has measured it (:func:`lynxkv.speculative.schedule.calibrate`), else one 4-token
-    forward; either keeps the model's first-call initialisation off the first draft."""
+def _warm_up(model, tokens: int, cfg):
+    """Before the load opens: a :class:`~lynxkv.speculative.Timing` with one decode step measured at ``tokens``
+    cached tokens after a warm-up step (the draft-or-wait rule needs it before the first draft, and the warm-up keeps
+    the model's first-call initialisation off the run), or, where no rule needs a step, after a 4-token forward."""
     import torch
 
-    from lynxkv.speculative.schedule import calibrate, step_estimate
+    from lynxkv.speculative import Timing
 
-    if cfg.max_window and cfg.min_window_steps > 0:
-        if step_estimate(model, tokens) is not None:
-            return
+    timing = Timing()
+    if cfg.max_window and cfg.speculate:
         try:
-            if calibrate(model, tokens) is not None:
-                return
+            if timing.calibrate(model, tokens) is not None:
+                return timing
         except Exception:  # noqa: BLE001 - only an estimate: without it the run drafts, and meets any error itself
             pass
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=model.device))
+    return timing
 
 
 @app.command()
@@ -162,56 +162,28 @@ def run(
     dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
                               "cache is converted to it, whatever dtype it stores)."),
     prompt: str = typer.Option(None, "--prompt", help="New text after the cached prompt (or a whole prompt that "
-                               "starts with it): a question about a cached document."),
-    prompt_file: Path = typer.Option(None, "--prompt-file", help="Read --prompt from this file."),
+                               "starts with it): a question about a cached document. @FILE reads it from FILE."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temperature > 0)."),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (runs with the same seed are identical)."),
     bandwidth: str = typer.Option(None, "--bandwidth", help="Emulated link rate for both streams, e.g. 200Mbps."),
-    latency: str = typer.Option(None, "--latency", help="Emulated one-way latency, e.g. 2ms."),
     residual: str = typer.Option(None, "--residual", help="Read the residual from here (path, URL)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     exact: bool = typer.Option(False, "--exact", help="Verify the drafts against the original tensors (the exact "
                                "segment, format 1.4): the output is greedy decoding on the original cache."),
-    exact_file: str = typer.Option(None, "--exact-file", help="Read the exact segment from here (implies --exact)."),
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
-    min_window: Optional[float] = typer.Option(None, "--min-window", min=0.0, help="Wait for the residual "
-                                               "instead of drafting when, once the anchor is in, it is due within "
-                                               "this many decode steps (default 4; 0: always draft)."),
-    verify_chunk: int = typer.Option(0, "--verify-chunk", min=0, help="0: verify all drafts in one forward; N: "
-                                     "passes of N, 2N, ... drafts, stopping at the first rejection (cheaper on CPUs)."),
-    verify_first: int = typer.Option(0, "--verify-first", min=0, help="Verify the first N "
-                                     "drafts in a pass of their own and put their tokens out at once, the rest in a "
-                                     "second pass: the first token about one decode step after the residual (0: "
-                                     "one pass)."),
-    branch_margin: float = typer.Option(0.0, "--branch-margin", min=0.0, help="Greedy only: at the first draft "
-                                        "whose top-1 − top-2 logit margin on the anchor is below this, also draft "
-                                        "from the runner-up token, verified if the main drafts are rejected there "
-                                        "(0: off)."),
-    layered_verify: bool = typer.Option(None, "--layered-verify/--no-layered-verify", show_default=False,
-                                        help="Start the verify while the residual still arrives, each layer once "
-                                        "its own residual is in [default: on, unless --verify-chunk or "
-                                        "--verify-first]."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
                                            "many seconds from the start."),
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual never arrives, "
                                            "finish on the anchor and flag the output as unverified."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the end-of-sequence token."),
     compare: bool = typer.Option(False, "--compare", help="Also run the monolithic baselines on the same link."),
-    repeats: int = typer.Option(1, "--repeats", min=1, help="With --compare: run every method (Lynx and each "
-                                "baseline) this many times, interleaved, and judge on the medians."),
     timeline: Path = typer.Option(None, "--timeline", help="Draw the run's timeline (with --compare: one row per "
                                   "method) to this PNG file; --json carries the same data under timelines."),
     as_json: bool = typer.Option(False, "--json", help="Print token_ids, text and stats as JSON on stdout."),
-    link_order: str = typer.Option("srf", "--link-order", help="Several caches: the order their residuals take the "
-                                   "shared link, fifo or srf (shortest residual first)."),
     max_batch: int = typer.Option(None, "--max-batch", min=1, help="Several caches: at most this many requests "
                                   "open at once (the next is admitted when one leaves)."),
-    link_turn: str = typer.Option("cache", "--link-turn", help="Several caches: 'cache': one cache at a time, its "
-                                  "anchor then its residual (each request verified as early as the monolithic "
-                                  "full code would arrive: the lower mean time to N tokens); 'residual': every "
-                                  "anchor first, then one residual at a time (drafts sooner, verifies later)."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
     import torch
@@ -221,9 +193,9 @@ def run(
     from lynxkv.cache import open_cache
     from lynxkv.hf.models import check_context, load_model, model_for_cache, model_id
     from lynxkv.speculative import RunConfig, SamplingParams
-    from lynxkv.speculative import runner as sd
-    from lynxkv.speculative.compare import compare_run
-    from lynxkv.speculative.timeline import compare_timelines, run_timeline
+    from lynxkv.speculative import RunResult, stream
+    from lynxkv.bench.compare import compare_run
+    from lynxkv.bench.timeline import compare_timelines, run_timeline
     from lynxkv.integrations.lmcache import source as lmcache_source
     from lynxkv.stream.exact_load import ExactLoad
     from lynxkv.stream.progressive import open_progressive
@@ -234,51 +206,33 @@ def run(
     torch_dtype = parse_dtype(dtype)
     if residual_timeout is not None and not (math.isfinite(residual_timeout) and residual_timeout > 0):
         raise InputError(f"--residual-timeout: expected a positive number of seconds, got {residual_timeout}")
-    if min_window is not None and not math.isfinite(min_window):
-        raise InputError(f"--min-window: expected a finite number of decode steps >= 0, got {min_window}")
     allow = tuple(allow_location or ())
     if len(caches) > 1 or many.is_request_file(caches):
-        unsupported = {"--residual": residual, "--exact": exact or exact_file, "--verify-chunk": verify_chunk,
-                       "--verify-first": verify_first, "--repeats": repeats > 1,
-                       "--min-window": min_window is not None}
+        unsupported = {"--residual": residual, "--exact": exact}
         named = [k for k, v in unsupported.items() if v]
         if named:
             raise InputError(f"{', '.join(named)}: one cache at a time (not with several caches)")
-        if prompt is not None and prompt_file is not None:
-            raise InputError("--prompt and --prompt-file exclude each other")
         if timeline is not None:
             _check_timeline_path(timeline)
         specs = (many.read_requests(caches[0]) if many.is_request_file(caches)
                  else [many.Spec(cache=c, name=f"{i}:{Path(c).name}") for i, c in enumerate(caches)])
         cfg = RunConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, top_p=top_p),
                         seed=seed, max_window=max_window, residual_timeout=residual_timeout,
-                        allow_anchor_only=allow_anchor_only, layered_verify=layered_verify,
-                        branch_margin=branch_margin)
+                        allow_anchor_only=allow_anchor_only)
         return many.run_many(specs, model=model, torch_dtype=torch_dtype, dtype_name=dtype, cfg=cfg,
-                             rate=parse_bandwidth(bandwidth), delay=parse_duration(latency), link_order=link_order,
-                             max_batch=max_batch, compare=compare, as_json=as_json, timeline=timeline,
-                             prompt=read_text(prompt_file) if prompt_file is not None else prompt,
-                             ignore_eos=ignore_eos, link_turn=link_turn, allow_locations=allow)
+                             rate=parse_bandwidth(bandwidth), max_batch=max_batch, compare=compare,
+                             as_json=as_json, timeline=timeline, prompt=_prompt_text(prompt),
+                             ignore_eos=ignore_eos, allow_locations=allow)
     cache = caches[0]
-    if prompt is not None and prompt_file is not None:
-        raise InputError("--prompt and --prompt-file exclude each other")
-    if repeats > 1 and not compare:
-        raise InputError("--repeats needs --compare (it repeats the side-by-side runs)")
-    if prompt_file is not None:
-        prompt = read_text(prompt_file)
+    prompt = _prompt_text(prompt)
     if timeline is not None:
         _check_timeline_path(timeline)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
-    if branch_margin > 0 and not sampling.greedy:
-        raise InputError("--branch-margin: greedy decoding only (not with --temperature > 0)")
-    rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
+    rate = parse_bandwidth(bandwidth)
     cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
-        **({} if min_window is None else {"min_window_steps": min_window}), residual_timeout=residual_timeout,
-        allow_anchor_only=allow_anchor_only, verify_chunk=verify_chunk, verify_first=verify_first,
-        layered_verify=layered_verify, branch_margin=branch_margin)
+        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only)
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
-    exact = exact or exact_file is not None
     if exact and (store is not None or compare or allow_anchor_only):
         raise InputError("--exact needs a .lynx cache with an exact segment and excludes --compare and "
                          "--allow-anchor-only")
@@ -289,7 +243,7 @@ def run(
         model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model or store.model)
         cached = 0  # (its tokens= are the prompt: the ones after the stored prefix come as new text)
     else:
-        with open_cache(cache, residual=residual, allow_locations=allow, exact=exact_file) as c:
+        with open_cache(cache, residual=residual, allow_locations=allow) as c:
             model = model_for_cache(c.info.properties, model)  # the recorded model, checked before any weights load
             cached = len(c.info.prompt_token_ids or [])
             if exact and not c.info.has_exact:
@@ -297,7 +251,7 @@ def run(
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
         new_tokens = len(loaded.tokenizer.encode(prompt)) if prompt else 0
-        _warm_up(loaded.model, len(store.tokens) if store is not None else cached + new_tokens, cfg)
+        timing = _warm_up(loaded.model, len(store.tokens) if store is not None else cached + new_tokens, cfg)
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
     fingerprint = lmcache_source.name_fingerprint(store.model) if store is not None else loaded.fingerprint
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
@@ -308,8 +262,8 @@ def run(
     room = max_new_tokens + 1 + (new_tokens + 32 if prompt else 0)
 
     def open_load():
-        load = open_progressive(cache, residual=residual, bandwidth=rate, latency=delay,
-                                allow_anchor_only=allow_anchor_only, exact=exact, exact_file=exact_file,
+        load = open_progressive(cache, residual=residual, bandwidth=rate,
+                                allow_anchor_only=allow_anchor_only, exact=exact,
                                 allow_locations=allow, room=room)
         # the exact stage streams behind the residual in the same load (anchor -> full code -> exact)
         return ExactLoad(load, load.exact.result) if exact else load
@@ -330,7 +284,7 @@ def run(
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         tokens: list[int] = []
         stats = None
-        for ev in sd.stream(loaded.model, load, cfg, new_token_ids=new,
+        for ev in stream(loaded.model, load, cfg, new_token_ids=new, timing=timing,
                             provisional=printer is not None and printer.live is not None,
                             fingerprint=fingerprint, started_at=started):
             if printer is not None:
@@ -342,7 +296,7 @@ def run(
         if printer is not None:
             printer.close()
             printer = None
-        result = sd.RunResult(tokens, stats)
+        result = RunResult(tokens, stats)
         report: dict = {
             "prompt_token_ids": [int(t) for t in load.prompt_token_ids or []] + (new or []),
             "token_ids": tokens,
@@ -353,10 +307,9 @@ def run(
         }
         gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)
         if compare:
-            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link"
-                      + (f", every method {repeats} times ..." if repeats > 1 else " ..."))
-            cmp = compare_run(loaded.model, load, result, cfg, fingerprint, bandwidth=rate, latency=delay,
-                              new_token_ids=new, repeats=repeats, open_load=open_load)
+            err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
+            cmp = compare_run(loaded.model, load, result, cfg, fingerprint, bandwidth=rate,
+                              new_token_ids=new, open_load=open_load, timing=timing)
             report["compare"] = cmp
             gain_label, gain = "gain, measured (TT64 monolithic full − lynx)", cmp["judge"]["gain_measured_s"]
         report["timelines"] = compare_timelines(report["compare"]) if compare else [run_timeline(stats)]
@@ -379,6 +332,13 @@ def run(
     return report
 
 
+def _prompt_text(prompt: str | None) -> str | None:
+    """``--prompt``: the text itself, or ``@FILE`` for the text of FILE."""
+    if prompt is None or not prompt.startswith("@"):
+        return prompt
+    return read_text(Path(prompt[1:]))
+
+
 def _check_timeline_path(path: Path) -> None:
     """Refuse a --timeline target that cannot be written, before any model is loaded."""
     if path.suffix.lower() != ".png":
@@ -391,7 +351,7 @@ def _check_timeline_path(path: Path) -> None:
 
 def write_timeline(path: Path, timelines: list[dict], cache: str) -> None:
     """Draw ``timelines`` into the PNG ``path``, atomically (a partial picture is never visible)."""
-    from lynxkv.speculative.timeline import render_png
+    from lynxkv.bench.timeline import render_png
     from lynxkv.storage import write_atomic
 
     write_atomic(path, render_png(timelines, title=f"lynxkv run {Path(cache).name}"))

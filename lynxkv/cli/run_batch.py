@@ -93,10 +93,11 @@ def _is_text(value: str) -> bool:
     return "\x00" not in value
 
 
-def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay, link_order: str,
+def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay: float = 0.0,
+             link_order: str = "srf",
              max_batch: int | None, compare: bool, as_json: bool, timeline: Path | None, prompt: str | None,
              ignore_eos: bool, link_turn: str = "cache", allow_locations: tuple = ()) -> dict:
-    """Decode every request together (lynxkv.speculative.batch) and report one row per request and the aggregate."""
+    """Decode every request together (lynxkv.speculative.engine) and report one row per request and the aggregate."""
     import torch
 
     from lynxkv.cache import open_cache
@@ -171,7 +172,7 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     failed = [(r["name"], r["error"]) for r in report["requests"] if r["error"]]
     _report_errors(failed)
     if timeline is not None:
-        from lynxkv.speculative.timeline import render_batch_png
+        from lynxkv.bench.timeline import render_batch_png
         from lynxkv.storage import write_atomic
 
         write_atomic(timeline, render_batch_png(report["requests"], title=f"lynxkv run: {len(specs)} requests"))
@@ -200,7 +201,7 @@ def _config(cfg, spec: Spec):
 
 def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress,
               link_turn: str = "cache", allow_locations: tuple = ()):
-    from lynxkv.speculative.batch import BatchRequest, run_batch
+    from lynxkv.speculative import BatchRequest, run_batch
     from lynxkv.stream.link_queue import LinkQueue
     from lynxkv.stream.progressive import open_progressive
 

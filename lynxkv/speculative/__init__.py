@@ -1,22 +1,14 @@
-"""The speculative runner: draft on the anchor while the residual arrives, verify on the full code, continue."""
+"""The speculative decode engine: draft on the anchor while the residual arrives, verify on the full code, continue."""
 
-from lynxkv.speculative.runner import (
-    AcceptanceTracker,
-    Event,
-    ResidualUnavailable,
-    RunConfig,
-    RunResult,
-    check_load,
-    run,
-    stream,
-)
-from lynxkv.speculative.batch import BatchRequest, BatchResult, RequestResult, run_batch
+from lynxkv.errors import ResidualUnavailable
+from lynxkv.speculative.config import BatchRequest, Event, RequestResult, RunConfig, RunResult, check_load
+from lynxkv.speculative.engine import BatchResult, run, run_batch, stream
 from lynxkv.speculative.plain import decode_plain
 from lynxkv.speculative.sampling import SamplingParams, accept_greedy, accept_sampled, logits_to_probs
 from lynxkv.speculative.stats import RunStats
+from lynxkv.speculative.timing import Timing
 
 __all__ = [
-    "AcceptanceTracker",
     "BatchRequest",
     "BatchResult",
     "Event",
@@ -26,6 +18,7 @@ __all__ = [
     "RequestResult",
     "RunStats",
     "SamplingParams",
+    "Timing",
     "accept_greedy",
     "accept_sampled",
     "check_load",

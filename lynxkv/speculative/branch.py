@@ -1,7 +1,7 @@
 """A second greedy draft chain, forked where the anchor hesitates: what an early near-tie costs, bounded.
 
     main chain   d0 d1 .. dp .. d(k-1)       the anchor's greedy tokens (stats.draft_token_ids)
-    fork at p    the first draft whose top-1 − top-2 logit margin on the anchor is below RunConfig.branch_margin:
+    fork at p    the first draft whose top-1 − top-2 logit margin on the anchor is below BRANCH_MARGIN (0.2):
                  the branch starts from the draft cache as it was before dp was fed, its root r the anchor's
                  runner-up there
     branch       r b0 b1 ..                  greedy on the anchor; every later draft step runs the main chain and
@@ -10,15 +10,12 @@
                                              one product with the main chain's query (packed.forward_forked); else
                                              it is a fork of the draft cache (lynxkv.hf.growing.fork_cache, which
                                              copies it at the first step) run by packed.forward_packed
-    verify       the main chain, in passes of which one ends at dp (verify_pass.cut_at): a main chain rejected
-                 exactly there is not verified past it. If it rejected exactly dp and the full code's token there
-                 is r (r is then committed as the verify's own correction), one more forward over [r, b0, b1, ..]
-                 on the same full cache judges the branch's drafts; the accepted ones and the next token are
-                 committed
+    verify       the main chain in one forward. If it rejected exactly dp and the full code's token there is r (r
+                 is then committed as the verify's own correction), one more forward over [r, b0, b1, ..] on the
+                 same full cache judges the branch's drafts; the accepted ones and the next token are committed
 
 On SmolLM2 every early disagreement of the anchor with the full code measured on the choosing corpus was a near
-tie of the anchor's logits with the full code's token its runner-up (docs/speculative.md, "Branching at
-low-margin positions"), so one branch at the first low-margin position rescues most of a window that one token
+tie of the anchor's logits with the full code's token its runner-up (docs/results.md), so one branch at the first low-margin position rescues most of a window that one token
 would otherwise end. Greedy only: with sampling the draft is a sample of the anchor's distribution, and a
 runner-up branch has no place in the acceptance rule (min(1, p/q) over one chain). The reference for bf16 and
 fp16, whose output depends on the forward shapes, is ``decode_plain(..., branch=(stats.branch_at,
@@ -34,10 +31,8 @@ import torch
 from transformers import DynamicCache
 
 from lynxkv.hf.growing import fork_cache
-from lynxkv.speculative.model_ops import drop_last, forward_tokens
+from lynxkv.speculative.model_ops import forward_tokens
 from lynxkv.speculative.packed import forward_forked, forward_packed
-from lynxkv.speculative.sampling import SamplingParams
-from lynxkv.speculative.verify_pass import run_to_end, verify_drafts
 
 
 @dataclass
@@ -119,14 +114,3 @@ class Brancher:
         if b is None or accepted != b.at or next_token != b.tokens[0]:
             return None
         return b
-
-
-def verify_branch(model, cache, branch: Branch) -> tuple[int, int]:
-    """The branch's drafts on the full ``cache`` (which holds everything before the root): ONE forward over
-    [root, b0, b1, ...], greedy. Returns (drafts accepted, the next token); the cache keeps the root and the
-    accepted drafts."""
-    drafts = branch.tokens[1:]
-    accepted, next_token, fed, _ = run_to_end(
-        verify_drafts(model, cache, branch.tokens[:1], drafts, [], SamplingParams(), None, [len(drafts)]))
-    drop_last(cache, fed - accepted)
-    return accepted, next_token

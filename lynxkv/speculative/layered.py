@@ -10,7 +10,7 @@ before the layer reads it. Every layer computes exactly what the verify on the w
 same tensors, the same forward shape), so the rows, and the accepted tokens, are identical; what changes is
 when: layers whose residual landed while the runner drafted are verified at once, the others as they land, and
 after the last byte only the last layer (and the logits) remain. The runner stops drafting when the residual is
-due within the verify's own length (:func:`verify_estimate`), so that the forward catches up with the arriving
+due within the verify's own length (:meth:`lynxkv.speculative.timing.Timing.verify_estimate`), so that the forward catches up with the arriving
 layers by the time the last one lands.
 
 The cache starts as the anchor's (the same shapes, so the attention masks built before the first layer are the
@@ -22,25 +22,13 @@ after the whole residual as before.
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from contextlib import contextmanager
 
 import torch
 
 from lynxkv.errors import InputError
 from lynxkv.speculative.interrupt import decoder_modules
-
-# A verify forward over k rows costs about (1 + ROW_COST · k) decode steps on a CPU at long context (SmolLM2, 2-3K
-# tokens: 3.8 steps for 22 drafts, 4 for 17), plus the residual's dequantization, which the layered verify does.
-ROW_COST = 0.16
-_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> measured steps per verified row
-# The same, measured in a batch (lynxkv.speculative.batch): there a step is a packed forward of every request, so a
-# verified row costs a smaller part of it than at batch 1.
-_SEEN_BATCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
-
 
 def decoder_layers(model, cache) -> list[tuple[int, torch.nn.Module]] | None:
     """``(cache layer index, decoder layer module)`` for every layer of ``model``, or None when the model's layers
@@ -60,29 +48,6 @@ def decoder_layers(model, cache) -> list[tuple[int, torch.nn.Module]] | None:
     if sorted(i for i, _ in out) != list(range(len(cache.layers))):
         return None
     return out
-
-
-def verify_estimate(model, rows: int, step: float, *, batch: bool = False) -> float:
-    """Seconds the layered verify of ``rows`` rows keeps the model busy, from this model's last measured verify
-    (or :data:`ROW_COST`), given a decode step of ``step`` seconds (``batch``: a packed step of a batch)."""
-    with _LOCK:
-        try:
-            cost = (_SEEN_BATCH if batch else _SEEN).get(model, ROW_COST)
-        except TypeError:
-            cost = ROW_COST
-    return step * (1.0 + cost * rows)
-
-
-def remember_verify(model, rows: int, busy: float, step: float, *, batch: bool = False) -> None:
-    """Note that a verify of ``rows`` rows kept ``model`` busy ``busy`` seconds with decode steps of ``step``."""
-    if rows <= 0 or step <= 0:
-        return
-    cost = min(1.0, max(0.02, (busy / step - 1.0) / rows))  # a verified row costs more than a step: noise
-    with _LOCK:
-        try:
-            (_SEEN_BATCH if batch else _SEEN)[model] = cost
-        except TypeError:
-            pass
 
 
 class LayeredVerify:

@@ -91,6 +91,15 @@ def drop_last(cache, count: int) -> None:
         cache.crop(-count)
 
 
+def trim_to(cache, length: int) -> None:
+    """Cut every layer of ``cache`` that holds more than ``length`` tokens back to ``length`` (a forward ended
+    part-way leaves some layers one step longer than the others)."""
+    for layer in cache.layers:
+        extra = int(layer.get_seq_length()) - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
 def measure_tpot(model, kv: KVPairs, prompt_len: int, steps: int = 4) -> float:
     """Median seconds of one plain decode step after a cache of ``prompt_len`` tokens (one warm-up step)."""
     import time

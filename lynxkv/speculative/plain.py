@@ -20,7 +20,6 @@ def decode_plain(
     *,
     new_token_ids: list[int] | None = None,
     first_forward: list[int] | None = None,
-    first_passes: list[int] | None = None,
     branch: tuple[int | None, list[int]] | None = None,
     generator: torch.Generator | None = None,
     stop_token_ids: tuple[int, ...] = (),
@@ -37,8 +36,6 @@ def decode_plain(
     appended token, drops the rest, and continues one token per forward. In fp32 this changes nothing (one
     multi-token forward and sequential steps give the same argmaxes); in bf16 and fp16 the two round
     differently and can flip a near-tie, so a bf16 run is compared with the reference of its own forward shapes.
-    ``first_passes`` splits that forward as the runner's verify did (``stats.verify_pass_sizes``: the appended
-    tokens each pass fed; default one pass), stopping at the pass where an argmax first differs.
     ``branch=(position, [root, drafts ...])`` (greedy, with ``first_forward``) reproduces the runner's branch of
     its drafts (``(stats.branch_at, stats.branch_token_ids)``): when the first forward's argmaxes stop matching
     exactly at ``position`` with ``root`` as the next token, and the branch has drafts, the next forward feeds
@@ -51,17 +48,9 @@ def decode_plain(
     cache = start_cache(model, kv, keep)
     out: list[int] = []
     if appended:
-        best, fed = [], 0  # best[j]: the argmax after the fed prompt tokens and appended[:j]
-        for size in first_passes or [len(appended)]:
-            size = min(size, len(appended) - fed)
-            if fed == 0:
-                rows = forward_tokens(model, cache, feed + appended[:size])[len(feed) - 1 :]  # [size+1, V]
-            else:
-                rows = forward_tokens(model, cache, appended[fed : fed + size])  # [size, V]
-            best += rows.argmax(dim=-1).tolist()
-            fed += size
-            if best[:fed] != appended[:fed] or fed == len(appended):  # the runner stops where a pass rejects
-                break
+        # best[j]: the argmax after the fed prompt tokens and appended[:j]
+        best = forward_tokens(model, cache, feed + appended)[len(feed) - 1 :].argmax(dim=-1).tolist()
+        fed = len(appended)
         n = 0
         while n < fed and best[n] == appended[n]:
             n += 1

@@ -21,13 +21,13 @@ class RunStats:
     first_draft_s: float | None = None
     first_commit_s: float | None = None
     commit_times_s: list[float] = field(default_factory=list)  # one per committed token, in order
-    # The timeline (lynxkv.speculative.timeline): [start, end] of every draft forward on the anchor cache, and
+    # The timeline (lynxkv.bench.timeline): [start, end] of every draft forward on the anchor cache, and
     # [start, end, cache tokens before it] of every plain decode step (after the verify, or of a baseline).
     draft_steps: list[list[float]] = field(default_factory=list)
     decode_steps: list[list[float]] = field(default_factory=list)
     drafted: int = 0
     draft_token_ids: list[int] = field(default_factory=list)  # fed to the verify pass after the prompt
-    # The branch of the drafts (RunConfig.branch_margin; lynxkv.speculative.branch): the main chain's draft it
+    # The branch of the drafts (greedy; lynxkv.speculative.branch): the main chain's draft it
     # forked at (None: no fork), its tokens [root, drafts ...] (fed to its verify pass, if that ran), the forks
     # made, how many of its drafts the verify accepted (None: not verified: the main chain was not rejected at the
     # fork in favour of the root), that verify's seconds, and [start, end] of the draft forwards that ran both chains
@@ -38,7 +38,7 @@ class RunStats:
     branch_accepted: int | None = None
     branch_verify_s: float | None = None
     branch_draft_steps: list[list[float]] = field(default_factory=list)
-    # the branch read the draft cache's tokens before the fork in place (RunConfig.branch_shared_prefix)
+    # the branch read the draft cache's tokens before the fork in place (a run alone, on a model with plain attention)
     branch_shared_prefix: bool = False
     accepted: int = 0
     window_cap: int = 0
@@ -50,10 +50,7 @@ class RunStats:
     draft_step_s: float | None = None
     first_draft_step_s: float | None = None
     verify_s: float | None = None  # the verify forward(s) over [last, d0 .. d(k-1)]
-    verify_passes: int = 0
-    # the drafts each verify pass fed, in order (after the fed prompt tokens in the first): the forward shapes
-    # decode_plain(first_forward=draft_token_ids, first_passes=verify_pass_sizes) reproduces
-    verify_pass_sizes: list[int] = field(default_factory=list)
+    verify_passes: int = 0  # 1 once the verify ran (0: never reached)
     # The layered verify (lynxkv.speculative.layered): the verify forward started while the residual was still
     # arriving, each layer as its residual landed; verify_waited_s of verify_s went to waiting for layers, and
     # residual_seen_s is when the last layer was in. In a batch, a layered verify whose layer came later than the

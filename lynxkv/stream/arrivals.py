@@ -23,23 +23,32 @@ class ArrivalTransfer(Transfer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.first_byte_at: float | None = None  # perf_counter of the load's first byte, either stream
         self.residual_blocks: list[tuple[float, int, int]] = []
         self._lock = threading.Lock()
 
     def residual_eta(self, total: int | None, anchor_left: int) -> float | None:
         """Seconds until the last of ``total`` residual bytes arrives (``anchor_left`` anchor bytes still ahead of
-        it on the link): from the link's rate when it is emulated, else from the rate observed so far; None
-        while unknown, and for a residual read in place (its bytes arrive as they are parsed)."""
-        got = self.timeline.residual_bytes
-        if self.link is not None and self.link.bandwidth and total is not None:
-            return (anchor_left + total - got) / self.link.bandwidth + self.link.latency
-        t_first = self.residual_started_at
-        if total is None or not got or t_first is None or "residual" in self.in_place_names:
+        it), from the bytes seen arriving so far: what is left over the rate observed since the first byte of the
+        streams that move (an emulated link's configured rate is never read: a real link tells nobody its rate).
+        None while unknown, and for a residual read in place (its bytes arrive as they are parsed)."""
+        if total is None or "residual" in self.in_place_names:
             return None
-        elapsed = time.perf_counter() - t_first
-        return (total - got) / (got / elapsed) if elapsed > 0 else None
+        got = self.timeline.residual_bytes
+        if "anchor" in self.in_place_names:  # the anchor's bytes came at the disk's speed: the residual's own rate
+            first, seen = self.residual_started_at, got
+        else:
+            first, seen = self.first_byte_at, self.timeline.anchor_bytes + got
+        if first is None or seen <= 0:
+            return None
+        elapsed = time.perf_counter() - first
+        if elapsed <= 0:
+            return None
+        return (anchor_left + max(0, total - got)) / (seen / elapsed)
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = time.perf_counter()
         super().received(stream, name, offset, data)
         if stream == RESIDUAL:
             with self._lock:

@@ -93,7 +93,7 @@ def read_exact_stage(load):
     return out
 
 
-class ExactLoad:
+class ExactLoad(CacheLoad):
     """A :class:`CacheLoad` whose ``residual`` is the exact KV: ``read_exact()`` (e.g. ``load.exact.result`` of a
     progressive load opened with ``exact=True``, or ``open_cache(path).load_kv(exact=True)``) runs in a thread
     from construction; ``timeline.extra["exact_ready_s"]`` records when it was

@@ -35,7 +35,7 @@ from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.reader import PageReader
 from lynxkv.cache.kv import KVPairs
-from lynxkv.cache.loading import LoadTimeline
+from lynxkv.cache.loading import CacheLoad, LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.assembly import KVAssembly
@@ -57,7 +57,7 @@ def _close_live_loads() -> None:
         load.close()
 
 
-class ProgressiveLoad(LoadConsumer):
+class ProgressiveLoad(LoadConsumer, CacheLoad):
     """A cache loading progressively (see the module docstring). Use :func:`open_progressive` to make one."""
 
     def __init__(self, source: str, *, residual: str | None = None, link: EmulatedLink | None = None,
@@ -163,6 +163,11 @@ class ProgressiveLoad(LoadConsumer):
         """Whether a runner's caches may grow into the room of the KV this load hands out
         (:mod:`lynxkv.hf.growing`)."""
         return self.room > 0
+
+    @property
+    def streams_layers(self) -> bool:
+        """The full code comes layer by layer (:meth:`layer_in`, :meth:`full_layer`) unless ``decode=False``."""
+        return self.decode
 
     @property
     def sizes(self) -> tuple[int | None, int | None]:

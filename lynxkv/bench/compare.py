@@ -26,8 +26,8 @@ from typing import Callable
 from lynxkv.errors import LynxError
 from lynxkv.cache.kv import KVPairs
 from lynxkv.cache.loading import CacheLoad, PreparedLoad
-from lynxkv.speculative.simulated import bf16_bytes, round_bf16, transfer_time
-from lynxkv.speculative.runner import RunConfig, RunResult, run
+from lynxkv.bench.simulated import bf16_bytes, round_bf16, transfer_time
+from lynxkv.speculative import RunConfig, RunResult, Timing, run
 
 #: Every method ``--compare`` runs, in the order of its first round; later rounds rotate it by one each.
 METHODS = ("lynx", "monolithic-bf16", "monolithic-full", "anchor-only")
@@ -72,12 +72,13 @@ def run_baseline(model, case: tuple[int, KVPairs, bool], prompt_ids: list[int], 
 
 
 def run_lynx(model, open_load: Callable[[], CacheLoad], config: RunConfig, fingerprint: str,
-             new_token_ids: list[int] | None = None) -> tuple[float, RunResult]:
+             new_token_ids: list[int] | None = None, timing: Timing | None = None) -> tuple[float, RunResult]:
     """One more Lynx run over a fresh load from ``open_load``; ``(residual-ready seconds, result)``."""
     started = time.perf_counter()
     load = open_load()
     try:
-        result = run(model, load, config, new_token_ids=new_token_ids, fingerprint=fingerprint, started_at=started)
+        result = run(model, load, config, new_token_ids=new_token_ids, fingerprint=fingerprint, started_at=started,
+                     timing=timing)
     finally:
         load.close()
     if not result.verified:
@@ -154,8 +155,9 @@ def judge(runs: Runs, n: int = 64) -> dict:
 
 
 def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fingerprint: str, *,
-                bandwidth: float | None, latency: float | None, new_token_ids: list[int] | None = None,
-                repeats: int = 1, open_load: Callable[[], CacheLoad] | None = None, n: int = 64) -> dict:
+                bandwidth: float | None, latency: float | None = None, new_token_ids: list[int] | None = None,
+                repeats: int = 1, open_load: Callable[[], CacheLoad] | None = None, n: int = 64,
+                timing: Timing | None = None) -> dict:
     """What ``lynxkv run --compare`` reports: the finished Lynx run ``lynx`` over ``load`` beside the monolithic
     baselines, each run on the KV that ``load`` delivered, under the same link (``bandwidth`` None: the rate the
     load actually achieved). Rows give TT1, TT32 and TT-``n``; the verdict is on TT-``n``.
@@ -179,7 +181,7 @@ def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fing
     # Where the Lynx load handed out its KV with room, the baselines' caches grow into it too (one run at a time;
     # every run drops or rewrites the rows from the cached prompt's last token on), so that no method pays a first
     # step's copy of the whole cache that another does not
-    grow = bool(getattr(load, "grow_in_place", False))
+    grow = load.grow_in_place
     prompt_ids = list(load.prompt_token_ids)
     runs: Runs = {m: [] for m in METHODS}
     runs["lynx"].append((lynx.stats.residual_ready_s, lynx))
@@ -187,7 +189,7 @@ def compare_run(model, load: CacheLoad, lynx: RunResult, config: RunConfig, fing
         for method in METHODS[r % len(METHODS):] + METHODS[: r % len(METHODS)]:
             if method == "lynx":
                 if r:
-                    runs["lynx"].append(run_lynx(model, open_load, config, fingerprint, new_token_ids))
+                    runs["lynx"].append(run_lynx(model, open_load, config, fingerprint, new_token_ids, timing))
                 continue
             runs[method].append(run_baseline(model, cases[method], prompt_ids, fingerprint, bandwidth=bandwidth,
                                              latency=latency, config=config, new_token_ids=new_token_ids,
