@@ -22,8 +22,10 @@ from lynxkv.storage.urls import (
     protocol_of,
     read_all,
     read_range,
+    read_stamped,
     remove,
     size_of,
+    stamp_of,
 )
 
 __all__ = [
@@ -49,11 +51,13 @@ __all__ = [
     "protocol_of",
     "read_all",
     "read_range",
+    "read_stamped",
     "record_location",
     "remove",
     "resolve_location",
     "same_object",
     "size_of",
+    "stamp_of",
     "write_atomic",
     "writer_lock",
     "write_target",

@@ -113,6 +113,39 @@ def read_all(url: str, storage_options: dict | None = None) -> bytes:
     return read_range(url, 0, size_of(url, storage_options), storage_options)
 
 
+def stamp_of(url: str) -> tuple[int, int, int, int] | None:
+    """``(device, inode, size, mtime_ns)`` of a local file, which changes whenever the file is replaced or
+    rewritten; None for a URL (an object store gives no such stamp) or a file that is gone."""
+    if not is_local(url):
+        return None
+    try:
+        st = os.stat(local_path(url))
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def read_stamped(url: str, storage_options: dict | None = None) -> tuple[bytes, tuple[int, int, int, int] | None]:
+    """The whole object at ``url`` and the :func:`stamp_of` the very file it was read from (None for a URL).
+
+    A local file is opened once, stamped with ``fstat`` before and after the read, so a file renamed over the path
+    meanwhile never lends its stamp to the other's bytes; a file written in place while it was read (the stamps
+    differ) is a TransientError, worth reading again later."""
+    if not is_local(url):
+        return read_all(url, storage_options), None
+    try:
+        with open(local_path(url), "rb") as f:
+            before = os.fstat(f.fileno())
+            data = f.read()
+            after = os.fstat(f.fileno())
+    except Exception as exc:  # noqa: BLE001
+        raise as_lynx_error(url, exc) from None
+    stamp = before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns
+    if stamp != (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns) or len(data) != before.st_size:
+        raise TransientError(f"{url}: the file changed while it was read")
+    return data, stamp
+
+
 def remove(url: str, storage_options: dict | None = None) -> None:
     try:
         if is_local(url):
