@@ -95,7 +95,8 @@ def test_serve_command_in_its_own_process(cache):
             assert lines[-1], proc.stderr.read()
         info = json.loads("".join(lines))
         assert info["url"].startswith("http://127.0.0.1:") and info["url"].endswith("/x.lynx")
-        assert info["residual"] == {"path": "x.lynxr", "size": len(residual), "crc32": info["residual"]["crc32"]}
+        assert info["residual"] == {"path": "x.lynxr", "size": len(residual), "crc32": info["residual"]["crc32"],
+                                    "etag": info["residual"]["etag"]}
         with open_progressive(info["url"], decode=False) as load:
             load.residual.result(30)
         assert proc.wait(timeout=30) == 0  # --once: every byte went out once
@@ -131,8 +132,6 @@ def test_range_requests_and_clean_errors(cache):
         assert status == 200 and int(headers["Content-Length"]) == len(anchor)
         for hdrs, method, url, code in [
             ({"Range": "bytes=9-1"}, "GET", srv.url, 400),
-            ({"Range": "lines=1-2"}, "GET", srv.url, 400),
-            ({"Range": "bytes=0-1,5-6"}, "GET", srv.url, 416),
             ({"Range": f"bytes={len(anchor)}-"}, "GET", srv.url, 416),
             ({}, "POST", srv.url, 405),
             ({}, "GET", f"{srv.base_url}/../../etc/passwd", 404),

@@ -85,6 +85,10 @@ class ServerStats:
                 merged.append((a, b))
         self._covered[resource] = merged
 
+    def uncover(self, resource: str) -> None:
+        """Forget what went out of ``resource`` (its bytes changed)."""
+        self._covered[resource] = []
+
     def covered(self, resource: str, size: int) -> bool:
         """Every byte of the resource has been sent at least once."""
         return self._covered[resource] == [(0, size)] or size == 0

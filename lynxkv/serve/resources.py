@@ -4,11 +4,7 @@ checked first.
 Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
 ``<location>`` is the relative location its anchor header records, so the URL of the anchor is all a client
 needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
-or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-b``, ``a-``, ``-n`` -> 206 with
-``Content-Range``), so any HTTP client resumes a transfer with a range request. ``GET /`` is a JSON manifest
-(resource paths, sizes, CRC-32s). Anything else is a clean 4xx with a one-line text body: 404 for another path,
-405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
-itself gets aiohttp's 400.
+or an S3 object). How they answer is :mod:`lynxkv.serve.server`'s and :mod:`lynxkv.serve.ranges`'s part.
 
 What is served. Only the cache the user named: the anchor file, the residual its header records (or the
 ``--residual`` override), and the exact segment (format 1.4) its header records (or the ``--exact-file``
@@ -23,7 +19,10 @@ another cache's is refused like the residual. A recorded location that is absolu
 or leaves the anchor's directory is followed only as the storage layer's trust rule allows (named with
 ``--residual``, or under an ``--allow-location`` prefix); the anchor is then served with its header rewritten
 to record a relative name (the pages are unchanged), since a client cannot follow the server's own paths. The bytes are served from memory,
-so what goes out is what was checked.
+so what goes out is what was checked; files that change on disk are read and checked again, under the same rules,
+before any of their bytes go out (:mod:`lynxkv.serve.versions`). Each local file is stamped (device, inode, size,
+mtime) from the very file descriptor it was read through, and each resource carries a strong ETag (128 bits of the
+SHA-256 of the bytes served) and its file's mtime.
 
 DSCP classes. Each resource's packets carry its DSCP class (``IP_TOS`` set on the connection's socket before each
 response), which a shaped link (tests/test_stream_netns.py) or a router honours.
@@ -31,6 +30,7 @@ response), which a shaped link (tests/test_stream_netns.py) or a router honours.
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 import socket
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
+from lynxkv.storage import stamp_of
 
 # DSCP code points (RFC 4594 / 2474); IP_TOS carries DSCP << 2.
 DSCP = {"BE": 0, "CS0": 0, "CS1": 8, "AF11": 10, "AF12": 12, "AF13": 14, "CS2": 16, "AF21": 18, "AF22": 20,
@@ -79,6 +80,13 @@ class Resource:
     path: str  # URL path, without the leading "/"
     data: bytes
     crc32: int
+    etag: str = ""  # strong entity tag: a digest of ``data``, so it changes whenever the bytes served do
+    modified: int | None = None  # its file's mtime in whole seconds (None: read from a URL, no date is sent)
+
+
+def _resource(name: str, path: str, data: bytes, stamp: tuple | None) -> Resource:
+    etag = '"' + hashlib.sha256(data).hexdigest()[:32] + '"'  # 128 bits: two versions never share one
+    return Resource(name, path, data, crc32(data), etag, None if stamp is None else stamp[3] // 1_000_000_000)
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,21 @@ class ServedCache:
     relocated: bool  # the anchor header was rewritten to record a side segment's served path
     exact: Resource | None = None  # 1.4: an external exact segment (None: none, inline, or not served)
     exact_skipped: str | None = None  # why an exact file the anchor records is not served (the trust rule)
+    stamps: tuple = ()  # ((path or URL, stamp_of() when read), ...) of every file read, anchor first
+    origin: tuple = ()  # load_served_cache's arguments: (cache, residual, exact, allow)
+
+    def resources(self) -> tuple[Resource, ...]:
+        return tuple(r for r in (self.anchor, self.residual, self.exact) if r is not None)
+
+    def on_disk(self) -> bool:
+        """Whether the files it was read from are still there unchanged (True for a URL, never looked at again)."""
+        return all(stamp is None or stamp_of(url) == stamp for url, stamp in self.stamps)
+
+    def reload(self) -> "ServedCache":
+        """The cache read and checked again from the same names, under the same rules (a LynxError if the files
+        now there are not whole, or not each other's)."""
+        cache, residual, exact, allow = self.origin
+        return load_served_cache(cache, residual, exact=exact, allow=allow)
 
 
 def _safe_relative(location: str) -> bool:
@@ -120,15 +143,17 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
     whole, or if a side segment is not its own. The residual is the one ``residual`` names, or the location the
     anchor records, followed under the storage layer's trust rule (``allow``: the allow-list); the exact segment
     (1.4) likewise, ``exact`` or its recorded location, when the anchor names one."""
-    from lynxkv.storage import local_path, read_all, resolve_location
+    from lynxkv.storage import local_path, read_stamped, resolve_location
     from lynxkv.stream.tier import anchor_header_of, relocate_segments
 
-    anchor = read_all(cache)
+    anchor, anchor_stamp = read_stamped(cache)
     h = anchor_header_of(anchor)
     name = posixpath.basename(local_path(cache).rstrip("/")) or "cache.lynx"
     stem = name[:-len(".lynx")] if name.endswith(".lynx") else name
     taken = {name}
     data: dict[int, bytes | None] = {c.SEGMENT_RESIDUAL: None, c.SEGMENT_EXACT: None}
+    sources: dict[int, str] = {}  # where each side segment was read from
+    stamps: dict[int, tuple | None] = {}  # and the stamp of the file it was read from
     paths: dict[int, str] = {}
     moves: dict[int, str] = {}
     skipped = None
@@ -146,7 +171,8 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
                 raise
             skipped = str(exc)  # the exact tier is optional: served without it (the message names --exact-file)
             continue
-        data[kind] = read_all(where)
+        data[kind], stamps[kind] = read_stamped(where)
+        sources[kind] = where
         path, rewrite = _served_name(seg.location, taken, stem + suffix)
         if path in taken:  # the default name is taken too (a hostile header): one more letter
             path, rewrite = stem + suffix + "-" + what, True
@@ -160,6 +186,8 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
         check_crcs(anchor, data[c.SEGMENT_RESIDUAL], data[c.SEGMENT_EXACT])
     except LynxError as exc:
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
-    res, ex = ((Resource(what, paths[kind], data[kind], crc32(data[kind])) if data[kind] is not None else None)
+    res, ex = ((_resource(what, paths[kind], data[kind], stamps[kind]) if data[kind] is not None else None)
                for kind, what in ((c.SEGMENT_RESIDUAL, "residual"), (c.SEGMENT_EXACT, "exact")))
-    return ServedCache(Resource("anchor", name, anchor, crc32(anchor)), res, bool(moves), ex, skipped)
+    return ServedCache(_resource("anchor", name, anchor, anchor_stamp), res, bool(moves), ex, skipped,
+                       ((cache, anchor_stamp), *((sources[k], stamps[k]) for k in sources)),
+                       (cache, residual, exact, tuple(allow)))

@@ -3,11 +3,15 @@
 Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
 ``<location>`` is the relative location its anchor header records, and an external exact segment (format 1.4)
 likewise, so the URL of the anchor is all a client needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
-or an S3 object). Both answer ``HEAD`` and single byte ranges (``Range: bytes=a-b``, ``a-``, ``-n`` -> 206 with
-``Content-Range``), so any HTTP client resumes a transfer with a range request. ``GET /`` is a JSON manifest
-(resource paths, sizes, CRC-32s). Anything else is a clean 4xx with a one-line text body: 404 for another path,
-405 for another method, 400 for a malformed ``Range``, 416 for an unsatisfiable or multiple one; malformed HTTP
-itself gets aiohttp's 400.
+or an S3 object). Each answers ``GET`` and ``HEAD`` (the same headers, no body: ``Content-Length``,
+``Accept-Ranges: bytes``, a strong ``ETag``, ``Last-Modified`` once it validates) and RFC 9110 range requests as
+:mod:`lynxkv.serve.ranges` says (one range -> 206 with ``Content-Range``; several ranges are ignored -> 200 with the
+whole resource; ``If-Range`` with a stale validator -> 200 with the whole resource), so any HTTP client resumes a
+transfer with a range request. ``GET /`` is a JSON manifest (resource paths, sizes, CRC-32s, ETags). Anything else
+is a clean 4xx with a one-line text body: 404 for another path, 405 for another method, 400 for a malformed
+``Range``, 416 (``Content-Range: bytes */<size>``) for an unsatisfiable one; malformed HTTP itself gets aiohttp's
+400. When the cache's files change on disk the server reads and checks them again and serves the new version, each
+response from one version (:mod:`lynxkv.serve.versions`).
 
 Bounds (:mod:`lynxkv.serve.connections`). At most ``max_connections`` connections (at the cap the longest-idle
 one makes room; when all are busy the new one gets a 503); ``header_timeout`` to deliver a request header;
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import socket
 import threading
@@ -35,48 +38,16 @@ from aiohttp.web_protocol import RequestHandler
 from lynxkv.errors import LynxError
 from lynxkv.serve.connections import Connections, Limits, ServerStats, reset
 from lynxkv.serve.egress import QUANTUM, Egress
+from lynxkv.serve.ranges import HTTPRefusal, http_date, parse_range, select
 from lynxkv.serve.resources import ServedCache, set_dscp
+from lynxkv.serve.versions import Versions
 from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL
 
 _CLASS = {"anchor": ANCHOR, "residual": RESIDUAL, "exact": EXACT}  # the egress class of each resource
 
+__all__ = ["CacheServer", "HTTPRefusal", "parse_range"]
+
 WRITE_BUFFER = Limits.write_buffer  # per connection: transport high-water mark and kernel send buffer (default)
-
-
-class HTTPRefusal(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
-
-
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
-
-
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a single-range ``Range`` header (None: the whole resource)."""
-    if header is None:
-        return None
-    header = header.strip()
-    if "," in header:
-        raise HTTPRefusal(416, "multiple ranges are not supported; ask for one range at a time",
-                          {"Content-Range": f"bytes */{size}"})
-    m = _RANGE.fullmatch(header)
-    if not m or not (m.group(1) or m.group(2)) or len(header) > 64:
-        raise HTTPRefusal(400, "malformed Range header: expected bytes=START-END, bytes=START- or bytes=-N")
-    a, b = m.group(1), m.group(2)
-    if not a:  # the last N bytes
-        n = int(b)
-        if n == 0:
-            raise HTTPRefusal(416, "empty suffix range", {"Content-Range": f"bytes */{size}"})
-        return max(0, size - n), size
-    start = int(a)
-    end = min(int(b) + 1, size) if b else size
-    if b and int(b) < start:
-        raise HTTPRefusal(400, f"malformed Range header: end {b} before start {a}")
-    if start >= size:
-        raise HTTPRefusal(416, f"range starts at {start}, the resource has {size} bytes",
-                          {"Content-Range": f"bytes */{size}"})
-    return start, end
 
 
 class CacheServer:
@@ -92,11 +63,6 @@ class CacheServer:
                  header_timeout: float = Limits.header_timeout, write_buffer: int = Limits.write_buffer,
                  max_buffered: int = Limits.max_buffered, quantum: int = QUANTUM,
                  log: Callable[[str], None] | None = None):
-        self.cache = cache
-        self.resources = {"/" + urllib.parse.quote(cache.anchor.path): cache.anchor}
-        for side in (cache.residual, cache.exact):
-            if side is not None:
-                self.resources["/" + urllib.parse.quote(side.path)] = side
         self.bandwidth = bandwidth
         self.dscp = {"anchor": dscp_anchor, "residual": dscp_residual,
                      "exact": dscp_residual if dscp_exact is None else dscp_exact}
@@ -106,6 +72,7 @@ class CacheServer:
         self.quantum = quantum
         self.log = log or (lambda msg: None)
         self.stats = ServerStats()
+        self._versions = Versions(cache, log=self.log, swapped=self._swapped)
         self._backlog = max(256, min(4096, max_connections))
         self._sock = socket.create_server((host, port), backlog=self._backlog)
         self._sock.setblocking(False)
@@ -115,6 +82,23 @@ class CacheServer:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+
+    @property
+    def cache(self) -> ServedCache:
+        """The version of the cache being served (read again when its files change on disk)."""
+        return self._versions.served
+
+    @property
+    def resources(self) -> dict:
+        """URL path -> the resource served there, in the current version."""
+        return self._versions.by_path
+
+    def _swapped(self, old: ServedCache, new: ServedCache) -> None:
+        before = {r.name: r.etag for r in old.resources()}
+        for r in new.resources():
+            if before.get(r.name) != r.etag:
+                self.stats.uncover(r.name)
+        self.log("the cache changed on disk: serving the version now there (read and checked again)")
 
     # -- addresses
     @property
@@ -129,7 +113,7 @@ class CacheServer:
 
     def describe(self) -> dict:
         def row(r):
-            return None if r is None else {"path": r.path, "size": len(r.data), "crc32": r.crc32}
+            return None if r is None else {"path": r.path, "size": len(r.data), "crc32": r.crc32, "etag": r.etag}
 
         cache = self.cache
         return {"url": self.url, "host": self.host, "port": self.port, "anchor": row(cache.anchor),
@@ -246,20 +230,22 @@ class CacheServer:
     async def _respond(self, request, st):
         if request.method not in ("GET", "HEAD"):
             raise HTTPRefusal(405, f"method {request.method} not allowed: GET or HEAD", {"Allow": "GET, HEAD"})
+        await self._versions.current()  # read the cache again first if its files changed on disk
         if request.path in ("/", "/manifest.json"):
             return web.Response(text=json.dumps(self.describe()) + "\n", content_type="application/json")
-        res = self.resources.get(request.raw_path.split("?", 1)[0])
+        res = self.resources.get(request.raw_path.split("?", 1)[0])  # this response's bytes, to its end
         if res is None:
             raise HTTPRefusal(404, f"no such resource: {request.path[:200]}; this server has "
                               + ", ".join(self.resources))
-        size = len(res.data)
-        rng = parse_range(request.headers.get("Range"), size)
-        start, end = rng if rng is not None else (0, size)
-        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
-                   "ETag": f'"{res.crc32:08x}"', "Content-Length": str(end - start)}
-        if rng is not None:
+        size, dated = len(res.data), self._versions.dated(res)
+        status, start, end = select(request.headers.get("Range"), request.headers.get("If-Range"), size,
+                                    etag=res.etag, modified=res.modified, date_is_strong=dated)
+        headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream", "ETag": res.etag,
+                   "Content-Length": str(end - start)}
+        if dated:
+            headers["Last-Modified"] = http_date(res.modified)
+        if status == 206:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        status = 206 if rng is not None else 200
         tos = None
         sock = request.transport.get_extra_info("socket") if request.transport is not None else None
         dscp = self.dscp[res.name]
