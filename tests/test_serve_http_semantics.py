@@ -220,3 +220,24 @@ def test_a_copy_that_kept_the_old_date_is_told_apart(tmp_path):
         assert (status, body) == (200, new_anchor) and got["etag"] != old["etag"]
         assert "last-modified" not in got
         assert request(srv, "GET", "/x.lynx", {"Range": "bytes=0-9", "If-Range": got["etag"]})[2] == new_anchor[:10]
+
+
+def test_an_anchor_the_server_rewrote_has_no_date(tmp_path):
+    """An anchor whose header the server rewrote (its residual recorded elsewhere) is the server's bytes, not its
+    file's: no Last-Modified, so a date from a server that rewrote it otherwise never selects a range of it."""
+    from lynxkv.stream.tier import relocate_residual
+
+    anchor, residual = synthetic_cache_bytes(**SHAPE, seed=11)
+    elsewhere = tmp_path / "cold" / "r.bin"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(residual)
+    (tmp_path / "a.lynx").write_bytes(relocate_residual(anchor, str(elsewhere)))
+    age(str(tmp_path / "a.lynx"), str(elsewhere))
+    with CacheServer(load_served_cache(str(tmp_path / "a.lynx"), str(elsewhere))) as srv:
+        assert srv.cache.relocated
+        _, got, _ = request(srv, "HEAD", "/a.lynx")
+        assert "last-modified" not in got and got["etag"].startswith('"')
+        _, side, _ = request(srv, "HEAD", "/a.lynxr")
+        assert side["last-modified"] == email.utils.formatdate(elsewhere.stat().st_mtime_ns // 10**9, usegmt=True)
+        date = email.utils.formatdate((tmp_path / "a.lynx").stat().st_mtime_ns // 10**9, usegmt=True)
+        assert request(srv, "GET", "/a.lynx", {"Range": "bytes=0-9", "If-Range": date})[0] == 200

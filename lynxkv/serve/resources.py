@@ -81,7 +81,7 @@ class Resource:
     data: bytes
     crc32: int
     etag: str = ""  # strong entity tag: a digest of ``data``, so it changes whenever the bytes served do
-    modified: int | None = None  # its file's mtime in whole seconds (None: read from a URL, no date is sent)
+    modified: int | None = None  # its file's mtime, whole seconds (None, no date: a URL, a rewritten anchor)
 
 
 def _resource(name: str, path: str, data: bytes, stamp: tuple | None) -> Resource:
@@ -188,6 +188,8 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
         raise LynxError(f"{cache}: refusing to serve a cache that does not verify: {exc}") from None
     res, ex = ((_resource(what, paths[kind], data[kind], stamps[kind]) if data[kind] is not None else None)
                for kind, what in ((c.SEGMENT_RESIDUAL, "residual"), (c.SEGMENT_EXACT, "exact")))
-    return ServedCache(_resource("anchor", name, anchor, anchor_stamp), res, bool(moves), ex, skipped,
+    # A rewritten anchor's bytes are the server's, not its file's: its file's date would not tell them apart.
+    return ServedCache(_resource("anchor", name, anchor, None if moves else anchor_stamp), res, bool(moves), ex,
+                       skipped,
                        ((cache, anchor_stamp), *((sources[k], stamps[k]) for k in sources)),
                        (cache, residual, exact, tuple(allow)))

@@ -16,8 +16,9 @@ Dates. ``Last-Modified`` is the file's mtime in whole seconds, which two version
 share. A version's date is sent, and an ``If-Range`` date honoured, only once the server has seen the file
 unchanged on disk at a time after its mtime's second was over (so no other version was written in that second
 after it, and none before it was dated by this rule), and never for a version that replaced one with the same
-date but other bytes (a copy that kept an older mtime). Until then a client validates with the ETag, which RFC
-9110 clients prefer anyway.
+date but other bytes while this server ran (a copy that kept an older mtime). A relocated anchor (its header
+rewritten by the server) has no date. Until then a client validates with the ETag, which RFC 9110 clients prefer
+anyway.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Versions:
         self._index(served)
         self._reloading: asyncio.Future | None = None
         self._retry_at = 0.0
+        self._failure = ""  # why the last try to read the files again failed (logged once)
         self._dated: set[str] = set()  # resource names whose date validates (see the module docstring)
         self._undated: set[str] = set()  # names whose date never validates in this version
 
@@ -75,13 +77,15 @@ class Versions:
             new = await asyncio.to_thread(self.served.reload)
         except Exception as exc:  # noqa: BLE001 - whatever the files now are, the checked version goes on
             self._retry_at = time.monotonic() + RETRY_AFTER
-            self._log(f"the cache changed on disk and is not served until it reads whole again ({exc}); still "
-                      "serving the version read before")
+            if str(exc) != self._failure:
+                self._failure = str(exc)
+                self._log(f"the cache changed on disk and is not served until it reads whole again ({exc}); still "
+                          "serving the version read before")
         else:
             old = {r.name: r for r in self.served.resources()}
             self._undated = {r.name for r in new.resources() if r.name in old and old[r.name].modified == r.modified
                              and (old[r.name].etag != r.etag or r.name in self._undated)}
-            self._dated = set()
+            self._dated, self._failure = set(), ""
             previous, self.served = self.served, new
             self._index(new)
             self._swapped(previous, new)
