@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import re
 import shlex
+from typing import Iterator
 
 import pytest
 from fixtures_s3 import s3_server  # noqa: F401 (fixture)
@@ -42,6 +43,42 @@ def test_the_link_check_catches_a_missing_file(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("[ok](there.md), [gone](docs/gone.md#part), ![img](img/none.png), [web](https://example.org/x)")
     assert _missing_links(page) == ["docs/gone.md", "img/none.png"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_link_to_a_heading_finds_it(page):
+    missing = _missing_anchors(page)
+    assert not missing, f"{page.relative_to(ROOT)}: {missing}"
+
+
+def _headings(page: pathlib.Path) -> Iterator[str]:
+    """The anchors a Markdown renderer gives ``page``'s headings (GitHub's rule: lower case, punctuation dropped,
+    spaces to hyphens, a repeated heading numbered), code blocks left out."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def _missing_anchors(page: pathlib.Path) -> list[str]:
+    missing = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if "://" in link or "#" not in link:
+            continue
+        path, anchor = link.split("#", 1)
+        target = page if not path else page.parent / path
+        if target.suffix == ".md" and target.exists() and anchor not in set(_headings(target)):
+            missing.append(link)
+    return missing
+
+
+def test_the_heading_check_catches_a_removed_heading(tmp_path):
+    (tmp_path / "there.md").write_text("# Title\n\n## The `verify` pass\n\n```sh\n# not a heading\n```\n")
+    page = tmp_path / "page.md"
+    page.write_text("[a](there.md#the-verify-pass) [b](there.md#gone) [c](there.md#not-a-heading) [d](#title)")
+    assert _missing_anchors(page) == ["there.md#gone", "there.md#not-a-heading", "#title"]
 
 
 def _readme_commands() -> list[list[str]]:
