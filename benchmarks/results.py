@@ -114,7 +114,7 @@ def render_record(record: dict) -> str:
         lines += [record["about"], ""]
     lines += ["```sh", record["command"], "```", ""]
     if record.get("as_run"):
-        lines += [f"As run then: `{record['as_run']}`", ""]
+        lines += [f"As run then: {record['as_run']}", ""]
     spread = record["spread"].rstrip(".")
     lines.append(f"Ran on {record['machine']}, {record['date']}, commit {record['commit']}. Spread: {spread}.")
     lines.append("")
