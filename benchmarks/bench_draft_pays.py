@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from lynxkv.hf.prompts import builtin_prompt
     from lynxkv.quant.scheme import DEFAULT
     from lynxkv.speculative import RunConfig
-    from lynxkv.speculative.compare import baseline_cases, run_baseline, run_lynx
+    from lynxkv.bench.compare import baseline_cases, run_baseline, run_lynx
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import parse_bandwidth
 

@@ -23,7 +23,7 @@ from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, run
-from lynxkv.speculative.compare import compare_run
+from lynxkv.bench.compare import compare_run
 from lynxkv.speculative.model_ops import measure_tpot
 from lynxkv.stream.progressive import open_progressive
 

@@ -16,7 +16,7 @@ from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import builtin_prompt
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, stream
-from lynxkv.speculative.simulated import split_kv, stream_bytes
+from lynxkv.bench.simulated import split_kv, stream_bytes
 from lynxkv.cache.loading import PreparedLoad
 
 

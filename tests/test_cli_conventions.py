@@ -67,7 +67,7 @@ def test_messages_keep_their_brackets(tmp_path, capsys):
 
 
 def test_missing_prompt_file_is_one_clear_error(tmp_path, capsys):
-    err = _one_error(capsys, "run", tmp_path / "x.lynx", "--prompt-file", tmp_path / "nope.txt")
+    err = _one_error(capsys, "run", tmp_path / "x.lynx", "--prompt", f"@{tmp_path / 'nope.txt'}")
     assert "nope.txt: no such file" in err
 
 

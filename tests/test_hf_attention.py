@@ -61,13 +61,3 @@ def test_a_model_without_sdpa_is_left_as_it_is():
     model.config._attn_implementation = "eager"
     use_grouped_sdpa(model)
     assert model.config._attn_implementation == "eager"
-
-
-def test_the_environment_can_turn_it_off(monkeypatch):
-    model = make_tiny_model("llama", 0)
-    monkeypatch.setenv("LYNXKV_GROUPED_SDPA", "0")
-    use_grouped_sdpa(model)
-    assert model.config._attn_implementation == "sdpa"
-    monkeypatch.delenv("LYNXKV_GROUPED_SDPA")
-    use_grouped_sdpa(model)
-    assert model.config._attn_implementation == IMPL

@@ -48,18 +48,17 @@ def test_run_and_continue_equal_plain_decoding(models, tmp_path, arch, dtype):
     with open_cache(tmp_path / "x.lynx") as cache:
         full_kv, anchor_kv = cache.load_kv(), cache.load_kv(anchor_only=True)
 
-    # continue the cached prompt; then a new question after it; the verify in one pass, then in two (verify_first)
-    for new, first in ((None, 0), (prompt_ids(4, 5), 0), (None, 2), (prompt_ids(4, 5), 2)):
-        res = run(model, StepLoad(model, ids, anchor_kv, full_kv),
-                  RunConfig(max_new_tokens=NEW, max_window=6, verify_first=first), new_token_ids=new)
+    # continue the cached prompt; then a new question after it
+    for new in (None, prompt_ids(4, 5)):
+        res = run(model, StepLoad(model, ids, anchor_kv, full_kv), RunConfig(max_new_tokens=NEW, max_window=6),
+                  new_token_ids=new)
         assert res.stats.drafted == 6 and res.stats.prompt_tokens == PROMPT + len(new or [])
-        assert res.stats.verify_pass_sizes[0] == (first or 6)
         want = decode_plain(model, full_kv, ids, NEW, new_token_ids=new, first_forward=res.stats.draft_token_ids,
-                            first_passes=res.stats.verify_pass_sizes)
+                            branch=(res.stats.branch_at, res.stats.branch_token_ids))
         assert res.token_ids == want
         if dtype == "fp32":  # in fp32 the forward shape does not matter: plain sequential decoding agrees
             assert res.token_ids == decode_plain(model, full_kv, ids, NEW, new_token_ids=new)
-        if new and not first:  # and independently: the decoded full cache, the question, then one token per forward
+        if new:  # and independently: the decoded full cache, the question, then one token per forward
             assert res.token_ids == _greedy_after(model, full_kv, new, res.stats.draft_token_ids)
 
 

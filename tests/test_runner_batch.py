@@ -31,8 +31,7 @@ def _setup(model, n=len(LENGTHS), scale=None):
 
 def _configs(sampled: bool, n: int):
     params = SamplingParams(temperature=0.9, top_p=0.95) if sampled else SamplingParams()
-    return [RunConfig(max_new_tokens=6 + 2 * i, max_window=WINDOWS[i], sampling=params, seed=100 + i,
-                      min_window_steps=0) for i in range(n)]
+    return [RunConfig(max_new_tokens=6 + 2 * i, max_window=WINDOWS[i], sampling=params, seed=100 + i) for i in range(n)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -66,7 +65,7 @@ def test_new_prompt_tokens_in_a_batch(tiny_model):
     reqs, alone = [], []
     for i, (ids, _, a, f) in enumerate(data):
         new = prompt_ids(50 + i, 1 + i % 4)
-        cfg = RunConfig(max_new_tokens=12, max_window=WINDOWS[i], min_window_steps=0)
+        cfg = RunConfig(max_new_tokens=12, max_window=WINDOWS[i])
         reqs.append(BatchRequest(StepLoad(model, ids, a, f), cfg, new_token_ids=new))
         alone.append(run(model, StepLoad(model, ids, a, f), cfg, new_token_ids=new).token_ids)
     got = run_batch(model, reqs)
@@ -82,7 +81,7 @@ def test_join_and_leave_over_time(tiny_model):
     for i, (ids, _, a, f) in enumerate(data):
         load = lambda ids=ids, a=a, f=f, i=i: PreparedLoad(a, f, residual_delay=0.02 * (i % 3), prompt_token_ids=ids,
                                                             model_fingerprint=fp)
-        reqs.append(BatchRequest(load, RunConfig(max_new_tokens=20 + 5 * (i % 3), min_window_steps=0),
+        reqs.append(BatchRequest(load, RunConfig(max_new_tokens=20 + 5 * (i % 3)),
                                  arrival_s=0.03 * i))
     got = run_batch(model, reqs)
     for (ids, _, a, f), r, spec in zip(data, got.requests, reqs):
@@ -101,7 +100,7 @@ def test_bad_residual_ends_only_its_request(tiny_model, anchor_only):
     reqs = []
     for i, (ids, _, a, f) in enumerate(data):
         error = ChecksumError("residual page 3: CRC mismatch") if i == 2 else None
-        cfg = RunConfig(max_new_tokens=16, max_window=4, allow_anchor_only=anchor_only, min_window_steps=0)
+        cfg = RunConfig(max_new_tokens=16, max_window=4, allow_anchor_only=anchor_only)
         reqs.append(BatchRequest(StepLoad(model, ids, a, f, error=error), cfg))
     got = run_batch(model, reqs)
     for i, ((ids, _, a, f), r) in enumerate(zip(data, got.requests)):
@@ -129,7 +128,7 @@ def test_a_load_that_fails_to_close_ends_nothing(tiny_model):
     error), the error is kept in its load's timeline, and the other requests go on."""
     model = tiny_model
     data = _setup(model, 3)
-    cfg = RunConfig(max_new_tokens=10, max_window=3, min_window_steps=0)
+    cfg = RunConfig(max_new_tokens=10, max_window=3)
     reqs = [BatchRequest(_BadClose(model, ids, a, f, error=ChecksumError("residual page 1: CRC mismatch")
                                    if i == 1 else None), cfg) for i, (ids, _, a, f) in enumerate(data)]
     got = run_batch(model, reqs)
@@ -146,7 +145,7 @@ def test_foreign_cache_ends_only_its_request(tiny_model):
     model = tiny_model
     data = _setup(model, 3)
     reqs = [BatchRequest(StepLoad(model, ids, a, f, fingerprint="0" * 16 if i == 1 else None),
-                         RunConfig(max_new_tokens=8, min_window_steps=0)) for i, (ids, _, a, f) in enumerate(data)]
+                         RunConfig(max_new_tokens=8)) for i, (ids, _, a, f) in enumerate(data)]
     got = run_batch(model, reqs)
     assert "another model" in got.requests[1].error and got.requests[1].token_ids == []
     assert all(got.requests[i].error is None and len(got.requests[i].token_ids) == 8 for i in (0, 2))
@@ -169,7 +168,7 @@ def test_32_staggered_requests_release_what_they_finish_with(tiny_model):
             _, a, f = caches(model, ids)
             refs[i] = weakref.ref(f[0][0])  # the full code's first key tensor: held only by the load and the run
             return PreparedLoad(a, f, residual_delay=0.01 * (i % 4), prompt_token_ids=ids, model_fingerprint=fp)
-        reqs.append(BatchRequest(open_load, RunConfig(max_new_tokens=6 + i % 5, min_window_steps=0),
+        reqs.append(BatchRequest(open_load, RunConfig(max_new_tokens=6 + i % 5),
                                  arrival_s=0.01 * i, name=str(i)))
 
     def on_step(results):
@@ -198,28 +197,23 @@ class _BytesIn(PreparedLoad):
         return 0.0
 
 
-@pytest.mark.parametrize("guard", [0.5, 0.0], ids=["guard", "no-guard"])
-def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(tiny_model, guard):
+def test_a_request_whose_residual_is_due_stops_drafting_while_the_others_go_on(tiny_model):
     """The ETA guard in a batch: a request whose residual is due within half a draft step sits the steps out
     (after the two draft steps that measure it: the first is not a typical one) until its full code is in, while
-    another request decodes on;
-    without the guard it drafts on to its window. Either way its tokens are decoding on its full code."""
+    another request decodes on. Its tokens are decoding on its full code."""
     model = tiny_model
     fp = model_fingerprint(model)
     data = _setup(model, 2)
-    cfg = RunConfig(max_new_tokens=40, max_window=30, eta_guard=guard, min_window_steps=0)
+    cfg = RunConfig(max_new_tokens=40, max_window=30)
     reqs = [BatchRequest(PreparedLoad(data[0][2], data[0][3], prompt_token_ids=data[0][0], model_fingerprint=fp),
                          cfg, name="decoding"),
             BatchRequest(_BytesIn(data[1][2], data[1][3], residual_delay=1.0, prompt_token_ids=data[1][0],
                                   model_fingerprint=fp), cfg, name="due")]
     got = run_batch(model, reqs)
     due = got.requests[1]
-    if guard:
-        assert due.stats.drafted == 2 and due.stats.waited_on_eta
-        held = (due.stats.draft_steps[-1][1], due.stats.verify_start_s)  # both arrived at 0: the batch's clock
-        assert any(held[0] <= start and end <= held[1] and n == 1 for start, end, n, _ in got.steps)  # the other
-    else:
-        assert due.stats.drafted == 30 and not due.stats.waited_on_eta
+    assert due.stats.drafted == 2 and due.stats.waited_on_eta
+    held = (due.stats.draft_steps[-1][1], due.stats.verify_start_s)  # both arrived at 0: the batch's clock
+    assert any(held[0] <= start and end <= held[1] and n == 1 for start, end, n, _ in got.steps)  # the other
     for (ids, _, a, f), r in zip(data, got.requests):
         assert r.error is None and r.verified
         assert r.token_ids == decode_plain(model, f, ids, 40, first_forward=r.stats.draft_token_ids)
@@ -246,7 +240,7 @@ def test_a_verified_request_decodes_without_its_loads_copies(tiny_model):
         return open_load
 
     n = 24
-    reqs = [BatchRequest(opener(i), RunConfig(max_new_tokens=n, max_window=4, min_window_steps=0), name=str(i))
+    reqs = [BatchRequest(opener(i), RunConfig(max_new_tokens=n, max_window=4), name=str(i))
             for i in range(3)]
     checked = []
 
@@ -297,28 +291,8 @@ def test_a_timeline_still_growing_is_read_safely(tiny_model):
     fp = model_fingerprint(model)
     data = _setup(model, 2)
     reqs = [BatchRequest(_BusyTimeline(a, f, residual_delay=0.05, prompt_token_ids=ids, model_fingerprint=fp),
-                         RunConfig(max_new_tokens=30, min_window_steps=0)) for ids, _, a, f in data]
+                         RunConfig(max_new_tokens=30)) for ids, _, a, f in data]
     got = run_batch(model, reqs, on_step=lambda results: None)
     for (ids, _, a, f), r in zip(data, got.requests):
         assert r.error is None and len(r.stats.load["extra"]) >= 1999  # taken between a pop and its insert, or not
         assert r.token_ids == decode_plain(model, f, ids, 30, first_forward=r.stats.draft_token_ids)
-
-
-@pytest.mark.parametrize("field", ["verify_chunk", "verify_first"])
-def test_single_runner_options_are_refused_in_a_batch(tiny_model, field):
-    """A batch does not verify in passes: a request that asks is refused before anything is loaded, naming the
-    request and the option (not run without it)."""
-    from lynxkv.errors import InputError
-
-    opened = []
-
-    def load():
-        opened.append(1)
-        raise AssertionError("nothing is loaded")
-
-    value = {"verify_chunk": 4, "verify_first": 2}[field]
-    reqs = [BatchRequest(load, RunConfig(max_new_tokens=4), name="a"),
-            BatchRequest(load, RunConfig(max_new_tokens=4, **{field: value}), name="b")]
-    with pytest.raises(InputError, match=f"request b: {field}"):
-        run_batch(tiny_model, reqs)
-    assert opened == []

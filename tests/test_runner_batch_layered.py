@@ -15,7 +15,7 @@ from lynxkv.cache import open_cache, save_cache
 from lynxkv.errors import ChecksumError
 from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
-from lynxkv.speculative import RunConfig, decode_plain, layered
+from lynxkv.speculative import RunConfig, Timing, decode_plain
 from lynxkv.speculative import BatchRequest, run_batch
 from lynxkv.stream import open_progressive
 from runner_helpers import StepLoad, caches, prompt_ids, single_thread
@@ -23,16 +23,24 @@ from runner_helpers import StepLoad, caches, prompt_ids, single_thread
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
 
-@pytest.fixture
-def eager(monkeypatch):
+class _LongVerify(Timing):
     """The verify looks very long, and no measured verify says otherwise: a request starts its layered verify as
-    soon as it has two draft steps."""
-    from lynxkv.speculative import batch
+    soon as it has two draft steps. The verifies it measures are noted in ``learned`` (their busy seconds)."""
 
-    monkeypatch.setattr(layered, "ROW_COST", 1e4)
-    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
-    monkeypatch.setattr(layered, "_SEEN_BATCH", type(layered._SEEN_BATCH)())
-    monkeypatch.setattr(batch, "remember_verify", lambda *a, **k: None)
+    def __init__(self):
+        super().__init__()
+        self.learned: list[float] = []
+
+    def verify_estimate(self, rows, step, *, batch=False):
+        return 1e4
+
+    def note_verify(self, rows, busy, step, *, batch=False):
+        self.learned.append(busy)
+
+
+@pytest.fixture
+def eager():
+    return _LongVerify()
 
 
 def _stored(tmp_path, model, name: str, tokens: int, seed: int):
@@ -58,13 +66,13 @@ def test_requests_verify_layer_by_layer_in_a_batch(tmp_path, eager, dtype):
     forward, and a request drafting beside it would get few draft steps to judge a step by."""
     model = make_tiny_model("llama", 3).to(dtype)
     stored = [_stored(tmp_path, model, f"c{i}", 120 + 40 * i, i) for i in range(3)]
-    cfgs = [RunConfig(max_new_tokens=20, min_window_steps=0),
-            RunConfig(max_new_tokens=20, min_window_steps=0, layered_verify=True),
-            RunConfig(max_new_tokens=12, min_window_steps=0, speculate=False)]
+    cfgs = [RunConfig(max_new_tokens=20),
+            RunConfig(max_new_tokens=20),
+            RunConfig(max_new_tokens=12, speculate=False)]
     reqs = [BatchRequest(lambda p=path: open_progressive(p, bandwidth=_rate(p, 1.0)), cfg, name=str(i),
                          arrival_s=1.5 if i == 1 else 0.0)
             for i, ((_, path, _, _), cfg) in enumerate(zip(stored, cfgs))]
-    got = run_batch(model, reqs)
+    got = run_batch(model, reqs, timing=eager)
     for (ids, _, full_kv, _), cfg, r in zip(stored, cfgs, got.requests):
         s = r.stats
         assert r.error is None and r.verified
@@ -77,17 +85,6 @@ def test_requests_verify_layer_by_layer_in_a_batch(tmp_path, eager, dtype):
     assert not model.model.layers[0]._forward_pre_hooks  # the passes' hooks are gone
 
 
-def test_layered_verify_false_verifies_after_the_residual(tmp_path, eager):
-    model = make_tiny_model("llama", 3)
-    ids, path, full_kv, _ = _stored(tmp_path, model, "c", 150, 0)
-    cfg = RunConfig(max_new_tokens=16, min_window_steps=0, layered_verify=False)
-    got = run_batch(model, [BatchRequest(lambda: open_progressive(path, bandwidth=_rate(path, 0.8)), cfg)] * 2)
-    for r in got.requests:
-        s = r.stats
-        assert s.drafted > 0 and not s.verify_layered and s.verify_start_s >= s.residual_ready_s
-        assert r.token_ids == decode_plain(model, full_kv, ids, 16, first_forward=s.draft_token_ids)
-
-
 class _LayeredLoad(StepLoad):
     """A :class:`StepLoad` that hands out its full code layer by layer, its residual due at once (ETA 0) from its
     third draft on. ``late`` from that layer on says a layer is not in yet; ``broken`` from that layer on raises
@@ -96,6 +93,7 @@ class _LayeredLoad(StepLoad):
     def __init__(self, model, ids, anchor_kv, full_kv, *, late=None, broken=None, short=None, error=None,
                  slow=None):
         super().__init__(model, ids, anchor_kv, full_kv, error=error)
+        self.streams_layers = True
         self._full, self.late, self.broken, self.short = full_kv, late, broken, short
         self.slow = dict(slow or {})  # layer -> seconds its residual takes to come in once asked for
         self.asked: list[int] = []
@@ -134,9 +132,10 @@ def _pair(model):
 def test_a_late_layer_gives_the_pass_up_and_the_request_verifies_after_its_residual(tiny_model, eager):
     model = tiny_model
     (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
-    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0)
+    cfg = RunConfig(max_new_tokens=14, max_window=8)
     late = _LayeredLoad(model, ids0, a0, f0, late=1)
-    got = run_batch(model, [BatchRequest(late, cfg, name="late"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
+    got = run_batch(model, [BatchRequest(late, cfg, name="late"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)],
+                    timing=eager)
     r, other = got.requests
     s = r.stats
     assert r.error is None and r.verified
@@ -150,34 +149,23 @@ def test_a_late_layer_gives_the_pass_up_and_the_request_verifies_after_its_resid
                                                                    first_forward=other.stats.draft_token_ids)
 
 
-def test_a_step_that_waits_for_a_layer_is_no_draft_step_and_no_verify_cost(tiny_model, eager, monkeypatch):
+def test_a_step_that_waits_for_a_layer_is_no_draft_step_and_no_verify_cost(tiny_model, eager):
     """A layer that comes in late, inside the pass's patience, holds up the whole packed step. That step measures
     neither a draft step of the request drafting beside the pass (its guard and its own pass judge by its steps)
     nor the verify's cost, which the batch learns for later passes: the wait is left out of both."""
-    from lynxkv.speculative import batch
-
     model = tiny_model
     (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
-    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0)
-    learned, steps = [], {}
-    monkeypatch.setattr(batch, "remember_verify", lambda _m, rows, busy, step, **_: learned.append(busy))
-    leave = batch._Request.leave
-
-    def noting_leave(self):
-        steps.setdefault(self.name, list(self.step_s))
-        leave(self)
-
-    monkeypatch.setattr(batch._Request, "leave", noting_leave)
+    cfg = RunConfig(max_new_tokens=14, max_window=8)
     slow = _LayeredLoad(model, ids0, a0, f0, slow={1: 0.4})
     got = run_batch(model, [BatchRequest(slow, cfg, name="slow"),
-                            BatchRequest(StepLoad(model, ids1, a1, f1), cfg, name="beside")])
+                            BatchRequest(StepLoad(model, ids1, a1, f1), cfg, name="beside")], timing=eager)
     r, beside = got.requests
     assert r.error is None and r.stats.verify_layered and r.stats.verify_waited_s >= 0.4
     assert r.token_ids == decode_plain(model, f0, ids0, 14, first_forward=r.stats.draft_token_ids)
-    assert len(learned) == 1 and learned[0] < 0.2  # the verify's own compute, not the 0.4 s it waited
+    assert len(eager.learned) == 1 and eager.learned[0] < 0.2  # the verify's own compute, not the 0.4 s it waited
     held = [e - s for s, e in beside.stats.draft_steps]
     assert max(held) >= 0.4  # the request beside drafted in the step that waited ...
-    assert steps["beside"] and max(steps["beside"]) < 0.2  # ... which is not one of its measured draft steps
+    assert beside.stats.draft_step_s < 0.2  # ... which its step time leaves out
     assert beside.error is None and beside.token_ids == decode_plain(model, f1, ids1, 14,
                                                                      first_forward=beside.stats.draft_token_ids)
 
@@ -186,9 +174,10 @@ def test_a_step_that_waits_for_a_layer_is_no_draft_step_and_no_verify_cost(tiny_
 def test_a_layer_that_fails_during_the_pass_ends_only_its_request(tiny_model, eager, anchor_only):
     model = tiny_model
     (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
-    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0, allow_anchor_only=anchor_only)
+    cfg = RunConfig(max_new_tokens=14, max_window=8, allow_anchor_only=anchor_only)
     bad = _LayeredLoad(model, ids0, a0, f0, broken=1, error=ChecksumError("residual layer 1: CRC mismatch"))
-    got = run_batch(model, [BatchRequest(bad, cfg, name="bad"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
+    got = run_batch(model, [BatchRequest(bad, cfg, name="bad"), BatchRequest(StepLoad(model, ids1, a1, f1), cfg)],
+                    timing=eager)
     r, other = got.requests
     if anchor_only:  # its drafts, then plain decoding on its anchor: what decoding on the anchor gives
         assert r.error is None and not r.verified and "CRC mismatch" in r.stats.residual_error
@@ -204,9 +193,9 @@ def test_a_full_code_layer_of_the_wrong_shape_ends_only_its_request(tiny_model, 
     error (no failed forward for the others), the other request's tokens are decoding on its full code."""
     model = tiny_model
     (ids0, a0, f0), (ids1, a1, f1) = _pair(model)
-    cfg = RunConfig(max_new_tokens=14, max_window=8, min_window_steps=0)
+    cfg = RunConfig(max_new_tokens=14, max_window=8)
     got = run_batch(model, [BatchRequest(_LayeredLoad(model, ids0, a0, f0, short=1), cfg, name="short"),
-                            BatchRequest(StepLoad(model, ids1, a1, f1), cfg)])
+                            BatchRequest(StepLoad(model, ids1, a1, f1), cfg)], timing=eager)
     r, other = got.requests
     assert r.token_ids == [] and "layer 1 keys have shape" in r.error and "anchor-only" in r.error
     assert other.error is None and other.token_ids == decode_plain(model, f1, ids1, 14,

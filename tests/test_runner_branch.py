@@ -1,16 +1,19 @@
-"""The branch of the drafts (``RunConfig.branch_margin``): greedy output stays the full code's, token for token.
+"""The branch of the drafts (greedy; lynxkv.speculative.branch): greedy output stays the full code's, token for token.
 
 Each case is a tiny random model of the matrix with an anchor (the exact KV plus noise) found by seed so that its
 greedy chain first leaves the full code's at a position d where the full code's token is the anchor's runner-up,
 where the anchor's top-1 − top-2 margin is lower than at every earlier position, and where the anchor, given the
 full code's token there, agrees with the next one: a fork at d (the bound between the two margins) is used and
 keeps at least one of its drafts. Compared with decode_plain on the full code with the runner's forward shapes
-(``first_forward``, ``first_passes``, ``branch``), and in fp32 also with plain sequential decoding.
+(``first_forward``, ``branch``), and in fp32 also with plain sequential decoding. The margin below which a draft
+forks is fixed (lynxkv.speculative.config.BRANCH_MARGIN); each case sets it where its fork must fall (``_margin``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ import torch
 from conftest import SLIDING_WINDOW, TINY_ARCHS, make_tiny_model
 from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.cli import main
-from lynxkv.speculative import RunConfig, decode_plain, run
+from lynxkv.speculative import RunConfig, Timing, decode_plain, request, run
 from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache
 from lynxkv.speculative.packed import shares_prefix
 from runner_helpers import StepLoad, caches, perturbed, prompt_ids, single_thread, tiny_llama_cache
@@ -28,6 +31,18 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 PROMPT = 4 * SLIDING_WINDOW + 6
 WINDOW, NEW = 12, 20
 DTYPES = ("fp32", "bf16")
+
+
+def _margin(value: float) -> contextlib.AbstractContextManager:
+    """Fork below ``value`` instead of the engine's fixed margin (0: never fork), for the ``with`` block."""
+    return mock.patch.object(request, "BRANCH_MARGIN", value)
+
+
+class _LongVerify(Timing):
+    """The verify looks very long: the layered verify starts at the first chance."""
+
+    def verify_estimate(self, rows, step, *, batch=False):
+        return 1e4
 
 
 def _chain(model, kv, ids, n, forced=None):
@@ -66,8 +81,9 @@ def _forked_case(model):
             if ranks[d] != 1 or ranks[d + 1] != 0:
                 continue
             bound = (margins[d] + min(margins[:d])) / 2
-            s = run(model, StepLoad(model, ids, anchor, full_kv),
-                    RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound)).stats
+            with _margin(bound):
+                s = run(model, StepLoad(model, ids, anchor, full_kv),
+                        RunConfig(max_new_tokens=NEW, max_window=WINDOW)).stats
             if s.accepted == d and s.branch_at == d and s.branch_accepted:
                 return ids, anchor, full_kv, d, bound
     raise AssertionError("no seed gives a used fork")
@@ -85,38 +101,37 @@ def cases():
 
 def _reference(model, full_kv, ids, stats, n=NEW, **kw):
     return decode_plain(model, full_kv, ids, n, first_forward=stats.draft_token_ids,
-                        first_passes=stats.verify_pass_sizes, branch=(stats.branch_at, stats.branch_token_ids), **kw)
+                        branch=(stats.branch_at, stats.branch_token_ids), **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-@pytest.mark.parametrize("first", [0, 2])
-def test_a_used_fork_keeps_the_branch_drafts(cases, arch, dtype, first):
+def test_a_used_fork_keeps_the_branch_drafts(cases, arch, dtype):
     model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
-    res = run(model, StepLoad(model, ids, anchor, full_kv),
-              RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound, verify_first=first))
+    config = RunConfig(max_new_tokens=NEW, max_window=WINDOW)
+    with _margin(bound):
+        res = run(model, StepLoad(model, ids, anchor, full_kv), config)
     s = res.stats
     assert s.drafted == WINDOW and s.branch_at == d and s.branch_forks == 1
     assert s.branch_shared_prefix == shares_prefix(model)  # llama, qwen2, phi3: the prefix read in place
     assert len(s.branch_token_ids) == WINDOW - d  # the root, then one draft per later step
     assert len(s.branch_draft_steps) == WINDOW - d - 1
-    if dtype == "fp32" or not first:  # (bf16: a verify split in two passes rounds apart from the one-pass verify)
-        assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
-        assert sum(s.verify_pass_sizes) == d + 1  # the main chain was not verified past the fork's draft
+    assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
     assert res.token_ids == _reference(model, full_kv, ids, s)
     if dtype == "fp32":
         assert res.token_ids == decode_plain(model, full_kv, ids, NEW)
     # the same run without the branch keeps d drafts, and with a bound below the fork's margin there is no fork
-    off = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(max_new_tokens=NEW, max_window=WINDOW))
-    low = run(model, StepLoad(model, ids, anchor, full_kv),
-              RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound / 1e6))
+    with _margin(0.0):
+        off = run(model, StepLoad(model, ids, anchor, full_kv), config)
+    with _margin(bound / 1e6):
+        low = run(model, StepLoad(model, ids, anchor, full_kv), config)
     assert off.stats.branch_at is None and off.stats.branch_accepted is None
     if low.stats.branch_at is None:  # (unless a later, diverged draft is that close to a tie)
         assert low.stats.branch_token_ids == [] and low.stats.branch_draft_steps == []
     assert low.token_ids == _reference(model, full_kv, ids, low.stats)
     if dtype == "fp32":
         assert off.token_ids == low.token_ids == res.token_ids
-    if first == 0 and dtype == "fp32":  # the timeline shows the two-chain steps and the branch's kept drafts
+    if dtype == "fp32":  # the timeline shows the two-chain steps and the branch's kept drafts
         from lynxkv.bench.timeline import render_png, run_timeline
 
         tl = run_timeline(s)
@@ -131,8 +146,8 @@ def test_a_fork_that_is_not_used(cases, arch, dtype):
     branch is never verified; with the exact KV as the anchor nothing is rejected at all."""
     model, ids, anchor, full_kv, d, _ = cases[(arch, dtype)]
     for kv, kept in ((anchor, d), (full_kv, WINDOW)):
-        res = run(model, StepLoad(model, ids, kv, full_kv),
-                  RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=1e9))
+        with _margin(1e9):
+            res = run(model, StepLoad(model, ids, kv, full_kv), RunConfig(max_new_tokens=NEW, max_window=WINDOW))
         s = res.stats
         assert s.branch_at == 0
         if dtype == "fp32" or kv is anchor:  # (bf16: the verify may round a near-tie of the exact anchor apart)
@@ -148,23 +163,26 @@ def _stop_case(cases, dtype):
     for arch in TINY_ARCHS:
         model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
         plain = _chain(model, anchor, ids, WINDOW)[0]
-        config = dict(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound)
-        branch = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config)).stats.branch_token_ids
+        config = dict(max_new_tokens=NEW, max_window=WINDOW)
+        with _margin(bound):
+            branch = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config)).stats.branch_token_ids
         if branch[1] not in plain and plain[d] not in plain[:d]:
-            return model, ids, anchor, full_kv, d, plain, config, branch
+            return model, ids, anchor, full_kv, d, plain, config, branch, bound
     raise AssertionError("no case fits")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stop_tokens_in_either_chain(cases, dtype):
-    model, ids, anchor, full_kv, d, plain, config, branch = _stop_case(cases, dtype)
+    model, ids, anchor, full_kv, d, plain, config, branch, bound = _stop_case(cases, dtype)
     # the branch's first draft is a stop token: the branch ends there, the output at it
-    res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config, stop_token_ids=(branch[1],)))
+    with _margin(bound):
+        res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config, stop_token_ids=(branch[1],)))
     want = _reference(model, full_kv, ids, res.stats, stop_token_ids=(branch[1],))
     assert res.token_ids == want and res.token_ids[-1] == branch[1]
     assert res.stats.branch_token_ids == branch[:2] and res.stats.drafted == WINDOW  # the main chain went on
     # the main chain's draft at the fork is a stop token: drafting ends there, the branch has only its root
-    res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config, stop_token_ids=(plain[d],)))
+    with _margin(bound):
+        res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(**config, stop_token_ids=(plain[d],)))
     assert res.stats.drafted == d + 1 and res.stats.branch_token_ids == [branch[0]]
     assert res.stats.branch_accepted is None
     assert res.token_ids == _reference(model, full_kv, ids, res.stats, stop_token_ids=(plain[d],))
@@ -175,8 +193,8 @@ def test_stop_tokens_in_either_chain(cases, dtype):
 def test_the_branch_stops_at_max_new_tokens(cases):
     """With room for the accepted drafts, the root and one more, the branch's first draft ends the output."""
     model, ids, anchor, full_kv, d, bound = cases[("llama", "fp32")]
-    res = run(model, StepLoad(model, ids, anchor, full_kv),
-              RunConfig(max_new_tokens=d + 2, max_window=WINDOW, branch_margin=bound))
+    with _margin(bound):
+        res = run(model, StepLoad(model, ids, anchor, full_kv), RunConfig(max_new_tokens=d + 2, max_window=WINDOW))
     assert res.stats.branch_at == d and res.stats.branch_accepted == 1
     assert res.token_ids == decode_plain(model, full_kv, ids, d + 2)
 
@@ -225,6 +243,7 @@ class _LayeredStepLoad(StepLoad):
 
     def __init__(self, model, ids, anchor_kv, full_kv, steps: int):
         super().__init__(model, ids, anchor_kv, full_kv)
+        self.streams_layers = True
         self._full, self._steps, self.forwards = full_kv, steps, 0
         self.asked: list[int] = []
         self.hook = model.register_forward_pre_hook(self._count)  # the test removes it
@@ -245,48 +264,32 @@ class _LayeredStepLoad(StepLoad):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_used_fork_with_the_layered_verify(cases, arch, dtype, monkeypatch):
-    from lynxkv.speculative import layered
-
-    monkeypatch.setattr(layered, "ROW_COST", 1e4)  # the verify looks long: start it at the first chance
-    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
+def test_a_used_fork_with_the_layered_verify(cases, arch, dtype):
     model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
     load = _LayeredStepLoad(model, ids, anchor, full_kv, steps=WINDOW - 2)
     try:
-        res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound,
-                                         layered_verify=True))
+        with _margin(bound):
+            res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW), timing=_LongVerify())
     finally:
         load.hook.remove()
     s = res.stats
     assert s.verify_layered and s.drafted > d + 1 and s.branch_at == d
     assert sorted(load.asked) == list(range(model.config.num_hidden_layers))  # each layer filled once
     assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
-    assert sum(s.verify_pass_sizes) == d + 1  # the layered pass ended at the fork's draft
     assert res.token_ids == _reference(model, full_kv, ids, s)
     if dtype == "fp32":
         assert res.token_ids == decode_plain(model, full_kv, ids, NEW)
-    # a fork at the first draft that is not used: the rest of the main chain is verified in a second pass, on the
-    # layers the first pass filled and grew
+    # a fork at the first draft that is not used: the main chain is verified on the layers the pass filled
     load = _LayeredStepLoad(model, ids, anchor, full_kv, steps=WINDOW - 2)
     try:
-        res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=1e9,
-                                         layered_verify=True))
+        with _margin(1e9):
+            res = run(model, load, RunConfig(max_new_tokens=NEW, max_window=WINDOW), timing=_LongVerify())
     finally:
         load.hook.remove()
     s = res.stats
-    assert s.verify_layered and s.branch_at == 0 and s.accepted >= 1 and len(s.verify_pass_sizes) == 2
+    assert s.verify_layered and s.branch_at == 0 and s.accepted >= 1 and s.branch_accepted is None
     assert sorted(load.asked) == list(range(model.config.num_hidden_layers))
     assert res.token_ids == _reference(model, full_kv, ids, s)
-
-
-def test_config_refusals():
-    from lynxkv.errors import InputError
-    from lynxkv.speculative import SamplingParams
-
-    with pytest.raises(InputError, match="greedy"):
-        RunConfig(branch_margin=0.1, sampling=SamplingParams(temperature=0.7))
-    with pytest.raises(InputError, match="branch_margin"):
-        RunConfig(branch_margin=-1.0)
 
 
 @pytest.fixture(scope="module")
@@ -307,8 +310,9 @@ def test_cli_run_with_a_branch_equals_the_full_code(cli_cache, capsys):
 
     model, model_dir, path, ids, d = cli_cache
     png = d / "t.png"
-    code, out, err = _cli(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth", "8MB/s",
-                          "--branch-margin", "1e9", "--json", "--timeline", str(png))  # a fork at the first draft
+    with _margin(1e9):  # a fork at the first draft
+        code, out, err = _cli(capsys, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth",
+                              "8MB/s", "--json", "--timeline", str(png))
     assert code == 0, err
     s = json.loads(out)["stats"]
     assert json.loads(out)["timelines"][0]["branch_steps"] == s["branch_draft_steps"]
@@ -316,30 +320,22 @@ def test_cli_run_with_a_branch_equals_the_full_code(cli_cache, capsys):
     with open_cache(path) as c:
         full_kv = c.load_kv()
     want = decode_plain(model, full_kv, ids, 24, first_forward=s["draft_token_ids"],
-                        first_passes=s["verify_pass_sizes"], branch=(s["branch_at"], s["branch_token_ids"]))
+                        branch=(s["branch_at"], s["branch_token_ids"]))
     assert json.loads(out)["token_ids"] == want
     if s["drafted"]:
         assert s["branch_at"] == 0 and s["branch_forks"] == 1
         assert len(s["branch_draft_steps"]) == len(s["branch_token_ids"]) - 1 == s["drafted"] - 1
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--temperature", "0.8"], "greedy"),
-])
-def test_cli_refusals(cli_cache, capsys, args, message):
-    _, model_dir, path, _, _ = cli_cache
-    code, out, err = _cli(capsys, path, "--model", model_dir, "--branch-margin", "0.1", *args)
-    assert code == 1 and err.startswith("lynxkv: error:") and message in err and err.count("\n") == 1
-
-
 def test_cli_a_branch_in_a_batch(cli_cache, capsys):
-    """Two caches with --branch-margin: each request forks at its first draft and its tokens are decoding on the
+    """Two caches, a margin above every draft's: each request forks at its first draft and its tokens are decoding on the
     full code with its forward shapes."""
     from lynxkv.cache import open_cache
 
     model, model_dir, path, ids, _ = cli_cache
-    code, out, err = _cli(capsys, path, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth",
-                          "8MB/s", "--branch-margin", "1e9", "--json")
+    with _margin(1e9):
+        code, out, err = _cli(capsys, path, path, "--model", model_dir, "-n", "24", "--ignore-eos", "--bandwidth",
+                              "8MB/s", "--json")
     assert code == 0, err
     with open_cache(path) as c:
         full_kv = c.load_kv()
@@ -365,7 +361,8 @@ def test_a_two_chain_step_abandoned_when_the_residual_lands():
     _, anchor_kv, full_kv = caches(model, ids)
     load = _LandsInForward(model, ids, anchor_kv, full_kv, 5)
     try:
-        res = run(model, load, RunConfig(max_new_tokens=30, max_window=24, branch_margin=1e9, interrupt_drafts=True))
+        with _margin(1e9):
+            res = run(model, load, RunConfig(max_new_tokens=30, max_window=24))
     finally:
         load.close()
     s = res.stats
@@ -415,85 +412,42 @@ def test_the_forked_forward_is_two_batch1_forwards(arch, dtype):
     assert int(main.get_seq_length()) == int(ref_main.get_seq_length()) == prefix + 6
 
 
-def test_cut_at_ends_a_pass_after_the_forks_draft():
-    from lynxkv.speculative.verify_pass import cut_at, pass_sizes
-
-    assert cut_at([10], 4) == [4, 6]
-    assert cut_at([2, 8], 2) == [2, 8]  # already a boundary
-    assert cut_at([2, 8], 5) == [2, 3, 5]
-    assert cut_at([1, 2, 4, 3], 6) == [1, 2, 3, 1, 3]
-    assert cut_at([10], 10) == [10] and cut_at([10], 0) == [10]
-    for k, first in ((30, 2), (7, 0), (12, 3)):
-        for at in range(k + 1):
-            sizes = cut_at(pass_sizes(k, 0, first), at)
-            assert sum(sizes) == k and all(n > 0 for n in sizes)
-            assert at in {sum(sizes[:i]) for i in range(len(sizes) + 1)}
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
-@pytest.mark.parametrize("layered_verify", [False, True], ids=["whole", "layered"])
-def test_the_branch_in_a_batch(cases, arch, dtype, layered_verify, monkeypatch):
-    """Three requests in one batch: the forked case with its branch (the main chain verified in one pass, then
-    the branch in the request's next step), the same without a branch, and another request. Each equals decoding
-    on its full code with its own forward shapes, and in fp32 plain decoding."""
-    from lynxkv.speculative import layered
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layered"])
+def test_the_branch_in_a_batch(cases, arch, dtype, layered):
+    """Two requests in one batch: the forked case with its branch (the main chain verified in one pass, then the
+    branch in the request's next step) and another request. Each equals decoding on its full code with its own
+    forward shapes, and in fp32 plain decoding."""
     from lynxkv.speculative import BatchRequest, run_batch
 
-    monkeypatch.setattr(layered, "ROW_COST", 1e4)  # a layered verify starts at the first chance
-    monkeypatch.setattr(layered, "_SEEN_BATCH", type(layered._SEEN_BATCH)())
     model, ids, anchor, full_kv, d, bound = cases[(arch, dtype)]
     other_ids = prompt_ids(99, PROMPT - 7)
     _, other_anchor, other_full = caches(model, other_ids)
     hooks = []
 
     def load(i, a, f):
-        if not layered_verify:
+        if not layered:
             return StepLoad(model, i, a, f)
         lo = _LayeredStepLoad(model, i, a, f, steps=WINDOW - 2)  # due after the batch's tenth forward
         hooks.append(lo.hook)
         return lo
 
-    from lynxkv.speculative import batch
-
-    held = []  # at the fork's verify: whether its branch's cache (the prompt's KV again) was still held
-    take_rows = batch._Request.take_rows
-
-    def noting(self, *args, **kwargs):
-        if self.name == "fork" and self.phase == "verify" and self.brancher is not None:
-            held.append(self.brancher.branch is not None and self.brancher.branch.cache is not None)
-        take_rows(self, *args, **kwargs)
-
-    monkeypatch.setattr(batch._Request, "take_rows", noting)
-    cfg = RunConfig(max_new_tokens=NEW, max_window=WINDOW, branch_margin=bound, layered_verify=layered_verify)
+    cfg = RunConfig(max_new_tokens=NEW, max_window=WINDOW)
     try:
-        got = run_batch(model, [BatchRequest(load(ids, anchor, full_kv), cfg, name="fork"),
-                                BatchRequest(load(ids, anchor, full_kv), RunConfig(max_new_tokens=NEW,
-                                             max_window=WINDOW, layered_verify=layered_verify), name="plain"),
-                                BatchRequest(load(other_ids, other_anchor, other_full), cfg, name="other")])
+        with _margin(bound):
+            got = run_batch(model, [BatchRequest(load(ids, anchor, full_kv), cfg, name="fork"),
+                                    BatchRequest(load(other_ids, other_anchor, other_full), cfg, name="other")],
+                            timing=_LongVerify())
     finally:
         for h in hooks:
             h.remove()
-    fork, plain, other = got.requests
+    fork, other = got.requests
     s = fork.stats
-    assert fork.error is None and s.branch_at == d and s.branch_forks == 1 and s.verify_layered == layered_verify
+    assert fork.error is None and s.branch_at == d and s.branch_forks == 1 and s.verify_layered == layered
     assert len(s.branch_token_ids) == s.drafted - d and len(s.branch_draft_steps) == s.drafted - d - 1
     assert s.accepted == d and s.branch_accepted >= 1  # the branch's first draft is the full code's next token
     assert fork.token_ids == _reference(model, full_kv, ids, s)
-    assert held and not any(held)  # the branch's cache went when drafting ended, before the verify
-    assert plain.stats.branch_at is None and plain.stats.accepted == d  # without it, the window ends at d
-    assert plain.token_ids == _reference(model, full_kv, ids, plain.stats)
     assert other.error is None and other.token_ids == _reference(model, other_full, other_ids, other.stats)
     if dtype == "fp32":
-        assert fork.token_ids == plain.token_ids == decode_plain(model, full_kv, ids, NEW)
-
-
-def test_cli_a_branch_with_a_sampled_request_is_refused_before_the_model_loads(cli_cache, capsys, tmp_path):
-    _, model_dir, path, _, _ = cli_cache
-    requests = tmp_path / "r.jsonl"
-    requests.write_text(json.dumps({"cache": path, "name": "greedy"}) + "\n"
-                        + json.dumps({"cache": path, "name": "warm", "temperature": 0.7}) + "\n")
-    code, out, err = _cli(capsys, str(requests), "--model", model_dir, "--branch-margin", "0.1")
-    assert code == 1 and out == "" and err.count("\n") == 1
-    assert err.startswith("lynxkv: error: request warm:") and "greedy" in err
-    assert "loading model" not in err
+        assert fork.token_ids == decode_plain(model, full_kv, ids, NEW)

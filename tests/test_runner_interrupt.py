@@ -50,36 +50,71 @@ class _LandsInForward(StepLoad):
             h.remove()
 
 
-def _run(model, ids, anchor_kv, full_kv, nth, interrupt, error=None, **config):
+class _BytesInThenFails(StepLoad):
+    """A load whose residual bytes are all in once the ``nth`` forward reaches its second decoder layer (so that
+    draft forward is ended part-way, some layers grown and the others not), and whose full code then fails to
+    build (a corrupt page found at the end)."""
+
+    def __init__(self, model, ids, anchor_kv, full_kv, nth: int):
+        super().__init__(model, ids, anchor_kv, full_kv)
+        self._future = concurrent.futures.Future()
+        self.calls, self.bytes_in = 0, False
+
+        def land(_module, _args):
+            self.calls += 1
+            if self.calls == nth:
+                self.bytes_in = True
+                self._future.set_exception(OSError("page 3 of layer 1 failed its checksum"))
+
+        self._handle = decoder_modules(model)[1].register_forward_pre_hook(land)
+
+    def residual_in(self):
+        return self.bytes_in
+
+    def close(self):
+        self._handle.remove()
+
+
+def _run(model, ids, anchor_kv, full_kv, nth, error=None, **config):
     load = _LandsInForward(model, ids, anchor_kv, full_kv, nth, error)
     try:
-        return run(model, load, RunConfig(max_new_tokens=30, max_window=24, interrupt_drafts=interrupt, **config)), load
+        return run(model, load, RunConfig(max_new_tokens=30, max_window=24, **config)), load
     finally:
         load.close()
 
 
-@pytest.mark.parametrize("first", [0, 2])
-def test_the_step_under_way_is_abandoned_and_the_output_is_unchanged(model, first):
+def test_the_step_under_way_is_abandoned_and_the_output_is_unchanged(model):
     ids = prompt_ids(7, 40)
     _, anchor_kv, full_kv = caches(model, ids)
     want = decode_plain(model, full_kv, ids, 30)
-    res, load = _run(model, ids, anchor_kv, full_kv, 5, True, verify_first=first)
+    res, load = _run(model, ids, anchor_kv, full_kv, 5)
     # four whole draft steps; the fifth ended at its second layer, so its third layer never ran
     assert res.stats.drafts_abandoned == 1 and res.stats.drafted == 4 and len(res.stats.draft_steps) == 4
     assert res.token_ids == want and res.verified
     verify_and_decode_forwards = load.calls - 5
     assert load.later_layer_calls == 4 + verify_and_decode_forwards
 
-    res, load = _run(model, ids, anchor_kv, full_kv, 5, False, verify_first=first)
-    assert res.stats.drafts_abandoned == 0 and res.stats.drafted == 5
-    assert res.token_ids == want
-    assert load.later_layer_calls == load.calls  # every forward ran to its end
+
+def test_an_interrupted_draft_leaves_a_whole_cache_for_the_anchor_fallback(model):
+    """The residual's bytes land in the middle of a draft forward (ending it after its first layer took the
+    token), then its full code fails: the anchor-only continuation is plain decoding on the anchor, as if the
+    interrupted step had never run."""
+    ids = prompt_ids(8, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    load = _BytesInThenFails(model, ids, anchor_kv, full_kv, 5)
+    try:
+        res = run(model, load, RunConfig(max_new_tokens=30, max_window=24, allow_anchor_only=True))
+    finally:
+        load.close()
+    assert res.stats.drafts_abandoned == 1 and res.stats.drafted == 4 and not res.verified
+    assert "checksum" in res.stats.residual_error
+    assert res.token_ids == decode_plain(model, anchor_kv, ids, 30, first_forward=res.stats.draft_token_ids)
 
 
 def test_a_failed_residual_never_interrupts_so_the_anchor_fallback_gets_a_whole_cache(model):
     ids = prompt_ids(8, 40)
     _, anchor_kv, full_kv = caches(model, ids)
-    res, load = _run(model, ids, anchor_kv, full_kv, 5, True, error=OSError("link down"), allow_anchor_only=True)
+    res, load = _run(model, ids, anchor_kv, full_kv, 5, error=OSError("link down"), allow_anchor_only=True)
     assert res.stats.drafts_abandoned == 0 and res.stats.drafted == 5 and not res.verified
     # anchor-only output is plain greedy decoding on the anchor (the drafts, then one token per step)
     assert res.token_ids == decode_plain(model, anchor_kv, ids, 30, first_forward=res.stats.draft_token_ids)
@@ -142,25 +177,8 @@ def _run_over_a_link(tmp_path):
         full_kv = c.load_kv()
     rate = os.path.getsize(path + "r") / 1.0
     with open_progressive(path, bandwidth=rate, block_size=8 << 10, inflight=1) as load:
-        res = run(big, load, RunConfig(max_new_tokens=400, max_window=400, min_window_steps=0))
+        res = run(big, load, RunConfig(max_new_tokens=400, max_window=400))
     return res, decode_plain(big, full_kv, ids, 400, first_forward=res.stats.draft_token_ids)
-
-
-@pytest.mark.parametrize("between", ["1", "0"])
-def test_the_runner_dequantizes_landed_layers_between_draft_steps(tmp_path, monkeypatch, between):
-    """Over a link, with the lowest-priority worker off, the runner itself dequantizes the residual's layers that
-    land while it drafts (LYNXKV_DEQUANT_BETWEEN_DRAFTS=0: none), stops drafting once the bytes are all in, and the
-    output is still greedy decoding on the full code."""
-    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "0")
-    monkeypatch.setenv("LYNXKV_DEQUANT_BETWEEN_DRAFTS", between)
-    res, want = _run_over_a_link(tmp_path)
-    s = res.stats
-    if between == "1":
-        assert s.layers_dequantized_between_drafts >= 2, s.layers_dequantized_between_drafts
-    else:
-        assert s.layers_dequantized_between_drafts == 0
-    assert s.drafted > 0 and s.verified
-    assert res.token_ids == want
 
 
 def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_path, monkeypatch):
@@ -170,7 +188,6 @@ def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_pat
     full code."""
     from lynxkv.stream.assembly import KVAssembly
 
-    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "1")
     early: list[int] = []
     real = KVAssembly._early_layer
 

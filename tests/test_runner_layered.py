@@ -10,7 +10,7 @@ from conftest import make_tiny_model
 from lynxkv.cache import open_cache, save_cache
 from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
-from lynxkv.speculative import ResidualUnavailable, RunConfig, decode_plain, run
+from lynxkv.speculative import ResidualUnavailable, RunConfig, Timing, decode_plain, run
 from lynxkv.speculative import layered
 from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache
 from lynxkv.stream import open_progressive
@@ -37,11 +37,17 @@ def _bandwidth(path: str, seconds: float) -> float:
     return (os.path.getsize(path) + os.path.getsize(path + "r")) / seconds
 
 
+class _LongVerify(Timing):
+    """This machine's figures as a run would see them if a verify took ages: the layered verify starts as early as
+    it can (two draft steps in)."""
+
+    def verify_estimate(self, rows, step, *, batch=False):
+        return 1e4
+
+
 @pytest.fixture
-def eager(monkeypatch):
-    """Make the runner start the layered verify as early as it can: the verify looks very long."""
-    monkeypatch.setattr(layered, "ROW_COST", 1e4)
-    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
+def eager():
+    return _LongVerify()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -71,7 +77,7 @@ def test_the_layered_forward_equals_the_forward_on_the_whole_full_code(tmp_path,
 def test_a_run_verifies_layer_by_layer_and_equals_decoding_on_the_full_code(tmp_path, arch, eager):
     model, ids, path, full_kv = _stored(tmp_path, arch)
     with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0, layered_verify=True))
+        result = run(model, load, RunConfig(max_new_tokens=24), timing=eager)
     s = result.stats
     assert s.verify_layered and s.drafted > 0 and s.verified
     assert s.verify_start_s < s.residual_ready_s <= s.verify_end_s  # it started before the last layer was in
@@ -86,7 +92,7 @@ def test_a_load_with_room_is_grown_into_in_place_with_the_same_tokens(tmp_path, 
         anchor0 = c.load_kv(anchor_only=True, dtype=torch.float32)
     with open_progressive(path, bandwidth=_bandwidth(path, 1.0), room=32) as load:
         assert load.grow_in_place
-        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0, layered_verify=True))
+        result = run(model, load, RunConfig(max_new_tokens=24), timing=eager)
         anchor, full = load.wait_anchor(), load.residual.result()
     s = result.stats
     assert s.verified and s.verify_layered and s.drafted > 0
@@ -97,15 +103,6 @@ def test_a_load_with_room_is_grown_into_in_place_with_the_same_tokens(tmp_path, 
     assert not torch.equal(full[0][0][:, keep], full_kv[0][0][:, keep])
     for (k, v), (k0, v0) in zip(anchor + full, anchor0 + full_kv):
         assert torch.equal(k[:, :keep], k0[:, :keep]) and torch.equal(v[:, :keep], v0[:, :keep])
-
-
-def test_without_the_early_start_the_verify_waits_for_the_whole_residual(tmp_path):
-    model, ids, path, full_kv = _stored(tmp_path, "llama")
-    with open_progressive(path, bandwidth=_bandwidth(path, 0.5)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, verify_chunk=4, layered_verify=True))
-    s = result.stats
-    assert not s.verify_layered and s.verify_start_s >= s.residual_ready_s
-    assert result.token_ids == decode_plain(model, full_kv, ids, 16)
 
 
 def _corrupt_last_layer(path: str) -> None:
@@ -120,7 +117,7 @@ def test_a_residual_layer_that_fails_during_the_layered_verify_ends_the_run_clea
     _corrupt_last_layer(path)
     with open_progressive(path, bandwidth=_bandwidth(path, 0.8)) as load:
         with pytest.raises(ResidualUnavailable, match="residual failed.*anchor-only"):
-            run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, layered_verify=True))
+            run(model, load, RunConfig(max_new_tokens=16), timing=eager)
 
 
 def test_with_anchor_only_allowed_a_failed_layer_falls_back_to_the_anchor(tmp_path, eager):
@@ -129,43 +126,19 @@ def test_with_anchor_only_allowed_a_failed_layer_falls_back_to_the_anchor(tmp_pa
         anchor_kv = c.load_kv(anchor_only=True)
     _corrupt_last_layer(path)
     with open_progressive(path, bandwidth=_bandwidth(path, 0.8), allow_anchor_only=True) as load:
-        result = run(model, load, RunConfig(max_new_tokens=16, min_window_steps=0, allow_anchor_only=True,
-                                             layered_verify=True))
+        result = run(model, load, RunConfig(max_new_tokens=16, allow_anchor_only=True), timing=eager)
     s = result.stats
     assert s.verify_layered and not s.verified and "residual failed" in s.residual_error
     assert result.token_ids == decode_plain(model, anchor_kv, ids, 16)
 
 
-def test_the_verify_estimate_learns_from_a_measured_verify(monkeypatch):
-    monkeypatch.setattr(layered, "_SEEN", type(layered._SEEN)())
-    model = torch.nn.Linear(1, 1)
-    assert layered.verify_estimate(model, 10, 0.1) == pytest.approx(0.1 * (1 + layered.ROW_COST * 10))
-    layered.remember_verify(model, 10, 0.6, 0.1)  # 6 steps for 10 rows: half a step per row
-    assert layered.verify_estimate(model, 20, 0.1) == pytest.approx(0.1 * (1 + 0.5 * 20))
-
-
-@pytest.mark.parametrize("options,layered_on", [
-    ({}, True), ({"layered_verify": False}, False), ({"verify_first": 2}, False),
-    ({"verify_first": 2, "layered_verify": True}, True),
-], ids=["default", "off", "verify-first", "verify-first-and-layered"])
-def test_the_layered_verify_is_on_unless_another_verify_is_asked_for(tmp_path, eager, options, layered_on):
-    model, ids, path, full_kv = _stored(tmp_path, "llama")
-    with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=24, min_window_steps=0, **options))
-    s = result.stats
-    assert s.drafted > 0 and s.verify_layered == layered_on
-    assert result.token_ids == decode_plain(model, full_kv, ids, 24, first_forward=s.draft_token_ids,
-                                            first_passes=s.verify_pass_sizes)
-
-
 def test_without_drafts_the_first_forward_waits_for_the_whole_residual(tmp_path):
-    # drafting would not pay (the residual is due within "a billion decode steps"): the runner waits for the full
-    # code, and so does the monolithic baseline (no speculation)
+    # drafting would not pay (a decode step is known to take a second, the residual due within a few of them): the
+    # run waits for the full code, and so does the monolithic baseline (no speculation)
     model, ids, path, full_kv = _stored(tmp_path, "llama")
     for options in ({}, {"speculate": False}):
         with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
-            result = run(model, load, RunConfig(max_new_tokens=12, min_window_steps=1e9, step_estimate_s=1.0,
-                                                **options))
+            result = run(model, load, RunConfig(max_new_tokens=12, **options), timing=Timing(1.0, len(ids)))
         s = result.stats
         assert s.drafted == 0 and not s.verify_layered and s.verify_start_s >= s.residual_ready_s
         assert result.token_ids == decode_plain(model, full_kv, ids, 12)
@@ -174,28 +147,22 @@ def test_without_drafts_the_first_forward_waits_for_the_whole_residual(tmp_path)
 def test_a_window_drafted_before_the_residual_is_verified_layer_by_layer(tmp_path):
     model, ids, path, full_kv = _stored(tmp_path, "llama")
     with open_progressive(path, bandwidth=_bandwidth(path, 1.5)) as load:
-        result = run(model, load, RunConfig(max_new_tokens=12, max_window=3, min_window_steps=0))
+        result = run(model, load, RunConfig(max_new_tokens=12, max_window=3))
     s = result.stats
     assert s.drafted == 3 and s.verify_layered and s.verify_start_s < s.residual_ready_s <= s.verify_end_s
     assert result.token_ids == decode_plain(model, full_kv, ids, 12, first_forward=s.draft_token_ids)
 
 
-def test_lynxkv_run_layered_verify_flag(tmp_path, eager, capsys):
+def test_lynxkv_run_verifies_layer_by_layer(tmp_path, capsys):
     import json
 
     from lynxkv.cli import main
     from runner_helpers import tiny_llama_cache
 
     _, model_dir, path, _, _ = tiny_llama_cache(tmp_path)
-    code = main(["run", path, "--model", model_dir, "-n", "20", "--ignore-eos", "--bandwidth",
-                 f"{_bandwidth(path, 1.0):.0f}B/s", "--layered-verify", "--json"])
+    code = main(["run", path, "--model", model_dir, "-n", "20", "--ignore-eos", "--max-window", "4", "--bandwidth",
+                 f"{_bandwidth(path, 1.0):.0f}B/s", "--json"])
     out = capsys.readouterr()
     assert code == 0, out.err
     stats = json.loads(out.out)["stats"]
-    assert stats["verify_layered"] and stats["verify_start_s"] < stats["residual_ready_s"]
-    code = main(["run", path, "--model", model_dir, "-n", "20", "--ignore-eos", "--bandwidth",
-                 f"{_bandwidth(path, 1.0):.0f}B/s", "--no-layered-verify", "--json"])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    stats = json.loads(out.out)["stats"]
-    assert not stats["verify_layered"] and stats["verify_start_s"] >= stats["residual_ready_s"]
+    assert stats["drafted"] == 4 and stats["verify_layered"] and stats["verify_start_s"] < stats["residual_ready_s"]

@@ -134,13 +134,10 @@ def test_residual_pages_are_read_once_the_anchor_is_ready(tmp_path, monkeypatch,
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize("eager", ["1", "0"])
-def test_the_full_code_is_dequantized_layer_by_layer_as_the_residual_arrives(tmp_path, monkeypatch, eager):
+def test_the_full_code_is_dequantized_layer_by_layer_as_the_residual_arrives(tmp_path):
     """Behind a link, a layer's full code is dequantized once its residual is in, before the rest of the residual
     has arrived (on a worker of the lowest priority: on a busy machine it may wait), so little is left to do after
-    the last byte; with LYNXKV_EAGER_RESIDUAL=0 nothing is until the whole residual is in. The full code equals
-    load_kv's either way."""
-    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", eager)
+    the last byte. The full code equals load_kv's."""
     anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
     path = write_pair(tmp_path, anchor, residual)
     # The residual takes about 1.6 s, in 64 KiB blocks read one at a time: its layers arrive in order (with 1 MiB
@@ -152,7 +149,7 @@ def test_the_full_code_is_dequantized_layer_by_layer_as_the_residual_arrives(tmp
             early = sum(load._kv._done)  # layers with their full code while bytes are still to come
             time.sleep(0.005)
         full = load.residual.result(60)
-    assert (early >= 3) if eager == "1" else (early == 0), early
+    assert early >= 3, early
     with open_cache(str(path)) as cache:
         assert kv_equal(full, cache.load_kv(dtype=torch.float32))
 
@@ -250,7 +247,7 @@ def test_letting_the_layers_go_after_the_early_worker_was_shut_down_starts_nothi
     cancelled = Future()
     cancelled.cancel()
     kv = object.__new__(KVAssembly)
-    kv.__dict__.update(_eager=True, _early=None, _early_jobs={0: cancelled}, _early_lock=threading.Lock(),
+    kv.__dict__.update(_early=None, _early_jobs={0: cancelled}, _early_lock=threading.Lock(),
                        _closed_early=True, _done=[False], _jobs={0: "job 0"}, urgent=False, _held=True)
     kv.hold(False)
     kv.relax()
@@ -756,18 +753,19 @@ def test_layer_in_waits_without_spinning_until_the_outputs_exist(cache_dir, monk
     assert cpu < 0.1 * wall, f"layer_in used {cpu:.3f} s of CPU in {wall:.3f} s of waiting"
 
 
-@pytest.mark.parametrize("eager", ["1", "0"])
+@pytest.mark.parametrize("hold", [True, False])
 def test_landed_layers_are_dequantized_by_the_caller_who_asks_and_residual_in_says_when_all_bytes_are(
-        tmp_path, monkeypatch, eager):
+        tmp_path, hold):
     """``dequantize_landed`` (what the runner calls between draft steps) dequantizes, in the calling thread, the
     layers whose residual is in and that no worker has begun, and never waits; ``residual_in`` turns True once
-    every residual byte is in, whether or not the full code is built. The full code equals load_kv's."""
-    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", eager)
+    every residual byte is in, whether or not the full code is built (``hold_early(True)``: the load's worker leaves
+    the landed layers to the caller). The full code equals load_kv's."""
     anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
     path = write_pair(tmp_path, anchor, residual)
     taken, bytes_in_before_done = 0, False
     with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
         load.wait_anchor(60)
+        load.hold_early(hold)
         assert not load.residual_in()
         while not load.residual.done():
             taken += load.dequantize_landed()
@@ -775,7 +773,7 @@ def test_landed_layers_are_dequantized_by_the_caller_who_asks_and_residual_in_sa
             time.sleep(0.005)
         full = load.residual.result(60)
         assert load.residual_in() and load.dequantize_landed() == 0
-    if eager == "0":  # no worker takes layers early: every layer but those landing with the last bytes is ours
+    if hold:  # no worker takes layers early: every layer but those landing with the last bytes is ours
         assert 3 <= taken <= 6, taken
     else:  # the lowest-priority worker and the caller share them, each layer done once
         assert 0 <= taken <= 6, taken
@@ -789,7 +787,6 @@ def test_a_layer_that_fails_when_taken_early_is_left_for_the_load_to_report(tmp_
     load's to report, through its residual)."""
     from lynxkv.stream.assembly import KVAssembly
 
-    monkeypatch.setenv("LYNXKV_EAGER_RESIDUAL", "0")
     anchor, residual = cache_bytes(random_kv(layers=3, heads=2, tokens=600, dim=16))
     path = write_pair(tmp_path, anchor, residual)
     real = KVAssembly.pages
@@ -803,6 +800,7 @@ def test_a_layer_that_fails_when_taken_early_is_left_for_the_load_to_report(tmp_
     monkeypatch.setattr(KVAssembly, "pages", pages)
     with open_progressive(str(path), bandwidth="2Mbps", block_size=16 << 10, inflight=1) as load:
         load.wait_anchor(60)
+        load.hold_early(True)  # the landed layers are left to this thread, whose every take fails
         while not load.residual.done():
             assert load.dequantize_landed() == 0  # every try fails, quietly
             time.sleep(0.005)
@@ -818,7 +816,7 @@ def test_a_layer_whose_early_job_found_it_taken_is_dequantized_once_it_is_given_
     from lynxkv.stream.assembly import KVAssembly
 
     kv = object.__new__(KVAssembly)  # only the early-worker state (the dequantization itself is stood in for)
-    kv.__dict__.update(_eager=True, _early=None, _early_jobs={}, _early_lock=threading.Lock(), _closed_early=False,
+    kv.__dict__.update(_early=None, _early_jobs={}, _early_lock=threading.Lock(), _closed_early=False,
                        _done=[False, False], _jobs={0: "job 0", 1: "job 1"}, urgent=True)
     done = []
 

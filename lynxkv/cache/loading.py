@@ -92,8 +92,10 @@ class CacheLoad(abc.ABC):
         """The caller of :meth:`layer_in` takes no more layers (a layered verify given up)."""
 
     def residual_in(self) -> bool:
-        """Whether every residual byte is in (the full code may still be being built); never waits."""
-        return self.residual.done()
+        """Whether every residual byte is in (the full code may still be being built); never waits. A residual that
+        failed is not in."""
+        fut = self.residual
+        return fut.done() and not fut.cancelled() and fut.exception(timeout=0) is None
 
     def dequantize_landed(self) -> int:
         """Build, in the calling thread, the parts of the full code whose bytes are in; the number of layers built.

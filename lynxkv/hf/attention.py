@@ -8,13 +8,11 @@ forward: without it a verify pass of 40–45 drafts took 18% less time on a 2-co
 verify pass").
 The rows are the same, bit for bit, as with the copy: in fp32, bf16 and fp16, with boolean and additive masks
 (``tests/test_hf_attention.py`` checks the logits of whole models of the test matrix against stock SDPA). One-token
-steps, forwards without a mask, models without grouped heads and other devices take ``transformers``' own path,
-and so does everything with ``LYNXKV_GROUPED_SDPA=0`` in the environment (to measure the difference).
+steps, forwards without a mask, models without grouped heads and other devices take ``transformers``' own path.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -47,8 +45,6 @@ def use_grouped_sdpa(model) -> None:
     """Run ``model``'s attention through :func:`grouped_sdpa` where it uses SDPA (idempotent; other
     implementations, e.g. eager for a model with soft-capping, are left as they are)."""
     global _registered
-    if os.environ.get("LYNXKV_GROUPED_SDPA", "1") == "0":
-        return
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return

@@ -4,8 +4,7 @@ priority (a model drafting on the anchor meanwhile keeps the cores it uses; what
 residual, so little is left to do after the last byte), or at once for a caller that asks for a layer
 (:meth:`KVAssembly.full_layer`: the runner's layered verify). A caller that dequantizes the landed layers itself
 between its steps holds that worker back (:meth:`KVAssembly.hold`: the runner while it drafts).
-``LYNXKV_EAGER_RESIDUAL=0`` leaves the full code until the whole residual is in (to measure the difference). The
-full code's memory pages are mapped while the anchor is on its way (:meth:`KVAssembly.prefault`), so that the
+The full code's memory pages are mapped while the anchor is on its way (:meth:`KVAssembly.prefault`), so that the
 dequantization after it writes into pages the kernel has already provided.
 
 Both are dequantized straight from the page records' bytes (:func:`lynxkv.format.records.dequantize_records`,
@@ -72,7 +71,6 @@ class KVAssembly:
         # only take a core from those steps (a model's forward waits for its slowest thread), so it leaves them
         self._held = False
         # Layers dequantized as they come in (see the module docstring): one worker of the lowest priority
-        self._eager = os.environ.get("LYNXKV_EAGER_RESIDUAL", "1") != "0"
         self._early: ThreadPoolExecutor | None = None
         self._early_jobs: dict[int, object] = {}  # layer -> its future
         self._early_lock = threading.Lock()  # the consumer's thread and a layered verify's caller both start jobs
@@ -135,9 +133,7 @@ class KVAssembly:
                     self._start_early(layer)
 
     def _start_early(self, layer: int) -> None:
-        """Dequantize ``layer`` on the early worker (when layers are dequantized early at all)."""
-        if not self._eager:
-            return
+        """Dequantize ``layer`` on the early worker."""
         with self._early_lock:
             if self._closed_early:  # (its jobs may be cancelled: they are not asked for their outcome)
                 return

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from lynxkv.cache.kv import TORCH_DTYPES, KVPairs
 from lynxkv.cache.loading import CacheLoad, LoadTimeline
@@ -28,14 +29,30 @@ from lynxkv.format import constants as c
 from lynxkv.stream.buffer import StreamClosed
 
 
-def exact_stage(load, future, timeline: LoadTimeline, emit, now) -> None:
-    """Run the exact stage of ``load`` and settle ``future`` with its outcome (:func:`read_exact_stage`); record
-    ``exact_ready_s`` or ``exact_failed`` in ``timeline.extra`` and emit ``exact_ready`` / ``exact_failed``."""
+@dataclass
+class ExactStage:
+    """What the exact stage needs of its progressive load, handed over explicitly."""
+
+    wait_header: Callable[[], tuple]  # blocks until the anchor header is read: (header, page reader); raises the load's error
+    mode: bool | None  # True: asked for; None: only where the cache has one
+    decode: bool
+    dtype: object  # the torch dtype asked for, or None
+    source: str
+    exact_file: str | None
+    timeline: LoadTimeline
+    residual: Future  # the load's full code
+    open_exact: Callable | None  # the transport's open_exact(header, override), None when it carries no exact segment
+
+
+def exact_stage(stage: ExactStage, future: Future, emit, now) -> None:
+    """Run the exact stage and settle ``future`` with its outcome (:func:`read_exact_stage`); record
+    ``exact_ready_s`` or ``exact_failed`` in the timeline's ``extra`` and emit ``exact_ready`` / ``exact_failed``."""
     from lynxkv.errors import LynxError
     from lynxkv.stream.events import LoadEvent
 
+    timeline = stage.timeline
     try:
-        result = read_exact_stage(load)
+        result = read_exact_stage(stage)
     except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
         if not isinstance(exc, LynxError):
             exc = LynxError(f"exact segment: {type(exc).__name__}: {exc}")
@@ -51,43 +68,39 @@ def exact_stage(load, future, timeline: LoadTimeline, emit, now) -> None:
     emit(LoadEvent("exact_ready", now()))
 
 
-def read_exact_stage(load):
-    """The exact stage of the :class:`~lynxkv.stream.progressive.ProgressiveLoad` ``load``: the original tensors
-    (with ``load.decode``), ``None`` (without: every exact page's CRC checked as it arrives), or ``False`` when the
-    load asked for the exact segment only where there is one and this cache has none. Raises the error that
-    refuses it: no exact segment, another dtype, a transport that does not carry it, a header of another cache,
-    a page that fails its CRC or does not rebuild its original bytes, or the full code's own failure."""
-    while not load._header_ready.wait(0.2):
-        if load._closed.is_set() or load._anchor_done.is_set():
-            raise load._anchor_error or load._fatal or StreamClosed("load closed")
-    h, reader = load.header, load._reader
+def read_exact_stage(stage: ExactStage):
+    """The exact stage of a progressive load: the original tensors (with ``decode``), ``None`` (without: every
+    exact page's CRC checked as it arrives), or ``False`` when the load asked for the exact segment only where there
+    is one and this cache has none. Raises the error that refuses it: no exact segment, another dtype, a transport
+    that does not carry it, a header of another cache, a page that fails its CRC or does not rebuild its original
+    bytes, or the full code's own failure."""
+    h, reader = stage.wait_header()
     seg = h.segment(c.SEGMENT_EXACT)
     if seg is None:
-        if load.exact_mode is None:
+        if stage.mode is None:
             return False
         raise InputError("this cache has no exact segment (encode it with --exact)")
-    if load.decode and load.dtype is not None and load.dtype != TORCH_DTYPES[h.dtype]:
+    if stage.decode and stage.dtype is not None and stage.dtype != TORCH_DTYPES[h.dtype]:
         raise InputError(f"exact: the exact segment rebuilds the cache in its original dtype ({h.dtype}); it "
                          "excludes another dtype")
-    open_exact = getattr(load._transport, "open_exact", None)
-    if open_exact is None:
-        raise InputError(f"{load.source}: this source does not carry the exact segment")
-    load._timeline.extra.setdefault("exact_bytes", 0)
-    load._timeline.extra["exact_total_bytes"] = seg.length
+    if stage.open_exact is None:
+        raise InputError(f"{stage.source}: this source does not carry the exact segment")
+    stage.timeline.extra.setdefault("exact_bytes", 0)
+    stage.timeline.extra["exact_total_bytes"] = seg.length
     try:
-        buf = open_exact(h, load._exact_file)
+        buf = stage.open_exact(h, stage.exact_file)
         reader.attach_exact(buf, base=seg.offset if seg.placement == c.PLACEMENT_INLINE else 0)  # bound to the anchor
-        if not load.decode:
+        if not stage.decode:
             for _ in reader.pages(c.SEGMENT_EXACT, decode=False):  # CRC checked here, page by page
                 pass
     except StreamClosed:
-        if load.residual.done():  # the full code failed, which closed the load: its error is this stage's too
-            load.residual.result()
+        if stage.residual.done():  # the full code failed, which closed the load: its error is this stage's too
+            stage.residual.result()
         raise
-    if not load.decode:
-        load.residual.result()  # the stages end in order: anchor, full code, exact
+    if not stage.decode:
+        stage.residual.result()  # the stages end in order: anchor, full code, exact
         return None
-    full = load.residual.result()  # the full code (its failure is the exact stage's too)
+    full = stage.residual.result()  # the full code (its failure is the exact stage's too)
     out = [(k.clone(), v.clone()) for k, v in full]
     reader.apply_exact(out)  # page by page as the bytes arrive; each rebuilt page's CRC checked before the next
     return out

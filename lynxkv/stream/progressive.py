@@ -39,10 +39,11 @@ from lynxkv.cache.loading import CacheLoad, LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.link import EmulatedLink
 from lynxkv.stream.assembly import KVAssembly
+from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.arrivals import ArrivalTransfer, layer_arrivals
 from lynxkv.stream.consumer import LoadConsumer
 from lynxkv.stream.events import EventLog, LoadEvent
-from lynxkv.stream.exact_load import exact_stage
+from lynxkv.stream.exact_load import ExactStage, exact_stage
 from lynxkv.stream.transport import Fetch, open_transport
 from lynxkv.stream.units import parse_bandwidth, parse_duration
 
@@ -367,9 +368,18 @@ class ProgressiveLoad(LoadConsumer, CacheLoad):
         self._put(1, ("residual_done",))
 
     # ------------------------------------------------------------------------------------------ exact (1.4)
+    def _wait_header(self) -> tuple:
+        """(header, page reader) once the consumer has read the header; the load's error if it ended first."""
+        while not self._header_ready.wait(0.2):
+            if self._closed.is_set() or self._anchor_done.is_set():
+                raise self._anchor_error or self._fatal or StreamClosed("load closed")
+        return self.header, self._reader
+
     def _exact_worker(self) -> None:
+        stage = ExactStage(self._wait_header, self.exact_mode, self.decode, self.dtype, self.source, self._exact_file,
+                           self._timeline, self._future, getattr(self._transport, "open_exact", None))
         try:
-            exact_stage(self, self._exact_future, self._timeline, self._emit, self._now)
+            exact_stage(stage, self._exact_future, self._emit, self._now)
         finally:
             self._drop_locals(self._failure(self._exact_future))
             self._part_ended()

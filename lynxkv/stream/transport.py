@@ -34,7 +34,7 @@ is issued again. Memory is bounded by ``inflight * block_size``.
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import concurrent.futures as cf
 import threading
 import time
@@ -443,17 +443,24 @@ class StorageTransport:
 
 #: Transports by URL scheme; anything else goes through the storage layer (:class:`StorageTransport`).
 TRANSPORTS: dict[str, Callable[..., Transport]] = {}
-#: Transports that live in a layer above this one, by scheme: the module that registers each, imported on first use
-#: (so that streaming never imports an integration it was not asked for).
-PLUGIN_TRANSPORTS = {"lmcache": "lynxkv.integrations.lmcache.source"}
+#: Packages register the transports of their own schemes as entry points of this group (lynxkv's LMCache
+#: integration does, in pyproject.toml), loaded on first use: streaming never imports a package it was not asked for.
+ENTRY_POINT_GROUP = "lynxkv.transports"
+
+
+def register_transport(scheme: str, factory: Callable[..., Transport]) -> None:
+    """Read ``scheme://`` URLs with ``factory(url, transfer, **options)``."""
+    TRANSPORTS[scheme.lower()] = factory
 
 
 def transport_for(url: str) -> Callable[..., Transport] | None:
-    """The transport registered for ``url``'s scheme (importing a plug-in transport's module on first use), or
-    None: the storage layer reads it."""
+    """The transport registered for ``url``'s scheme (loading a package's entry point on first use), or None: the
+    storage layer reads it."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme not in TRANSPORTS and scheme in PLUGIN_TRANSPORTS:
-        importlib.import_module(PLUGIN_TRANSPORTS[scheme])
+    if scheme and scheme not in TRANSPORTS:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=scheme):
+            register_transport(scheme, ep.load())
+            break
     return TRANSPORTS.get(scheme)
 
 

@@ -56,7 +56,7 @@ from lynxkv.stream.buffer import StreamBuffer
 from lynxkv.stream.joined import (JoinedCache, JoinedSegment, Part, join_caches, join_problem, joined_cache_id,
                                   read_part)
 from lynxkv.stream.link import ANCHOR, RESIDUAL
-from lynxkv.stream.transport import TRANSPORTS, StorageTransport, Transfer
+from lynxkv.stream.transport import StorageTransport, Transfer, register_transport
 
 SCHEME = "lmcache"
 EXTRA = 'pip install "lynxkv[lmcache]"'
@@ -296,4 +296,4 @@ class LMCacheTransport(StorageTransport):
         return self._residual_buf
 
 
-TRANSPORTS[SCHEME] = LMCacheTransport
+register_transport(SCHEME, LMCacheTransport)
