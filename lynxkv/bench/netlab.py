@@ -21,8 +21,8 @@ Teardown. Leaving the ``with`` (normally or by an exception), ``close()``, the i
 SIGTERM or SIGINT (a handler closes every lab of the process, then does what the signal did before: the default
 action, or the handler that was there) stop the processes the lab started, kill any process still inside its
 namespaces, and delete both namespaces (which deletes the veth pair). SIGKILL cannot be caught: the next lab
-(or ``NetLab.cleanup_stale()``) removes the namespaces of labs whose owning process is gone and inside which
-nothing runs.
+(or ``NetLab.cleanup_stale()``) removes the namespaces of labs whose owning process is gone, with whatever still
+runs inside them.
 
 Needs root, iproute2 (``ip``, ``tc``), and a kernel with network namespaces, veth, ``sch_htb`` and ``cls_u32``;
 :func:`can_create_lab` says which is missing, for a test to skip with the reason.
@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 
+from lynxkv.bench.bulk import GRACE_S
 from lynxkv.bench.shaping import LYNX_CLASSES, TrafficClass, htb_commands, parse_rate
 
 PREFIX = "lynxlab-"
@@ -97,11 +98,12 @@ def _kill_inside(ns: str) -> None:
             pass
     deadline = time.monotonic() + 2.0
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if os.path.exists(f"/proc/{p}") and not _is_zombie(p)]
+        pids = [p for p in pids if not _exited(p)]
         time.sleep(0.01)
 
 
-def _is_zombie(pid: int) -> bool:
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: an orphan that nobody reaps stays one, exited all the same."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
@@ -120,18 +122,26 @@ def _stop_process(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
 
 
 class Bulk:
-    """A running competing stream: ``stop()`` ends it and returns what each side counted."""
+    """A running competing stream: ``wait()`` lets it end by itself, ``stop()`` ends it now; both return what each
+    side counted: ``{"sent", "send_seconds", "received", "receive_seconds"}`` (the receiver's seconds run from its
+    first byte to its last, so ``received * 8 / receive_seconds`` is the rate the link gave it)."""
 
-    def __init__(self, sender: subprocess.Popen, receiver: subprocess.Popen):
-        self.sender, self.receiver = sender, receiver
+    def __init__(self, sender: subprocess.Popen, receiver: subprocess.Popen, seconds: float):
+        self.sender, self.receiver, self.seconds = sender, receiver, seconds
 
-    def stop(self, timeout: float = 10.0) -> dict:
-        """Stop the sender if it is still sending, let the receiver see the close, and return what they counted:
-        ``{"sent", "send_seconds", "received", "receive_seconds"}`` (the receiver's seconds run from its first
-        byte to its last)."""
+    def wait(self) -> dict:
+        return self._collect(self.seconds + 10.0)
+
+    def stop(self) -> dict:
         if self.sender.poll() is None:
             self.sender.send_signal(signal.SIGTERM)
-        sent, received = _result(self.sender, timeout), _result(self.receiver, timeout)
+        return self._collect(10.0)
+
+    def _collect(self, sender_timeout: float) -> dict:
+        sent = _result(self.sender, sender_timeout)
+        # The receiver ends when it has drained what the sender's socket still held and sees the close; one that
+        # never got a connection is stopped after the same grace (it then reports nothing received).
+        received = _result(self.receiver, GRACE_S + 1.0)
         return {"sent": sent.get("sent", 0), "send_seconds": sent.get("seconds"),
                 "received": received.get("received", 0), "receive_seconds": received.get("seconds")}
 
@@ -217,13 +227,14 @@ class NetLab:
 
     @staticmethod
     def cleanup_stale() -> list[str]:
-        """Delete the ``lynxlab-*`` namespaces whose owning process (the pid in the name) is gone and inside which
-        no process runs; return their names. Labs of live processes are left alone."""
+        """Delete the ``lynxlab-*`` namespaces whose owning process (the pid in the name) is gone, killing what the
+        dead lab left running inside them; return their names. Labs of live processes are left alone."""
         removed = []
         for ns in _netns_names():
             m = _NAME.match(ns)
-            if m is None or _pid_alive(int(m.group(1))) or _netns_pids(ns):
+            if m is None or _pid_alive(int(m.group(1))):
                 continue
+            _kill_inside(ns)
             if subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=IP_TIMEOUT_S).returncode == 0:
                 removed.append(ns)
         return removed
@@ -296,7 +307,7 @@ class NetLab:
         sender = self.popen(from_side, [sys.executable, BULK_SCRIPT, "send", to_addr, ready[1], seconds,
                                         int(max_bytes)],
                             stdout=subprocess.PIPE, text=True)
-        return Bulk(sender, receiver)
+        return Bulk(sender, receiver, seconds)
 
 
 # ------------------------------------------------------------------------------ teardown on exit and on signals
