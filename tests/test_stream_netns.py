@@ -1,9 +1,10 @@
 """DSCP marks on a real shaped link (lynxkv.bench.netlab): ``lynxkv serve`` (HTTP) runs in the lab's server
 namespace without a rate of its own, a client in the client namespace asks for the anchor and the residual at the
-same moment, and the kernel (tc HTB at 20 Mbit/s, one class per DSCP class) alone decides who goes first: marked
-EF, the anchor finishes in about anchor_bytes / rate; unmarked, it shares the link with the residual and finishes
-much later; marked, with unmarked bulk traffic competing, it still has the link almost to itself. Needs root and
-iproute2; skips with the reason otherwise."""
+same moment, and the kernel (tc HTB at 20 Mbit/s, one class per DSCP class) alone decides who goes first. The
+class counters show where the bytes went (EF to the anchor's class, CS1 to the residual's, unmarked to the
+default class). Marked EF, the anchor finishes in about anchor_bytes / rate; unmarked, it shares the link with
+the residual and finishes much later; marked, with unmarked bulk traffic competing, it still has the link almost
+to itself. Needs root and iproute2; skips with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def _transfer(lab: NetLab, path: str, marks: bool) -> dict:
            "--json"]
     if marks:
         cmd += ["--dscp-anchor", "EF", "--dscp-residual", "CS1"]
+    before = lab.class_bytes("server")
     proc = lab.popen("server", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines: list[str] = []
@@ -75,7 +77,8 @@ def _transfer(lab: NetLab, path: str, marks: bool) -> dict:
         pulled = lab.run("client", [sys.executable, "-c", PULL_BOTH, url.hostname, url.port, url.path,
                                     residual_path], timeout=60)
         assert proc.wait(timeout=30) == 0
-        return json.loads(pulled.stdout)
+        after = lab.class_bytes("server")
+        return {**json.loads(pulled.stdout), "classes": {k: after[k] - before[k] for k in after}}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -100,6 +103,10 @@ def test_dscp_marked_anchor_gets_through_first_on_a_shaped_link(tmp_path, lab):
     both = (len(anchor) + len(residual)) * 8 / RATE_BITS
     for run in (marked, plain, crowded):
         assert run["anchor"][1] == len(anchor) and run["residual"][1] == len(residual)
+    # Where the kernel put the bytes: by their marks, or all in the default class without them.
+    assert marked["classes"]["anchor"] >= len(anchor) and marked["classes"]["residual"] >= len(residual)
+    assert plain["classes"]["anchor"] == plain["classes"]["residual"] == 0
+    assert plain["classes"]["bulk"] >= len(anchor) + len(residual)
     assert marked["anchor"][0] < marked["residual"][0]
     assert marked["anchor"][0] < alone + 0.35 * (both - alone)  # close to having the link to itself
     assert plain["anchor"][0] > marked["anchor"][0] + 0.3 * (both - alone)  # unmarked, it has to share

@@ -44,7 +44,7 @@ import threading
 import time
 
 from lynxkv.bench.bulk import GRACE_S
-from lynxkv.bench.shaping import LYNX_CLASSES, TrafficClass, htb_commands, parse_rate
+from lynxkv.bench.shaping import LYNX_CLASSES, TrafficClass, htb_commands, parse_class_bytes, parse_rate
 
 PREFIX = "lynxlab-"
 DEV = "lab0"
@@ -282,6 +282,12 @@ class NetLab:
             for cmd in htb_commands(self._ns(side), DEV, bits, self.classes, change=True):
                 _ip(*cmd, step="change the link's rate")
         self.rate_bits = bits
+
+    def class_bytes(self, side: str = "server") -> dict[str, int]:
+        """Bytes each traffic class of ``side``'s shaped end has sent so far (``"link"``: all of them): where the
+        kernel put what was sent, e.g. to check that marked packets met their class; ``{}`` for a side not shaped."""
+        out = _ip("tc", "-n", self._ns(side), "-s", "class", "show", "dev", DEV, step="read the class counters")
+        return parse_class_bytes(out, self.classes)
 
     def link_down(self) -> None:
         """Cut the link (the server's end goes down; the client's loses its carrier): packets in either direction

@@ -20,6 +20,7 @@ has ``htb``, ``tbf`` and ``u32`` but no ``netem``, ``prio`` or ``fq_codel``, hen
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from lynxkv.serve.resources import DSCP
@@ -113,3 +114,12 @@ def htb_commands(ns: str, dev: str, rate_bits: int, classes: tuple[TrafficClass,
                              "match", "ip", "dsfield", f"0x{d << 2:02x}", "0xfc", "flowid",
                              class_id(classes, c.name)])
     return cmds
+
+
+_CLASS_SENT = re.compile(r"^class htb (\d+:\d+) .*?\n\s*Sent (\d+) bytes", re.MULTILINE)
+
+
+def parse_class_bytes(text: str, classes: tuple[TrafficClass, ...]) -> dict[str, int]:
+    """Bytes each class has sent, from ``tc -s class show``: ``{"link": root, <class name>: ...}``."""
+    names = {"1:1": "link", **{class_id(classes, c.name): c.name for c in classes}}
+    return {names[cid]: int(n) for cid, n in _CLASS_SENT.findall(text) if cid in names}
