@@ -170,10 +170,10 @@ class NetLab:
         tag = secrets.token_hex(3)
         self.server_ns = f"{PREFIX}{os.getpid()}-{tag}-s"
         self.client_ns = f"{PREFIX}{os.getpid()}-{tag}-c"
-        net = f"10.213.{secrets.randbelow(256)}.{4 * secrets.randbelow(64)}"  # a /30: .1 and .2 are the hosts
-        base = net.rsplit(".", 1)
-        self.server_addr = f"{base[0]}.{int(base[1]) + 1}"
-        self.client_addr = f"{base[0]}.{int(base[1]) + 2}"
+        # A /30 of 10.213.0.0/16: its two host addresses. It exists only between the two namespaces, so any /30
+        # would do; a random one keeps two labs' addresses apart in logs and captures.
+        net, host = secrets.randbelow(256), 4 * secrets.randbelow(64)
+        self.server_addr, self.client_addr = f"10.213.{net}.{host + 1}", f"10.213.{net}.{host + 2}"
         self._owner = os.getpid()
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
@@ -205,7 +205,7 @@ class NetLab:
                 _ip("ip", "-n", ns, "link", "set", DEV, "up", step="bring the veth pair up")
             for side in self.shape:
                 for cmd in htb_commands(self._ns(side), DEV, self.rate_bits, self.classes):
-                    _ip(*cmd, step=f"shape the link with {cmd[3]} ({cmd[-1] if cmd[3] == 'filter' else 'htb'})")
+                    _ip(*cmd, step=f"shape the link ({cmd[3]} {cmd[4]})")
         except BaseException:
             self.close()
             raise
@@ -253,7 +253,7 @@ class NetLab:
         if self._closed or not self._created:
             raise LabError("the lab is not open")
         proc = subprocess.Popen(["ip", "netns", "exec", self._ns(side), *map(str, argv)], **kwargs)
-        self._procs.append(proc)
+        self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
 
     def run(self, side: str, argv: list[str], *, timeout: float = 60.0, check: bool = True,
@@ -320,7 +320,7 @@ class NetLab:
 
 _LIVE: set[NetLab] = set()
 _PREVIOUS: dict[int, object] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a signal's handler closes labs on the thread that may hold it
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
