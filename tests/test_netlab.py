@@ -1,7 +1,7 @@
 """The network lab (lynxkv.bench.netlab) on this machine: a cache served in one namespace and streamed from the
 other over the shaped veth link arrives byte for byte at the link's rate; the rate can change; the link can be
 cut and restored; competing bulk traffic keeps its bounds; and no namespace outlives its lab, whether the ``with``
-ends normally, by an exception, by SIGTERM, or (with ``cleanup_stale``) by SIGKILL. Needs root and iproute2;
+ends normally, by an exception, by SIGTERM or SIGINT, or (with ``cleanup_stale``) by SIGKILL. Needs root and iproute2;
 skips with the reason otherwise."""
 
 from __future__ import annotations
@@ -151,10 +151,11 @@ def _child_with_a_lab() -> tuple[subprocess.Popen, set[str], int]:
     return child, names, int(pid)
 
 
-def test_a_lab_process_stopped_by_sigterm_leaves_no_namespace():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_lab_process_stopped_by_a_signal_leaves_no_namespace(sig):
     child, names, sleeper = _child_with_a_lab()
-    child.send_signal(signal.SIGTERM)
-    assert child.wait(timeout=30) == -signal.SIGTERM  # it still dies of the signal, after the teardown
+    child.send_signal(sig)
+    assert child.wait(timeout=30) == -sig  # it still dies of the signal (SIGINT: as Python does), after the teardown
     child.stdout.close()
     assert not names & _namespaces()
     assert _gone(sleeper)
