@@ -116,8 +116,8 @@ def compare_table(compare: dict, link_text: str):
 
     repeats = compare["repeats"]
     how = f"medians of {repeats} interleaved runs" if repeats > 1 else "one run each"
-    t = Table(title=f"TT-N side by side ({link_text}; {how}; monolithic transfers computed as latency + "
-              "bytes/bandwidth, then waited)", title_justify="left")
+    t = Table(title=f"TT-N side by side ({link_text}; {how}; monolithic transfers computed as bytes/bandwidth, "
+              "then waited)", title_justify="left")
     cols = ["method", "data ready", "TT1", "TT32", "TT64", "= lynx"]
     if repeats > 1:
         cols += ["TT64 per run", "drafts kept per run"]
@@ -324,7 +324,7 @@ def run(
         out.print(stats_table(stats, gain_label, gain))
         if compare:
             link = report["compare"]["link"]
-            link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}, latency {link['latency_s'] * 1e3:.1f} ms"
+            link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}"
             out.print(compare_table(report["compare"], link_text))
             print_judge(report["compare"]["judge"])
     if timeline is not None:
