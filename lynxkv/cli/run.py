@@ -186,22 +186,11 @@ def run(
                                   "open at once (the next is admitted when one leaves)."),
 ) -> dict:
     """Decode from CACHE with Lynx: draft on the anchor while the residual arrives, verify, continue."""
-    import torch
-
-    from lynxkv.cli.console import model_label, parse_dtype, progress_step
-    from lynxkv.hf import continuation_ids
-    from lynxkv.cache import open_cache
-    from lynxkv.hf.models import check_context, load_model, model_for_cache, model_id
-    from lynxkv.speculative import RunConfig, SamplingParams
-    from lynxkv.speculative import RunResult, stream
-    from lynxkv.bench.compare import compare_run
-    from lynxkv.bench.timeline import compare_timelines, run_timeline
-    from lynxkv.integrations.lmcache import source as lmcache_source
-    from lynxkv.stream.exact_load import ExactLoad
-    from lynxkv.stream.progressive import open_progressive
-    from lynxkv.stream.units import format_rate, parse_bandwidth, parse_duration
 
     from lynxkv.cli import run_batch as many
+    from lynxkv.cli.console import parse_dtype
+    from lynxkv.speculative import RunConfig, SamplingParams
+    from lynxkv.stream.units import parse_bandwidth
 
     torch_dtype = parse_dtype(dtype)
     if residual_timeout is not None and not (math.isfinite(residual_timeout) and residual_timeout > 0):
@@ -232,6 +221,28 @@ def run(
     cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only)
+    return _run_one(cache, cfg, model=model, dtype=dtype, torch_dtype=torch_dtype, prompt=prompt, residual=residual,
+                    allow=allow, exact=exact, allow_anchor_only=allow_anchor_only, rate=rate,
+                    max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, compare=compare, timeline=timeline,
+                    as_json=as_json)
+
+
+def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residual, allow, exact: bool,
+             allow_anchor_only: bool, rate, max_new_tokens: int, ignore_eos: bool, compare: bool, timeline,
+             as_json: bool) -> dict:
+    """One cache: check it names this model, load the model, time a step, decode, report."""
+    from lynxkv.bench.compare import compare_run
+    from lynxkv.bench.timeline import compare_timelines, run_timeline
+    from lynxkv.cache import open_cache
+    from lynxkv.cli.console import model_label, progress_step
+    from lynxkv.hf import continuation_ids
+    from lynxkv.hf.models import check_context, load_model, model_for_cache, model_id
+    from lynxkv.integrations.lmcache import source as lmcache_source
+    from lynxkv.speculative import RunResult, stream
+    from lynxkv.stream.exact_load import ExactLoad
+    from lynxkv.stream.progressive import open_progressive
+    from lynxkv.stream.units import format_rate
+
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     if exact and (store is not None or compare or allow_anchor_only):
         raise InputError("--exact needs a .lynx cache with an exact segment and excludes --compare and "

@@ -18,6 +18,9 @@ from lynxkv.cli.console import err, escape, out, read_text
 from lynxkv.errors import InputError
 from lynxkv.stream.units import format_seconds as _s
 
+# Several caches share one emulated link, one whole cache at a time, smallest first (shortest residual first: the
+# lowest mean time to N tokens; docs/results.md)
+LINK_ORDER = "srf"
 _KEYS = {"cache", "prompt", "max_new_tokens", "temperature", "top_p", "seed", "arrival_s", "name"}
 
 
@@ -93,10 +96,9 @@ def _is_text(value: str) -> bool:
     return "\x00" not in value
 
 
-def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, delay: float = 0.0,
-             link_order: str = "srf",
-             max_batch: int | None, compare: bool, as_json: bool, timeline: Path | None, prompt: str | None,
-             ignore_eos: bool, link_turn: str = "cache", allow_locations: tuple = ()) -> dict:
+def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, max_batch: int | None,
+             compare: bool, as_json: bool, timeline: Path | None, prompt: str | None, ignore_eos: bool,
+             allow_locations: tuple = ()) -> dict:
     """Decode every request together (lynxkv.speculative.engine) and report one row per request and the aggregate."""
     import torch
 
@@ -105,12 +107,7 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     from lynxkv.errors import LynxError
     from lynxkv.hf import continuation_ids
     from lynxkv.hf.models import check_context, load_model, model_for_cache
-    from lynxkv.stream.link_queue import POLICIES
 
-    if link_order not in POLICIES:
-        raise InputError(f"--link-order: expected one of {', '.join(POLICIES)}, got {link_order!r}")
-    if link_turn not in ("residual", "cache"):
-        raise InputError(f"--link-turn: expected residual or cache, got {link_turn!r}")
     configs = []  # each request's settings with the command's (--branch-margin is greedy only), checked first
     for spec in specs:
         try:
@@ -147,17 +144,17 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
                 errors[i] = str(exc)
         requests.append((spec, config, new, errors.get(i)))
 
-    lynx = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, cfg.allow_anchor_only,
-                     speculate=True, progress=not as_json, link_turn=link_turn, allow_locations=allow_locations)
+    lynx = _run_once(loaded, requests, sizes, rate, max_batch, cfg.allow_anchor_only, speculate=True,
+                     progress=not as_json, allow_locations=allow_locations)
     report = {"requests": [_request_report(loaded, r, spec, ids + (new or []))
                            for r, (spec, _, new, _), (_, _, ids) in zip(lynx.requests, requests, sizes)],
-              "aggregate": {**lynx.aggregate(), "link_order": link_order, "link_turn": link_turn,
-                            "link": _link_text(rate, delay),
+              "aggregate": {**lynx.aggregate(), "link_order": LINK_ORDER, "link_turn": "cache",
+                            "link": _link_text(rate),
                             "residuals_sent_in_order": lynx.link_order}}
     if compare:
         err.print("running the monolithic full code on the same link, batched the same way ...")
-        mono = _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, False, speculate=False,
-                         progress=False, allow_locations=allow_locations)
+        mono = _run_once(loaded, requests, sizes, rate, max_batch, False, speculate=False, progress=False,
+                         allow_locations=allow_locations)
         for row, m in zip(report["requests"], mono.requests):
             tt_l, tt_m = row["stats"]["tt64_s"], m.stats.tt(64)
             same = None if m.error or row["error"] else m.token_ids == row["token_ids"]  # nothing to compare
@@ -199,13 +196,13 @@ def _config(cfg, spec: Spec):
                    max_new_tokens=spec.max_new_tokens or cfg.max_new_tokens)
 
 
-def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow_anchor_only, *, speculate, progress,
-              link_turn: str = "cache", allow_locations: tuple = ()):
+def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, speculate, progress,
+              allow_locations: tuple = ()):
     from lynxkv.speculative import BatchRequest, run_batch
     from lynxkv.stream.link_queue import LinkQueue
     from lynxkv.stream.progressive import open_progressive
 
-    queue = LinkQueue(rate, delay, policy=link_order) if rate is not None or delay > 0 else None
+    queue = LinkQueue(rate, policy=LINK_ORDER) if rate is not None else None
 
     def opener(index, spec, anchor_bytes, residual_bytes, error):
         if error is not None:  # it ends with its error as it opens; it takes no turn on the link
@@ -214,10 +211,9 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
             return refuse
         lane = None
         if queue is not None:
-            # the monolithic baseline, and Lynx by default (--link-turn cache): each cache whole (its anchor first),
-            # one after another; Lynx with --link-turn residual: every anchor first, then the residuals one at a time
-            whole = not speculate or link_turn == "cache"
-            lane = queue.lane(anchor_bytes + residual_bytes if whole else residual_bytes, spec.name, whole=whole)
+            # each cache whole (its anchor first), one after another: every request is verified as early as its
+            # monolithic full code would arrive (docs/results.md, the link's turn)
+            lane = queue.lane(anchor_bytes + residual_bytes, spec.name, whole=True)
             if spec.arrival_s == 0 and (max_batch is None or index < max_batch):
                 lane.join()  # opened in the batch's first pass: waiting from the start, not from when its turn came
 
@@ -233,7 +229,7 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
                 lane.release()
                 raise
             load.residual.add_done_callback(lambda _: lane.release())
-            return _LaneLoad(load, lane)
+            return _lane_load(load, lane)
         return open_load
 
     batch = [BatchRequest(opener(i, spec, a, r, error),
@@ -247,20 +243,18 @@ def _run_once(loaded, requests, sizes, rate, delay, link_order, max_batch, allow
     return result
 
 
-class _LaneLoad:
-    """A load that gives its lane's turn up when it is closed, whatever state its residual is in."""
+def _lane_load(load, lane):
+    """``load``, which gives its lane's turn up when it is closed, whatever state its residual is in."""
+    close = load.close
 
-    def __init__(self, load, lane):
-        self._load, self._lane = load, lane
-
-    def __getattr__(self, name):
-        return getattr(self._load, name)
-
-    def close(self) -> None:
+    def close_and_release() -> None:
         try:
-            self._load.close()
+            close()
         finally:
-            self._lane.release()
+            lane.release()
+
+    load.close = close_and_release
+    return load
 
 
 class _Progress:
@@ -317,9 +311,8 @@ def batch_table(report: dict, compare: bool):
     from rich.table import Table
 
     agg = report["aggregate"]
-    turn = "one cache at a time" if agg["link_turn"] == "cache" else "anchors first, then one residual at a time"
-    t = Table(title=f"lynx run: {agg['requests']} requests, one link ({agg['link']}; {turn}, in {agg['link_order']} "
-                    "order)", title_justify="left")
+    t = Table(title=f"lynx run: {agg['requests']} requests, one link ({agg['link']}; one cache at a time, smallest "
+                    "first)", title_justify="left")
     cols = ["request", "prompt", "arrival", "anchor", "residual", "TT1", "TT64", "tokens", "drafted / kept",
             "verify", "verified"]
     if compare:

@@ -16,10 +16,9 @@
     decode  ->  one token a step on its full cache (or, unverified, on its anchor cache after a residual failure)
     done
 
-A request alone in its engine (``lynxkv run a.lynx``) also: ends a draft forward part-way when its residual lands
-(lynxkv.speculative.interrupt), dequantizes landed residual layers between its draft steps, stops drafting once
-every residual byte is in, and starts the layered verify as soon as drafting ends. In a batch those would take the
-cores or the forward from the other requests, and a layered verify that waits too long is given up instead.
+A request alone (``lynxkv run a.lynx``) also ends a draft forward part-way when its residual lands, dequantizes
+landed residual layers between its draft steps, stops drafting once every residual byte is in, and starts the
+layered verify as soon as drafting ends; in a batch those would take the cores or the forward from the others.
 """
 
 from __future__ import annotations
@@ -200,8 +199,8 @@ class Request:
         self.pending = self.feed + self.drafts
 
     def holds(self) -> bool:
-        """A drafting request sits this step out: its residual is due within ``ETA_GUARD`` of its draft step (the
-        first step, on a fresh cache, is not a typical one: the guard waits for a second and leaves it out)."""
+        """A drafting request sits this step out: its residual is due within ``ETA_GUARD`` of its draft step
+        (judged from its second step on: the first, on a fresh cache, is not a typical one)."""
         if self.phase != "draft" or len(self.step_s) < 2:
             return False
         eta = self.load.residual_eta()
@@ -283,16 +282,13 @@ class Request:
         return False
 
     def _let_load_go(self) -> None:
-        """The cache holds all this request still needs of its load: keep the load's timeline, close it and let it
-        go with the copies it holds, rather than when the request leaves (a decoding request would otherwise hold
-        three copies of its KV instead of one)."""
+        """The cache holds all the request needs of its load: close the load and let its KV copies go now."""
         self._close_load()
         self.stats.load = self.load.timeline.as_dict()
         self.load = self.anchor_kv = None
 
     def _close_load(self) -> None:
-        """Close the load (unless told not to). A load that fails to close ends nothing: the error is kept in its
-        timeline, ``extra["close_error"]``."""
+        """Close the load (unless told not to); a failure to close ends nothing (``extra["close_error"]``)."""
         if not self.close_load:
             return
         try:
@@ -302,8 +298,7 @@ class Request:
 
     # ---- the next forward ---------------------------------------------------------------------------------------
     def sequences(self) -> list[tuple[object, list[int]]]:
-        """``(cache, tokens)`` of each sequence this request feeds a packed forward: its chain, and while it drafts
-        in a batch its branch's next token on the branch's cache."""
+        """``(cache, tokens)`` of each sequence it feeds a packed forward: its chain, and its branch's next token."""
         out = [(self.cache, self.pending)]
         b = self.brancher.branch if self.brancher is not None and self.phase == "draft" else None
         if b is not None and not b.ended and b.cache is not None:
@@ -413,15 +408,13 @@ class Request:
         else:
             self.side, self.pending, self.phase = None, [next_token], "decode"
 
-    def _drop_branch(self) -> Brancher:
-        """The brancher, taken from the request (its branch's cache goes with it), its stats noted."""
+    def _drop_branch(self) -> Brancher:  # (its branch's cache goes with it; its stats are noted)
         brancher, self.brancher = self.brancher, None
         brancher.record(self.stats)
         return brancher
 
     def _stop_drafting(self, phase: str) -> None:
-        """Drafting is over: the request moves to ``phase``, its step times and drafts are noted, and the branch's
-        cache is let go (its verify needs its tokens only)."""
+        """Drafting is over: on to ``phase``; its steps and drafts noted, the branch's cache let go."""
         was_drafting = self.phase == "draft"
         self.phase = phase
         if self.brancher is not None and self.brancher.branch is not None:
@@ -443,8 +436,7 @@ class Request:
         self.stats.draft_token_ids = list(self.drafts)
         return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
 
-    def leave(self) -> None:
-        """The request is over: keep its load's timeline, close the load (if it still has it), let its caches go."""
+    def leave(self) -> None:  # the request is over: its load closed (if it still has it), its caches let go
         if self.load is not None:
             self._close_load()
             self.stats.load = self.load.timeline.as_dict()

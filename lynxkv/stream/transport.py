@@ -1,35 +1,20 @@
 """Transports: how a cache's segment bytes reach the progressive reader.
 
 The progressive reader (:mod:`lynxkv.stream.progressive`) parses pages from byte sources that fill in the
-background; a transport makes those sources. The interface, for anyone adding one (an HTTP server, an LMCache
-server)::
+background; a transport (:class:`Transport`) makes those sources. ``open_residual`` returns a buffer whose offsets
+are those of the object holding the residual: from 0 for an external residual file, from the section's offset
+inside the anchor file for an inline one (``buffer.base``); ``open_exact`` (optional) the same for the exact
+segment, whose bytes go behind the residual's. Both return at once; a pump thread feeds the buffer. A transport
+reports what it moved through :class:`Transfer` (bytes per stream, first-byte times, a ``tee`` of every block,
+retries) and charges the shared :class:`~lynxkv.stream.link.EmulatedLink` if there is one: the easiest way to do
+both is to turn the wire into ordered ``(offset, bytes)`` blocks and hand them to :meth:`Transfer.pump`.
 
-    class Transport(Protocol):
-        residual_url: str | None      # where the residual came from (for reports), once known
-        anchor_size: int | None       # bytes of the anchor to transfer, once known
-        def open_anchor(self) -> StreamBuffer             # the anchor file's bytes, from offset 0
-        def open_residual(self, header) -> StreamBuffer   # the residual section's bytes (see below)
-        def open_exact(self, header) -> StreamBuffer      # optional (format 1.4): the exact section's bytes
-        def abandon_residual(self, exc) -> None           # stop moving residual bytes (the load gave up on them)
-        def close(self) -> None                           # stop everything, fail waiting readers
-
-``open_residual`` returns a buffer whose offsets are those of the object holding the residual: from 0 for an
-external residual file, from the section's offset inside the anchor file for an inline one (``buffer.base``);
-``open_exact`` the same for the exact segment, whose bytes go behind the residual's. A transport without
-``open_exact`` does not carry the exact segment (a load that asks for it fails with one clear error).
-Both calls return at once; a pump thread feeds the buffer. A transport reports what it moved through
-:class:`Transfer` (bytes per stream, first-byte times, a ``tee`` of every block, retries) and charges the shared
-:class:`~lynxkv.stream.link.EmulatedLink` if there is one; the easiest way to do both is to turn the wire into
-ordered ``(offset, bytes)`` blocks and hand them to :meth:`Transfer.pump`.
-
-Transports by URL scheme: :data:`TRANSPORTS` maps a scheme to a factory ``(url, transfer, **options)``;
-:func:`open_transport` picks one, and falls back to :class:`StorageTransport` (every path and URL the storage
-layer opens: local files, ``s3://``, ``http(s)://``, ``memory://``).
-
-:class:`RangeStream` is the block stream over random-access storage: up to ``inflight`` ranged reads in flight
-(object stores answer several GETs in parallel), handed over in order, transient failures retried with
-exponential backoff (:class:`lynxkv.storage.RetryPolicy`); a read that does not answer within ``stall_timeout``
-is issued again. Memory is bounded by ``inflight * block_size``.
+:func:`open_transport` picks the transport registered for a URL's scheme (:func:`register_transport`, or a
+package's ``lynxkv.transports`` entry point), else :class:`StorageTransport` (every path and URL the storage layer
+opens: local files, ``s3://``, ``http(s)://``, ``memory://``). :class:`RangeStream` is the block stream over
+random-access storage: up to ``inflight`` ranged reads in flight, handed over in order, transient failures retried
+with exponential backoff (:class:`lynxkv.storage.RetryPolicy`); a read that does not answer within
+``stall_timeout`` is issued again. Memory is bounded by ``inflight * block_size``.
 """
 
 from __future__ import annotations
@@ -275,18 +260,15 @@ class Transfer:
 
 
 class Transport(Protocol):
-    """See the module docstring."""
+    """What the progressive reader uses of a transport (the module docstring says how the offsets run)."""
 
-    residual_url: str | None
-    anchor_size: int | None
+    residual_url: str | None  # where the residual came from (for reports), once known
+    anchor_size: int | None  # bytes of the anchor to transfer, once known
 
-    def open_anchor(self) -> StreamBuffer: ...
-
-    def open_residual(self, header: AnchorHeader) -> StreamBuffer: ...
-
-    def abandon_residual(self, exc: BaseException) -> None: ...
-
-    def close(self) -> None: ...
+    def open_anchor(self) -> StreamBuffer: ...  # the anchor file's bytes, from offset 0
+    def open_residual(self, header: AnchorHeader) -> StreamBuffer: ...  # the residual section's bytes
+    def abandon_residual(self, exc: BaseException) -> None: ...  # stop moving residual bytes
+    def close(self) -> None: ...  # stop everything, fail waiting readers
 
 
 class StorageTransport:
