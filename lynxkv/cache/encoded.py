@@ -59,7 +59,9 @@ def encode_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], scheme: Scheme = 
               names: Sequence[str] | None = None) -> EncodedCache:
     """Quantize every layer's keys and values (``[H, T, D]`` or ``[1, H, T, D]``, fp32/fp16/bf16), given as
     per-layer pairs or as a ``transformers`` cache (:func:`lynxkv.cache.kv.cache_to_kv`), on their device
-    (:func:`lynxkv.quant.quantize`); the codes come back to the CPU for the writer."""
+    (:func:`lynxkv.quant.quantize`: on a GPU the Triton kernels where they support the scheme, else the torch
+    reference there; on the CPU the compiled kernels); only the codes and metadata come back to the CPU for the
+    writer."""
     enc = lazy_encoding(kv, scheme, prompt_token_ids, model_fingerprint, names)
     enc.layers = list(enc.layers)
     return enc
@@ -113,7 +115,7 @@ def lazy_encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names
     kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
     if not len(kv):
         raise InputError("kv: expected at least one layer")
-    pairs, shape, batch, dtype = [], None, None, None
+    pairs, shape, batch, dtype, device = [], None, None, None, None
     for i, pair in enumerate(kv):
         if len(pair) != 2:
             raise InputError(f"layer {i}: expected a (keys, values) pair")
@@ -122,11 +124,15 @@ def lazy_encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names
             t3, b = _as_hdt(t, what)
             if t3.dtype not in DTYPE_NAMES:
                 raise InputError(f"{what}: dtype {t3.dtype} is not one of fp32, fp16, bf16")
+            if t3.device.type == "meta":
+                raise InputError(f"{what}: a meta tensor holds no values to encode")
             if shape is None:
-                shape, batch, dtype = tuple(t3.shape), b, t3.dtype
+                shape, batch, dtype, device = tuple(t3.shape), b, t3.dtype, t3.device
             elif tuple(t3.shape) != shape or b != batch or t3.dtype != dtype:
                 raise InputError(f"{what}: shape {tuple(t.shape)} {t.dtype} differs from layer 0 keys "
                                  f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
+            elif t3.device != device:
+                raise InputError(f"{what}: on {t3.device}, layer 0 keys on {device}: one device per cache")
         pairs.append((_as_hdt(pair[0], "keys")[0], _as_hdt(pair[1], "values")[0]))
     h, t, d = shape
     return EncodedCache(scheme, _QuantizedLayers(pairs, scheme, packed), h, d, t, DTYPE_NAMES[dtype],

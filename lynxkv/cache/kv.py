@@ -51,3 +51,26 @@ def cache_to_kv(cache) -> KVPairs:
     if not pairs:
         raise InputError("the cache holds no layers")
     return pairs
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` (None: the CPU; a ``torch.device``, ``"cuda"``, ``"cuda:1"``, ``"cpu"`` ...) as a device that can
+    hold the decoded tensors, or an :class:`InputError` that says why not: a name torch does not know, ``meta``
+    (it holds no values), a backend this torch was built without or whose device is not there."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InputError(f"device: {device!r} is not a torch device name (cpu, cuda, cuda:1 ...)") from None
+    if dev.type == "meta":
+        raise InputError("device: 'meta' tensors hold no values; name a device that does (cpu, cuda ...)")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise InputError(f"device: {str(dev)!r} is not available (this torch sees {found} CUDA devices)")
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as exc:  # a backend this build lacks (torch raises AssertionError for some)
+        why = str(exc).split(". ")[0]
+        raise InputError(f"device: {str(dev)!r} is not available ({why})") from None
+    return dev

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from lynxkv.cache.encoded import EncodedCache
-from lynxkv.cache.kv import KVPairs, TORCH_DTYPES
+from lynxkv.cache.kv import KVPairs, TORCH_DTYPES, resolve_device
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.headers import AnchorHeader, decoded_bytes
@@ -239,14 +239,20 @@ class LynxCache:
                             dict(h.properties) or None)
 
     def load_kv(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None,
-                exact: bool = False) -> KVPairs:
-        """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype).
-        ``exact`` (1.4): the original tensors bit for bit, from the full code and the exact segment (in the original
-        dtype only); every page is checked against the CRC of its original bytes before anything is returned."""
+                exact: bool = False, device=None) -> KVPairs:
+        """Dequantized KV, per layer (keys, values) ``[H, T, D]`` in ``dtype`` (default: the original dtype) on
+        ``device`` (default the CPU; ``"cuda"``, ``"cuda:1"``, a ``torch.device``; ``meta``, an unknown name or a
+        missing device is an :class:`InputError`). The tensors are allocated on ``device`` and decoded there:
+        only the packed page records cross to it (:func:`lynxkv.quant.dequantize_pages`: the Triton kernels on
+        CUDA, the compiled kernels on the CPU, the torch reference elsewhere). ``exact`` (1.4): the original
+        tensors bit for bit, from the full code and the exact segment (in the original dtype only); every page is
+        checked against the CRC of its original bytes before anything is returned. The exact segment's coder runs
+        on the CPU: with another device the rebuilt tensors are moved there at the end."""
         h = self.header
         if exact and (anchor_only or (dtype is not None and dtype != TORCH_DTYPES[h.dtype])):
             raise InputError(f"exact: the exact segment rebuilds the full cache in its original dtype ({h.dtype}); "
                              "it excludes anchor_only and another dtype")
+        dev = resolve_device(device)
         dtype = dtype or TORCH_DTYPES[h.dtype]
         check_decoded_size(h, dtype, anchor_only=anchor_only)
         if not anchor_only:
@@ -254,10 +260,14 @@ class LynxCache:
         if exact:
             self._exact()  # opened and checked before any decoding
         shape = (h.kv_heads, h.tokens, h.head_dim)
-        kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
+        where = torch.device("cpu") if exact else dev
+        kv = [(torch.empty(shape, dtype=dtype, device=where), torch.empty(shape, dtype=dtype, device=where))
+              for _ in range(h.layers)]
         self._reader.dequantize_layers(kv, anchor_only=anchor_only)  # page records straight into the tensors
         if exact:
             self._reader.apply_exact(kv)
+            if dev.type != "cpu":
+                kv = [(k.to(dev), v.to(dev)) for k, v in kv]
         return kv
 
     def verify(self) -> list[Finding]:

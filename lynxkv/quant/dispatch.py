@@ -19,13 +19,12 @@ the ``.lynx`` page records (spec/FORMAT.md, "Packing") straight from the tensor 
 from __future__ import annotations
 
 import functools
-import math
 
-import numpy as np
 import torch
 
 from lynxkv.errors import InputError
 from lynxkv.quant import fast, pack, reference
+from lynxkv.quant.device_pages import dequantize_pages_on_device
 from lynxkv.quant.reference import EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
@@ -177,9 +176,10 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     hold ``held`` (metadata, anchor codes) and ``residual_held`` (residual codes) tokens per head. Returns
     metadata problem flags: 1 an offset is not finite, 2 a scale is not finite, 4 a scale is negative (the
     caller decides; the values written for such a page are what the arithmetic gives). The fast CPU path
-    decodes the 4+4 split in one compiled pass (the rotated keys of format 1.3 rotated back in it); other splits
-    and devices unpack each page first. ``kind`` (``"key"`` or ``"value"``) fixes, through the scheme, the axis
-    the groups run along (``scheme.axis``: along tokens, or along the channels of each token for values per
+    decodes the 4+4 split in one compiled pass (the rotated keys of format 1.3 rotated back in it); every other
+    device and split decodes on ``out``'s device (:mod:`lynxkv.quant.device_pages`: the record bytes copied there
+    once, the Triton kernels on CUDA, the reference elsewhere). ``kind`` (``"key"`` or ``"value"``) fixes,
+    through the scheme, the axis the groups run along (``scheme.axis``: along tokens, or along the channels of each token for values per
     channel, metadata ``[H, n, ceil(D/C)]``) and whether the rows are rotated (``scheme.rotated``). Sink tokens
     are the caller's: every token decodes from the codes given."""
     h, t, d = out.shape
@@ -187,25 +187,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     if _fast_cpu(out) and fast.packable(scheme, d):
         return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads, axis=axis,
                                      rotated=rotated)
-    meta_np = np.dtype("<f4" if scheme.meta_dtype == "fp32" else "<f2")
-    flags = 0
-    for row in (tuple(int(v) for v in row) for row in pages):
-        o_at, s_at, a_at, r_at, t0, n = row[:6]
-        held, r_held = row[6:] if len(row) == 8 else (n, n)
-        c = scheme.chunk
-        shape = (h, held, -(-d // c)) if axis == "channel" else (h, -(-held // c), d)
-        meta = [torch.from_numpy(np.frombuffer(anchor, meta_np, math.prod(shape), at).astype(meta_np.newbyteorder("=")))
-                .view(shape)[:, :n if axis == "channel" else -(-n // c)].contiguous() for at in (o_at, s_at)]
-        flags |= (0 if bool(torch.isfinite(meta[0]).all()) else 1) | (0 if bool(torch.isfinite(meta[1]).all()) else 2)
-        flags |= 4 if bool((meta[1] < 0).any()) else 0
-        codes = [None if buf is None else
-                 unpack_bits(torch.from_numpy(np.frombuffer(buf, np.uint8, (h * rows * d * bits + 7) // 8, at).copy()),
-                             bits, h * rows * d).view(h, rows, d)[:, :n].contiguous()
-                 for buf, at, bits, rows in ((anchor, a_at, scheme.anchor_bits, held),
-                                             (residual, r_at, scheme.residual_bits, r_held))]
-        dequantize(EncodedTensor(codes[0], codes[1], meta[0], meta[1], axis, rotated=rotated), scheme,
-                   anchor_only=residual is None, out=out[:, t0:t0 + n], threads=threads)
-    return flags
+    return dequantize_pages_on_device(anchor, residual, pages, scheme, out=out, kind=kind)
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
