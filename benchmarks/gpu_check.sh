@@ -1,24 +1,60 @@
 #!/usr/bin/env bash
-# One command on a CUDA machine: the kernel tests on the GPU, then the GPU benchmark (Llama-3-8B shape, 1K and 8K
-# tokens). Writes gpu_check.log, gpu_tests.xml and gpu_bench.json into $OUT (if set) or ./out.
+# One command on a CUDA machine proves lynxkv's whole path on the GPU and times it, in at most GPU_CHECK_BUDGET_S
+# seconds (default 290: under 5 minutes of device time). Writes $OUT/gpu_check.json and $OUT/gpu_check.md (and
+# every step's log and result under $OUT/gpu_check/); $OUT defaults to ./out.
 #
-#   bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh                       # on the GPU machine, from the repository root
+#   GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh       # the same steps at toy sizes on a CPU (~30 s)
+#
+# Steps, each under its own time limit (`timeout`, never more than what is left of the budget); a failed or timed
+# out step is recorded and the next one runs. Estimates are for one H100 SXM (3.35 TB/s HBM3, ~990 dense BF16
+# TFLOP/s, PCIe 5 x16 ~50 GB/s host-to-device) with the Llama-3-8B KV shape (32 layers x K,V x 8 KV heads x 128):
+# 128 KiB of BF16 KV per token, 1.07 GB at 8K tokens, 4.3 GB at 32K; the 4+4 codes and metadata are ~0.53 of that.
+#
+#   env        (limit 30 s, ~5 s)   versions, card, imports (torch, triton, transformers, safetensors).
+#   kernels    (limit 100 s, ~40-60 s) pytest -m cuda of tests/test_kernels.py and tests/test_device_load.py: a few
+#              dozen small launches each; the time is Triton compiling ~40 kernel specialisations (~1 s each).
+#   codec      (limit 60 s, ~15 s)  bench_gpu.py at 8K and 32K: encode and decode against a device-to-device
+#              copy. Copying 4.3 GB moves 8.6 GB, ~3.5 ms at ~2.5 TB/s; encode/decode move ~1.5x the BF16 bytes,
+#              so ~3-5 ms each if they run near copy bandwidth; do_bench repeats each for 0.2 s. The torch
+#              reference (fp32 intermediates, ~10 passes over 4.3 GB) takes ~0.1-0.3 s per call, 3 calls.
+#   user_path  (limit 75 s, ~25 s)  save_cache of device tensors (encode on the GPU, 0.6-2.3 GB written to local
+#              disk at ~1-2 GB/s: ~1-2 s at 32K), load_kv(device="cuda") full and anchor-only (records from the
+#              page cache, ~1.1-2.3 GB host-to-device at ~25-50 GB/s, <0.1 s of PCIe, the rest CPU reading and
+#              CRC-checking the records at a few GB/s: ~0.3-1 s at 32K), against safetensors save, load and .cuda()
+#              of the BF16 tensors (4.3 GB: ~2 s to write, ~1 s to read, ~0.1-0.2 s over PCIe); 3 loads each.
+#   runner     (limit 150 s, ~60-90 s) the speculative runner on a random-weight Llama-shaped model (32 layers,
+#              hidden 2048, 16 heads, 8 KV heads x 128, MLP 5632, vocab 32768: ~1.5 B parameters, 3 GB BF16) at 8K
+#              and 32K tokens over emulated 10/25/50 Gbit/s links, against the monolithic full code and
+#              plain decoding. A decode step reads the weights (3 GB, ~1 ms) and the KV (1.07 / 4.3 GB: ~0.4 /
+#              1.5 ms) at ~2.5 TB/s and does ~3 GFLOP of matmuls (negligible), but eager transformers launches ~15
+#              kernels per layer from Python: ~15-25 ms per token, so 64 tokens take ~1-1.5 s per run. The link
+#              delays the anchor and the residual by their bytes over the rate: 32K tokens' 2.3 GB at 10 Gbit/s is
+#              ~1.8 s. Per token count: 3 rates x (Lynx run + monolithic run + plain decoding of its forward
+#              shapes) + one plain decoding: ~10 runs of ~1.5-3 s.
+#   total      ~2.5-4 minutes, capped at the budget.
 #
 # lynxkv need not be installed: the script builds a throw-away import root (a temporary directory) whose lynxkv/
 # holds links to the repository's lynxkv/ entries and `lynxkv/kernels` to kernels/, and runs every Python command
 # from that root, never from the checkout (whose top-level kernels/ must not be importable as `kernels`). It writes
-# nothing into the checkout. Needs python3 with torch (CUDA), triton, numpy, pytest. Takes 1-3 minutes.
+# nothing into the checkout. Needs `python` (or $PYTHON) with torch (CUDA), triton, numpy, pytest, safetensors,
+# transformers; a missing one fails the steps that need it, and the report says which.
 #
-# GPU_CHECK_DRY=1 runs the same plumbing on a CPU under TRITON_INTERPRET=1 at toy sizes (to test the script).
+# GPU_CHECK_DRY=1: the same steps and report on a CPU at toy sizes: the Triton kernels under TRITON_INTERPRET=1
+# where they run (the kernel tests, bench_gpu.py, the load path without the compiled CPU kernels), the torch
+# reference and the compiled CPU kernels elsewhere, a tiny fp32 model, links scaled to the toy caches (Mbit/s).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$REPO/out}"
-mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-LOG="$OUT_DIR/gpu_check.log"
-PY="${PYTHON:-python3}"
+mkdir -p "$OUT_DIR/gpu_check" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+STEPS="$OUT_DIR/gpu_check"
+PY="${PYTHON:-python}"
 DRY="${GPU_CHECK_DRY:-0}"
-exec > >(tee "$LOG") 2>&1
+BUDGET="${GPU_CHECK_BUDGET_S:-290}"
+START=$SECONDS
+rm -f "$STEPS"/*.json "$STEPS"/*.status "$STEPS"/*.log "$STEPS"/*.xml
+exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
 
 ROOT="$(mktemp -d)"
 trap 'rm -rf "$ROOT"' EXIT
@@ -32,33 +68,50 @@ done
 ln -sn "$REPO/kernels" "$ROOT/lynxkv/kernels"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
-if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
+if [ "$DRY" = "1" ]; then export TRITON_INTERPRET=1; DRYFLAG=(--dry); else unset TRITON_INTERPRET; DRYFLAG=(); fi
 
-echo "== gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC') repo $REPO (dry=$DRY)"
-"$PY" - "$DRY" <<'PY' || { echo "FAILED: environment (see above)"; exit 2; }
-import sys
-import torch, triton
-import lynxkv, lynxkv.kernels.encode, lynxkv.kernels.decode
-print(f"torch {torch.__version__}, triton {triton.__version__}, cuda {torch.version.cuda}, "
-      f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NONE'}, lynxkv from {lynxkv.__file__}")
-assert sys.argv[1] == "1" or torch.cuda.is_available(), "no CUDA device visible"
-PY
-[ "$DRY" = "1" ] || nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>/dev/null || true
+# step NAME LIMIT_S COMMAND...: run COMMAND under min(LIMIT_S, budget left) seconds, log to $STEPS/NAME.log,
+# record "rc seconds limit" in $STEPS/NAME.status (rc 124: timed out; -1: skipped, no budget left).
+step() {
+    local name="$1" limit="$2" left=$((BUDGET - (SECONDS - START)))
+    shift 2
+    [ "$left" -lt "$limit" ] && limit="$left"
+    if [ "$limit" -lt 5 ]; then
+        echo "== $name: skipped (budget of ${BUDGET}s spent)"
+        echo "-1 0 0" > "$STEPS/$name.status"
+        return
+    fi
+    echo "== $name (limit ${limit}s)"
+    local t0=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" > >(tee "$STEPS/$name.log") 2>&1
+    local rc=$?
+    echo "$rc $((SECONDS - t0)) $limit" > "$STEPS/$name.status"
+    echo "== $name: rc=$rc in $((SECONDS - t0))s"
+}
 
-if [ "$DRY" = "1" ]; then SELECT=(-k "interp and T1 and default"); else SELECT=(-m cuda); fi
-echo "== kernel tests (${SELECT[*]})"
-timeout 170 "$PY" -m pytest -q "${SELECT[@]}" "$REPO/tests/test_kernels.py" -c "$REPO/pyproject.toml" \
-    --rootdir "$REPO" -p no:cacheprovider -o addopts="" --junitxml="$OUT_DIR/gpu_tests.xml"
-TESTS=$?
+echo "== gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC') repo $REPO (dry=$DRY, budget ${BUDGET}s)"
+step env 30 "$PY" "$REPO/benchmarks/gpu_check.py" env "${DRYFLAG[@]}" --json "$STEPS/env.json"
 
-echo "== GPU benchmark (Llama-3-8B shape: 32 layers x K,V, 8 KV heads, head_dim 128)"
 if [ "$DRY" = "1" ]; then
-    BENCH_ARGS=(--dry-run-cpu --tokens 40 --layers 1 --heads 2 --head-dim 16)
+    TESTS=(-k "interp and T1 and default and not compiles" "$REPO/tests/test_kernels.py"
+           "$REPO/tests/test_device_load.py::test_device_path_launches_the_triton_kernels_under_the_interpreter")
 else
-    BENCH_ARGS=(--tokens 1024 8192)
+    TESTS=(-m cuda "$REPO/tests/test_kernels.py" "$REPO/tests/test_device_load.py")
 fi
-timeout 170 "$PY" "$REPO/benchmarks/bench_gpu.py" "${BENCH_ARGS[@]}" --json "$OUT_DIR/gpu_bench.json"
-BENCH=$?
+step kernels 100 "$PY" -m pytest -q "${TESTS[@]}" -c "$REPO/pyproject.toml" --rootdir "$REPO" \
+    -p no:cacheprovider -o addopts="" --junitxml="$STEPS/kernels.xml"
 
-echo "== done: tests rc=$TESTS, benchmark rc=$BENCH; log $LOG, results $OUT_DIR/gpu_bench.json"
-[ "$TESTS" -eq 0 ] && [ "$BENCH" -eq 0 ]
+if [ "$DRY" = "1" ]; then
+    CODEC=(--dry-run-cpu --tokens 40 --layers 1 --heads 2 --head-dim 16)
+else
+    CODEC=(--tokens 8192 32768)
+fi
+step codec 60 "$PY" "$REPO/benchmarks/bench_gpu.py" "${CODEC[@]}" --json "$STEPS/codec.json"
+step user_path 75 "$PY" "$REPO/benchmarks/gpu_check.py" user-path "${DRYFLAG[@]}" --json "$STEPS/user_path.json"
+step runner 150 "$PY" "$REPO/benchmarks/gpu_check.py" runner "${DRYFLAG[@]}" --json "$STEPS/runner.json"
+
+"$PY" "$REPO/benchmarks/gpu_check.py" report "${DRYFLAG[@]}" --steps "$STEPS" --json "$OUT_DIR/gpu_check.json" \
+    --markdown "$OUT_DIR/gpu_check.md"
+REPORT=$?
+echo "== done in $((SECONDS - START))s: $OUT_DIR/gpu_check.json, $OUT_DIR/gpu_check.md (rc=$REPORT)"
+exit $REPORT

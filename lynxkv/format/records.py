@@ -33,6 +33,7 @@ from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
 from lynxkv.format.layout import PageEntry, RecordLayout, anchor_record_layout, residual_record_layout, sinks_in
 from lynxkv.quant import META_TORCH_DTYPE, EncodedTensor, dequantize, dequantize_pages, pack_bits, unpack_bits
+from lynxkv.quant.device_pages import device_bytes
 from lynxkv.quant.scheme import Scheme
 
 _META_NP = {"fp16": np.dtype("<f2"), "fp32": np.dtype("<f4")}
@@ -389,25 +390,29 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
         for j, which in enumerate(("key", "value")):
             rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
                             parts.get(f"{which}_residual", 0), t0, n))
+    host = anchor  # the flags' messages below read the host bytes
+    if out[0].device.type != "cpu":  # the records cross to the device once for the keys, the values and the sinks
+        anchor, residual = device_bytes(anchor, out[0].device), device_bytes(residual, out[0].device)
     for j, which in enumerate(("key", "value")):
         if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads, kind=which):
             for i, (t0, n) in enumerate(tokens):  # decode_anchor_records names the page and the field
                 lay = anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, t0, n))
-                decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay, scheme, kv_heads,
+                decode_anchor_records([host[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay, scheme, kv_heads,
                                       head_dim, f"anchor {where(i)}")
             raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
                               where=f"anchor {where(0)}")
     sinks = [i for i, (t0, n) in enumerate(tokens) if t0 < scheme.sink_tokens and n] if residual is None else []
     if sinks:
-        _sinks_from_full_code(anchor, [anchor_at[i] for i in sinks], [tokens[i] for i in sinks], scheme, kv_heads,
-                              head_dim, out, lambda k: where(sinks[k]), threads)
+        _sinks_from_full_code(anchor, host, [anchor_at[i] for i in sinks], [tokens[i] for i in sinks], scheme,
+                              kv_heads, head_dim, out, lambda k: where(sinks[k]), threads)
 
 
-def _sinks_from_full_code(anchor, anchor_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
+def _sinks_from_full_code(anchor, host, anchor_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
                           out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
                           threads: int | None) -> None:
     """The sink tokens of pages already decoded from the anchor alone, again from the full code: their residual
-    codes are in the anchor record (any scheme).
+    codes are in the anchor record (any scheme). ``anchor``: the records where the output is (a device's copy, or
+    ``host`` itself), ``host``: the records' bytes on the host.
 
     With the 4+4 split the sink rows of a page are one page row of the quantizer entry, read in place: the first
     S of the page's n tokens per head, with the record's ``[H, S, D]`` sink array as their residual; other splits
@@ -424,7 +429,7 @@ def _sinks_from_full_code(anchor, anchor_at, tokens, scheme: Scheme, kv_heads: i
                 dequantize_pages(anchor, anchor, [row], scheme, out=out[j][:, t0:t0 + sinks], threads=threads,
                                  kind=which)
             continue
-        meta, codes, sink_codes = decode_anchor_records([anchor[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay,
+        meta, codes, sink_codes = decode_anchor_records([host[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay,
                                                         scheme, H, D, f"anchor {where(i)}")
         resid = torch.zeros_like(codes)
         resid[:, :, :sinks] = sink_codes
