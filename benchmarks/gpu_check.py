@@ -99,8 +99,10 @@ def cmd_env(args) -> int:
                       capability=f"{props.major}.{props.minor}")
     else:
         result["card"] = "CPU (dry run)" if args.dry else "NONE"
+    import lynxkv
     from lynxkv.quant import fast
 
+    result["lynxkv_from"] = os.path.dirname(lynxkv.__file__)  # the import root's link, not the checkout
     result["compiled_cpu_kernels"] = fast.available()
     print(json.dumps(result, indent=2))
     write(args.json, result)
