@@ -4,34 +4,40 @@
 # every step's log and result under $OUT/gpu_check/); $OUT defaults to ./out.
 #
 #   bash benchmarks/gpu_check.sh                       # on the GPU machine, from the repository root
-#   GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh       # the same steps at toy sizes on a CPU (~30 s)
+#   GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh       # the same steps at toy sizes on a CPU (~30-60 s)
 #
 # Steps, each under its own time limit (`timeout`, never more than what is left of the budget); a failed or timed
-# out step is recorded and the next one runs. Estimates are for one H100 SXM (3.35 TB/s HBM3, ~990 dense BF16
-# TFLOP/s, PCIe 5 x16 ~50 GB/s host-to-device) with the Llama-3-8B KV shape (32 layers x K,V x 8 KV heads x 128):
-# 128 KiB of BF16 KV per token, 1.07 GB at 8K tokens, 4.3 GB at 32K; the 4+4 codes and metadata are ~0.53 of that.
+# out step is recorded and the next one runs. The kernel tests go last: their time (Triton compiling) is the least
+# predictable, and the budget must not run out before the path's own measurements. Estimates are for one H100 SXM
+# (3.35 TB/s HBM3, ~990 dense BF16 TFLOP/s, PCIe 5 x16 ~50 GB/s host to device) with the Llama-3-8B KV shape
+# (32 layers x K,V x 8 KV heads x 128): 128 KiB of BF16 KV per token, 1.07 GB at 8K tokens, 4.3 GB at 32K; the
+# 4+4 codes and their metadata are ~0.53 of that (0.57 / 2.3 GB), the anchor alone ~0.27.
 #
-#   env        (limit 30 s, ~5 s)   versions, card, imports (torch, triton, transformers, safetensors).
-#   kernels    (limit 100 s, ~40-60 s) pytest -m cuda of tests/test_kernels.py and tests/test_device_load.py: a few
-#              dozen small launches each; the time is Triton compiling ~40 kernel specialisations (~1 s each).
-#   codec      (limit 60 s, ~15 s)  bench_gpu.py at 8K and 32K: encode and decode against a device-to-device
-#              copy. Copying 4.3 GB moves 8.6 GB, ~3.5 ms at ~2.5 TB/s; encode/decode move ~1.5x the BF16 bytes,
-#              so ~3-5 ms each if they run near copy bandwidth; do_bench repeats each for 0.2 s. The torch
-#              reference (fp32 intermediates, ~10 passes over 4.3 GB) takes ~0.1-0.3 s per call, 3 calls.
-#   user_path  (limit 75 s, ~25 s)  save_cache of device tensors (encode on the GPU, 0.6-2.3 GB written to local
-#              disk at ~1-2 GB/s: ~1-2 s at 32K), load_kv(device="cuda") full and anchor-only (records from the
-#              page cache, ~1.1-2.3 GB host-to-device at ~25-50 GB/s, <0.1 s of PCIe, the rest CPU reading and
-#              CRC-checking the records at a few GB/s: ~0.3-1 s at 32K), against safetensors save, load and .cuda()
-#              of the BF16 tensors (4.3 GB: ~2 s to write, ~1 s to read, ~0.1-0.2 s over PCIe); 3 loads each.
-#   runner     (limit 150 s, ~60-90 s) the speculative runner on a random-weight Llama-shaped model (32 layers,
-#              hidden 2048, 16 heads, 8 KV heads x 128, MLP 5632, vocab 32768: ~1.5 B parameters, 3 GB BF16) at 8K
-#              and 32K tokens over emulated 10/25/50 Gbit/s links, against the monolithic full code and
-#              plain decoding. A decode step reads the weights (3 GB, ~1 ms) and the KV (1.07 / 4.3 GB: ~0.4 /
-#              1.5 ms) at ~2.5 TB/s and does ~3 GFLOP of matmuls (negligible), but eager transformers launches ~15
-#              kernels per layer from Python: ~15-25 ms per token, so 64 tokens take ~1-1.5 s per run. The link
-#              delays the anchor and the residual by their bytes over the rate: 32K tokens' 2.3 GB at 10 Gbit/s is
-#              ~1.8 s. Per token count: 3 rates x (Lynx run + monolithic run + plain decoding of its forward
-#              shapes) + one plain decoding: ~10 runs of ~1.5-3 s.
+#   env        (limit 30 s, ~5-10 s) versions, card, imports (torch, triton, transformers, safetensors, pytest).
+#   codec      (limit 45 s, ~15-20 s) bench_gpu.py at 8K and 32K: the Triton encode and decodes against a
+#              device-to-device copy. Copying 4.3 GB moves 8.6 GB: ~3.5 ms at ~2.5 TB/s; encode and decode move
+#              ~1.5x the BF16 bytes, ~3-5 ms each near copy bandwidth; do_bench repeats each for 0.2 s. The torch
+#              reference (fp32 intermediates, ~10 passes over 17 GB of fp32) takes ~0.1-0.3 s a call, 3 calls,
+#              and may run out of memory at 32K (recorded; the kernels' numbers are kept).
+#   user_path  (limit 60 s, ~20-30 s) save_cache of device tensors (encoded on the GPU by the torch reference: the
+#              default scheme's compander is not the Triton encode's; 0.57 / 2.3 GB written to local disk at ~1-2
+#              GB/s: ~1-2 s at 32K), load_kv(device="cuda") full and anchor-only (the records read from the page
+#              cache and CRC-checked on the CPU at ~1-3 GB/s, ~1 s at 32K, then 2.3 GB to the device at ~10-25 GB/s
+#              from pageable memory, ~0.1-0.2 s; a layer's full pages decode in one launch, ~0.1 ms), against
+#              safetensors save (4.3 GB: ~2-4 s), load and .to("cuda") (~1-2 s); 3 loads of each.
+#   runner     (limit 120 s, ~60-80 s) the speculative runner on a random-weight Llama-shaped model (32 layers,
+#              hidden 2048, 16 heads, 8 KV heads x 128, MLP 5632, vocab 32768: ~1.6 B parameters, 3.3 GB BF16) at
+#              8K and 32K tokens over emulated 10/25/50 Gbit/s links, against the monolithic full code and plain
+#              decoding. A decode step reads the weights (3.3 GB: ~1.3 ms) and the KV (1.07 / 4.3 GB: ~0.4 / 1.7
+#              ms) at ~2.5 TB/s; its ~3.3 GFLOP of matmuls and 4 x 32 layers x 16 heads x 128 x T of attention
+#              (8.6 GFLOP at 32K) are ~10 us at peak, so memory bounds it at ~2-3 ms; but eager transformers
+#              launches ~15 kernels a layer from Python: ~10-25 ms a token, so 64 tokens take ~1-1.5 s. The link holds the anchor back by its bytes over the
+#              rate and the residual by both: 32K tokens' 2.3 GB at 10 Gbit/s is ~1.8 s. Per token count: save and
+#              load (~2-8 s), plain decoding, then per rate a Lynx run, a monolithic run and plain decoding of the
+#              Lynx run's forward shapes: ~10 runs of ~1-3 s.
+#   kernels    (limit 100 s, ~40-90 s) pytest -m cuda of tests/test_kernels.py and tests/test_device_load.py (143
+#              tests, small shapes): the launches take milliseconds; the time is Triton compiling some 50-80
+#              kernel specialisations at ~0.5-1 s each (the cache in ~/.triton is cold on a fresh machine).
 #   total      ~2.5-4 minutes, capped at the budget.
 #
 # lynxkv need not be installed: the script builds a throw-away import root (a temporary directory) whose lynxkv/
@@ -41,8 +47,8 @@
 # transformers; a missing one fails the steps that need it, and the report says which.
 #
 # GPU_CHECK_DRY=1: the same steps and report on a CPU at toy sizes: the Triton kernels under TRITON_INTERPRET=1
-# where they run (the kernel tests, bench_gpu.py, the load path without the compiled CPU kernels), the torch
-# reference and the compiled CPU kernels elsewhere, a tiny fp32 model, links scaled to the toy caches (Mbit/s).
+# where they run (bench_gpu.py; the kernel tests, among them the load path's batched launches), the compiled CPU
+# kernels and the torch reference elsewhere, a tiny fp32 model, links slowed to the toy caches (0.2-1 Mbit/s).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -93,6 +99,15 @@ echo "== gpu_check $(date -u '+%Y-%m-%d %H:%M:%S UTC') repo $REPO (dry=$DRY, bud
 step env 30 "$PY" "$REPO/benchmarks/gpu_check.py" env "${DRYFLAG[@]}" --json "$STEPS/env.json"
 
 if [ "$DRY" = "1" ]; then
+    CODEC=(--dry-run-cpu --tokens 40 --layers 1 --heads 2 --head-dim 16)
+else
+    CODEC=(--tokens 8192 32768)
+fi
+step codec 45 "$PY" "$REPO/benchmarks/bench_gpu.py" "${CODEC[@]}" --json "$STEPS/codec.json"
+step user_path 60 "$PY" "$REPO/benchmarks/gpu_check.py" user-path "${DRYFLAG[@]}" --json "$STEPS/user_path.json"
+step runner 120 "$PY" "$REPO/benchmarks/gpu_check.py" runner "${DRYFLAG[@]}" --json "$STEPS/runner.json"
+
+if [ "$DRY" = "1" ]; then
     TESTS=(-k "interp and T1 and default and not compiles" "$REPO/tests/test_kernels.py"
            "$REPO/tests/test_device_load.py::test_device_path_launches_the_triton_kernels_under_the_interpreter")
 else
@@ -100,15 +115,6 @@ else
 fi
 step kernels 100 "$PY" -m pytest -q "${TESTS[@]}" -c "$REPO/pyproject.toml" --rootdir "$REPO" \
     -p no:cacheprovider -o addopts="" --junitxml="$STEPS/kernels.xml"
-
-if [ "$DRY" = "1" ]; then
-    CODEC=(--dry-run-cpu --tokens 40 --layers 1 --heads 2 --head-dim 16)
-else
-    CODEC=(--tokens 8192 32768)
-fi
-step codec 60 "$PY" "$REPO/benchmarks/bench_gpu.py" "${CODEC[@]}" --json "$STEPS/codec.json"
-step user_path 75 "$PY" "$REPO/benchmarks/gpu_check.py" user-path "${DRYFLAG[@]}" --json "$STEPS/user_path.json"
-step runner 150 "$PY" "$REPO/benchmarks/gpu_check.py" runner "${DRYFLAG[@]}" --json "$STEPS/runner.json"
 
 "$PY" "$REPO/benchmarks/gpu_check.py" report "${DRYFLAG[@]}" --steps "$STEPS" --json "$OUT_DIR/gpu_check.json" \
     --markdown "$OUT_DIR/gpu_check.md"

@@ -10,7 +10,7 @@ import os
 import time
 import xml.etree.ElementTree as ET
 
-STEPS = ("env", "kernels", "codec", "user_path", "runner")
+STEPS = ("env", "codec", "user_path", "runner", "kernels")
 
 
 def _status(rc: int) -> str:

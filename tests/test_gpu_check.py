@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["env", "kernels", "codec", "user_path", "runner"]
+STEPS = ["env", "codec", "user_path", "runner", "kernels"]
 
 
 def _entries() -> dict[str, list[str]]:
@@ -100,7 +100,7 @@ def test_report_names_failed_timed_out_and_skipped_steps(tmp_path):
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rc == 1 and rep["ok"] is False and rep["tokens_identical"] is True
     assert {n: s["status"] for n, s in rep["steps"].items()} == {
-        "env": "ok", "kernels": "failed", "codec": "timeout", "user_path": "skipped", "runner": "ok"}
+        "env": "ok", "codec": "timeout", "user_path": "skipped", "runner": "ok", "kernels": "failed"}
     assert "codes differ" in rep["steps"]["kernels"]["log_tail"]
     md = (tmp_path / "r.md").read_text()
     assert "| codec | timeout | 60 | 60 |" in md and "still encoding" in md
