@@ -159,8 +159,9 @@ def cmd_user_path(args) -> int:
                 "safetensors_save_s": st_save_s, "safetensors_load_to_device_s": st_load_s,
                 "full_rel_error": full_err, "anchor_rel_error": anchor_err, "on_device": on_device,
             }
-            # the full code is within a few tenths of a percent of the input, the anchor within a few percent
-            run["ok"] = on_device and full_err < 0.01 and anchor_err < 0.1
+            # a sanity bound, not the quantizer's error (docs/evaluation.md): on this synthetic KV the full code is
+            # ~0.5% from the input and the anchor ~8%; a page decoded into the wrong place or not at all is ~100%
+            run["ok"] = on_device and full_err < 0.02 and anchor_err < 0.2
             ok &= run["ok"]
             result["runs"].append(run)
             print(f"[user_path] {t} tokens: save {save_s:.3f}s load {load_s:.3f}s anchor {anchor_s:.3f}s | "

@@ -14,7 +14,7 @@
 # 4+4 codes and their metadata are ~0.53 of that (0.57 / 2.3 GB), the anchor alone ~0.27.
 #
 #   env        (limit 30 s, ~5-10 s) versions, card, imports (torch, triton, transformers, safetensors, pytest).
-#   codec      (limit 45 s, ~15-20 s) bench_gpu.py at 8K and 32K: the Triton encode and decodes against a
+#   codec      (limit 60 s, ~15-25 s) bench_gpu.py at 8K and 32K: the Triton encode and decodes against a
 #              device-to-device copy. Copying 4.3 GB moves 8.6 GB: ~3.5 ms at ~2.5 TB/s; encode and decode move
 #              ~1.5x the BF16 bytes, ~3-5 ms each near copy bandwidth; do_bench repeats each for 0.2 s. The torch
 #              reference (fp32 intermediates, ~10 passes over 17 GB of fp32) takes ~0.1-0.3 s a call, 3 calls,
@@ -103,7 +103,7 @@ if [ "$DRY" = "1" ]; then
 else
     CODEC=(--tokens 8192 32768)
 fi
-step codec 45 "$PY" "$REPO/benchmarks/bench_gpu.py" "${CODEC[@]}" --json "$STEPS/codec.json"
+step codec 60 "$PY" "$REPO/benchmarks/bench_gpu.py" "${CODEC[@]}" --json "$STEPS/codec.json"
 step user_path 60 "$PY" "$REPO/benchmarks/gpu_check.py" user-path "${DRYFLAG[@]}" --json "$STEPS/user_path.json"
 step runner 120 "$PY" "$REPO/benchmarks/gpu_check.py" runner "${DRYFLAG[@]}" --json "$STEPS/runner.json"
 
