@@ -110,6 +110,10 @@ def cmd_env(args) -> int:
     return 1 if missing or not (args.dry or torch.cuda.is_available()) else 0
 
 
+def _s(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds:.3f}s"
+
+
 def _max_rel_error(got, want) -> float:
     return max(float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30))
                for pg, pw in zip(got, want) for g, w in zip(pg, pw))
@@ -165,7 +169,7 @@ def cmd_user_path(args) -> int:
             ok &= run["ok"]
             result["runs"].append(run)
             print(f"[user_path] {t} tokens: save {save_s:.3f}s load {load_s:.3f}s anchor {anchor_s:.3f}s | "
-                  f"safetensors save {st_save_s}s load+to({st.device.type}) {st_load_s}s | "
+                  f"safetensors save {_s(st_save_s)} load+to({st.device.type}) {_s(st_load_s)} | "
                   f"rel.err full {full_err:.2e} anchor {anchor_err:.2e} on device {on_device}", flush=True)
             write(args.json, result)
             del kv

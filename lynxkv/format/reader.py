@@ -285,14 +285,17 @@ class PageReader:
         """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
         each, written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`).
         Layers are read, checked and decoded on up to ``threads`` workers at once, one thread each
-        (:func:`lynxkv.quant.dispatch.concurrent_tensors`); with one, the next layer's records are read while
-        this one is decoded. An error is that of the first failing layer."""
+        (:func:`lynxkv.quant.dispatch.concurrent_tensors`; one for outputs on another device); with one, the next
+        layer's records are read while this one is decoded. An error is that of the first failing layer."""
         from concurrent.futures import ThreadPoolExecutor
 
         h = self.header
         s = h.scheme
         tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
-        workers = min(concurrent_tensors(threads), h.layers)
+        # on another device than the CPU one thread launches every layer's kernels (their first launch compiles
+        # them); the read-ahead below still checks the next layer's records meanwhile
+        on_cpu = all(t.device.type == "cpu" for pair in out for t in pair)
+        workers = min(concurrent_tensors(threads), h.layers) if on_cpu else 1
         kinds = (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,))
         for kind in kinds:
             self.index(kind)  # sources and indexes are opened here, once, not by the workers at the same time
