@@ -2,10 +2,11 @@
 
 The record bytes of a call go to ``out.device`` once (on a GPU what crosses the host link is the packed codes and
 their metadata, never decoded KV), then each page is sliced out of that buffer and decoded there: the Triton
-kernels for CUDA tensors (and for CPU tensors under ``TRITON_INTERPRET=1``), the torch reference anywhere else (:func:`lynxkv.quant.dispatch.dequantize_packed`).
-Consecutive pages of one length whose records are evenly spaced in the buffer (a layer's full pages) are
-gathered into one ``[P, ...]`` batch and decoded in one launch (on CUDA straight into ``out``; elsewhere through
-a temporary), so a 32K-token layer costs a few launches, not one per page. The metadata checks (finite offsets
+kernels for CUDA tensors (and for fp32/fp16 CPU tensors under ``TRITON_INTERPRET=1``), the torch reference
+anywhere else (:func:`lynxkv.quant.dispatch.dequantize_packed`). Consecutive pages of one length whose records
+are evenly spaced in the buffer (a layer's full pages) are gathered into one ``[P, ...]`` batch and decoded in one
+launch (the kernels write straight into ``out``, the reference through a temporary), so a 32K-token layer costs a
+few launches, not one per page. The metadata checks (finite offsets
 and scales, scales >= 0) are collected on the device and read back once per call.
 """
 
@@ -81,8 +82,10 @@ def dequantize_pages_on_device(anchor, residual, pages, scheme: Scheme, *, out: 
     abuf = device_bytes(anchor, out.device)
     rbuf = abuf if residual is anchor else device_bytes(residual, out.device)
     # CUDA tensors take the kernels; so do CPU tensors under Triton's interpreter, so that a machine without a GPU
-    # runs the very launches (batched, into strided views of out) that a GPU makes
-    kernels = _triton() if out.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else None
+    # runs the very launches (batched, into strided views of out) that a GPU makes -- but not into bf16, which the
+    # interpreter rounds differently from the reference (it truncates)
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and out.dtype != torch.bfloat16
+    kernels = _triton() if out.is_cuda or interpreted else None
     direct = kernels is not None and kernels[1].supports(scheme) and fast.packable(scheme, d)
     problems: list[torch.Tensor] = []
 
