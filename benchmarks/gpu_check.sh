@@ -31,10 +31,10 @@
 #              decoding. A decode step reads the weights (3.3 GB: ~1.3 ms) and the KV (1.07 / 4.3 GB: ~0.4 / 1.7
 #              ms) at ~2.5 TB/s; its ~3.3 GFLOP of matmuls and 4 x 32 layers x 16 heads x 128 x T of attention
 #              (8.6 GFLOP at 32K) are ~10 us at peak, so memory bounds it at ~2-3 ms; but eager transformers
-#              launches ~15 kernels a layer from Python: ~10-25 ms a token, so 64 tokens take ~1-1.5 s. The link holds the anchor back by its bytes over the
-#              rate and the residual by both: 32K tokens' 2.3 GB at 10 Gbit/s is ~1.8 s. Per token count: save and
-#              load (~2-8 s), plain decoding, then per rate a Lynx run, a monolithic run and plain decoding of the
-#              Lynx run's forward shapes: ~10 runs of ~1-3 s.
+#              launches ~15 kernels a layer from Python: ~10-25 ms a token, so 64 tokens take ~1-1.5 s. The link
+#              holds the anchor back by its bytes over the rate and the residual by both: 32K tokens' 2.3 GB at 10
+#              Gbit/s is ~1.8 s. Per token count: save and load (~2-8 s), plain decoding, then per rate a Lynx run,
+#              a monolithic run and plain decoding of the Lynx run's forward shapes: ~10 runs of ~1-3 s.
 #   kernels    (limit 100 s, ~40-90 s) pytest -m cuda of tests/test_kernels.py and tests/test_device_load.py (143
 #              tests, small shapes): the launches take milliseconds; the time is Triton compiling some 50-80
 #              kernel specialisations at ~0.5-1 s each (the cache in ~/.triton is cold on a fresh machine).

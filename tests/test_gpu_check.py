@@ -54,7 +54,8 @@ def test_dry_run_results_hold_every_measurement(dry_run):
     assert {"device copy", "encode (fused Triton)", "decode full (fused Triton)"} <= {r["op"] for r in codec["rows"]}
     user = steps["user_path"]["result"]["runs"]
     assert len(user) == 2 and all(r["ok"] and r["on_device"] for r in user)
-    assert all(r[k] > 0 for r in user for k in ("save_s", "load_full_s", "load_anchor_s", "safetensors_load_to_device_s"))
+    timed = ("save_s", "load_full_s", "load_anchor_s", "safetensors_load_to_device_s")
+    assert all(r[k] > 0 for r in user for k in timed)
     runner = steps["runner"]["result"]
     assert [length["tokens"] for length in runner["runs"]] == [32, 64]
     n = runner["new_tokens"]

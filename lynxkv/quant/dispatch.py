@@ -179,9 +179,9 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     decodes the 4+4 split in one compiled pass (the rotated keys of format 1.3 rotated back in it); every other
     device and split decodes on ``out``'s device (:mod:`lynxkv.quant.device_pages`: the record bytes copied there
     once, the Triton kernels on CUDA, the reference elsewhere). ``kind`` (``"key"`` or ``"value"``) fixes,
-    through the scheme, the axis the groups run along (``scheme.axis``: along tokens, or along the channels of each token for values per
-    channel, metadata ``[H, n, ceil(D/C)]``) and whether the rows are rotated (``scheme.rotated``). Sink tokens
-    are the caller's: every token decodes from the codes given."""
+    through the scheme, the axis the groups run along (``scheme.axis``: along tokens, or along the channels of
+    each token for values per channel, metadata ``[H, n, ceil(D/C)]``) and whether the rows are rotated
+    (``scheme.rotated``). Sink tokens are the caller's: every token decodes from the codes given."""
     h, t, d = out.shape
     axis, rotated = scheme.axis(kind), scheme.rotated(kind)
     if _fast_cpu(out) and fast.packable(scheme, d):
