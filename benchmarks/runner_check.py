@@ -7,8 +7,8 @@ and full), handed to the runner by a :class:`~lynxkv.cache.loading.PreparedLoad`
 its bytes over the link and the residual after both (one link, anchor first). Only public fields are read:
 ``RunConfig(max_new_tokens=, speculate=)`` and the stats' ``first_commit_s``, ``tt(n)``, ``draft_step_s``,
 ``decode_step_s``, ``drafted``, ``accepted``. Plain decoding is compared with the forward shapes of the run where
-the stats say them (``draft_token_ids``, ``verify_pass_sizes``; bf16 rounds one multi-token forward differently
-from single steps), else token by token.
+the stats say them (``draft_token_ids`` and the branch's ``branch_at`` / ``branch_token_ids``; bf16 rounds one
+multi-token forward differently from single steps), else token by token.
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ def _reference(model, full_kv, prompt, n: int, stats, plain: list[int]) -> tuple
     """Plain decoding with the run's forward shapes where its stats give them, else the token-by-token tokens."""
     from lynxkv.speculative import decode_plain
 
-    drafts, passes = getattr(stats, "draft_token_ids", None), getattr(stats, "verify_pass_sizes", None)
-    if not drafts:
+    if not stats.draft_token_ids:
         return plain, "token by token"
-    return decode_plain(model, full_kv, prompt, n, first_forward=list(drafts),
-                        first_passes=list(passes) if passes else None), "the run's forward shapes"
+    return decode_plain(model, full_kv, prompt, n, first_forward=list(stats.draft_token_ids),
+                        branch=(stats.branch_at, stats.branch_token_ids)), "the run's forward shapes"
 
 
 def _one_length(st, model, fp, t: int, gbits: list[float], n: int, tmp: str, result: dict, flush) -> bool:
