@@ -1,16 +1,20 @@
-"""Lynx against the monolithic full code on held-out prompts, at several link rates, through `lynxkv run --compare`.
+"""Lynx against the monolithic full code on held-out prompts, at several link rates, on the path `lynxkv run
+--compare` takes (its Python calls: a step timed before the load opens, the progressive reader over an emulated
+link, the engine, the monolithic baselines over the same link).
 
     .venv/bin/python benchmarks/bench_held_out.py --prompts 6 --rates 60Mbps --repeats 3
 
 The prompts are the first ``--prompts`` ~``--tokens``-token pieces of the held-out corpus of ``lynxkv eval``
 (``lynxkv.eval.cases.text_cases`` over ``stdlib_text()``, the Python standard library's own source, skipping any
 piece that shares a 32-token run with the corpus the defaults were chosen on), decoded to text. Each is encoded
-with ``lynxkv encode --model smollm2 --prompt-file`` and run with ``lynxkv run --bandwidth R -n 64 --ignore-eos
---compare --repeats N --json`` (every method N times, interleaved; medians). One row per prompt and rate:
+with ``lynxkv encode --model smollm2 --prompt-file`` and decoded 64 tokens (no stop token) by every method N times,
+interleaved round by round (``lynxkv.bench.compare.compare_run(repeats=N)``); medians. One row per prompt and rate:
 
-- TT1 and TT64 of Lynx, the monolithic full code and the anchor alone; the gain in units of Δ = min(t_res, 64·TPOT)
-  (target >= 0.6 Δ), Lynx / anchor-only (target <= 1.15), Lynx / full (target <= 1.02: never meaningfully slower);
-- TT1 against the full code's TT1 plus one decode step (the target: no later);
+- the drafts kept (the main chain's accepted drafts plus the branch's) and what they are worth, kept × the decode
+  step; the measured gain over the monolithic full code as a fraction of that worth (what the machinery keeps of
+  what the anchor earns) and in units of Δ = min(t_res, 64·TPOT);
+- TT1 and TT64 of Lynx, the monolithic full code and the anchor alone; Lynx / anchor-only, Lynx / full;
+- TT1 against the full code's TT1 plus one decode step;
 - the verify on the critical path (verify end minus the moment the whole residual was in), in decode steps
   (target <= 1.5), and whether it ran layer by layer as the residual landed;
 - the post-verify decode step over the monolithic full code's step at the same cache lengths (target <= 1.05);
@@ -76,6 +80,8 @@ def row_of(doc: dict, prompt: str, rate: str) -> dict:
         "prompt": prompt, "rate": rate,
         # with --branch-margin, "+1+n": the branch's root and n of its drafts kept after the main chain's
         # and "(fork at p)" for a fork whose branch was not verified (the main chain was not rejected there)
+        "worth_s": (_med([s["accepted"] + (s.get("branch_accepted") or 0) for s in lynx]) or 0) * step
+        if step else None,
         "kept": ", ".join(f"{s['accepted']}/{s['drafted']}" + (
             f"+1+{s['branch_accepted']}" if s.get("branch_accepted") is not None
             else f" (fork at {s['branch_at']})" if s.get("branch_at") is not None else "") for s in lynx),
@@ -89,6 +95,7 @@ def row_of(doc: dict, prompt: str, rate: str) -> dict:
         "tt64_lynx_s": j["tt_lynx_s"], "tt64_full_s": j["tt_full_s"], "tt64_anchor_s": j["tt_anchor_only_s"],
         "delta_s": j["delta_theoretical_s"], "gain_s": j["gain_measured_s"],
         "gain_delta": j["gain_measured_s"] / j["delta_theoretical_s"] if j["delta_theoretical_s"] else None,
+        "gain_of_worth": None,
         "anchor_ratio": j["ratio_to_anchor_only"],
         "vs_full": j["tt_lynx_s"] / j["tt_full_s"],
         "verify_critical_steps": critical / step if critical is not None and step else None,
@@ -107,12 +114,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--rates", default="60Mbps", help="comma-separated, e.g. 12Mbps,60Mbps,200Mbps,1Gbps")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layered-verify", action="store_true", help="Pass --layered-verify to lynxkv run.")
-    ap.add_argument("--verify-first", type=int, default=None, help="Pass --verify-first N to lynxkv run.")
-    ap.add_argument("--branch-margin", type=float, default=None, help="Pass --branch-margin X to lynxkv run.")
     ap.add_argument("--json", dest="json_out", default=None, help="Also write every row here.")
     a = ap.parse_args(argv)
 
+    from lynxkv.bench.compare import compare_run
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative import RunConfig, Timing, run
+    from lynxkv.stream import open_progressive
+    from lynxkv.stream.units import parse_bandwidth
+
+    lm = load_model()
+    cfg = RunConfig(max_new_tokens=64)  # no stop token: 64 tokens every time
     rows = []
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as d:
@@ -121,29 +133,42 @@ def main(argv=None) -> int:
             cache = d / f"h{i}.lynx"
             subprocess.run([LYNXKV, "encode", "--model", "smollm2", "--prompt-file", str(prompt), "-o", str(cache)],
                            check=True, capture_output=True, env=env)
+            timing = Timing()  # as lynxkv run: a step timed at the prompt's length before the first load opens
+            with open_progressive(str(cache)) as probe:
+                probe.wait_anchor(60)
+                cached = len(probe.prompt_token_ids)
+            timing.calibrate(lm.model, cached)
             for rate in a.rates.split(","):
-                run = subprocess.run([LYNXKV, "run", str(cache), "--bandwidth", rate, "-n", "64", "--ignore-eos",
-                                      "--compare", "--repeats", str(a.repeats), "--json",
-                                      *(["--layered-verify"] if a.layered_verify else []),
-                                      *(["--verify-first", str(a.verify_first)] if a.verify_first is not None else []),
-                                      *(["--branch-margin", str(a.branch_margin)] if a.branch_margin is not None else [])],
-                                     check=True, capture_output=True, text=True, env=env)
-                rows.append(row_of(json.loads(run.stdout), f"p{i}", rate))
-                r = rows[-1]
-                print(f"p{i} {rate}: TT64 lynx {r['tt64_lynx_s']:.2f} s, full {r['tt64_full_s']:.2f} s, "
-                      f"gain {fmt(r['gain_delta'])} Δ", file=sys.stderr, flush=True)
+                def open_load(rate=rate):
+                    return open_progressive(str(cache), bandwidth=rate, room=cfg.max_new_tokens + 1)
 
-    head = ("| prompt | rate | drafts kept | layered | TT1 lynx / full (+1 step) | TT64 lynx | full | anchor | gain "
-            "| lynx / anchor | lynx / full | verify on the critical path | post-verify step | same tokens |")
+                started = time.perf_counter()
+                load = open_load()
+                try:
+                    first = run(lm.model, load, cfg, fingerprint=lm.fingerprint, started_at=started, timing=timing)
+                    cmp = compare_run(lm.model, load, first, cfg, lm.fingerprint, bandwidth=parse_bandwidth(rate),
+                                      repeats=a.repeats, open_load=open_load, timing=timing)
+                finally:
+                    load.close()
+                rows.append(row_of({"compare": cmp}, f"p{i}", rate))
+                r = rows[-1]
+                r["gain_of_worth"] = r["gain_s"] / r["worth_s"] if r["worth_s"] else None
+                print(f"p{i} {rate}: TT64 lynx {r['tt64_lynx_s']:.2f} s, full {r['tt64_full_s']:.2f} s, "
+                      f"gain {fmt(r['gain_s'])} s of {fmt(r['worth_s'])} s worth", file=sys.stderr, flush=True)
+
+    head = ("| prompt | rate | drafts kept | kept × step | gain | gain / worth | gain / Δ | layered "
+            "| TT1 lynx / full (+1 step) | TT64 lynx | full | anchor | lynx / anchor | lynx / full "
+            "| verify on the critical path | post-verify step | same tokens |")
     print(f"{a.prompts} held-out ~{a.tokens}-token prompts, SmolLM2, medians of {a.repeats} interleaved runs, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
-        print(f"| {r['prompt']} | {r['rate']} | {r['kept']} | {r['layered']}/{a.repeats} "
+        print(f"| {r['prompt']} | {r['rate']} | {r['kept']} | {fmt(r['worth_s'])} s | {fmt(r['gain_s'])} s "
+              f"| {fmt(r['gain_of_worth'])} | {fmt(r['gain_delta'])} Δ | {r['layered']}/{a.repeats} "
               f"| {fmt(r['tt1_lynx_s'])} / {fmt(r['tt1_full_s'])} ({'met' if r['tt1_met'] else 'no'}) "
               f"| {fmt(r['tt64_lynx_s'])} | {fmt(r['tt64_full_s'])} | {fmt(r['tt64_anchor_s'])} "
-              f"| {fmt(r['gain_delta'])} Δ | {fmt(r['anchor_ratio'], '.3f')} "
+              f"| {fmt(r['anchor_ratio'], '.3f')} "
               f"| {fmt(r['vs_full'], '.3f')} | {fmt(r['verify_critical_steps'])} steps "
               f"| {fmt(r['post_verify_ratio'], '.3f')} | {'yes' if r['same_tokens'] else 'NO'} |")
     for rate in a.rates.split(","):

@@ -154,7 +154,7 @@ def test_no_two_modules_share_a_file_name():
     """One meaning per name: ``report.py`` in two packages reads as one concept; ``__init__.py`` excepted."""
     seen: dict[str, list[str]] = {}
     for p in [*ROOT.rglob("*.py"), *(ROOT.parent / "kernels").rglob("*.py")]:  # rglob does not follow lynxkv/kernels
-        if p.name != "__init__.py" and not p.read_text().startswith('"""Deprecated: moved to'):  # old names kept
+        if p.name != "__init__.py":
             seen.setdefault(p.name, []).append(str(p.relative_to(ROOT.parent)))
     twice = {n: ps for n, ps in seen.items() if len(ps) > 1}
     assert not twice, f"file names used twice: {twice}"
@@ -185,45 +185,3 @@ def test_the_checkout_does_not_shadow_hugging_faces_kernels_package():
     assert found == "None" or not pathlib.Path(found).resolve().is_relative_to(root / "kernels"), found
 
 
-MOVED = [("lynxkv.kv", "lynxkv.cache.kv", "KVPairs"), ("lynxkv.dumps", "lynxkv.cache.dumps", "load_kv_safetensors"),
-         ("lynxkv.native", "lynxkv.compiled", "load_extension"),
-         ("lynxkv.stream.lmcache_source", "lynxkv.integrations.lmcache.source", "parse_address"),
-         ("lynxkv.loading", "lynxkv.cache.loading", "CacheLoad"),
-         ("lynxkv.stream.http_server", "lynxkv.serve", "CacheServer")]
-
-
-@pytest.mark.parametrize("old, new, name", MOVED)
-def test_moved_modules_keep_their_old_names_with_a_deprecation(old, new, name):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=new):
-        found = getattr(importlib.import_module(old), name)
-    assert found is getattr(importlib.import_module(new), name)
-
-
-def test_every_folder_says_its_job_in_one_line():
-    """Each package's ``__init__`` docstring is one line: what the folder is for (details live in docs/)."""
-    import ast
-
-    for init in sorted(ROOT.rglob("__init__.py")):
-        doc = ast.get_docstring(ast.parse(init.read_text()), clean=False)
-        assert doc and "\n" not in doc.strip(), f"{init.relative_to(ROOT.parent)}: {doc!r}"
-
-
-def test_no_lynxkv_module_imports_a_deprecated_path():
-    """The old paths are for users' code; lynxkv itself, its tests, examples and benchmarks use the new ones."""
-    old = {o for o, _, _ in MOVED}
-    checkout = ROOT.parent
-    files = [p for d in ("lynxkv", "tests", "examples", "benchmarks") for p in (checkout / d).rglob("*.py")]
-    found = []
-    for p in files:
-        if p.read_text().startswith('"""Deprecated: moved to') or p.name == "test_imports.py":
-            continue
-        for n in ast.walk(ast.parse(p.read_text())):
-            names = []
-            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
-                names = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
-            elif isinstance(n, ast.Import):
-                names = [a.name for a in n.names]
-            found += [f"{p.relative_to(checkout)}:{n.lineno} {m}" for m in names if m in old]
-    assert not found, found
