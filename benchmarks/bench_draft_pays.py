@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     from lynxkv.quant.scheme import DEFAULT
     from lynxkv.speculative import RunConfig
     from lynxkv.bench.compare import baseline_cases, run_baseline, run_lynx
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import parse_bandwidth
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
                         res = run_baseline(lm.model, case, ids.tolist(), lm.fingerprint, bandwidth=rate,
                                            latency=None, config=cfg)[1]
                     else:
-                        res = run_lynx(lm.model, lambda: open_progressive(path, bandwidth=rate), variants[m],
+                        res = run_lynx(lm.model, lambda: open_progressive(path, link=link_at(rate)), variants[m],
                                        lm.fingerprint)[1]
                     got[m].append(res)
             ref = got["monolithic-full"][0].token_ids

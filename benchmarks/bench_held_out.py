@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     from lynxkv.bench.compare import compare_run
     from lynxkv.hf.models import load_model
     from lynxkv.speculative import RunConfig, Timing, run
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream import open_progressive
     from lynxkv.stream.units import parse_bandwidth
 
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
             timing.calibrate(lm.model, cached)
             for rate in a.rates.split(","):
                 def open_load(rate=rate):
-                    return open_progressive(str(cache), bandwidth=rate, room=cfg.max_new_tokens + 1)
+                    return open_progressive(str(cache), link=link_at(rate), room=cfg.max_new_tokens + 1)
 
                 started = time.perf_counter()
                 load = open_load()

@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     from lynxkv.speculative import RunConfig
     from lynxkv.bench.compare import baseline_cases, run_baseline, run_lynx
     from lynxkv.speculative.model_ops import measure_tpot
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream.progressive import open_progressive
 
     lm = load_model(None)
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
         cfg = RunConfig(max_new_tokens=a.max_new_tokens)
 
         def open_load():
-            return open_progressive(path, bandwidth=rate)
+            return open_progressive(path, link=link_at(rate))
 
         probe = open_load()
         anchor_kv, full_kv = probe.wait_anchor(), probe.residual.result()

@@ -29,6 +29,7 @@ from lmcache.v1.multiprocess.cache_control.key_resolver import resolve_object_ke
 from lmcache.v1.multiprocess.token_hasher import TokenHasher  # noqa: E402
 
 from lynxkv.integrations.lmcache.adapter import LynxL2Adapter  # noqa: E402
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream import open_progressive  # noqa: E402
 from lynxkv.stream.received import ReceivedCopy  # noqa: E402
 
@@ -70,7 +71,7 @@ def build_store(root: str, chunks: int, layers: int, heads: int, dim: int) -> st
 
 
 def timed(source: str, bandwidth: str) -> tuple[float, float]:
-    with open_progressive(source, bandwidth=bandwidth) as load:
+    with open_progressive(source, link=link_at(bandwidth)) as load:
         load.residual.result(timeout=600)
         tl = load.timeline
         return tl.anchor_ready_s, tl.residual_ready_s

@@ -23,6 +23,7 @@ from lynxkv.hf.models import encode_prompt, load_model
 from lynxkv.hf.prompts import document
 from lynxkv.cache.kv import TORCH_DTYPES
 from lynxkv.speculative import RunConfig, run
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream.progressive import open_progressive
 
 QUESTIONS = ("\n\nQuestion: What is this documentation about?\nAnswer:",
@@ -50,7 +51,7 @@ def main(argv=None) -> list[dict]:
     answers = []
     for question in args.question or QUESTIONS:
         new = continuation_ids(loaded.tokenizer, ids.tolist(), question)
-        load = open_progressive(path, bandwidth=args.bandwidth)
+        load = open_progressive(path, link=link_at(args.bandwidth))
         try:
             res = run(loaded.model, load, RunConfig(max_new_tokens=args.max_new_tokens), new_token_ids=new,
                       fingerprint=loaded.fingerprint)

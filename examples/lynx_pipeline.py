@@ -25,6 +25,7 @@ from lynxkv.quant.scheme import get_scheme
 from lynxkv.speculative import RunConfig, run
 from lynxkv.bench.compare import compare_run
 from lynxkv.speculative.model_ops import measure_tpot
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream.progressive import open_progressive
 
 
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
 
     cfg = RunConfig(max_new_tokens=args.max_new_tokens)
     started = time.perf_counter()
-    load = open_progressive(anchor_path, bandwidth=bandwidth, allow_locations=[slow])  # the slow tier, allowed
+    load = open_progressive(anchor_path, link=link_at(bandwidth), allow_locations=[slow])  # the slow tier, allowed
     try:
         lynx = run(loaded.model, load, cfg, fingerprint=loaded.fingerprint, started_at=started)
         compared = compare_run(loaded.model, load, lynx, cfg, loaded.fingerprint, bandwidth=bandwidth, latency=0.0,

@@ -18,6 +18,7 @@ from lynxkv.cli import main
 from lynxkv.errors import LynxError
 from lynxkv.format import constants as c
 from lynxkv.serve import CacheServer, load_served_cache
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream import open_progressive
 from lynxkv.stream.tier import move_cache
 
@@ -155,7 +156,7 @@ def test_progressive_load_reads_anchor_then_full_then_exact(tmp_path, dtype, sin
         full = cache.load_kv()
     for bandwidth in (None, "400Mbps"):  # read in place, and pumped through an emulated link
         events = []
-        with open_progressive(str(tmp_path / "c.lynx"), exact=True, bandwidth=bandwidth,
+        with open_progressive(str(tmp_path / "c.lynx"), exact=True, link=link_at(bandwidth),
                               on_event=events.append) as load:
             exact = load.exact.result(timeout=60)
             assert same_bits(exact, kv)
@@ -192,7 +193,7 @@ def test_progressive_exact_refusals_are_one_clear_error_and_leave_the_full_code(
     data[-1] ^= 0x01
     (tmp_path / "a.lynxe").write_bytes(data)
     for bandwidth in (None, "1Gbps"):
-        with open_progressive(str(tmp_path / "a.lynx"), exact=True, bandwidth=bandwidth) as load:
+        with open_progressive(str(tmp_path / "a.lynx"), exact=True, link=link_at(bandwidth)) as load:
             with pytest.raises(LynxError, match="(?i)crc"):
                 load.exact.result(timeout=60)
             assert load.residual.result() is not None and "exact_ready_s" not in load.timeline.extra

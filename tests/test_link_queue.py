@@ -9,7 +9,7 @@ import pytest
 
 from lynxkv.errors import InputError
 from lynxkv.stream.link import ANCHOR, RESIDUAL
-from lynxkv.stream.link_queue import LinkQueue
+from lynxkv.bench.link_queue import LinkQueue
 
 
 def _transfer(queue, sizes, *, anchor=20_000, block=10_000, late=()):

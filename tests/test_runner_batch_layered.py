@@ -17,6 +17,7 @@ from lynxkv.hf import prefill
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import RunConfig, Timing, decode_plain
 from lynxkv.speculative import BatchRequest, run_batch
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream import open_progressive
 from runner_helpers import StepLoad, caches, prompt_ids, single_thread
 
@@ -69,7 +70,7 @@ def test_requests_verify_layer_by_layer_in_a_batch(tmp_path, eager, dtype):
     cfgs = [RunConfig(max_new_tokens=20),
             RunConfig(max_new_tokens=20),
             RunConfig(max_new_tokens=12, speculate=False)]
-    reqs = [BatchRequest(lambda p=path: open_progressive(p, bandwidth=_rate(p, 1.0)), cfg, name=str(i),
+    reqs = [BatchRequest(lambda p=path: open_progressive(p, link=link_at(_rate(p, 1.0))), cfg, name=str(i),
                          arrival_s=1.5 if i == 1 else 0.0)
             for i, ((_, path, _, _), cfg) in enumerate(zip(stored, cfgs))]
     got = run_batch(model, reqs, timing=eager)

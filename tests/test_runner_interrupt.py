@@ -166,6 +166,7 @@ def _run_over_a_link(tmp_path):
     from lynxkv.cache import open_cache, save_cache
     from lynxkv.hf import prefill
     from lynxkv.hf.models import model_fingerprint
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream import open_progressive
 
     big = make_tiny_llama(5, layers=6, kv_heads=2, head_dim=64)
@@ -176,7 +177,7 @@ def _run_over_a_link(tmp_path):
     with open_cache(path) as c:
         full_kv = c.load_kv()
     rate = os.path.getsize(path + "r") / 1.0
-    with open_progressive(path, bandwidth=rate, block_size=8 << 10, inflight=1) as load:
+    with open_progressive(path, link=link_at(rate), block_size=8 << 10, inflight=1) as load:
         res = run(big, load, RunConfig(max_new_tokens=400, max_window=400))
     return res, decode_plain(big, full_kv, ids, 400, first_forward=res.stats.draft_token_ids)
 

@@ -13,6 +13,7 @@ from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import ResidualUnavailable, RunConfig, Timing, decode_plain, run
 from lynxkv.speculative import layered
 from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream import open_progressive
 from runner_helpers import prompt_ids, single_thread
 
@@ -56,7 +57,7 @@ def test_the_layered_forward_equals_the_forward_on_the_whole_full_code(tmp_path,
     keep, feed = first_step(ids, None)
     tokens = feed + [5, 9, 17, 2, 33]
     want = forward_tokens(model, start_cache(model, full_kv, keep), tokens)
-    with open_progressive(path, bandwidth=_bandwidth(path, 1.5)) as load:
+    with open_progressive(path, link=link_at(_bandwidth(path, 1.5))) as load:
         anchor_kv = load.wait_anchor(30)
         cache = start_cache(model, anchor_kv, keep)
         layers = layered.decoder_layers(model, cache)
@@ -76,7 +77,7 @@ def test_the_layered_forward_equals_the_forward_on_the_whole_full_code(tmp_path,
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3"])
 def test_a_run_verifies_layer_by_layer_and_equals_decoding_on_the_full_code(tmp_path, arch, eager):
     model, ids, path, full_kv = _stored(tmp_path, arch)
-    with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
+    with open_progressive(path, link=link_at(_bandwidth(path, 1.0))) as load:
         result = run(model, load, RunConfig(max_new_tokens=24), timing=eager)
     s = result.stats
     assert s.verify_layered and s.drafted > 0 and s.verified
@@ -90,7 +91,7 @@ def test_a_load_with_room_is_grown_into_in_place_with_the_same_tokens(tmp_path, 
     keep = len(ids) - 1
     with open_cache(path) as c:
         anchor0 = c.load_kv(anchor_only=True, dtype=torch.float32)
-    with open_progressive(path, bandwidth=_bandwidth(path, 1.0), room=32) as load:
+    with open_progressive(path, link=link_at(_bandwidth(path, 1.0)), room=32) as load:
         assert load.grow_in_place
         result = run(model, load, RunConfig(max_new_tokens=24), timing=eager)
         anchor, full = load.wait_anchor(), load.residual.result()
@@ -115,7 +116,7 @@ def _corrupt_last_layer(path: str) -> None:
 def test_a_residual_layer_that_fails_during_the_layered_verify_ends_the_run_clearly(tmp_path, eager):
     model, ids, path, _ = _stored(tmp_path, "llama")
     _corrupt_last_layer(path)
-    with open_progressive(path, bandwidth=_bandwidth(path, 0.8)) as load:
+    with open_progressive(path, link=link_at(_bandwidth(path, 0.8))) as load:
         with pytest.raises(ResidualUnavailable, match="residual failed.*anchor-only"):
             run(model, load, RunConfig(max_new_tokens=16), timing=eager)
 
@@ -125,7 +126,7 @@ def test_with_anchor_only_allowed_a_failed_layer_falls_back_to_the_anchor(tmp_pa
     with open_cache(path) as c:
         anchor_kv = c.load_kv(anchor_only=True)
     _corrupt_last_layer(path)
-    with open_progressive(path, bandwidth=_bandwidth(path, 0.8), allow_anchor_only=True) as load:
+    with open_progressive(path, link=link_at(_bandwidth(path, 0.8)), allow_anchor_only=True) as load:
         result = run(model, load, RunConfig(max_new_tokens=16, allow_anchor_only=True), timing=eager)
     s = result.stats
     assert s.verify_layered and not s.verified and "residual failed" in s.residual_error
@@ -137,7 +138,7 @@ def test_without_drafts_the_first_forward_waits_for_the_whole_residual(tmp_path)
     # run waits for the full code, and so does the monolithic baseline (no speculation)
     model, ids, path, full_kv = _stored(tmp_path, "llama")
     for options in ({}, {"speculate": False}):
-        with open_progressive(path, bandwidth=_bandwidth(path, 1.0)) as load:
+        with open_progressive(path, link=link_at(_bandwidth(path, 1.0))) as load:
             result = run(model, load, RunConfig(max_new_tokens=12, **options), timing=Timing(1.0, len(ids)))
         s = result.stats
         assert s.drafted == 0 and not s.verify_layered and s.verify_start_s >= s.residual_ready_s
@@ -146,7 +147,7 @@ def test_without_drafts_the_first_forward_waits_for_the_whole_residual(tmp_path)
 
 def test_a_window_drafted_before_the_residual_is_verified_layer_by_layer(tmp_path):
     model, ids, path, full_kv = _stored(tmp_path, "llama")
-    with open_progressive(path, bandwidth=_bandwidth(path, 1.5)) as load:
+    with open_progressive(path, link=link_at(_bandwidth(path, 1.5))) as load:
         result = run(model, load, RunConfig(max_new_tokens=12, max_window=3))
     s = result.stats
     assert s.drafted == 3 and s.verify_layered and s.verify_start_s < s.residual_ready_s <= s.verify_end_s

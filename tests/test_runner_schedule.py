@@ -115,7 +115,7 @@ def test_the_window_follows_the_bytes_not_the_links_configured_rate(tmp_path):
     from lynxkv.cache import open_cache, save_cache
     from lynxkv.hf import prefill
     from lynxkv.stream import open_progressive
-    from lynxkv.stream.link import EmulatedLink
+    from lynxkv.bench.emulated_link import EmulatedLink
 
     model = make_tiny_llama(5, layers=4, kv_heads=2, head_dim=64)
     ids = prompt_ids(5, 400)

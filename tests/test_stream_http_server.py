@@ -19,6 +19,7 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, synthetic_cache_bytes,
 from lynxkv.cache import open_cache, verify_file
 from lynxkv.cli import main
 from lynxkv.errors import LynxError
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream import open_progressive
 from lynxkv.serve import CacheServer, load_served_cache, parse_dscp
 from lynxkv.serve.connections import EVICT_AFTER
@@ -220,7 +221,7 @@ def test_anchor_first_on_an_emulated_200_mbit_link(big):
     with CacheServer(load_served_cache(path)) as srv:
 
         def once():
-            with open_progressive(srv.url, decode=False, bandwidth="200Mbps") as load:
+            with open_progressive(srv.url, decode=False, link=link_at("200Mbps")) as load:
                 load.residual.result(60)
                 return load.timeline
 

@@ -12,8 +12,9 @@ from fixtures_s3 import cache_bytes, kv_equal, random_kv, synthetic_cache_bytes,
 
 from lynxkv.cache import open_cache
 from lynxkv.errors import ChecksumError, FormatError, LynxError
+from lynxkv.bench.emulated_link import link_at
 from lynxkv.stream import open_progressive
-from lynxkv.stream.link import EmulatedLink
+from lynxkv.bench.emulated_link import EmulatedLink
 from lynxkv.stream.progressive import ProgressiveLoad
 from lynxkv.storage import RetryPolicy
 
@@ -93,7 +94,7 @@ def test_one_gbps_link_anchor_first_and_measured_rate(tmp_path):
     gc.collect()
     gc.disable()
     try:
-        with open_progressive(path, bandwidth="1Gbps", latency="2ms", decode=False) as load:
+        with open_progressive(path, link=link_at("1Gbps", "2ms"), decode=False) as load:
             load.residual.result(60)
             tl = load.timeline
     finally:
@@ -142,7 +143,7 @@ def test_the_full_code_is_dequantized_layer_by_layer_as_the_residual_arrives(tmp
     path = write_pair(tmp_path, anchor, residual)
     # The residual takes about 1.6 s, in 64 KiB blocks read one at a time: its layers arrive in order (with 1 MiB
     # blocks, four in flight, its two blocks shared the link and both came in at the end).
-    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+    with open_progressive(str(path), link=link_at("8Mbps"), block_size=64 << 10, inflight=1) as load:
         load.wait_anchor(60)  # (not layer_in: a caller asking for layers takes them itself)
         early = 0
         while load.timeline.extra["residual_arrived_s"] is None and not load.residual.done():
@@ -162,7 +163,7 @@ def test_a_caller_that_gives_its_layers_up_has_them_dequantized_early_again(tmp_
     before the rest of the residual has arrived. The full code equals load_kv's."""
     anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
     path = write_pair(tmp_path, anchor, residual)
-    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+    with open_progressive(str(path), link=link_at("8Mbps"), block_size=64 << 10, inflight=1) as load:
         load.wait_anchor(60)
         assert load.layer_in(0, 60)  # from here on the caller takes the layers
         t = time.perf_counter()
@@ -191,7 +192,7 @@ def test_a_caller_that_holds_the_early_worker_takes_the_landed_layers_itself_unt
     in and those to come again, before the rest of the residual has arrived. The full code equals load_kv's."""
     anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
     path = write_pair(tmp_path, anchor, residual)
-    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+    with open_progressive(str(path), link=link_at("8Mbps"), block_size=64 << 10, inflight=1) as load:
         load.wait_anchor(60)
         load.hold_early(True)
         assert load._kv._in[1].wait(60)
@@ -493,7 +494,7 @@ def test_a_load_nobody_references_is_freed_at_once(tmp_path, transport, link, fa
     gc.collect()
     gc.disable()
     try:
-        load = open_progressive(path, allow_anchor_only=True, bandwidth="50MB/s" if link else None, **transport)
+        load = open_progressive(path, allow_anchor_only=True, link=link_at("50MB/s" if link else None), **transport)
         anchor_kv = load.wait_anchor(30)
         if fault:
             with pytest.raises(LynxError):
@@ -607,7 +608,7 @@ def test_residual_eta_under_a_link(cache_dir):
     speculation window with it)."""
     _, path, anchor, residual, (ref_anchor, ref_full) = cache_dir
     rate = 2e6  # bytes/s: the residual takes about 30 ms
-    with open_progressive(path, bandwidth=rate) as load:
+    with open_progressive(path, link=link_at(rate)) as load:
         assert kv_equal(load.wait_anchor(30), ref_anchor)
         eta = load.residual_eta()
         t0 = time.perf_counter()
@@ -763,7 +764,7 @@ def test_landed_layers_are_dequantized_by_the_caller_who_asks_and_residual_in_sa
     anchor, residual = cache_bytes(random_kv(layers=6, heads=4, tokens=1024, dim=64))
     path = write_pair(tmp_path, anchor, residual)
     taken, bytes_in_before_done = 0, False
-    with open_progressive(str(path), bandwidth="8Mbps", block_size=64 << 10, inflight=1) as load:
+    with open_progressive(str(path), link=link_at("8Mbps"), block_size=64 << 10, inflight=1) as load:
         load.wait_anchor(60)
         load.hold_early(hold)
         assert not load.residual_in()
@@ -798,7 +799,7 @@ def test_a_layer_that_fails_when_taken_early_is_left_for_the_load_to_report(tmp_
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(KVAssembly, "pages", pages)
-    with open_progressive(str(path), bandwidth="2Mbps", block_size=16 << 10, inflight=1) as load:
+    with open_progressive(str(path), link=link_at("2Mbps"), block_size=16 << 10, inflight=1) as load:
         load.wait_anchor(60)
         load.hold_early(True)  # the landed layers are left to this thread, whose every take fails
         while not load.residual.done():

@@ -49,6 +49,7 @@ def demo(
     from lynxkv.speculative import RunConfig, Timing, run
     from lynxkv.bench.compare import compare_run
     from lynxkv.speculative.model_ops import measure_tpot
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate
     from lynxkv.stream.units import format_bytes
@@ -114,7 +115,7 @@ def demo(
     cfg = RunConfig(max_new_tokens=max_new_tokens)
 
     def open_load():
-        return open_progressive(str(anchor), bandwidth=rate, allow_locations=allow)
+        return open_progressive(str(anchor), link=link_at(rate), allow_locations=allow)
 
     started = time.perf_counter()
     load = open_load()

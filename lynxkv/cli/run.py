@@ -240,6 +240,7 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
     from lynxkv.integrations.lmcache import source as lmcache_source
     from lynxkv.speculative import RunResult, stream
     from lynxkv.stream.exact_load import ExactLoad
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.units import format_rate
 
@@ -273,7 +274,7 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
     room = max_new_tokens + 1 + (new_tokens + 32 if prompt else 0)
 
     def open_load():
-        load = open_progressive(cache, residual=residual, bandwidth=rate,
+        load = open_progressive(cache, residual=residual, link=link_at(rate),
                                 allow_anchor_only=allow_anchor_only, exact=exact,
                                 allow_locations=allow, room=room)
         # the exact stage streams behind the residual in the same load (anchor -> full code -> exact)

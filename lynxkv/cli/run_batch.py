@@ -199,7 +199,7 @@ def _config(cfg, spec: Spec):
 def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, speculate, progress,
               allow_locations: tuple = ()):
     from lynxkv.speculative import BatchRequest, run_batch
-    from lynxkv.stream.link_queue import LinkQueue
+    from lynxkv.bench.link_queue import LinkQueue
     from lynxkv.stream.progressive import open_progressive
 
     queue = LinkQueue(rate, policy=LINK_ORDER) if rate is not None else None

@@ -50,6 +50,7 @@ def stream(
 ) -> None:
     """Load a cache progressively (anchor first, then residual, then with --exact the exact segment), verifying
     every page; print a timeline."""
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.received import ReceivedCopy
     from lynxkv.stream.summary import transfer_report
@@ -59,7 +60,7 @@ def stream(
         raise InputError("--exact-out needs -o (where the copy goes)")
     want_exact = True if (exact or exact_file is not None) else (None if output else False)
     saver = ReceivedCopy(output, residual_out, force=force, exact_dest=exact_out) if output else None
-    load = open_progressive(source, residual=residual, bandwidth=bandwidth, latency=latency,
+    load = open_progressive(source, residual=residual, link=link_at(bandwidth, latency),
                             allow_anchor_only=allow_anchor_only, inflight=inflight, decode=False,
                             tee=saver.tee if saver else None, allow_locations=allow_location or (),
                             exact=want_exact, exact_file=exact_file)

@@ -71,10 +71,11 @@ def _runs(rows: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     return runs
 
 
-def dequantize_pages_on_device(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor,
-                               kind: str = "key") -> int:
-    """:func:`lynxkv.quant.dispatch.dequantize_pages` on ``out``'s device (same rows, same flags)."""
-    from lynxkv.quant.dispatch import _triton, dequantize, dequantize_packed
+def dequantize_pages_on_device(anchor, residual, pages, scheme: Scheme, *, out: torch.Tensor, kind: str = "key",
+                               entry) -> int:
+    """:func:`lynxkv.quant.dispatch.dequantize_pages` on ``out``'s device (same rows, same flags). ``entry`` is
+    the quantizer entry it decodes through (:mod:`lynxkv.quant.dispatch`, handed down: it imports this module)."""
+    _triton, dequantize, dequantize_packed = entry._triton, entry.dequantize, entry.dequantize_packed
 
     h, _, d = out.shape
     axis, rotated = scheme.axis(kind), scheme.rotated(kind)

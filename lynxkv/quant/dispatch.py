@@ -19,6 +19,7 @@ the ``.lynx`` page records (spec/FORMAT.md, "Packing") straight from the tensor 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
@@ -187,7 +188,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     if _fast_cpu(out) and fast.packable(scheme, d):
         return fast.dequantize_pages(anchor, residual, pages, scheme, out=out, threads=threads, axis=axis,
                                      rotated=rotated)
-    return dequantize_pages_on_device(anchor, residual, pages, scheme, out=out, kind=kind)
+    return dequantize_pages_on_device(anchor, residual, pages, scheme, out=out, kind=kind, entry=sys.modules[__name__])
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from lynxkv.format.reader import PageReader
 from lynxkv.cache.kv import KVPairs
 from lynxkv.cache.loading import CacheLoad, LoadTimeline
 from lynxkv.storage import RetryPolicy
-from lynxkv.stream.link import EmulatedLink
+from lynxkv.stream.link import Link
 from lynxkv.stream.assembly import KVAssembly
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.arrivals import ArrivalTransfer, layer_arrivals
@@ -45,7 +45,6 @@ from lynxkv.stream.consumer import LoadConsumer
 from lynxkv.stream.events import EventLog, LoadEvent
 from lynxkv.stream.exact_load import ExactStage, exact_stage
 from lynxkv.stream.transport import Fetch, open_transport
-from lynxkv.stream.units import parse_bandwidth, parse_duration
 
 _LIVE: "weakref.WeakSet[ProgressiveLoad]" = weakref.WeakSet()
 
@@ -61,7 +60,7 @@ def _close_live_loads() -> None:
 class ProgressiveLoad(LoadConsumer, CacheLoad):
     """A cache loading progressively (see the module docstring). Use :func:`open_progressive` to make one."""
 
-    def __init__(self, source: str, *, residual: str | None = None, link: EmulatedLink | None = None,
+    def __init__(self, source: str, *, residual: str | None = None, link: Link | None = None,
                  on_event: Callable[[LoadEvent], None] | None = None, allow_anchor_only: bool = False,
                  storage_options: dict | None = None, inflight: int = 4, block_size: int = 1 << 20,
                  retry: RetryPolicy | None = None, dtype: torch.dtype | None = None,
@@ -385,11 +384,10 @@ class ProgressiveLoad(LoadConsumer, CacheLoad):
             self._part_ended()
 
 
-def open_progressive(source: str, *, residual: str | None = None, bandwidth: str | float | None = None,
-                     latency: str | float | None = None, on_event: Callable[[LoadEvent], None] | None = None,
+def open_progressive(source: str, *, residual: str | None = None, on_event: Callable[[LoadEvent], None] | None = None,
                      allow_anchor_only: bool = False, storage_options: dict | None = None, inflight: int = 4,
                      block_size: int = 1 << 20, retry: RetryPolicy | None = None,
-                     dtype: torch.dtype | None = None, link: EmulatedLink | None = None,
+                     dtype: torch.dtype | None = None, link: Link | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
                      tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
                      exact: bool | None = False, exact_file: str | None = None, room: int = 0) -> ProgressiveLoad:
@@ -398,8 +396,8 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
     ``http://HOST:PORT/NAME`` of ``lynxkv serve``. ``residual`` overrides where the residual lives (default: the location
     the anchor header records, followed under the trust rule of :func:`lynxkv.storage.resolve_location`: inside
-    the anchor's directory, or under a prefix of ``allow_locations`` / ``$LYNXKV_ALLOW_LOCATIONS``). ``bandwidth`` (``"1Gbps"``, bytes/s as a number) and
-    ``latency`` (``"2ms"``) put both streams through one emulated link with strict anchor priority.
+    the anchor's directory, or under a prefix of ``allow_locations`` / ``$LYNXKV_ALLOW_LOCATIONS``). ``link`` charges every block to a :class:`~lynxkv.stream.link.Link`
+    (an emulated one for benchmarks: :func:`lynxkv.bench.emulated_link.link_at`); nothing reads its rate.
     ``allow_anchor_only`` lets the anchor survive a failed residual (flagged lossy; see the module docstring).
     ``fetch_hook(segment, fetch) -> fetch`` wraps the byte-range reads of a segment (instrumentation, fault
     injection). ``decode=False`` moves and verifies the bytes only (``wait_anchor`` and ``residual`` then give
@@ -418,9 +416,6 @@ def open_progressive(source: str, *, residual: str | None = None, bandwidth: str
         residual = os.fspath(residual)
     if not isinstance(source, str) or not source:
         raise InputError(f"cache source: expected a path or URL, got {source!r}")
-    rate, delay = parse_bandwidth(bandwidth), parse_duration(latency)
-    if link is None and (rate is not None or delay > 0):
-        link = EmulatedLink(rate, delay)
     return ProgressiveLoad(source, residual=residual, link=link, on_event=on_event,
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,

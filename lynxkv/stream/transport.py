@@ -6,7 +6,7 @@ are those of the object holding the residual: from 0 for an external residual fi
 inside the anchor file for an inline one (``buffer.base``); ``open_exact`` (optional) the same for the exact
 segment, whose bytes go behind the residual's. Both return at once; a pump thread feeds the buffer. A transport
 reports what it moved through :class:`Transfer` (bytes per stream, first-byte times, a ``tee`` of every block,
-retries) and charges the shared :class:`~lynxkv.stream.link.EmulatedLink` if there is one: the easiest way to do
+retries) and charges the shared :class:`~lynxkv.stream.link.Link` if there is one: the easiest way to do
 both is to turn the wire into ordered ``(offset, bytes)`` blocks and hand them to :meth:`Transfer.pump`.
 
 :func:`open_transport` picks the transport registered for a URL's scheme (:func:`register_transport`, or a
@@ -40,7 +40,7 @@ from lynxkv.storage import (
     size_of,
 )
 from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
-from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL, STREAMS, EmulatedLink
+from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL, STREAMS, Link
 
 Fetch = Callable[[int, int], bytes]
 
@@ -49,7 +49,7 @@ class RangeStream:
     """Ordered blocks ``(offset, data)`` of bytes ``[start, end)`` of one object, read with ranged requests."""
 
     def __init__(self, url: str, start: int, end: int, *, stream: int, segment: str,
-                 link: EmulatedLink | None = None, fetch: Fetch | None = None, block_size: int = 1 << 20,
+                 link: Link | None = None, fetch: Fetch | None = None, block_size: int = 1 << 20,
                  inflight: int = 4, retry: RetryPolicy | None = None, storage_options: dict | None = None,
                  on_retry: Callable[[str], None] | None = None, after: threading.Event | None = None):
         self.url, self.start, self.end = url, start, end
@@ -161,7 +161,7 @@ class Transfer:
     ``timeline`` gets the byte counts and the first-byte times (``extra["anchor_first_s"]`` ...) and the retry
     messages (``extra["retries"]``); ``tee(segment, offset, data)`` sees every block in order."""
 
-    def __init__(self, timeline: LoadTimeline, now: Callable[[], float], *, link: EmulatedLink | None = None,
+    def __init__(self, timeline: LoadTimeline, now: Callable[[], float], *, link: Link | None = None,
                  tee: Callable[[str, int, bytes], None] | None = None):
         self.timeline = timeline
         self.now = now

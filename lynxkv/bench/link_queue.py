@@ -1,7 +1,7 @@
 """One emulated link for many loads: the residuals (or whole caches) one at a time, in a policy's order.
 
 Each load gets a *lane* (:meth:`LinkQueue.lane`), which it uses as its link (``open_progressive(..., link=lane)``).
-Anchor bytes go straight to the shared :class:`~lynxkv.stream.link.EmulatedLink`, whose strict priority puts every
+Anchor bytes go straight to the shared :class:`~lynxkv.bench.emulated_link.EmulatedLink`, whose strict priority puts every
 waiting anchor block before any residual block, whichever load it belongs to. A residual may use the link only
 while it holds the *turn*: one residual at a time, so a residual finishes as early as the link allows instead of
 sharing the rate with all the others. The turn passes when the holder has sent its whole residual (``size``
@@ -30,7 +30,8 @@ from __future__ import annotations
 import threading
 
 from lynxkv.errors import InputError
-from lynxkv.stream.link import ANCHOR, EmulatedLink
+from lynxkv.bench.emulated_link import EmulatedLink
+from lynxkv.stream.link import ANCHOR
 
 POLICIES = ("fifo", "srf")
 

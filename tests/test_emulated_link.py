@@ -8,7 +8,8 @@ import time
 import pytest
 
 from lynxkv.errors import InputError
-from lynxkv.stream.link import ANCHOR, RESIDUAL, EmulatedLink
+from lynxkv.bench.emulated_link import EmulatedLink
+from lynxkv.stream.link import ANCHOR, RESIDUAL
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.transport import RangeStream
 from lynxkv.stream.units import format_rate, format_seconds, parse_bandwidth, parse_duration
