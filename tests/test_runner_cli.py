@@ -101,7 +101,7 @@ def test_compare_reports_what_tt64_measured(tiny_cache, capsys, monkeypatch):
                         "--compare")
     assert code == 0, err
     words = " ".join(shown.getvalue().split())  # a table's title wraps at the table's width
-    assert "one run each" in words and "TT64: lynx" in words and "Δ" in words and "met" not in words
+    assert "one run each" in words and "TT64: lynx" in words and "Δ" in words and "target" not in words
 
 
 def test_the_run_knows_its_step_before_drafting(tiny_cache, capsys, monkeypatch):

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lynxkv.cache.loading import CacheLoad
 from lynxkv.cli.console import err, escape, out, read_text
 from lynxkv.errors import InputError
 from lynxkv.stream.units import format_seconds as _s
@@ -229,7 +230,7 @@ def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, sp
                 lane.release()
                 raise
             load.residual.add_done_callback(lambda _: lane.release())
-            return _lane_load(load, lane)
+            return _LaneLoad(load, lane)
         return open_load
 
     batch = [BatchRequest(opener(i, spec, a, r, error),
@@ -243,18 +244,54 @@ def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, sp
     return result
 
 
-def _lane_load(load, lane):
-    """``load``, which gives its lane's turn up when it is closed, whatever state its residual is in."""
-    close = load.close
+class _LaneLoad(CacheLoad):
+    """A load that gives its lane's turn up when it is closed, whatever state its residual is in (everything else
+    is the load's own). It holds the load, not the other way round: a request that lets it go frees both at once."""
 
-    def close_and_release() -> None:
+    def __init__(self, load, lane):
+        self._load, self._lane = load, lane
+        self.prompt_token_ids, self.model_fingerprint = load.prompt_token_ids, load.model_fingerprint
+        self.grow_in_place, self.streams_layers = load.grow_in_place, load.streams_layers
+
+    def wait_anchor(self, timeout=None):
+        kv = self._load.wait_anchor(timeout)
+        self.prompt_token_ids, self.model_fingerprint = self._load.prompt_token_ids, self._load.model_fingerprint
+        return kv
+
+    @property
+    def residual(self):
+        return self._load.residual
+
+    def residual_eta(self):
+        return self._load.residual_eta()
+
+    @property
+    def timeline(self):
+        return self._load.timeline
+
+    def layer_in(self, layer, timeout=None):
+        return self._load.layer_in(layer, timeout)
+
+    def full_layer(self, layer):
+        return self._load.full_layer(layer)
+
+    def layers_given_up(self):
+        self._load.layers_given_up()
+
+    def residual_in(self):
+        return self._load.residual_in()
+
+    def dequantize_landed(self):
+        return self._load.dequantize_landed()
+
+    def hold_early(self, on):
+        self._load.hold_early(on)
+
+    def close(self) -> None:
         try:
-            close()
+            self._load.close()
         finally:
-            lane.release()
-
-    load.close = close_and_release
-    return load
+            self._lane.release()
 
 
 class _Progress:
@@ -300,11 +337,10 @@ def _request_report(loaded, r, spec: Spec, prompt_ids: list[int]) -> dict:
     }
 
 
-def _link_text(rate, delay) -> str:
+def _link_text(rate) -> str:
     from lynxkv.stream.units import format_rate
 
-    return "no link emulation" if rate is None and not delay else (
-        f"{format_rate(rate) if rate else 'unlimited'}, latency {delay * 1e3:.1f} ms")
+    return "no link emulation" if rate is None else format_rate(rate)
 
 
 def batch_table(report: dict, compare: bool):

@@ -160,7 +160,7 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
     ``max_batch`` caps how many requests are open at once (loading, drafting, verifying or decoding): the next to
     arrive is admitted, and its load opened, only when one of them has left, so memory holds at most ``max_batch``
     requests' caches; its times still count from its arrival. ``on_step(partial results)`` is called after every
-    step. Each load is closed when its request is done with it unless ``close_loads`` is False. ``timing``: this
+    forward. Each load is closed when its request is done with it unless ``close_loads`` is False. ``timing``: this
     machine's step estimates (:class:`~lynxkv.speculative.timing.Timing`; a fresh one when None).
     """
     reqs = _requests(model, requests, fingerprint, timing)
@@ -168,8 +168,11 @@ def run_batch(model, requests: list[BatchRequest], *, fingerprint: str | None = 
         r.close_load = close_loads
     engine = Engine(model, reqs, max_batch=max_batch)
     try:
-        while engine.step():
-            if on_step is not None:
+        while True:
+            forwards = len(engine.steps)
+            if not engine.step():
+                break
+            if on_step is not None and len(engine.steps) > forwards:  # after every forward
                 on_step([r.result() for r in reqs])
     finally:
         engine.close()

@@ -196,7 +196,7 @@ class Request:
         self.lv = LayeredVerify(self.load, self.cache, self.layers, self.keep, self.model.dtype, self.model.device,
                                 deadline, soft=True, patience=patience, adopt=self.load.grow_in_place)
         self._stop_drafting("verify")
-        self.pending = self.feed + self.drafts
+        self.pending, self.stats.verify_layered = self.feed + self.drafts, True
 
     def holds(self) -> bool:
         """A drafting request sits this step out: its residual is due within ``ETA_GUARD`` of its draft step
@@ -256,7 +256,7 @@ class Request:
         lv, self.lv = self.lv, None
         if lv.failure is None:
             self.draft_cache = self.draft_pending = None
-            self.stats.verify_layered, self.stats.verify_waited_s = True, lv.waited_s
+            self.stats.verify_waited_s = lv.waited_s
             self.stats.residual_seen_s = lv.last_layer_s - self.t0
             if self.stats.residual_ready_s is None or self.stats.residual_seen_s < self.stats.residual_ready_s:
                 self.stats.residual_ready_s = self.stats.residual_seen_s  # the last layer's arrival
@@ -269,7 +269,7 @@ class Request:
         self.draft_cache = self.draft_pending = None
         if lv.late:  # as without the pass: drafting on if it was, then a verify after the whole residual
             self.layers, self.phase = False, self.draft_phase
-            self.stats.verify_layered_abandoned = True
+            self.stats.verify_layered, self.stats.verify_layered_abandoned = False, True
             self.load.layers_given_up()
             return False
         error = lv.failure
