@@ -1,6 +1,7 @@
 """lynxkv: progressive, tiered KV-cache storage and transfer for LLM inference: anchor first, exact output."""
 
-from lynxkv.cache import CacheInfo, EncodedCache, LynxCache, encode_kv, open_cache, save_cache, verify_file
+from lynxkv.cache import (CacheInfo, EncodedCache, LynxCache, encode_kv, open_cache, save_cache, save_cache_layers,
+                          verify_file)
 from lynxkv.errors import ChecksumError, FormatError, InputError, LynxError, SchemeError
 from lynxkv.quant.scheme import DEFAULT, PAPER, PRESETS, Scheme, get_scheme
 
@@ -13,6 +14,7 @@ __all__ = [
     "encode_kv",
     "open_cache",
     "save_cache",
+    "save_cache_layers",
     "verify_file",
     "DEFAULT",
     "PAPER",

@@ -11,7 +11,7 @@ from lynxkv.cache.opened import (
     verify_file,
 )
 from lynxkv.cache.save import (default_exact_path, default_residual_path, exact_file_of, residual_file_of, save_cache,
-                               save_dump)
+                               save_cache_layers, save_dump)
 
 __all__ = [
     "MAX_DECODED_ENV",
@@ -27,6 +27,7 @@ __all__ = [
     "open_cache",
     "residual_file_of",
     "save_cache",
+    "save_cache_layers",
     "save_dump",
     "verify_file",
 ]

@@ -21,8 +21,12 @@ head_dim]``) and is refused as ambiguous, unless the file's metadata says ``"lyn
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +60,47 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InputError(f"unsupported dtype {dtype}; expected one of fp32, fp16, bf16") from None
 
 
-def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
-    """Read a KV dump; return per-layer ``(keys, values)`` ``[H, T, D]`` and its naming."""
+#: safetensors' names of the dtypes a cache stores (little-endian, as the format is).
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class KVDump:
+    """A KV dump whose header has been read and checked (:func:`open_dump`): names, shape and dtype are known
+    before any tensor is read; :meth:`iter_layers` then reads one layer at a time."""
+
+    path: str
+    naming: KVNaming
+    layers: int
+    shape: tuple[int, int, int]  # [kv_heads, tokens, head_dim] of every tensor, without the batch dimension
+    dtype: torch.dtype
+    tensor_names: tuple[str, ...]  # K0, V0, K1, V1, ... as the file names them
+
+    def iter_layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's ``(keys, values)`` ``[H, T, D]``, read from the file when asked for (safetensors' lazy
+        ``safe_open``): a caller that lets each layer go holds one layer, not the dump."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(self.path, framework="pt") as f:
+                for i in range(self.layers):
+                    pair = tuple(self._read(f, self.tensor_names[2 * i + j]) for j in range(2))
+                    yield pair
+        except SafetensorError as exc:
+            raise InputError(f"{self.path}: not a readable safetensors file ({exc})") from None
+
+    def _read(self, f, name: str) -> torch.Tensor:
+        t = f.get_tensor(name)
+        t = t[0] if self.naming.batched else t
+        if tuple(t.shape) != self.shape or t.dtype != self.dtype:  # the header said so; the data must agree
+            raise InputError(f"{self.path}: {name} reads as {tuple(t.shape)} {t.dtype}, not the {self.shape} "
+                             f"{self.dtype} its header declares")
+        return t
+
+
+def open_dump(path: str | os.PathLike) -> KVDump:
+    """Read and check a KV dump's header (names, shapes, dtypes; the module's rules) without reading a tensor."""
     from safetensors import SafetensorError, safe_open
 
     path = os.fspath(path)
@@ -65,73 +108,82 @@ def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
         raise InputError(f"{path}: no such file")
     try:
         with safe_open(path, framework="pt") as f:
-            names = list(f.keys())
             metadata = f.metadata() or {}
-            heads_major = metadata.get(LAYOUT_KEY) == HEADS_MAJOR
-            found: dict[tuple[int, str], str] = {}
-            styles = set()
-            for name in names:
-                m = _NAME.match(name)
-                if not m:
-                    raise InputError(
-                        f"{path}: tensor {name!r} does not follow a KV naming style "
-                        f"(expected 'layers.{{i}}.key' / 'layers.{{i}}.value' or 'past_key_values.{{i}}.key' ...)"
-                    )
-                styles.add(m.group(1))
-                found[(int(m.group(2)), m.group(3))] = name
-            if not found:
-                raise InputError(f"{path}: holds no tensors")
-            if len(styles) > 1:
-                raise InputError(f"{path}: mixes naming styles {sorted(styles)}")
+            found, style = _tensor_names(path, list(f.keys()))
             layers = 1 + max(i for i, _ in found)
-            if layers > MAX_LAYERS:
-                raise InputError(f"{path}: layer index {layers - 1} exceeds the limit of {MAX_LAYERS - 1}")
-            for i in range(layers):
-                for kind in ("key", "value"):
-                    if (i, kind) not in found:
-                        raise InputError(f"{path}: missing tensor for layer {i} {kind}")
-            kv: KVPairs = []
-            shapes = set()
-            dtypes = set()
-            batched = None
-            for i in range(layers):
-                pair = []
-                for kind in ("key", "value"):
-                    t = f.get_tensor(found[(i, kind)])
-                    if t.dim() == 4 and t.shape[0] != 1:
-                        raise InputError(
-                            f"{path}: {found[(i, kind)]} has shape {tuple(t.shape)}, a batch of {t.shape[0]} "
-                            "sequences; a cache holds one sequence: split the batch and encode each on its own")
-                    if t.dim() == 4:
-                        this_batched, t = True, t[0]
-                    elif t.dim() == 3:
-                        this_batched = False
-                    else:
-                        raise InputError(
-                            f"{path}: {found[(i, kind)]} has shape {tuple(t.shape)}; expected "
-                            "[kv_heads, tokens, head_dim] or [1, kv_heads, tokens, head_dim]"
-                        )
-                    if t.shape[0] > t.shape[1] and not heads_major:
-                        raise InputError(
-                            f"{path}: {found[(i, kind)]} has shape {tuple(t.shape)}: {t.shape[0]} KV heads but "
-                            f"only {t.shape[1]} tokens, which looks token-major [tokens, kv_heads, head_dim]; "
-                            "lynxkv expects [kv_heads, tokens, head_dim] (transpose the first two axes), or set "
-                            f"the file's metadata {LAYOUT_KEY}={HEADS_MAJOR} if the shape is right")
-                    if batched is not None and batched != this_batched:
-                        raise InputError(f"{path}: some tensors have a batch dimension and some do not")
-                    batched = this_batched
-                    dtype_name(t.dtype)
-                    shapes.add(tuple(t.shape))
-                    dtypes.add(t.dtype)
-                    pair.append(t)
-                kv.append((pair[0], pair[1]))
+            names = tuple(found[(i, kind)] for i in range(layers) for kind in ("key", "value"))
+            shapes = [(name, f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in names]
     except SafetensorError as exc:
         raise InputError(f"{path}: not a readable safetensors file ({exc})") from None
-    if len(shapes) != 1:
-        raise InputError(f"{path}: tensors differ in shape: {sorted(shapes)}")
-    if len(dtypes) != 1:
-        raise InputError(f"{path}: tensors differ in dtype: {sorted(map(str, dtypes))}")
-    return kv, KVNaming(styles.pop(), bool(batched), tuple(sorted(metadata.items())))
+    heads_major = metadata.get(LAYOUT_KEY) == HEADS_MAJOR
+    seen_shapes, seen_dtypes, batched = set(), set(), None
+    for name, shape, dtype in shapes:
+        this_batched, shape = _check_shape(path, name, tuple(shape), heads_major)
+        if batched is not None and batched != this_batched:
+            raise InputError(f"{path}: some tensors have a batch dimension and some do not")
+        batched = this_batched
+        if dtype not in SAFETENSORS_DTYPES:
+            raise InputError(f"{path}: {name} has dtype {dtype}; expected one of fp32, fp16, bf16 "
+                             f"({', '.join(SAFETENSORS_DTYPES)})")
+        seen_shapes.add(shape)
+        seen_dtypes.add(dtype)
+    if len(seen_shapes) != 1:
+        raise InputError(f"{path}: tensors differ in shape: {sorted(seen_shapes)}")
+    if len(seen_dtypes) != 1:
+        raise InputError(f"{path}: tensors differ in dtype: {sorted(seen_dtypes)}")
+    naming = KVNaming(style, bool(batched), tuple(sorted(metadata.items())))
+    return KVDump(path, naming, layers, seen_shapes.pop(), SAFETENSORS_DTYPES[seen_dtypes.pop()], names)
+
+
+def _tensor_names(path: str, names: list[str]) -> tuple[dict[tuple[int, str], str], str]:
+    """``(layer, "key" | "value") -> name`` of every tensor, checked against the naming styles; and the style."""
+    found: dict[tuple[int, str], str] = {}
+    styles = set()
+    for name in names:
+        m = _NAME.match(name)
+        if not m:
+            raise InputError(
+                f"{path}: tensor {name!r} does not follow a KV naming style "
+                f"(expected 'layers.{{i}}.key' / 'layers.{{i}}.value' or 'past_key_values.{{i}}.key' ...)"
+            )
+        styles.add(m.group(1))
+        found[(int(m.group(2)), m.group(3))] = name
+    if not found:
+        raise InputError(f"{path}: holds no tensors")
+    if len(styles) > 1:
+        raise InputError(f"{path}: mixes naming styles {sorted(styles)}")
+    layers = 1 + max(i for i, _ in found)
+    if layers > MAX_LAYERS:
+        raise InputError(f"{path}: layer index {layers - 1} exceeds the limit of {MAX_LAYERS - 1}")
+    for i in range(layers):
+        for kind in ("key", "value"):
+            if (i, kind) not in found:
+                raise InputError(f"{path}: missing tensor for layer {i} {kind}")
+    return found, styles.pop()
+
+
+def _check_shape(path: str, name: str, shape: tuple, heads_major: bool) -> tuple[bool, tuple]:
+    """(batched, ``[H, T, D]``) of one tensor's declared shape, or the error that refuses it."""
+    if len(shape) == 4 and shape[0] != 1:
+        raise InputError(
+            f"{path}: {name} has shape {shape}, a batch of {shape[0]} sequences; a cache holds one sequence: "
+            "split the batch and encode each on its own")
+    if len(shape) not in (3, 4):
+        raise InputError(f"{path}: {name} has shape {shape}; expected [kv_heads, tokens, head_dim] or "
+                         "[1, kv_heads, tokens, head_dim]")
+    batched, shape = len(shape) == 4, shape[-3:]
+    if shape[0] > shape[1] and not heads_major:
+        raise InputError(
+            f"{path}: {name} has shape {shape}: {shape[0]} KV heads but only {shape[1]} tokens, which looks "
+            "token-major [tokens, kv_heads, head_dim]; lynxkv expects [kv_heads, tokens, head_dim] (transpose "
+            f"the first two axes), or set the file's metadata {LAYOUT_KEY}={HEADS_MAJOR} if the shape is right")
+    return batched, shape
+
+
+def load_kv_safetensors(path: str | os.PathLike) -> tuple[KVPairs, KVNaming]:
+    """Read a KV dump; return per-layer ``(keys, values)`` ``[H, T, D]`` and its naming."""
+    dump = open_dump(path)
+    return list(dump.iter_layers()), dump.naming
 
 
 def kv_names(layers: int, naming: KVNaming = KVNaming()) -> list[str]:
@@ -147,17 +199,56 @@ def save_kv_safetensors(
     batched: bool = False,
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write per-layer ``(keys, values)`` under ``names`` (default: the ``layers`` style) atomically."""
-    from safetensors.torch import save_file
+    """Write per-layer ``(keys, values)`` under ``names`` (default: the ``layers`` style) atomically: the bytes
+    :func:`write_kv_safetensors` writes for the same layers."""
+    if not kv:
+        raise InputError("kv: expected at least one layer")
+    k0 = kv[0][0]
+    write_kv_safetensors(path, kv, layers=len(kv), shape=tuple(k0.shape), dtype=k0.dtype, names=names,
+                         batched=batched, metadata=metadata)
 
-    from lynxkv.storage import atomic_path
 
-    names = list(names) if names else kv_names(len(kv))
-    if len(names) != 2 * len(kv):
-        raise InputError(f"expected {2 * len(kv)} tensor names for {len(kv)} layers, got {len(names)}")
-    tensors = {}
-    for i, (k, v) in enumerate(kv):
-        for j, t in enumerate((k, v)):
-            tensors[names[2 * i + j]] = (t.unsqueeze(0) if batched else t).contiguous()
-    with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+def safetensors_header(names: Sequence[str], shape: Sequence[int], dtype: torch.dtype,
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """The bytes of a safetensors file before its data, for tensors ``names`` of one ``shape`` and ``dtype``
+    stored one after the other in that order: the 8-byte little-endian header length, then the JSON header
+    (``__metadata__`` first, keys sorted; compact) padded with spaces to a multiple of 8, as safetensors pads it."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    for i, name in enumerate(names):
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [i * nbytes, (i + 1) * nbytes]}
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_kv_safetensors(path: str | os.PathLike, kv: Iterable[tuple[torch.Tensor, torch.Tensor]], *, layers: int,
+                         shape: Sequence[int], dtype: torch.dtype, names: Sequence[str] | None = None,
+                         batched: bool = False, metadata: dict[str, str] | None = None) -> None:
+    """Write ``layers`` layers of ``(keys, values)`` ``[H, T, D]`` (``shape``, ``dtype``) as a safetensors file,
+    tensor by tensor as ``kv`` yields them: the header is known from the shape up front, so a caller that
+    produces one layer at a time holds one layer, not the file. Published atomically
+    (:class:`lynxkv.storage.AtomicWriter`): an error (a layer missing or of another shape, a full disk) leaves
+    nothing under ``path``."""
+    from lynxkv.storage import AtomicWriter
+
+    shape = tuple(int(n) for n in shape)
+    names = list(names) if names else kv_names(layers)
+    if len(names) != 2 * layers:
+        raise InputError(f"expected {2 * layers} tensor names for {layers} layers, got {len(names)}")
+    dtype_name(dtype)
+    with AtomicWriter(path) as out:
+        out.write(safetensors_header(names, ((1,) if batched else ()) + shape, dtype, metadata))
+        done = 0
+        for pair in kv:
+            if done == layers:
+                raise InputError(f"expected {layers} layers, got more")
+            for t in pair:
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise InputError(f"layer {done}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+                # the tensor's bytes as they lie in memory (safetensors is little-endian, as are lynxkv's hosts)
+                out.write(t.detach().to("cpu").contiguous().view(torch.uint8).numpy())
+            done += 1
+        if done != layers:
+            raise InputError(f"expected {layers} layers, got {done}")

@@ -4,7 +4,8 @@ each layer quantized when the writer reaches it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -83,58 +84,154 @@ class _QuantizedLayers(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self._layer(self._pairs[i])
-
-    def _layer(self, pair, threads: int | None = None):
-        return tuple(quantize(t.detach(), self._scheme, kind, packed=self._packed, threads=threads).to("cpu")
-                     for t, kind in zip(pair, ("key", "value")))
+        return _quantize_layer(self._pairs[i], self._scheme, self._packed)
 
     def __iter__(self):
         cpu = all(t.device.type == "cpu" for pair in self._pairs for t in pair)
-        workers = min(concurrent_tensors(), len(self)) if cpu else 1
-        if workers <= 1:
-            yield from (self._layer(pair) for pair in self._pairs)
-            return
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
+        yield from _quantized(iter(self._pairs), self._scheme, self._packed, cpu, len(self))
 
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-encode")
-        try:
-            ahead: deque = deque()
-            for i in range(len(self)):
-                while len(ahead) < workers and i + len(ahead) < len(self):
-                    ahead.append(pool.submit(self._layer, self._pairs[i + len(ahead)], 1))
+
+def _quantize_layer(pair, scheme: Scheme, packed: bool, threads: int | None = None):
+    return tuple(quantize(t.detach(), scheme, kind, packed=packed, threads=threads).to("cpu")
+                 for t, kind in zip(pair, ("key", "value")))
+
+
+def _quantized(pairs, scheme: Scheme, packed: bool, cpu: bool, count: int):
+    """Each of ``pairs`` quantized, in order: on the CPU, the next layers on the workers (one each, at most
+    :func:`concurrent_tensors` pairs taken from ``pairs`` and not yet handed out) while the caller uses the last."""
+    workers = min(concurrent_tensors(), count) if cpu else 1
+    if workers <= 1:
+        yield from (_quantize_layer(pair, scheme, packed) for pair in pairs)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-encode")
+    try:
+        ahead: deque = deque()
+        for pair in pairs:
+            ahead.append(pool.submit(_quantize_layer, pair, scheme, packed, 1))
+            del pair  # the worker holds it while it is needed
+            if len(ahead) == workers:
                 yield ahead.popleft().result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        while ahead:
+            yield ahead.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _StreamedLayers:
+    """The layers of a cache taken from an iterator one at a time (checked against the first one's shape and
+    dtype, and against the declared count) and quantized as the writer reaches them
+    (:func:`streamed_encoding`). Iterable once. With ``keep``, each layer's originals stay until the writer takes
+    them for the exact segment (:attr:`originals`), so a layer is held from when it is read until it is written."""
+
+    def __init__(self, first, rest, count: int, scheme: Scheme, packed: bool, keep: bool):
+        self._first, self._rest, self._count = first, rest, count
+        self._scheme, self._packed, self._keep = scheme, packed, keep
+        self._ref = _checked_pair(first, 0)[2]  # layer 0's keys: (shape [H, T, D], batched, dtype, device)
+        self._held: dict[int, tuple] = {}
+        self.originals = _HeldOriginals(self) if keep else None
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def shape(self) -> tuple:
+        """(``[H, T, D]``, batched, dtype, device) of every layer: layer 0's keys'."""
+        return self._ref
+
+    def _pairs(self):
+        first, self._first = self._first, None
+        if first is None:
+            raise InputError("layers: a stream of layers can be read once")
+        n, pairs = 0, itertools.chain((first,), self._rest)
+        del first
+        for pair in pairs:
+            if n == self._count:
+                raise InputError(f"layers: more than the {self._count} layers declared")
+            checked = _checked_pair(pair, n, self._ref)
+            if self._keep:
+                self._held[n] = checked[:2]
+            yield checked[:2]
+            n += 1
+        if n != self._count:
+            raise InputError(f"layers: {n} layers given, {self._count} declared")
+
+    def __iter__(self):
+        cpu = self._first is None or all(t.device.type == "cpu" for t in self._first)
+        yield from _quantized(self._pairs(), self._scheme, self._packed, cpu, self._count)
+
+
+class _HeldOriginals:
+    """The originals of a streamed cache's layers, each handed to the writer once (then let go)."""
+
+    def __init__(self, layers: _StreamedLayers):
+        self._layers = layers
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __getitem__(self, i: int):
+        return self._layers._held.pop(i)
+
+
+def _checked_pair(pair, i: int, ref: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Layer ``i``'s ``(keys, values)`` as ``[H, T, D]``, checked: a pair of fp32/fp16/bf16 tensors holding values
+    (not meta) of the shape, batch dimension, dtype and device ``ref`` (layer 0's keys'; None: these keys set it);
+    and ``ref``."""
+    if len(pair) != 2:
+        raise InputError(f"layer {i}: expected a (keys, values) pair")
+    out = []
+    for j, t in enumerate(pair):
+        what = f"layer {i} {'keys' if j == 0 else 'values'}"
+        t3, b = _as_hdt(t, what)
+        if t3.dtype not in DTYPE_NAMES:
+            raise InputError(f"{what}: dtype {t3.dtype} is not one of fp32, fp16, bf16")
+        if t3.device.type == "meta":
+            raise InputError(f"{what}: a meta tensor holds no values to encode")
+        if ref is None:
+            ref = (tuple(t3.shape), b, t3.dtype, t3.device)
+        shape, batch, dtype, device = ref
+        if tuple(t3.shape) != shape or b != batch or t3.dtype != dtype:
+            raise InputError(f"{what}: shape {tuple(t.shape)} {t.dtype} differs from layer 0 keys "
+                             f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
+        if t3.device != device:
+            raise InputError(f"{what}: on {t3.device}, layer 0 keys on {device}: one device per cache")
+        out.append(t3)
+    return out[0], out[1], ref
 
 
 def lazy_encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,
-              packed: bool = False) -> EncodedCache:
+                  packed: bool = False) -> EncodedCache:
     """An :class:`EncodedCache` of ``kv`` (checked: shapes, dtypes) whose layers are quantized when read."""
     kv = cache_to_kv(kv)  # a transformers DynamicCache, or the pairs as given
     if not len(kv):
         raise InputError("kv: expected at least one layer")
-    pairs, shape, batch, dtype, device = [], None, None, None, None
+    pairs, ref = [], None
     for i, pair in enumerate(kv):
-        if len(pair) != 2:
-            raise InputError(f"layer {i}: expected a (keys, values) pair")
-        for j, t in enumerate(pair):
-            what = f"layer {i} {'keys' if j == 0 else 'values'}"
-            t3, b = _as_hdt(t, what)
-            if t3.dtype not in DTYPE_NAMES:
-                raise InputError(f"{what}: dtype {t3.dtype} is not one of fp32, fp16, bf16")
-            if t3.device.type == "meta":
-                raise InputError(f"{what}: a meta tensor holds no values to encode")
-            if shape is None:
-                shape, batch, dtype, device = tuple(t3.shape), b, t3.dtype, t3.device
-            elif tuple(t3.shape) != shape or b != batch or t3.dtype != dtype:
-                raise InputError(f"{what}: shape {tuple(t.shape)} {t.dtype} differs from layer 0 keys "
-                                 f"({'[1, ' if batch else '['}{', '.join(map(str, shape))}] {dtype})")
-            elif t3.device != device:
-                raise InputError(f"{what}: on {t3.device}, layer 0 keys on {device}: one device per cache")
-        pairs.append((_as_hdt(pair[0], "keys")[0], _as_hdt(pair[1], "values")[0]))
-    h, t, d = shape
+        k, v, ref = _checked_pair(pair, i, ref)
+        pairs.append((k, v))
+    (h, t, d), batch, dtype, _ = ref
     return EncodedCache(scheme, _QuantizedLayers(pairs, scheme, packed), h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,
                         model_fingerprint or None, tuple(names) if names else None, bool(batch), originals=pairs)
+
+
+def streamed_encoding(layers: Iterable, count: int, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,
+                      keep_originals: bool) -> EncodedCache:
+    """An :class:`EncodedCache` of ``count`` layers taken from the iterable ``layers`` of ``(keys, values)`` as
+    the writer reaches them (the first one read now, for the shape): one pass, a few layers in memory at a time.
+    ``keep_originals``: each layer's originals are held until the writer's exact segment takes them."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise InputError(f"layers: expected a count of at least one layer, got {count!r}")
+    it = iter(layers)
+    first = next(it, None)
+    if first is None:
+        raise InputError("layers: expected at least one layer, got none")
+    streamed = _StreamedLayers(first, it, count, scheme, True, keep_originals)
+    (h, t, d), batch, dtype, _ = streamed.shape
+    return EncodedCache(scheme, streamed, h, d, t, DTYPE_NAMES[dtype],
+                        list(prompt_token_ids) if prompt_token_ids is not None else None,
+                        model_fingerprint or None, tuple(names) if names else None, bool(batch),
+                        originals=streamed.originals)

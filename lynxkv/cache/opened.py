@@ -4,6 +4,7 @@ page reader (:class:`lynxkv.format.reader.PageReader`), memory bounded by what t
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -17,6 +18,7 @@ from lynxkv.format.reader import PageReader, SectionIndex
 from lynxkv.format.records import AnchorPage, ResidualPage
 from lynxkv.format.verify import Finding, verify_cache
 from lynxkv.quant import EncodedTensor
+from lynxkv.quant.dispatch import concurrent_tensors
 from lynxkv.quant.scheme import Scheme
 from lynxkv.storage import has_protocol, open_source, resolve_location
 
@@ -105,19 +107,29 @@ def max_decoded_bytes() -> int:
         return 16 << 30
 
 
-def check_decoded_size(h: AnchorHeader, dtype: torch.dtype, *, anchor_only: bool = False) -> int:
+def check_decoded_size(h: AnchorHeader, dtype: torch.dtype, *, anchor_only: bool = False,
+                       layers: int | None = None) -> int:
     """Refuse, before anything is allocated, a cache whose declared shape needs more memory to load than
     :func:`max_decoded_bytes`: the output in ``dtype`` plus the codes (1 byte per element per segment) and the
-    metadata. Returns the bytes it needs."""
+    metadata, of every layer or of ``layers`` of them (what a reader holds at once). Returns the bytes it needs."""
+    need = decoded_need(h, dtype, anchor_only=anchor_only, layers=layers)
+    limit = max_decoded_bytes()
+    if need > limit:
+        held = "" if layers is None or layers >= h.layers else f" ({layers} at a time)"
+        raise InputError(f"this cache declares {h.layers} layers{held} x {h.kv_heads} heads x {h.tokens} tokens x "
+                         f"{h.head_dim} dims: {need:,} bytes to load, more than the limit of {limit:,} bytes "
+                         f"(${MAX_DECODED_ENV} raises it)")
+    return need
+
+
+def decoded_need(h: AnchorHeader, dtype: torch.dtype, *, anchor_only: bool = False, layers: int | None = None) -> int:
+    """The bytes :func:`check_decoded_size` counts: decoding every layer, or ``layers`` of them at once."""
     out = decoded_bytes(h, torch.empty((), dtype=dtype).element_size())
     codes = decoded_bytes(h, 1) * (1 if anchor_only else 2)
     meta = decoded_bytes(h, h.scheme.meta_bytes) * 2 // max(h.scheme.chunk, 1)
     need = out + codes + meta
-    limit = max_decoded_bytes()
-    if need > limit:
-        raise InputError(f"this cache declares {h.layers} layers x {h.kv_heads} heads x {h.tokens} tokens x "
-                         f"{h.head_dim} dims: {need:,} bytes to load, more than the limit of {limit:,} bytes "
-                         f"(${MAX_DECODED_ENV} raises it)")
+    if layers is not None and h.layers:
+        need = need * min(layers, h.layers) // h.layers
     return need
 
 
@@ -249,16 +261,8 @@ class LynxCache:
         checked against the CRC of its original bytes before anything is returned. The exact segment's coder runs
         on the CPU: with another device the rebuilt tensors are moved there at the end."""
         h = self.header
-        if exact and (anchor_only or (dtype is not None and dtype != TORCH_DTYPES[h.dtype])):
-            raise InputError(f"exact: the exact segment rebuilds the full cache in its original dtype ({h.dtype}); "
-                             "it excludes anchor_only and another dtype")
         dev = resolve_device(device)
-        dtype = dtype or TORCH_DTYPES[h.dtype]
-        check_decoded_size(h, dtype, anchor_only=anchor_only)
-        if not anchor_only:
-            self._residual()
-        if exact:
-            self._exact()  # opened and checked before any decoding
+        dtype = self._prepare_load(anchor_only, dtype, exact, None)
         shape = (h.kv_heads, h.tokens, h.head_dim)
         where = torch.device("cpu") if exact else dev
         kv = [(torch.empty(shape, dtype=dtype, device=where), torch.empty(shape, dtype=dtype, device=where))
@@ -269,6 +273,46 @@ class LynxCache:
             if dev.type != "cpu":
                 kv = [(k.to(dev), v.to(dev)) for k, v in kv]
         return kv
+
+    def iter_layers(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None, exact: bool = False,
+                    window: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`load_kv`'s layers one at a time, in order: each ``(keys, values)`` ``[H, T, D]`` holds the same
+        values ``load_kv`` gives for that layer, bit for bit. Layers are decoded ``window`` at a time (default: the
+        CPU workers, :func:`lynxkv.quant.dispatch.concurrent_tensors`), so memory holds that many layers, not the
+        cache; the size check (:func:`check_decoded_size`) counts that window. Segments are opened and checked
+        here, before the first layer is decoded; a page that fails its CRC raises when its layer is reached."""
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise InputError(f"window: expected a number of layers of at least 1, got {window!r}")
+        window = window or concurrent_tensors()
+        dtype = self._prepare_load(anchor_only, dtype, exact, window)
+        return self._windows(anchor_only, dtype, exact, window)
+
+    def _windows(self, anchor_only: bool, dtype: torch.dtype, exact: bool, window: int):
+        h = self.header
+        shape = (h.kv_heads, h.tokens, h.head_dim)
+        for start in range(0, h.layers, window):
+            layers = range(start, min(start + window, h.layers))
+            out = {layer: (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for layer in layers}
+            self._reader.dequantize_layers(out, anchor_only=anchor_only, layers=layers)
+            if exact:
+                self._reader.apply_exact(out, layers=layers)
+            for layer in layers:
+                yield out.pop(layer)  # let go of each layer once the caller has it
+
+    def _prepare_load(self, anchor_only: bool, dtype: torch.dtype | None, exact: bool, layers: int | None):
+        """The output dtype of a load, after the checks that come before anything is decoded (the options, the
+        size, the segments it needs opened)."""
+        h = self.header
+        if exact and (anchor_only or (dtype is not None and dtype != TORCH_DTYPES[h.dtype])):
+            raise InputError(f"exact: the exact segment rebuilds the full cache in its original dtype ({h.dtype}); "
+                             "it excludes anchor_only and another dtype")
+        dtype = dtype or TORCH_DTYPES[h.dtype]
+        check_decoded_size(h, dtype, anchor_only=anchor_only, layers=layers)
+        if not anchor_only:
+            self._residual()
+        if exact:
+            self._exact()  # opened and checked before any decoding
+        return dtype
 
     def verify(self) -> list[Finding]:
         """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""

@@ -1,5 +1,6 @@
 """Writing a cache: :func:`save_cache` (anchor, residual and exact segment, atomically; a replaced cache is the old one
-or the new one, whole), :func:`save_dump` (a safetensors KV dump), and the side files' naming."""
+or the new one, whole), :func:`save_cache_layers` (the same from a stream of layers, a few in memory at a time),
+:func:`save_dump` (a safetensors KV dump, streamed), and the side files' naming."""
 
 from __future__ import annotations
 
@@ -7,17 +8,17 @@ import contextlib
 import os
 import pathlib
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from lynxkv.cache.encoded import EncodedCache, lazy_encoding
+from lynxkv.cache.encoded import EncodedCache, lazy_encoding, streamed_encoding
 from lynxkv.cache.opened import CacheInfo, open_cache
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.format.writer import write_files
+from lynxkv.format.writer import Parts, write_files
 from lynxkv.quant.scheme import DEFAULT, Scheme
 from lynxkv.cache.replace import fresh_residual_name, names_residual, settle_dead_writers
-from lynxkv.storage import (AtomicWriter, exists, has_protocol, record_location, remove, resolve_location,
-                            same_object, writer_lock)
+from lynxkv.storage import (AtomicWriter, SpillFile, exists, has_protocol, is_local, local_path, record_location,
+                            remove, resolve_location, same_object, writer_lock)
 
 
 def default_residual_path(anchor_path: str | os.PathLike, suffix: str = c.RESIDUAL_SUFFIX) -> str:
@@ -71,7 +72,41 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         enc = lazy_encoding(kv_or_encoded, scheme, prompt_token_ids, model_fingerprint, names, packed=True)
     if properties is not None:
         enc.properties = dict(properties)
+    return _save_encoded(path, enc, exact or exact_path is not None, residual_path=residual_path,
+                         residual_location=residual_location, single_file=single_file, zstd=zstd, cache_id=cache_id,
+                         exact_path=exact_path, exact_coding=exact_coding)
+
+
+def save_cache_layers(path: str | os.PathLike, layers: Iterable, scheme: Scheme = DEFAULT, *,
+                      count: int | None = None, residual_path: str | os.PathLike | None = None,
+                      residual_location: str | None = None, single_file: bool = False, zstd: bool = False,
+                      prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
+                      names: Sequence[str] | None = None, cache_id: bytes | None = None,
+                      properties: dict[str, str] | None = None, exact: bool = False,
+                      exact_path: str | os.PathLike | None = None, exact_coding: str = "rans") -> CacheInfo:
+    """:func:`save_cache` for a cache given one layer at a time: ``layers`` yields each layer's ``(keys,
+    values)`` (``[H, T, D]`` or ``[1, H, T, D]``, every layer the shape and dtype of the first), and each is
+    quantized and its pages written before the next one is taken, so memory holds a few layers (the quantizer's
+    workers, :func:`lynxkv.quant.dispatch.concurrent_tensors`), not the cache. ``count``: the number of layers
+    (the header, written first, says it), needed unless ``layers`` has a length; a stream that yields another
+    number of layers fails and leaves nothing. The bytes written are those :func:`save_cache` writes for the same
+    layers; the other options are its own."""
+    if count is None:
+        if not hasattr(layers, "__len__"):
+            raise InputError("count: the number of layers is needed up front for an iterator of layers")
+        count = len(layers)
     exact = exact or exact_path is not None
+    enc = streamed_encoding(layers, count, scheme, prompt_token_ids, model_fingerprint, names, keep_originals=exact)
+    if properties is not None:
+        enc.properties = dict(properties)
+    return _save_encoded(path, enc, exact, residual_path=residual_path, residual_location=residual_location,
+                         single_file=single_file, zstd=zstd, cache_id=cache_id, exact_path=exact_path,
+                         exact_coding=exact_coding)
+
+
+def _save_encoded(path, enc, exact: bool, *, residual_path, residual_location, single_file: bool, zstd: bool,
+                  cache_id, exact_path, exact_coding: str) -> CacheInfo:
+    """The files of an encoded cache (whose layers may be quantized as they are read), under the writer lock."""
     if exact and enc.originals is None:
         raise InputError("exact: an exact segment needs the original tensors; pass the KV pairs, not an "
                          "EncodedCache")
@@ -98,8 +133,11 @@ def _write_cache(lock, path: str, enc, residual_path, residual_location, single_
         old = _side_files_of(path)
         for f in old:
             lock.note("old", f)
+        # the inline residual and exact sections wait on disk beside the output until the anchor pages are written
+        scratch = (lambda: SpillFile(os.path.dirname(os.path.abspath(local_path(path))))) if is_local(path) else Parts
         with AtomicWriter(path) as anchor:
-            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv, exact_coding=exact_coding)
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv, exact_coding=exact_coding,
+                        scratch=scratch)
         for stale in old:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual and exact, unreferenced
                 remove(stale)
@@ -188,11 +226,14 @@ def _side_files_of(path: str) -> list[str]:
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:
     """Encode a safetensors KV dump (:mod:`lynxkv.cache.dumps`) into a cache, keeping its tensor names and shapes;
-    ``options`` as for :func:`save_cache`."""
-    from lynxkv.cache.dumps import kv_names, load_kv_safetensors
+    ``options`` as for :func:`save_cache`. The dump is read one layer at a time (:func:`save_cache_layers`): its
+    header is checked first, then each layer is read, quantized and written before the next."""
+    from lynxkv.cache.dumps import open_dump
 
-    kv, naming = load_kv_safetensors(dump_path)
-    if naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
-        kv = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv]
-    properties = {**dict(naming.metadata), **(options.pop("properties", None) or {})}  # the file's own metadata
-    return save_cache(path, kv, scheme, names=kv_names(len(kv), naming), properties=properties or None, **options)
+    dump = open_dump(dump_path)
+    layers = dump.iter_layers()
+    if dump.naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
+        layers = ((k.unsqueeze(0), v.unsqueeze(0)) for k, v in layers)
+    properties = {**dict(dump.naming.metadata), **(options.pop("properties", None) or {})}  # the file's own
+    return save_cache_layers(path, layers, scheme, count=dump.layers, names=dump.tensor_names,
+                             properties=properties or None, **options)

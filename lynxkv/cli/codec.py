@@ -117,10 +117,11 @@ def decode(
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
     json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
-    """Turn a .lynx cache back into tensors, with the names and shapes that went in."""
+    """Turn a .lynx cache back into tensors, with the names and shapes that went in: written layer by layer, a few
+    layers in memory at a time, published only once complete."""
     from lynxkv.cache import open_cache
-    from lynxkv.cache.dumps import save_kv_safetensors
-    from lynxkv.cache.kv import DTYPE_NAMES
+    from lynxkv.cache.dumps import write_kv_safetensors
+    from lynxkv.cache.kv import DTYPE_NAMES, TORCH_DTYPES
 
     torch_dtype = parse_dtype(dtype) if dtype is not None else None
     exact = exact or exact_file is not None
@@ -129,17 +130,19 @@ def decode(
     refuse_overwrite(output, force)
     with open_cache(cache, residual=residual, allow_locations=allow_location or (), exact=exact_file) as c, \
             progress_step(f"decoding {cache}"):
-        kv = c.load_kv(anchor_only=anchor_only, dtype=torch_dtype, exact=exact)
-        meta = {**c.info.properties, "lynxkv.cache_id": c.info.cache_id,  # the input's metadata comes back
+        info = c.info
+        out_dtype = torch_dtype or TORCH_DTYPES[info.dtype]
+        layers = c.iter_layers(anchor_only=anchor_only, dtype=torch_dtype, exact=exact)
+        meta = {**info.properties, "lynxkv.cache_id": info.cache_id,  # the input's metadata comes back
                 "lynxkv.reconstruction": "anchor" if anchor_only else "exact" if exact else "full"}
-        save_kv_safetensors(output, kv, c.info.names, batched=c.info.batch_dim, metadata=meta)
+        write_kv_safetensors(output, layers, layers=info.layers, shape=(info.kv_heads, info.tokens, info.head_dim),
+                             dtype=out_dtype, names=info.names, batched=info.batch_dim, metadata=meta)
     if json:
-        k0 = kv[0][0]
-        print_json({"output": str(output), "layers": len(kv), "kv_heads": k0.shape[0], "tokens": k0.shape[1],
-                    "head_dim": k0.shape[2], "dtype": DTYPE_NAMES[k0.dtype], "names": list(c.info.names or []),
-                    "reconstruction": meta["lynxkv.reconstruction"], "cache_id": c.info.cache_id})
+        print_json({"output": str(output), "layers": info.layers, "kv_heads": info.kv_heads, "tokens": info.tokens,
+                    "head_dim": info.head_dim, "dtype": DTYPE_NAMES[out_dtype], "names": list(info.names or []),
+                    "reconstruction": meta["lynxkv.reconstruction"], "cache_id": info.cache_id})
         return
-    err.print(f"wrote {escape(str(output))} ({len(kv)} layers, {meta['lynxkv.reconstruction']} reconstruction)")
+    err.print(f"wrote {escape(str(output))} ({info.layers} layers, {meta['lynxkv.reconstruction']} reconstruction)")
 
 
 @app.command()

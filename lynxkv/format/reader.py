@@ -152,9 +152,10 @@ class PageReader:
         self._indexes[c.SEGMENT_EXACT] = index
         return index
 
-    def apply_exact(self, out: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
-        """Turn ``out`` -- every layer decoded from the full code in the original dtype (:meth:`dequantize_layers`)
-        -- into the original values, in place, page by page from the exact segment; each page's original bytes are
+    def apply_exact(self, out, threads: int | None = None, layers: range | None = None) -> None:
+        """Turn ``out`` -- every layer (or those of ``layers``; ``out[layer]`` for each) decoded from the full code
+        in the original dtype (:meth:`dequantize_layers`) -- into the original values, in place, page by page from
+        the exact segment; each page's original bytes are
         checked against their CRC before the page is written. Pages are read in order and rebuilt on up to
         ``threads`` workers (:func:`lynxkv.quant.dispatch.concurrent_tensors`; at most that many pages held at
         once); an error is that of the first failing page. On an error ``out`` is partly rebuilt: callers return
@@ -171,15 +172,17 @@ class PageReader:
             apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl],
                                self.exact_header.coding)
 
+        pages = (self.pages(c.SEGMENT_EXACT, decode=False) if layers is None
+                 else self._layer_pages(c.SEGMENT_EXACT, layers))
         workers = concurrent_tensors(threads)
         if workers <= 1:
-            for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+            for layer, p, _, raw in pages:
                 rebuild(layer, p, raw)
             return
         pool, pending = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-exact"), deque()
         try:
             try:
-                for layer, p, _, raw in self.pages(c.SEGMENT_EXACT, decode=False):
+                for layer, p, _, raw in pages:
                     if len(pending) == workers and pending[0].exception() is not None:
                         break  # the oldest page failed: its error is the first
                     if len(pending) == workers:
@@ -246,6 +249,17 @@ class PageReader:
                 release(index.base + entry.offset + entry.stored_length, index.name)
             yield layer, page, entry, rec
 
+    def _layer_pages(self, kind: int, layers: range) -> Iterator[tuple[int, int, PageEntry, object]]:
+        """The raw records of the pages of ``layers`` (as :meth:`pages` with ``decode=False``); a mapped file's
+        pages of each layer leave the RSS once the next layer is reached."""
+        src, index = self.source(kind), self.index(kind)
+        for layer in layers:
+            for page in range(index.pages_per_layer):
+                entry = index.entry(layer, page)
+                stored = read_page(src, index, layer, page, in_place=True)
+                yield layer, page, entry, check_and_decompress(stored, entry, _where(index.name, layer, page))
+            self.drop_layer(kind, layer)
+
     def layer_records(self, kind: int, layer: int) -> tuple[bytes, list[int]]:
         """The raw records of one layer's pages (each CRC-32 checked, decompressed) in one buffer, and where each
         starts in it. A layer's pages are contiguous in the file: without zstd this is one read (of a local file,
@@ -280,10 +294,11 @@ class PageReader:
         last = index.entry(layer, index.pages_per_layer - 1)
         drop(index.base + first.offset, last.offset + last.stored_length - first.offset)
 
-    def dequantize_layers(self, out: list[tuple[torch.Tensor, torch.Tensor]], *, anchor_only: bool = False,
-                          threads: int | None = None) -> None:
-        """Dequantize every layer straight from its page records into ``out[layer]`` (keys, values; ``[H, T, D]``
-        each, written in place), from the anchor alone or with the residual (:func:`records.dequantize_records`).
+    def dequantize_layers(self, out, *, anchor_only: bool = False, threads: int | None = None,
+                          layers: range | None = None) -> None:
+        """Dequantize every layer (or those of ``layers``) straight from its page records into ``out[layer]`` (keys,
+        values; ``[H, T, D]`` each, written in place), from the anchor alone or with the residual
+        (:func:`records.dequantize_records`).
         Layers are read, checked and decoded on up to ``threads`` workers at once, one thread each
         (:func:`lynxkv.quant.dispatch.concurrent_tensors`; one for outputs on another device); with one, the next
         layer's records are read while this one is decoded. An error is that of the first failing layer."""
@@ -292,10 +307,11 @@ class PageReader:
         h = self.header
         s = h.scheme
         tokens = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in range(h.pages_per_layer)]
+        layers = range(h.layers) if layers is None else layers
         # on another device than the CPU one thread launches every layer's kernels (their first launch compiles
         # them); the read-ahead below still checks the next layer's records meanwhile
         on_cpu = all(t.device.type == "cpu" for pair in out for t in pair)
-        workers = min(concurrent_tensors(threads), h.layers) if on_cpu else 1
+        workers = min(concurrent_tensors(threads), len(layers)) if on_cpu else 1
         kinds = (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,))
         for kind in kinds:
             self.index(kind)  # sources and indexes are opened here, once, not by the workers at the same time
@@ -313,16 +329,16 @@ class PageReader:
 
         if workers <= 1:  # one layer at a time: the next layer's records are read and checked meanwhile
             with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-read") as pool:
-                ahead = pool.submit(records, 0) if h.layers else None
-                for layer in range(h.layers):
+                ahead = pool.submit(records, layers[0]) if layers else None
+                for i, layer in enumerate(layers):
                     recs = ahead.result()
-                    ahead = pool.submit(records, layer + 1) if layer + 1 < h.layers else None
+                    ahead = pool.submit(records, layers[i + 1]) if i + 1 < len(layers) else None
                     decode(layer, recs, threads)
             return
         pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-read")
         try:
             for done in [pool.submit(lambda layer: decode(layer, records(layer), 1), layer)
-                         for layer in range(h.layers)]:
+                         for layer in layers]:
                 done.result()  # in layer order: the first failing layer's error
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -2,7 +2,8 @@
 
 :func:`verify_cache` never raises for a bad file: it returns a list of :class:`Finding`, each naming the
 segment, the field and, for page problems, the layer and page. It keeps going past a bad page so that one run
-reports every damaged page; it stops a segment only where its header or index cannot be trusted.
+reports every damaged page; it stops a segment only where its header or index cannot be trusted. Pages are
+checked one at a time and the exactness check rebuilds a few layers at a time: memory does not grow with the cache.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _pages(reader: PageReader, kind: int) -> list[Finding]:
             reader.page(kind, layer, page)
         except LynxError as exc:
             found.append(_finding(segment, exc, layer, page))
+        if page == index.pages_per_layer - 1:  # a mapped file's pages of this layer leave the RSS
+            reader.drop_layer(kind, layer)
     return found
 
 
@@ -112,12 +115,18 @@ def _exact(reader: PageReader, open_exact, clean: bool) -> list[Finding]:
 
     from lynxkv.quant.remainder import TORCH_DTYPES
 
+    from lynxkv.quant.dispatch import concurrent_tensors
+
     h = reader.header
     dtype, shape = TORCH_DTYPES[h.dtype], (h.kv_heads, h.tokens, h.head_dim)
-    kv = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(h.layers)]
+    window = concurrent_tensors()  # layers rebuilt at once: memory holds these, not the cache
     try:
-        reader.dequantize_layers(kv)
-        reader.apply_exact(kv)
+        for start in range(0, h.layers, window):
+            layers = range(start, min(start + window, h.layers))
+            kv = {layer: (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for layer in layers}
+            reader.dequantize_layers(kv, layers=layers)
+            reader.apply_exact(kv, layers=layers)
+            del kv
     except LynxError as exc:
         found.append(_finding("exact", exc))
     return found

@@ -11,7 +11,7 @@ anywhere is the storage layer's job (:class:`lynxkv.storage.AtomicWriter` is a s
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -111,6 +111,23 @@ class Parts:
             raise ValueError(f"fill: {len(data)} bytes for a reserve of {len(self.parts[i])}")
         self.parts[i] = data
 
+    def chunks(self):
+        """The bytes written, in order (what a :class:`ScratchSink` gives back)."""
+        return iter(self.parts)
+
+    def close(self) -> None:
+        self.parts = []
+
+
+class ScratchSink(PageSink, Protocol):
+    """Where :func:`write_files` keeps a section that goes into the anchor file after the others (a single file's
+    residual and exact sections) until it is copied there: :class:`Parts` in memory, or a temporary file
+    (:class:`lynxkv.storage.SpillFile`) so that memory does not hold a section of the cache."""
+
+    def chunks(self): ...
+
+    def close(self) -> None: ...
+
 
 class _Section:
     """The index entries of a section's pages as they are stored; offsets section-relative, from ``lead`` (the
@@ -172,7 +189,8 @@ def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_
 def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = None, *,
                 cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "",
                 exact_kv: Sequence[tuple] | None = None, exact: PageSink | None = None,
-                exact_location: str = "", exact_coding: str = "rans") -> AnchorHeader:
+                exact_location: str = "", exact_coding: str = "rans",
+                scratch: Callable[[], ScratchSink] = Parts) -> AnchorHeader:
     """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
     section inline after the anchor's) as the layers are read from ``enc.layers``: each layer's pages are written
     before the next layer is read, so a sequence that quantizes layers as they are read keeps only those it is
@@ -182,14 +200,12 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     directory (or a URL), for two files. ``exact_kv`` (1.4): the original ``(keys, values)`` ``[H, T, D]`` of each
     layer, in the cache's dtype: an exact segment is written too, into ``exact`` (its own file, recorded as
     ``exact_location``) or, when ``exact`` is None, inline after the other sections, coded as ``exact_coding``
-    names (``"rans"``: coding 2, format 1.5; ``"planes"``: coding 1, the 1.4 bytes). Returns the header as a reader
-    parses it."""
+    names (``"rans"``: coding 2, format 1.5; ``"planes"``: coding 1, the 1.4 bytes). The inline sections that follow
+    the anchor's are kept in ``scratch()`` sinks until the anchor's pages are written (default: in memory). Returns
+    the header as a reader parses it."""
     single_file = residual is None
     cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
     fields = _header_fields(enc, cache_id, single_file, residual_location)
-    s = enc.scheme
-    pages = len(enc.layers) * enc.pages_per_layer
-    blank = [PageEntry(0, 0, 0, c.CODEC_NONE, 0)] * pages
     has_exact = exact_kv is not None
     if exact_coding not in c.EXACT_CODING_NAMES:
         raise InputError(f"exact_coding: expected one of {sorted(c.EXACT_CODING_NAMES)}, got {exact_coding!r}")
@@ -200,10 +216,31 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
         raise InputError("exact_location: an exact segment in its own file needs that file's location")
     framing = dict(single_file=single_file, residual_location=residual_location,
                    exact_location=exact_location if exact is not None else None, exact_coding=coding)
+    scratches = []
+
+    def held():  # an inline section: written after the anchor pages, so held until then
+        scratches.append(scratch())
+        return scratches[-1]
+
+    try:
+        residual_out = held() if single_file else residual
+        exact_out = (exact if exact is not None else held()) if has_exact else None  # inline: after everything
+        return _write_sections(enc, fields, anchor, residual_out, exact_out, zstd, exact_kv, coding, framing,
+                               single_file, exact is None)
+    finally:
+        for sink in scratches:
+            sink.close()
+
+
+def _write_sections(enc: EncodedKV, fields: AnchorHeader, anchor: PageSink, residual_out, exact_out, zstd: bool,
+                    exact_kv, coding: int, framing: dict, single_file: bool, exact_inline: bool) -> AnchorHeader:
+    """The body of :func:`write_files`: every layer's pages, then the leads, then the inline sections."""
+    s = enc.scheme
+    pages = len(enc.layers) * enc.pages_per_layer
+    blank = [PageEntry(0, 0, 0, c.CODEC_NONE, 0)] * pages
+    has_exact = exact_out is not None
     lead = frame_sections(fields, blank, blank, blank if has_exact else None, **framing)
     index_size = pages * c.PAGE_ENTRY_SIZE
-    residual_out = Parts() if single_file else residual  # inline: after the anchor pages, so held until then
-    exact_out = (exact if exact is not None else Parts()) if has_exact else None  # inline: after everything
     a_at, r_at = anchor.reserve(len(lead.anchor_lead)), residual_out.reserve(len(lead.residual_lead))
     e_at = exact_out.reserve(len(lead.exact_lead)) if has_exact else None
     a_sec, r_sec = _Section(index_size, zstd), _Section(c.RESIDUAL_HEADER_SIZE + index_size, zstd)
@@ -231,10 +268,10 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     if has_exact:
         exact_out.fill(e_at, framed.exact_lead)
     if single_file:
-        for part in residual_out.parts:
+        for part in residual_out.chunks():
             anchor.write(part)
-    if has_exact and exact is None:
-        for part in exact_out.parts:
+    if has_exact and exact_inline:
+        for part in exact_out.chunks():
             anchor.write(part)
     return framed.header
 

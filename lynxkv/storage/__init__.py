@@ -1,6 +1,6 @@
 """Bytes at rest: the one place that opens paths and URLs, reads ranges, retries and writes atomically."""
 
-from lynxkv.storage.atomic import AtomicWriter, atomic_path, clean_stale_temps, write_atomic
+from lynxkv.storage.atomic import AtomicWriter, SpillFile, atomic_path, clean_stale_temps, write_atomic
 from lynxkv.storage.lock import WriterLock, writer_lock
 from lynxkv.storage.locations import (
     ALLOW_ENV,
@@ -36,6 +36,7 @@ __all__ = [
     "FileObjSource",
     "FileSource",
     "RetryPolicy",
+    "SpillFile",
     "WriterLock",
     "allowed_locations",
     "atomic_path",

@@ -265,6 +265,59 @@ def _storage_error(url: str, exc: BaseException) -> LynxError:
     return InputError(f"{url}: cannot write ({exc}); nothing was written")
 
 
+class SpillFile:
+    """A scratch file for bytes that must be written after others (a single file's inline sections, which follow
+    the anchor pages): a :class:`lynxkv.format.writer.ScratchSink` whose bytes wait on disk, not in memory. An
+    unnamed temporary file in ``directory`` (the output's own, so that it takes room where the output does),
+    gone when closed or when the process ends."""
+
+    BLOCK = 8 << 20  # bytes read back at a time
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        import tempfile
+
+        self._where = os.fspath(directory) if directory else "a temporary file"
+        try:
+            self._f = tempfile.TemporaryFile(dir=directory)
+        except OSError as exc:
+            raise _storage_error(self._where, exc) from None
+        self.size = 0
+
+    def write(self, data) -> None:
+        try:
+            self._f.write(data)
+        except OSError as exc:
+            raise _storage_error(self._where, exc) from None
+        self.size += memoryview(data).nbytes
+
+    def reserve(self, n: int) -> int:
+        at = self.size
+        self._f.seek(at + n)  # a hole until filled
+        self.size += n
+        return at
+
+    def fill(self, offset: int, data) -> None:
+        try:
+            self._f.flush()
+            view, done = memoryview(data).cast("B"), 0
+            while done < len(view):
+                done += os.pwrite(self._f.fileno(), view[done:], offset + done)
+        except OSError as exc:
+            raise _storage_error(self._where, exc) from None
+
+    def chunks(self):
+        """The bytes written, in order, :attr:`BLOCK` at a time."""
+        try:
+            self._f.flush()
+            for at in range(0, self.size, self.BLOCK):
+                yield os.pread(self._f.fileno(), min(self.BLOCK, self.size - at), at)
+        except OSError as exc:
+            raise _storage_error(self._where, exc) from None
+
+    def close(self) -> None:
+        self._f.close()
+
+
 def write_atomic(url: str | os.PathLike, data, storage_options: dict | None = None, *,
                  make_dirs: bool = False) -> None:
     """Write ``data`` to ``url`` atomically (see :class:`AtomicWriter`): a bytes-like object, or a list or tuple

@@ -1,0 +1,187 @@
+"""Caches larger than memory: writing a cache from a stream of layers (:func:`lynxkv.save_cache_layers`, ``lynxkv
+encode`` of a dump), reading it back a few layers at a time (:meth:`lynxkv.LynxCache.iter_layers`, ``lynxkv decode``)
+give the bytes and tensors the in-memory paths give; bad input leaves nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import lynxkv
+from lynxkv.cache.dumps import load_kv_safetensors, save_kv_safetensors
+from tests.cli_helpers import one_error, run_cli
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CACHE_ID = bytes(range(16))
+
+
+def _kv(layers=3, heads=2, tokens=70, dim=16, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple((torch.randn(heads, tokens, dim, generator=g) * (1 + i)).to(dtype) for _ in range(2))
+            for i in range(layers)]
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _files(d) -> dict[str, str]:
+    return {n: _digest(os.path.join(d, n)) for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("options", [{}, {"single_file": True}, {"exact": True},
+                                     {"single_file": True, "exact": True, "zstd": True}],
+                         ids=["two-files", "single-file", "exact", "single-file-exact-zstd"])
+def test_save_cache_layers_writes_the_bytes_save_cache_writes(tmp_path, dtype, options):
+    kv = _kv(dtype=dtype)
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "stream").mkdir()
+    lynxkv.save_cache(tmp_path / "mem" / "c.lynx", kv, cache_id=CACHE_ID, **options)
+    info = lynxkv.save_cache_layers(tmp_path / "stream" / "c.lynx", (pair for pair in kv), count=len(kv),
+                                    cache_id=CACHE_ID, **options)
+    assert info.layers == len(kv) and info.tokens == kv[0][0].shape[1]
+    assert _files(tmp_path / "stream") == _files(tmp_path / "mem")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("window", [1, 2, None], ids=["window1", "window2", "default"])
+def test_iter_layers_gives_load_kvs_tensors(tmp_path, dtype, window):
+    kv = _kv(layers=5, dtype=dtype)
+    lynxkv.save_cache(tmp_path / "c.lynx", kv, exact=True)
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c:
+        for options in ({}, {"anchor_only": True}, {"exact": True}, {"dtype": torch.float32}):
+            whole = c.load_kv(**options)
+            layers = c.iter_layers(window=window, **options)
+            streamed = list(layers)
+            assert len(streamed) == len(whole)
+            for (k, v), (sk, sv) in zip(whole, streamed):
+                assert torch.equal(k, sk) and torch.equal(v, sv) and sk.dtype == k.dtype, options
+
+
+def test_iter_layers_exact_rebuilds_the_originals(tmp_path):
+    kv = _kv(layers=4, dtype=torch.bfloat16)
+    lynxkv.save_cache_layers(tmp_path / "c.lynx", iter(kv), count=4, exact=True)
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c:
+        for (k, v), (ek, ev) in zip(kv, c.iter_layers(exact=True, window=1)):
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+@pytest.mark.parametrize("layers, why", [
+    (lambda kv: kv[:2], "2 layers given, 3 declared"),
+    (lambda kv: kv + kv[:1], "more than the 3 layers declared"),
+    (lambda kv: kv[:2] + [(kv[2][0][:, :10], kv[2][1][:, :10])], "differs from layer 0 keys"),
+    (lambda kv: kv[:2] + [(kv[2][0].float(), kv[2][1].float())], "differs from layer 0 keys"),
+], ids=["too-few", "too-many", "short-layer", "other-dtype"])
+@pytest.mark.parametrize("single_file", [False, True], ids=["two-files", "single-file"])
+def test_a_bad_stream_of_layers_leaves_nothing(tmp_path, layers, why, single_file):
+    kv = _kv()
+    with pytest.raises(lynxkv.InputError, match=why):
+        lynxkv.save_cache_layers(tmp_path / "c.lynx", iter(layers(kv)), count=3, single_file=single_file, exact=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_stream_of_layers_needs_its_count(tmp_path):
+    with pytest.raises(lynxkv.InputError, match="count"):
+        lynxkv.save_cache_layers(tmp_path / "c.lynx", iter(_kv()))
+    info = lynxkv.save_cache_layers(tmp_path / "c.lynx", _kv())  # a list has a length
+    assert info.layers == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("batched", [False, True], ids=["HTD", "1HTD"])
+def test_cli_encode_decode_of_a_dump_equal_the_in_memory_path(tmp_path, capsys, dtype, batched):
+    kv = _kv(layers=4, dtype=dtype)
+    dump = tmp_path / "kv.safetensors"
+    save_file({f"past_key_values.{i}.{kind}": (t.unsqueeze(0) if batched else t)
+               for i, pair in enumerate(kv) for kind, t in zip(("key", "value"), pair)}, dump, metadata={"m": "x"})
+    assert run_cli(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--exact")[0] == 0
+    code, _, err = run_cli(capsys, "verify", tmp_path / "c.lynx")
+    assert code == 0 and "OK" in err
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c:  # the in-memory path, for comparison
+        info = c.info
+        expected = {mode: c.load_kv(anchor_only=mode == "anchor", exact=mode == "exact")
+                    for mode in ("full", "anchor", "exact")}
+    for mode, flags in (("full", []), ("anchor", ["--anchor-only"]), ("exact", ["--exact"])):
+        out = tmp_path / f"{mode}.safetensors"
+        assert run_cli(capsys, "decode", tmp_path / "c.lynx", "-o", out, *flags)[0] == 0
+        ref = tmp_path / f"{mode}.ref.safetensors"
+        save_kv_safetensors(ref, expected[mode], info.names, batched=info.batch_dim,
+                            metadata={**info.properties, "lynxkv.cache_id": info.cache_id,
+                                      "lynxkv.reconstruction": mode})
+        assert _digest(out) == _digest(ref), mode
+        back = load_file(out)
+        assert set(back) == {f"past_key_values.{i}.{kind}" for i in range(4) for kind in ("key", "value")}
+        assert all(t.shape == ((1,) if batched else ()) + kv[0][0].shape and t.dtype == dtype for t in back.values())
+    back, naming = load_kv_safetensors(tmp_path / "exact.safetensors")
+    assert naming.batched == batched and dict(naming.metadata)["m"] == "x"
+    assert all(torch.equal(a, b) for pair, bpair in zip(kv, back) for a, b in zip(pair, bpair))
+
+
+def _dump(tmp_path, kv=None):
+    dump = tmp_path / "kv.safetensors"
+    save_kv_safetensors(dump, kv or _kv(layers=4))
+    return dump
+
+
+def test_a_truncated_dump_is_one_error_and_no_output(tmp_path, capsys):
+    dump = _dump(tmp_path)
+    data = dump.read_bytes()
+    dump.write_bytes(data[:len(data) - 100])
+    err = one_error(capsys, "encode", dump, "-o", tmp_path / "c.lynx")
+    assert "kv.safetensors" in err
+    assert sorted(os.listdir(tmp_path)) == ["kv.safetensors"]
+
+
+def test_a_dump_of_mixed_shapes_is_one_error_and_no_output(tmp_path, capsys):
+    kv = _kv(layers=3)
+    tensors = {f"layers.{i}.{kind}": t for i, pair in enumerate(kv) for kind, t in zip(("key", "value"), pair)}
+    tensors["layers.2.value"] = tensors["layers.2.value"][:, :50].contiguous()
+    save_file(tensors, tmp_path / "kv.safetensors")
+    err = one_error(capsys, "encode", tmp_path / "kv.safetensors", "-o", tmp_path / "c.lynx")
+    assert "differ in shape" in err
+    assert sorted(os.listdir(tmp_path)) == ["kv.safetensors"]
+
+
+def test_a_damaged_cache_decodes_to_one_error_and_no_output(tmp_path, capsys):
+    lynxkv.save_cache(tmp_path / "c.lynx", _kv(layers=4))
+    data = bytearray((tmp_path / "c.lynx").read_bytes())
+    data[-5] ^= 0xFF  # a byte of the last layer's last anchor page: found only when that layer is reached
+    (tmp_path / "c.lynx").write_bytes(bytes(data))
+    err = one_error(capsys, "decode", tmp_path / "c.lynx", "-o", tmp_path / "out.safetensors")
+    assert "layer 3" in err
+    assert sorted(os.listdir(tmp_path)) == ["c.lynx", "c.lynxr"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root on Linux); skipped where it cannot be mounted."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("command", ["encode", "encode-single", "decode"])
+def test_a_full_disk_is_one_error_and_no_output(tmp_path, capsys, tiny_disk, command):
+    dump = _dump(tmp_path, _kv(layers=8, heads=4, tokens=1000, dim=64))  # 8 MB, the disk holds 1
+    if command.startswith("encode"):
+        argv = ["encode", dump, "-o", tiny_disk / "c.lynx"] + (["--single-file"] if command == "encode-single" else [])
+    else:
+        lynxkv.cache.save_dump(dump, tmp_path / "c.lynx")
+        argv = ["decode", tmp_path / "c.lynx", "-o", tiny_disk / "out.safetensors"]
+    err = one_error(capsys, *argv)
+    assert "no space left" in err
+    assert [n for n in os.listdir(tiny_disk) if not n.startswith(".lynx")] == [], os.listdir(tiny_disk)
+    assert not any(n.endswith(".tmp") for n in os.listdir(tiny_disk))
