@@ -83,10 +83,12 @@ class KVDump:
         from safetensors import SafetensorError, safe_open
 
         try:
-            with safe_open(self.path, framework="pt") as f:
-                for i in range(self.layers):
+            for i in range(self.layers):
+                # opened per layer: safe_open maps the whole file, and every page a read touched stays in this
+                # process's RSS until the mapping closes (the tensors themselves are copies)
+                with safe_open(self.path, framework="pt") as f:
                     pair = tuple(self._read(f, self.tensor_names[2 * i + j]) for j in range(2))
-                    yield pair
+                yield pair
         except SafetensorError as exc:
             raise InputError(f"{self.path}: not a readable safetensors file ({exc})") from None
 

@@ -1,0 +1,85 @@
+"""Peak memory of the commands that walk a whole cache: ``encode`` of a 268 MB BF16 dump, ``verify``, ``decode``
+and ``decode --anchor-only`` each raise a fresh process's RSS above what importing lynxkv and torch left by at most
+LIMIT (a few layers' worth: they hold a window of layers, not the cache). Measured with the kernel's high-water
+mark (``VmHWM``, reset through ``/proc/self/clear_refs`` once the imports are done)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+SHAPE = (64, 8, 2048, 128)  # layers, KV heads, tokens, head dim: Llama-3-8B's heads, twice its layers, at 2K tokens
+DUMP = 2 * SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3] * 2  # K and V in BF16: 268 MB
+LIMIT = 150 << 20  # 4 MB per layer in BF16; the quantizer's fp32 work on two layers at once fits many times over
+
+CHILD = r'''
+import json, os, sys
+import torch, lynxkv, lynxkv.cache, lynxkv.cli, safetensors.torch
+from lynxkv.cli import main
+
+def rss(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+work, argv = sys.argv[1], sys.argv[2:]
+base = rss("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the high-water mark starts again from the RSS now
+code = main(argv)
+print("MEMORY " + json.dumps({"code": code, "above": rss("VmHWM") - base}))
+'''
+
+
+def _can_measure() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from lynxkv.cache.dumps import write_kv_safetensors
+
+    if not _can_measure():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    d = tmp_path_factory.mktemp("memory_streaming")
+    layers, heads, tokens, dim = SHAPE
+    g = torch.Generator().manual_seed(0)
+    kv = ((torch.randn(heads, tokens, dim, generator=g).to(torch.bfloat16),
+           torch.randn(heads, tokens, dim, generator=g).to(torch.bfloat16)) for _ in range(layers))
+    write_kv_safetensors(d / "kv.safetensors", kv, layers=layers, shape=(heads, tokens, dim), dtype=torch.bfloat16)
+    assert (d / "kv.safetensors").stat().st_size > DUMP
+    return d
+
+
+def _peak(work, *argv) -> int:
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(work), *map(str, argv)], cwd=work, capture_output=True,
+                          text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MEMORY ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    result = json.loads(lines[-1][len("MEMORY "):])
+    assert result["code"] == 0, proc.stderr[-2000:]
+    return result["above"]
+
+
+def test_encode_verify_decode_hold_a_window_not_the_cache(work):
+    """One test, in order: each command needs the file the one before it wrote."""
+    peaks = {
+        "encode": _peak(work, "encode", work / "kv.safetensors", "-o", work / "c.lynx", "--force"),
+        "verify": _peak(work, "verify", work / "c.lynx"),
+        "decode": _peak(work, "decode", work / "c.lynx", "-o", work / "out.safetensors", "--force"),
+        "decode --anchor-only": _peak(work, "decode", work / "c.lynx", "-o", work / "anchor.safetensors",
+                                      "--anchor-only", "--force"),
+    }
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()})
+    assert all(peak < LIMIT for peak in peaks.values()), {k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()}
+    assert (work / "out.safetensors").stat().st_size > DUMP
