@@ -185,3 +185,39 @@ def test_a_full_disk_is_one_error_and_no_output(tmp_path, capsys, tiny_disk, com
     assert "no space left" in err
     assert [n for n in os.listdir(tiny_disk) if not n.startswith(".lynx")] == [], os.listdir(tiny_disk)
     assert not any(n.endswith(".tmp") for n in os.listdir(tiny_disk))
+
+
+def test_memory_bounds_the_window_and_refuses_less_than_a_layer(tmp_path, capsys):
+    kv = _kv(layers=5, heads=2, tokens=300, dim=32)
+    dump = _dump(tmp_path, kv)
+    layer_in = 2 * 2 * 300 * 32 * 2  # one layer's keys and values in BF16: 76,800 bytes
+    err = one_error(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--memory", str(layer_in))
+    assert "one layer" in err and "memory" in err
+    assert sorted(os.listdir(tmp_path)) == ["kv.safetensors"]
+    assert run_cli(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--exact", "--memory", "1MiB")[0] == 0
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c:
+        one_layer = c.layer_bytes()
+        assert c.layer_bytes(anchor_only=True) < one_layer < c.layer_bytes(dtype=torch.float32)
+        assert [k.shape for k, _ in c.iter_layers(window=1)] == [kv[0][0].shape] * 5
+    err = one_error(capsys, "decode", tmp_path / "c.lynx", "-o", tmp_path / "o.safetensors", "--memory",
+                    str(one_layer - 1))
+    assert "one layer" in err and not (tmp_path / "o.safetensors").exists()
+    err = one_error(capsys, "verify", tmp_path / "c.lynx", "--memory", str(one_layer - 1))
+    assert "one layer" in err
+    assert run_cli(capsys, "verify", tmp_path / "c.lynx", "--memory", str(one_layer))[0] == 0
+    for memory in (one_layer, 3 * one_layer, None):
+        out = tmp_path / f"o{memory}.safetensors"
+        assert run_cli(capsys, "decode", tmp_path / "c.lynx", "-o", out, "--exact",
+                       *(["--memory", str(memory)] if memory else []))[0] == 0
+    assert len({_digest(tmp_path / f"o{m}.safetensors") for m in (one_layer, 3 * one_layer, None)}) == 1
+    back, _ = load_kv_safetensors(tmp_path / f"o{one_layer}.safetensors")
+    assert all(torch.equal(a, b) for pair, bpair in zip(kv, back) for a, b in zip(pair, bpair))
+
+
+@pytest.mark.parametrize("window", [0, -1, 1.5, True])
+def test_a_window_is_a_number_of_layers(tmp_path, window):
+    lynxkv.save_cache(tmp_path / "c.lynx", _kv())
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c, pytest.raises(lynxkv.InputError, match="window"):
+        c.iter_layers(window=window)
+    with pytest.raises(lynxkv.InputError, match="window"):
+        lynxkv.save_cache_layers(tmp_path / "d.lynx", _kv(), window=window)

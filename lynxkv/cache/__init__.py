@@ -6,9 +6,11 @@ from lynxkv.cache.opened import (
     CacheInfo,
     LynxCache,
     check_decoded_size,
+    default_window,
     max_decoded_bytes,
     open_cache,
     verify_file,
+    window_for_memory,
 )
 from lynxkv.cache.save import (default_exact_path, default_residual_path, exact_file_of, residual_file_of, save_cache,
                                save_cache_layers, save_dump)
@@ -19,6 +21,7 @@ __all__ = [
     "EncodedCache",
     "LynxCache",
     "check_decoded_size",
+    "default_window",
     "default_exact_path",
     "default_residual_path",
     "encode_kv",
@@ -30,4 +33,5 @@ __all__ = [
     "save_cache_layers",
     "save_dump",
     "verify_file",
+    "window_for_memory",
 ]

@@ -96,10 +96,11 @@ def _quantize_layer(pair, scheme: Scheme, packed: bool, threads: int | None = No
                  for t, kind in zip(pair, ("key", "value")))
 
 
-def _quantized(pairs, scheme: Scheme, packed: bool, cpu: bool, count: int):
+def _quantized(pairs, scheme: Scheme, packed: bool, cpu: bool, most: int):
     """Each of ``pairs`` quantized, in order: on the CPU, the next layers on the workers (one each, at most
-    :func:`concurrent_tensors` pairs taken from ``pairs`` and not yet handed out) while the caller uses the last."""
-    workers = min(concurrent_tensors(), count) if cpu else 1
+    :func:`concurrent_tensors` or ``most`` pairs taken from ``pairs`` and not yet handed out) while the caller uses
+    the last."""
+    workers = min(concurrent_tensors(), most) if cpu else 1
     if workers <= 1:
         yield from (_quantize_layer(pair, scheme, packed) for pair in pairs)
         return
@@ -126,8 +127,8 @@ class _StreamedLayers:
     (:func:`streamed_encoding`). Iterable once. With ``keep``, each layer's originals stay until the writer takes
     them for the exact segment (:attr:`originals`), so a layer is held from when it is read until it is written."""
 
-    def __init__(self, first, rest, count: int, scheme: Scheme, packed: bool, keep: bool):
-        self._first, self._rest, self._count = first, rest, count
+    def __init__(self, first, rest, count: int, scheme: Scheme, packed: bool, keep: bool, window: int):
+        self._first, self._rest, self._count, self._window = first, rest, count, window
         self._scheme, self._packed, self._keep = scheme, packed, keep
         self._ref = _checked_pair(first, 0)[2]  # layer 0's keys: (shape [H, T, D], batched, dtype, device)
         self._held: dict[int, tuple] = {}
@@ -160,7 +161,7 @@ class _StreamedLayers:
 
     def __iter__(self):
         cpu = self._first is None or all(t.device.type == "cpu" for t in self._first)
-        yield from _quantized(self._pairs(), self._scheme, self._packed, cpu, self._count)
+        yield from _quantized(self._pairs(), self._scheme, self._packed, cpu, min(self._count, self._window))
 
 
 class _HeldOriginals:
@@ -218,18 +219,25 @@ def lazy_encoding(kv, scheme: Scheme, prompt_token_ids, model_fingerprint, names
                         model_fingerprint or None, tuple(names) if names else None, bool(batch), originals=pairs)
 
 
+def encode_layer_bytes(kv_heads: int, tokens: int, head_dim: int, dtype: torch.dtype) -> int:
+    """About the memory one layer takes while it is encoded: its keys and values, the quantizer's fp32 work on
+    them and their codes (what a window of :func:`streamed_encoding` holds per layer)."""
+    return 2 * kv_heads * tokens * head_dim * (torch.empty((), dtype=dtype).element_size() + 4 + 1)
+
+
 def streamed_encoding(layers: Iterable, count: int, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,
-                      keep_originals: bool) -> EncodedCache:
+                      keep_originals: bool, window: int = 2) -> EncodedCache:
     """An :class:`EncodedCache` of ``count`` layers taken from the iterable ``layers`` of ``(keys, values)`` as
-    the writer reaches them (the first one read now, for the shape): one pass, a few layers in memory at a time.
-    ``keep_originals``: each layer's originals are held until the writer's exact segment takes them."""
+    the writer reaches them (the first one read now, for the shape): one pass, about ``window`` layers in memory
+    at a time (quantized by at most that many workers). ``keep_originals``: each layer's originals are held until
+    the writer's exact segment takes them."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise InputError(f"layers: expected a count of at least one layer, got {count!r}")
     it = iter(layers)
     first = next(it, None)
     if first is None:
         raise InputError("layers: expected at least one layer, got none")
-    streamed = _StreamedLayers(first, it, count, scheme, True, keep_originals)
+    streamed = _StreamedLayers(first, it, count, scheme, True, keep_originals, window)
     (h, t, d), batch, dtype, _ = streamed.shape
     return EncodedCache(scheme, streamed, h, d, t, DTYPE_NAMES[dtype],
                         list(prompt_token_ids) if prompt_token_ids is not None else None,

@@ -93,6 +93,21 @@ def _info(h: AnchorHeader, index: SectionIndex) -> CacheInfo:
 MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
 
 
+def default_window() -> int:
+    """Layers a streaming read or write holds at once by default: two, or one per CPU worker where there are more
+    (:func:`lynxkv.quant.dispatch.concurrent_tensors`)."""
+    return max(2, concurrent_tensors())
+
+
+def window_for_memory(memory: int, layer_bytes: int) -> int:
+    """The most layers of ``layer_bytes`` each that fit in ``memory`` bytes (a ``--memory`` bound); at least one
+    must, or the bound is refused."""
+    if layer_bytes > memory:
+        raise InputError(f"memory: one layer of this cache takes about {layer_bytes:,} bytes, more than the "
+                         f"{memory:,} allowed")
+    return max(1, memory // max(layer_bytes, 1))
+
+
 def max_decoded_bytes() -> int:
     """The most decoded bytes one cache may need (``$LYNXKV_MAX_DECODED_BYTES``; default: half the memory)."""
     text = os.environ.get(MAX_DECODED_ENV)
@@ -277,27 +292,50 @@ class LynxCache:
     def iter_layers(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None, exact: bool = False,
                     window: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`load_kv`'s layers one at a time, in order: each ``(keys, values)`` ``[H, T, D]`` holds the same
-        values ``load_kv`` gives for that layer, bit for bit. Layers are decoded ``window`` at a time (default: the
-        CPU workers, :func:`lynxkv.quant.dispatch.concurrent_tensors`), so memory holds that many layers, not the
-        cache; the size check (:func:`check_decoded_size`) counts that window. Segments are opened and checked
+        values ``load_kv`` gives for that layer, bit for bit. At most ``window`` layers are held at once (default
+        :func:`default_window`; at least 1): while the caller has one group of layers, the next group is decoded
+        (groups of half the window), so memory holds a few layers, not the cache; the size check
+        (:func:`check_decoded_size`) counts the window (:meth:`layer_bytes` each). Segments are opened and checked
         here, before the first layer is decoded; a page that fails its CRC raises when its layer is reached."""
-        if window is not None and (not isinstance(window, int) or window < 1):
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise InputError(f"window: expected a number of layers of at least 1, got {window!r}")
-        window = window or concurrent_tensors()
+        window = window or default_window()
         dtype = self._prepare_load(anchor_only, dtype, exact, window)
         return self._windows(anchor_only, dtype, exact, window)
 
+    def layer_bytes(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> int:
+        """The memory one layer takes to decode (:func:`decoded_need`): what a window of :meth:`iter_layers`
+        holds per layer."""
+        return decoded_need(self.header, dtype or TORCH_DTYPES[self.header.dtype], anchor_only=anchor_only, layers=1)
+
     def _windows(self, anchor_only: bool, dtype: torch.dtype, exact: bool, window: int):
+        from concurrent.futures import ThreadPoolExecutor
+
         h = self.header
         shape = (h.kv_heads, h.tokens, h.head_dim)
-        for start in range(0, h.layers, window):
-            layers = range(start, min(start + window, h.layers))
+        group = max(1, window // 2)
+
+        def decode(start: int) -> dict:
+            layers = range(start, min(start + group, h.layers))
             out = {layer: (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for layer in layers}
             self._reader.dequantize_layers(out, anchor_only=anchor_only, layers=layers)
             if exact:
                 self._reader.apply_exact(out, layers=layers)
-            for layer in layers:
-                yield out.pop(layer)  # let go of each layer once the caller has it
+            return out
+
+        if window == 1:  # nothing decoded ahead
+            for start in range(h.layers):
+                yield decode(start).pop(start)
+            return
+        # the next group is decoded while the caller writes this one (the disk and the cores both busy)
+        with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-decode") as pool:
+            ahead = pool.submit(decode, 0)
+            for start in range(0, h.layers, group):
+                out = ahead.result()
+                ahead = pool.submit(decode, start + group) if start + group < h.layers else None
+                for layer in sorted(out):
+                    yield out.pop(layer)  # let go of each layer once the caller has it
+                del out
 
     def _prepare_load(self, anchor_only: bool, dtype: torch.dtype | None, exact: bool, layers: int | None):
         """The output dtype of a load, after the checks that come before anything is decoded (the options, the
@@ -314,7 +352,7 @@ class LynxCache:
             self._exact()  # opened and checked before any decoding
         return dtype
 
-    def verify(self) -> list[Finding]:
+    def verify(self, *, window: int | None = None) -> list[Finding]:
         """Every finding about both segments (empty when all headers, indexes and page CRCs check out)."""
         opened = []
 
@@ -331,7 +369,7 @@ class LynxCache:
             return src
 
         try:
-            return verify_cache(self._src, open_residual, open_exact)
+            return verify_cache(self._src, open_residual, open_exact, window=window)
         finally:
             for src in opened:  # sources opened here; a caller's file object is left open (see FileObjSource)
                 src.close()
@@ -388,11 +426,21 @@ def open_cache(path, *, residual=None, allow_locations=(), exact=None) -> LynxCa
     return LynxCache(path, residual=residual, allow_locations=allow_locations, exact=exact)
 
 
-def verify_file(path, *, residual=None, allow_locations=(), exact=None) -> list[Finding]:
+def verify_file(path, *, residual=None, allow_locations=(), exact=None, window: int | None = None,
+                memory: int | None = None) -> list[Finding]:
     """Findings for a cache that may be too damaged to open: never raises for a bad file (the residual is found
-    as :func:`open_cache` finds it)."""
+    as :func:`open_cache` finds it). Pages are checked one at a time; an exact segment's check rebuilds ``window``
+    layers at a time (:func:`lynxkv.format.verify.verify_cache`), or as many as fit in ``memory`` bytes
+    (:func:`window_for_memory`; a bound below one layer raises :class:`InputError`)."""
     src = open_source(path)
     opened = []
+    if memory is not None:  # the window fits the bound; a header too damaged to read is verify_cache's to report
+        try:
+            h = PageReader(src, exact_size=False).header
+        except LynxError:
+            h = None
+        if h is not None:
+            window = window_for_memory(memory, decoded_need(h, TORCH_DTYPES[h.dtype], layers=1))
 
     def open_residual():
         if residual is not None:
@@ -414,7 +462,7 @@ def verify_file(path, *, residual=None, allow_locations=(), exact=None) -> list[
         return esrc
 
     try:
-        return verify_cache(src, open_residual, open_exact)
+        return verify_cache(src, open_residual, open_exact, window=window)
     finally:
         for s in opened + [src]:
             s.close()

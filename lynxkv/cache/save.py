@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 
 from lynxkv.cache.encoded import EncodedCache, lazy_encoding, streamed_encoding
-from lynxkv.cache.opened import CacheInfo, open_cache
+from lynxkv.cache.opened import CacheInfo, default_window, open_cache
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.writer import Parts, write_files
@@ -83,11 +83,12 @@ def save_cache_layers(path: str | os.PathLike, layers: Iterable, scheme: Scheme 
                       prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
                       names: Sequence[str] | None = None, cache_id: bytes | None = None,
                       properties: dict[str, str] | None = None, exact: bool = False,
-                      exact_path: str | os.PathLike | None = None, exact_coding: str = "rans") -> CacheInfo:
+                      exact_path: str | os.PathLike | None = None, exact_coding: str = "rans",
+                      window: int | None = None) -> CacheInfo:
     """:func:`save_cache` for a cache given one layer at a time: ``layers`` yields each layer's ``(keys,
     values)`` (``[H, T, D]`` or ``[1, H, T, D]``, every layer the shape and dtype of the first), and each is
-    quantized and its pages written before the next one is taken, so memory holds a few layers (the quantizer's
-    workers, :func:`lynxkv.quant.dispatch.concurrent_tensors`), not the cache. ``count``: the number of layers
+    quantized and its pages written before the next one is taken, so memory holds about ``window`` layers
+    (default :func:`lynxkv.cache.default_window`; quantized by as many CPU workers at most), not the cache. ``count``: the number of layers
     (the header, written first, says it), needed unless ``layers`` has a length; a stream that yields another
     number of layers fails and leaves nothing. The bytes written are those :func:`save_cache` writes for the same
     layers; the other options are its own."""
@@ -95,8 +96,11 @@ def save_cache_layers(path: str | os.PathLike, layers: Iterable, scheme: Scheme 
         if not hasattr(layers, "__len__"):
             raise InputError("count: the number of layers is needed up front for an iterator of layers")
         count = len(layers)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise InputError(f"window: expected a number of layers of at least 1, got {window!r}")
     exact = exact or exact_path is not None
-    enc = streamed_encoding(layers, count, scheme, prompt_token_ids, model_fingerprint, names, keep_originals=exact)
+    enc = streamed_encoding(layers, count, scheme, prompt_token_ids, model_fingerprint, names, keep_originals=exact,
+                            window=window or default_window())
     if properties is not None:
         enc.properties = dict(properties)
     return _save_encoded(path, enc, exact, residual_path=residual_path, residual_location=residual_location,
@@ -224,13 +228,20 @@ def _side_files_of(path: str) -> list[str]:
     return [f for f in (residual_file_of(path), exact_file_of(path)) if f is not None]
 
 
-def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, **options) -> CacheInfo:
+def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, *, memory: int | None = None,
+              **options) -> CacheInfo:
     """Encode a safetensors KV dump (:mod:`lynxkv.cache.dumps`) into a cache, keeping its tensor names and shapes;
-    ``options`` as for :func:`save_cache`. The dump is read one layer at a time (:func:`save_cache_layers`): its
-    header is checked first, then each layer is read, quantized and written before the next."""
+    ``options`` as for :func:`save_cache_layers`. The dump is read one layer at a time: its header is checked
+    first, then each layer is read, quantized and written before the next. ``memory``: about how many bytes of
+    layers to hold at once (:func:`lynxkv.cache.encoded.encode_layer_bytes` each; the window of
+    :func:`save_cache_layers`); a bound below one layer is refused before anything is read."""
     from lynxkv.cache.dumps import open_dump
+    from lynxkv.cache.encoded import encode_layer_bytes
+    from lynxkv.cache.opened import window_for_memory
 
     dump = open_dump(dump_path)
+    if memory is not None:
+        options["window"] = window_for_memory(memory, encode_layer_bytes(*dump.shape, dump.dtype))
     layers = dump.iter_layers()
     if dump.naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
         layers = ((k.unsqueeze(0), v.unsqueeze(0)) for k, v in layers)

@@ -14,8 +14,10 @@ from lynxkv.cli.console import err, escape, model_label, out, parse_dtype, print
 from lynxkv.errors import InputError
 from lynxkv.quant.scheme import PRESETS
 from lynxkv.storage import has_protocol
-from lynxkv.stream.units import format_bytes
+from lynxkv.stream.units import format_bytes, parse_size
 
+MEMORY_HELP = ("Hold about this much of the cache in memory at once, e.g. 1GiB: as many layers as fit, at least one "
+               "(default: two layers, or one per CPU worker).")
 ALLOW_HELP = ("Let the cache's recorded residual location lie under this prefix (a path or URL such as "
               "s3://bucket/; repeatable; also $LYNXKV_ALLOW_LOCATIONS, comma-separated). By default only a file "
               "inside the anchor's directory is followed.")
@@ -56,6 +58,7 @@ def encode(
     exact_out: Optional[str] = typer.Option(None, "--exact-out", help="Where the exact segment goes, a path or URL "
                                             "(implies --exact; default: OUTPUT with .lynxe)."),
     force: bool = typer.Option(False, "--force", help="Replace existing output files."),
+    memory: Optional[str] = typer.Option(None, "--memory", help=MEMORY_HELP + " A dump only."),
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
@@ -69,6 +72,9 @@ def encode(
         raise InputError("give either a KV dump file or --model, not both")
     if input is not None and prompt_file is not None:
         raise InputError("--prompt-file is the text to prefill with --model; a KV dump already holds its KV")
+    if input is None and memory is not None:
+        raise InputError("--memory bounds the encoding of a KV dump; a prefill holds the model's whole cache")
+    memory_bytes = parse_size(memory) if memory is not None else None
     torch_dtype = parse_dtype(dtype, auto=True)
     refuse_overwrite(output, force)
     if residual_out is not None and single_file:
@@ -83,7 +89,7 @@ def encode(
     if input is not None:
         with progress_step(f"encoding {input}"):
             info = save_dump(input, output, sch, residual_path=residual_out, single_file=single_file, zstd=zstd,
-                             exact=exact, exact_path=exact_out)
+                             exact=exact, exact_path=exact_out, memory=memory_bytes)
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
         with progress_step(f"loading {model_label(model)} ({dtype}), prefilling and encoding"):
@@ -115,11 +121,12 @@ def decode(
                                              "instead (implies --exact)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     force: bool = typer.Option(False, "--force", help="Replace an existing output file."),
+    memory: Optional[str] = typer.Option(None, "--memory", help=MEMORY_HELP),
     json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
     """Turn a .lynx cache back into tensors, with the names and shapes that went in: written layer by layer, a few
     layers in memory at a time, published only once complete."""
-    from lynxkv.cache import open_cache
+    from lynxkv.cache import open_cache, window_for_memory
     from lynxkv.cache.dumps import write_kv_safetensors
     from lynxkv.cache.kv import DTYPE_NAMES, TORCH_DTYPES
 
@@ -128,11 +135,14 @@ def decode(
     if exact and anchor_only:
         raise InputError("--exact and --anchor-only exclude each other")
     refuse_overwrite(output, force)
+    memory_bytes = parse_size(memory) if memory is not None else None
     with open_cache(cache, residual=residual, allow_locations=allow_location or (), exact=exact_file) as c, \
             progress_step(f"decoding {cache}"):
         info = c.info
         out_dtype = torch_dtype or TORCH_DTYPES[info.dtype]
-        layers = c.iter_layers(anchor_only=anchor_only, dtype=torch_dtype, exact=exact)
+        window = None if memory_bytes is None else window_for_memory(
+            memory_bytes, c.layer_bytes(anchor_only=anchor_only, dtype=out_dtype))
+        layers = c.iter_layers(anchor_only=anchor_only, dtype=torch_dtype, exact=exact, window=window)
         meta = {**info.properties, "lynxkv.cache_id": info.cache_id,  # the input's metadata comes back
                 "lynxkv.reconstruction": "anchor" if anchor_only else "exact" if exact else "full"}
         write_kv_safetensors(output, layers, layers=info.layers, shape=(info.kv_heads, info.tokens, info.head_dim),
@@ -201,6 +211,8 @@ def verify(
                                              "instead."),
     against: Optional[Path] = typer.Option(None, help="The original KV dump: report vNMSE per layer."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
+    memory: Optional[str] = typer.Option(None, "--memory", help=MEMORY_HELP + " Pages are checked one at a time; "
+                                         "this bounds the exact segment's check."),
     json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Check every segment's structure and checksums (exit 1 on any finding), and with an exact segment that it
@@ -209,7 +221,8 @@ def verify(
     from lynxkv.cache import verify_file
 
     allow = tuple(allow_location or ())
-    findings = verify_file(cache, residual=residual, allow_locations=allow, exact=exact_file)
+    findings = verify_file(cache, residual=residual, allow_locations=allow, exact=exact_file,
+                           memory=parse_size(memory) if memory is not None else None)
     result: dict = {"ok": not findings, "findings": [f.to_dict() for f in findings]}
     if against is not None and not findings:
         result["vnmse"] = reconstruction_error(cache, against, residual=residual, allow_locations=allow)

@@ -54,12 +54,12 @@ def _pages(reader: PageReader, kind: int) -> list[Finding]:
 
 
 def verify_cache(anchor_src, open_residual: Callable[[], object] | None,
-                 open_exact: Callable[[], object] | None = None) -> list[Finding]:
+                 open_exact: Callable[[], object] | None = None, *, window: int | None = None) -> list[Finding]:
     """All findings for the anchor file in ``anchor_src`` and its residual (``open_residual()`` returns the
     residual's byte source, or raises a LynxError when it cannot be reached; ``None`` skips an external
     residual; an inline residual is always checked). An exact segment (1.4) is checked likewise through
     ``open_exact``: its header, index and page CRCs, then exactness -- the full code decoded and every page rebuilt
-    from it must match the CRC of its original bytes."""
+    from it must match the CRC of its original bytes, ``window`` layers at a time (default: one per CPU worker)."""
     found: list[Finding] = []
     try:
         reader = PageReader(anchor_src, exact_size=False)
@@ -92,10 +92,10 @@ def verify_cache(anchor_src, open_residual: Callable[[], object] | None,
         found.append(_finding("residual", exc))
         return found
     found += _pages(reader, c.SEGMENT_RESIDUAL)
-    return found + _exact(reader, open_exact, clean=not found)
+    return found + _exact(reader, open_exact, clean=not found, window=window)
 
 
-def _exact(reader: PageReader, open_exact, clean: bool) -> list[Finding]:
+def _exact(reader: PageReader, open_exact, clean: bool, window: int | None) -> list[Finding]:
     """Findings for the exact segment: structure and page CRCs, then (when everything else is clean) exactness."""
     seg = reader.header.segment(c.SEGMENT_EXACT)
     if seg is None or (seg.placement == c.PLACEMENT_EXTERNAL and open_exact is None):
@@ -119,7 +119,7 @@ def _exact(reader: PageReader, open_exact, clean: bool) -> list[Finding]:
 
     h = reader.header
     dtype, shape = TORCH_DTYPES[h.dtype], (h.kv_heads, h.tokens, h.head_dim)
-    window = concurrent_tensors()  # layers rebuilt at once: memory holds these, not the cache
+    window = window or concurrent_tensors()  # layers rebuilt at once: memory holds these, not the cache
     try:
         for start in range(0, h.layers, window):
             layers = range(start, min(start + window, h.layers))
