@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -142,11 +143,14 @@ def decode(
         out_dtype = torch_dtype or TORCH_DTYPES[info.dtype]
         window = None if memory_bytes is None else window_for_memory(
             memory_bytes, c.layer_bytes(anchor_only=anchor_only, dtype=out_dtype))
-        layers = c.iter_layers(anchor_only=anchor_only, dtype=torch_dtype, exact=exact, window=window)
         meta = {**info.properties, "lynxkv.cache_id": info.cache_id,  # the input's metadata comes back
                 "lynxkv.reconstruction": "anchor" if anchor_only else "exact" if exact else "full"}
-        write_kv_safetensors(output, layers, layers=info.layers, shape=(info.kv_heads, info.tokens, info.head_dim),
-                             dtype=out_dtype, names=info.names, batched=info.batch_dim, metadata=meta)
+        # closed before the cache is: a write that fails waits for the layers being decoded ahead
+        with contextlib.closing(c.iter_layers(anchor_only=anchor_only, dtype=torch_dtype, exact=exact,
+                                              window=window)) as layers:
+            write_kv_safetensors(output, layers, layers=info.layers,
+                                 shape=(info.kv_heads, info.tokens, info.head_dim), dtype=out_dtype, names=info.names,
+                                 batched=info.batch_dim, metadata=meta)
     if json:
         print_json({"output": str(output), "layers": info.layers, "kv_heads": info.kv_heads, "tokens": info.tokens,
                     "head_dim": info.head_dim, "dtype": DTYPE_NAMES[out_dtype], "names": list(info.names or []),
