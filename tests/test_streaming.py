@@ -221,3 +221,18 @@ def test_a_window_is_a_number_of_layers(tmp_path, window):
         c.iter_layers(window=window)
     with pytest.raises(lynxkv.InputError, match="window"):
         lynxkv.save_cache_layers(tmp_path / "d.lynx", _kv(), window=window)
+
+
+def test_the_error_against_a_dump_is_computed_layer_by_layer_as_in_memory(tmp_path):
+    from lynxkv.eval.metrics import kv_error, reconstruction_error
+
+    kv = _kv(layers=4)
+    dump = _dump(tmp_path, kv)
+    lynxkv.cache.save_dump(dump, tmp_path / "c.lynx")
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c:
+        expected = kv_error(c.load_kv(dtype=torch.float32), c.load_kv(anchor_only=True, dtype=torch.float32), kv)
+    assert reconstruction_error(tmp_path / "c.lynx", dump) == expected
+    other = tmp_path / "other.safetensors"
+    save_kv_safetensors(other, _kv(layers=3))
+    with pytest.raises(lynxkv.InputError, match="the original has 3 layers"):
+        reconstruction_error(tmp_path / "c.lynx", other)

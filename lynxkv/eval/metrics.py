@@ -142,11 +142,18 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def kv_error(full, anchor, original) -> dict:
     """Global vNMSE per layer of keys and values, full and anchor-only KV against the original, and the means
     over layers (per-layer ``(keys, values)`` ``[H, T, D]`` each)."""
-    if len(original) != len(full) or original[0][0].shape != full[0][0].shape:
-        raise InputError(
-            f"the original has {len(original)} layers of {tuple(original[0][0].shape)}, the cache "
-            f"{len(full)} of {tuple(full[0][0].shape)}"
-        )
+    _check_like(len(original), tuple(original[0][0].shape), len(full), tuple(full[0][0].shape))
+    return _layer_errors(full, anchor, original)
+
+
+def _check_like(original_layers: int, original_shape: tuple, layers: int, shape: tuple) -> None:
+    if original_layers != layers or original_shape != shape:
+        raise InputError(f"the original has {original_layers} layers of {original_shape}, the cache {layers} of "
+                         f"{shape}")
+
+
+def _layer_errors(full, anchor, original) -> dict:
+    """:func:`kv_error` of three iterables of layers, taken one layer of each at a time."""
     rows = []
     for (kf, vf), (ka, va), (k, v) in zip(full, anchor, original):
         rows.append({"key_full": vnmse_global(k, kf), "value_full": vnmse_global(v, vf),
@@ -156,10 +163,14 @@ def kv_error(full, anchor, original) -> dict:
 
 
 def reconstruction_error(cache_path, original_path, *, residual=None, allow_locations=()) -> dict:
-    """:func:`kv_error` of a stored cache (full and anchor-only reconstruction) against the original dump."""
+    """:func:`kv_error` of a stored cache (full and anchor-only reconstruction) against the original dump, one
+    layer of each at a time (memory holds three layers, not the caches)."""
     from lynxkv.cache import open_cache
-    from lynxkv.cache.dumps import load_kv_safetensors
+    from lynxkv.cache.dumps import open_dump
 
-    original, _ = load_kv_safetensors(original_path)
+    dump = open_dump(original_path)
     with open_cache(cache_path, residual=residual, allow_locations=allow_locations) as c:
-        return kv_error(c.load_kv(dtype=torch.float32), c.load_kv(anchor_only=True, dtype=torch.float32), original)
+        i = c.info
+        _check_like(dump.layers, dump.shape, i.layers, (i.kv_heads, i.tokens, i.head_dim))
+        return _layer_errors(c.iter_layers(dtype=torch.float32, window=1),
+                             c.iter_layers(anchor_only=True, dtype=torch.float32, window=1), dump.iter_layers())
