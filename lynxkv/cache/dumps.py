@@ -13,6 +13,10 @@ style              names
 Layers are numbered from 0 without gaps; all tensors share one dtype and one shape. ``lynxkv decode`` writes the
 same names and shapes that went in.
 
+Neither direction needs the whole file in memory: :func:`open_dump` checks a dump's header and its
+:meth:`KVDump.iter_layers` reads one layer at a time; :func:`write_kv_safetensors` writes the header (computable
+from the shape, dtype and names) and then each tensor as it comes, in layer order, published atomically.
+
 A dump holds one sequence: a batch larger than 1 is refused (split it and encode one cache per sequence). A
 3-d tensor with more entries on its first axis than on its second looks token-major (``[tokens, kv_heads,
 head_dim]``) and is refused as ambiguous, unless the file's metadata says ``"lynxkv.layout":
