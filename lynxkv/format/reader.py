@@ -310,7 +310,7 @@ class PageReader:
         layers = range(h.layers) if layers is None else layers
         # on another device than the CPU one thread launches every layer's kernels (their first launch compiles
         # them); the read-ahead below still checks the next layer's records meanwhile
-        on_cpu = all(t.device.type == "cpu" for pair in out for t in pair)
+        on_cpu = all(t.device.type == "cpu" for layer in layers for t in out[layer])
         workers = min(concurrent_tensors(threads), len(layers)) if on_cpu else 1
         kinds = (c.SEGMENT_ANCHOR,) + (() if anchor_only else (c.SEGMENT_RESIDUAL,))
         for kind in kinds:
