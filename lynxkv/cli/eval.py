@@ -41,7 +41,8 @@ CORPUS_CHOICES = {"both": ("heldout", "choosing"), "heldout": ("heldout",), "cho
 
 @app.command("eval", help=HELP)
 def eval_command(
-    model: str = typer.Option(None, "--model", help="HF model name/path or .gguf file (default: offline SmolLM2)."),
+    model: str = typer.Option(None, "--model", help="HF model name/path, .gguf file or offline model: "
+                               "smollm2 (the default), gemma3-270m."),
     kv: str = typer.Option(None, "--kv", help="Safetensors KV dump instead of a model (KV-only metrics)."),
     corpus: str = typer.Option(
         None, "--corpus", help="Which corpora to score: both (default), heldout or choosing (the held-out one is "

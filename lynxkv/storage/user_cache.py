@@ -1,0 +1,59 @@
+"""lynxkv's per-user cache directory and the files it keeps there (:func:`cached_file`): built once, atomically,
+checked against their SHA-256 each time they are used.
+
+Location: ``$LYNXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/lynxkv``, else ``~/.cache/lynxkv``. Directories lynxkv
+creates there are private to the user (mode 0700). Nothing in it is needed: removing it costs a rebuild only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+from lynxkv.errors import InputError
+from lynxkv.storage.atomic import atomic_path
+
+CACHE_ENV = "LYNXKV_CACHE_DIR"
+_READ_BLOCK = 1 << 20
+
+
+def user_cache_dir() -> str:
+    """The per-user cache directory (see the module docstring); it may not exist yet."""
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen:
+        return os.path.abspath(os.path.expanduser(chosen))
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lynxkv")
+
+
+def sha256_of(path: str) -> str:
+    """The SHA-256 (hex) of the local file ``path``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_READ_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_file(relative: str, sha256: str, build: Callable[[str], None]) -> str:
+    """The path of ``relative`` under :func:`user_cache_dir`, a file whose SHA-256 is ``sha256``. If it is missing
+    or its contents differ (a truncated or altered copy), ``build(temp_path)`` writes it to a temporary file beside
+    it, which is checked and then renamed into place: a reader never sees a partial file, and two processes that
+    build at once each publish a whole one. ``build`` may raise; nothing is left behind then."""
+    final = os.path.join(user_cache_dir(), relative)
+    if os.path.isfile(final) and sha256_of(final) == sha256:
+        return final
+    folder = os.path.dirname(final)
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the cache directory {folder} ({exc.strerror or exc}); set "
+                         f"${CACHE_ENV} to a writable directory") from None
+    with atomic_path(final) as tmp:
+        build(tmp)
+        got = sha256_of(tmp)
+        if got != sha256:
+            raise InputError(f"{final}: the file built has SHA-256 {got}, expected {sha256}; nothing was written")
+    return final
