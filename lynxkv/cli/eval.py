@@ -28,7 +28,8 @@ HELP = (
     "files), which had no part in choosing a scheme and is the one to report, and the choosing one (the built-in "
     "prompts the schemes are tuned on)."
     "\n\nMetrics: K/V vNMSE, attention error with the model's queries, teacher-forced draft agreement, KL and "
-    "accepted prefix over a W-token window, perplexity change on each prompt's continuation, bits per element "
+    "accepted prefix over W-token windows (--windows per prompt; near-ties counted apart; lynx anchors also against "
+    "their own full code), perplexity change on each prompt's continuation, bits per element "
     "with metadata."
     "\n\nWith --task: task accuracy instead, on English prose no default was chosen on (standard-library "
     "docstrings, or --corpus DIR): perplexity of held-out documents and passkey retrieval by depth and length on "
@@ -63,6 +64,14 @@ def eval_command(
         "documents (default 8).",
     ),
     window: int = typer.Option(64, "--window", min=1, help="Teacher-forced draft window W (tokens)."),
+    windows: int = typer.Option(
+        1, "--windows", min=1, help="Windows per prompt: consecutive W-token blocks of the exact greedy "
+        "continuation, pooled for the accepted prefix (mean ± s.e.m. over windows).",
+    ),
+    tie_margin: float = typer.Option(
+        None, "--tie-margin", help="A window whose first disagreement falls where the exact top-2 logit margin is "
+        "below this is a near-tie, counted apart (column 'ties'; default 0.1, lynxkv.eval.windows.TIE_MARGIN).",
+    ),
     ppl_tokens: int = typer.Option(
         None, "--ppl-tokens", min=0, help="Tokens of each prompt's continuation for the perplexity change (default "
         "64; 0: off). With --task: tokens scored per perplexity document (default 256).",
@@ -94,6 +103,13 @@ def eval_command(
     seed: int = typer.Option(0, "--seed", help="With --task passkey: seed of the keys and filler windows."),
 ) -> None:
     """Parse, evaluate (lynxkv.eval.suite, or lynxkv.eval.tasks with --task), print (lynxkv.eval.report)."""
+    import math
+
+    from lynxkv.eval.windows import TIE_MARGIN
+
+    tie_margin = TIE_MARGIN if tie_margin is None else tie_margin
+    if not (math.isfinite(tie_margin) and tie_margin >= 0):
+        raise InputError(f"--tie-margin: expected a finite number >= 0, got {tie_margin}")
     if task is not None:
         if kv or sweep or heldout_text:
             raise InputError("--task excludes --kv, --sweep and --heldout-text (give task text with --corpus DIR)")
@@ -148,7 +164,7 @@ def eval_command(
                 raise InputError(f"model {loaded.name!r} has no tokenizer; prompts are cut from text")
             result = suite.evaluate_model(
                 loaded, codecs, corpora, lengths=lengths, prompts=prompts, window=window, ppl_tokens=ppl_tokens,
-                progress=progress,
+                windows=windows, tie_margin=tie_margin, progress=progress,
             )
     if plot_dir:
         result["plots"] = report.plot(result, plot_dir)
@@ -162,7 +178,8 @@ def eval_command(
             out.print(table)
     err.print(
         f"{len(codecs)} codecs in {result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU "
-        "(vNMSE: per-layer global ratio, mean over layers; agree, KL, prefix, ΔPPL: mean ± s.e.m. over prompts)"
+        "(vNMSE: per-layer global ratio, mean over layers; agree, KL, ΔPPL: mean ± s.e.m. over prompts; prefix: "
+        "over windows; ties: windows ended on a near-tie)"
     )
 
 

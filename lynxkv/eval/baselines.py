@@ -233,6 +233,11 @@ def roundtrip_kv(codec, x: torch.Tensor, kind: str) -> torch.Tensor:
     return codec.roundtrip(x, kind) if isinstance(codec, (Kivi, Lynx)) else codec.roundtrip(x)
 
 
+def roundtrip_cache(codec, kv):
+    """Every layer's keys and values of ``kv`` (per layer ``(keys, values)``) through ``codec``."""
+    return [(roundtrip_kv(codec, k, "key"), roundtrip_kv(codec, v, "value")) for k, v in kv]
+
+
 def bits_kv(codec, shape: Shape, kind: str) -> float:
     return codec.bits_per_element(shape, kind) if isinstance(codec, (Kivi, Lynx)) else codec.bits_per_element(shape)
 

@@ -1,9 +1,10 @@
 """Scoring codecs against a reference: KV-only scores for a tensor dump, draft scores for a model and prompt.
 
-Per prompt and codec every layer's keys and values are round-tripped once; the same approximate cache then
-feeds the KV metrics, the attention error (the window's real queries against the prompt's keys/values) and
-one teacher-forced forward of the window (plus one over the text's continuation for the perplexity change).
-Results are plain dicts of floats and lists, ready for JSON.
+Per prompt, window and codec every layer's keys and values are round-tripped once; the same approximate cache
+then feeds the KV metrics (first window: the prompt's own KV), the attention error (the window's real queries
+against its context's keys/values), one teacher-forced forward of the window and the accepted prefix
+(:mod:`lynxkv.eval.windows`), plus, on the first window, one forward over the text's continuation for the
+perplexity change. Results are plain dicts of floats and lists, ready for JSON.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ from typing import Callable
 
 import torch
 
-from lynxkv.eval import metrics
-from lynxkv.eval.baselines import bits_kv, roundtrip_kv
+from lynxkv.errors import InputError
+from lynxkv.eval import metrics, windows
+from lynxkv.eval.baselines import bits_kv, roundtrip_cache
 from lynxkv.eval.draft import Reference, build_reference, forward_logits, window_inputs
 from lynxkv.cache.kv import KVPairs
 
 Tick = Callable[[], None]
-
-
-def roundtrip_cache(codec, kv: KVPairs) -> KVPairs:
-    return [(roundtrip_kv(codec, k, "key"), roundtrip_kv(codec, v, "value")) for k, v in kv]
+__all__ = ["draft_scores", "kv_scores", "roundtrip_cache", "score_kv", "score_prompt", "summarize"]
 
 
 def kv_scores(codec, kv: KVPairs, approx: KVPairs) -> dict:
@@ -49,24 +48,25 @@ def exact_attention(ref: Reference) -> list:
     return [metrics.attention(q, k, v, ref.scaling) for q, (k, v) in zip(ref.queries, ref.prefix_kv)]
 
 
-def draft_scores(model, ref: Reference, approx: KVPairs, exact_attn: list | None = None) -> dict:
-    """Attention error with the real queries, teacher-forced draft quality and the perplexity change
-    on the prompt's continuation."""
+def draft_scores(model, ref: Reference, approx: KVPairs, exact_attn: list | None = None,
+                 logits: torch.Tensor | None = None) -> dict:
+    """Attention error with the real queries, teacher-forced draft quality (``logits`` ``[W, V]``: the forward of
+    the window on ``approx``, computed here when not given) and, where ``ref`` has a continuation, the perplexity
+    change on it."""
     exact_attn = exact_attn if exact_attn is not None else exact_attention(ref)
     rel, akl = [], []
     for q, exact, (kh, vh) in zip(ref.queries, exact_attn, approx):
         r, a = metrics.attention_error_vs(exact, q, kh, vh, ref.scaling)
         rel.append(r)
         akl.append(a)
-    logits = forward_logits(model, approx, window_inputs(ref.last_token, ref.tokens))  # [W, V]
-    predicted = logits.argmax(-1)
+    if logits is None:
+        logits = forward_logits(model, approx, window_inputs(ref.last_token, ref.tokens))  # [W, V]
     kl = metrics.next_token_kl(ref.exact_logits, logits)
     out = {
         "attn_err": _mean(rel),
         "attn_kl": _mean(akl),
-        "agree": metrics.agreement(ref.tokens, predicted),
+        "agree": metrics.agreement(ref.tokens, logits.argmax(-1)),
         "kl": float(kl.mean()),
-        "prefix": metrics.accepted_prefix(ref.tokens, predicted),
     }
     if ref.continuation is not None:
         held = forward_logits(model, approx, window_inputs(ref.last_token, ref.continuation))
@@ -76,18 +76,40 @@ def draft_scores(model, ref: Reference, approx: KVPairs, exact_attn: list | None
     return out
 
 
-def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuation, tick: Tick | None = None) -> dict:
+WINDOW_MEANS = ("attn_err", "attn_kl", "agree", "kl")  # averaged over a prompt's windows
+
+
+def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuation, tick: Tick | None = None, *,
+                 windows_per_prompt: int = 1, tie_margin: float = windows.TIE_MARGIN) -> dict:
     """Scores of every codec on one prompt ``ids`` ``[T]`` (``continuation``: the text's next tokens ``[N]`` for
-    the perplexity change, or None): ``{codec name: {metric: value}}``."""
-    ref = build_reference(model, ids, window, continuation)
-    exact_attn = exact_attention(ref)
-    scores = {}
-    for codec in codecs:
-        approx = roundtrip_cache(codec, ref.prefix_kv)
-        scores[codec.name] = {**kv_scores(codec, ref.prefix_kv, approx), **draft_scores(model, ref, approx, exact_attn)}
-        if tick:
-            tick()
-    return scores
+    the perplexity change, or None) over ``windows_per_prompt`` consecutive windows of the exact greedy
+    continuation: ``{codec name: {metric: value}}``, the draft metrics averaged over the windows, the prefixes
+    listed per window (:func:`lynxkv.eval.windows.collect`). ``tick`` is called once per codec and window."""
+    from lynxkv.hf.models import check_context
+
+    if windows_per_prompt < 1:
+        raise InputError(f"--windows: expected >= 1, got {windows_per_prompt}")
+    check_context(model.config, int(ids.numel()), windows_per_prompt * window)
+    first: dict[str, dict] = {}
+    rows: dict[str, list[dict]] = {c.name: [] for c in codecs}
+    history = ids
+    for i in range(windows_per_prompt):
+        ref = build_reference(model, history, window, continuation if i == 0 else None)
+        exact_attn, full_codes = exact_attention(ref), windows.FullCodes(model, ref)
+        for codec in codecs:
+            approx = roundtrip_cache(codec, ref.prefix_kv)
+            logits = forward_logits(model, approx, window_inputs(ref.last_token, ref.tokens))  # [W, V]
+            row = draft_scores(model, ref, approx, exact_attn, logits)
+            row.update(windows.window_prefixes(model, ref, codec, approx, logits, full_codes, tie_margin))
+            if i == 0:
+                first[codec.name] = {**kv_scores(codec, ref.prefix_kv, approx),
+                                     **{k: v for k, v in row.items() if k.startswith("ppl_")}}
+            rows[codec.name].append(row)
+            if tick:
+                tick()
+        history = torch.cat([history, ref.tokens])
+    return {name: {**first[name], **{k: _mean([r[k] for r in rs]) for k in WINDOW_MEANS}, **windows.collect(rs)}
+            for name, rs in rows.items()}
 
 
 def score_kv(kv: KVPairs, codecs: list, tick: Tick | None = None) -> dict:
@@ -108,7 +130,8 @@ SPREAD = ("agree", "kl", "ppl_delta")  # reported as mean ± s.e.m. over prompts
 
 
 def summarize(per_prompt: list[dict], codecs: list, window: int) -> dict:
-    """Average per-prompt scores per codec; keep the prefix list, its spread and the survival curve."""
+    """Average per-prompt scores per codec; pool the prefixes of every window
+    (:func:`lynxkv.eval.windows.summarize_prefixes`)."""
     result = {}
     for codec in codecs:
         rows = [p[codec.name] for p in per_prompt if codec.name in p]
@@ -125,15 +148,7 @@ def summarize(per_prompt: list[dict], codecs: list, window: int) -> dict:
         for key in ("k_vnmse_layers", "v_vnmse_layers"):
             if rows and key in rows[0]:
                 s[key] = [_mean(list(col)) for col in zip(*(r[key] for r in rows))]
-        prefixes = [r["prefix"] for r in rows if "prefix" in r]
-        if prefixes:
-            mean, std = metrics.mean_std([float(p) for p in prefixes])
-            s["prefix_mean"], s["prefix_std"] = mean, std
-            s["prefix_sem"] = std / math.sqrt(len(prefixes))
-            s["prefixes"] = prefixes
-            s["prefix_curve"] = metrics.survival_curve(prefixes, window)
-            s["exact_match"] = metrics.exact_match_rate(prefixes, window)
-            s["exact_match_16"] = metrics.exact_match_rate(prefixes, min(16, window))
+        s.update(windows.summarize_prefixes([r for r in rows if "prefixes" in r], window))
         result[codec.name] = s
     return result
 

@@ -101,6 +101,13 @@ def accepted_prefix(reference: torch.Tensor, predicted: torch.Tensor) -> int:
     return int(miss[0, 0]) if miss.numel() else int(reference.numel())
 
 
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Per position, the gap between the largest and the second largest logit: ``[W, V]`` → ``[W]``. A small gap
+    is a near-tie, which any perturbation of the cache may flip."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 def agreement(reference: torch.Tensor, predicted: torch.Tensor) -> float:
     """Top-1 agreement: the fraction of positions where ``predicted == reference``."""
     return float((reference == predicted).double().mean()) if reference.numel() else 1.0

@@ -15,6 +15,9 @@ COLUMNS = [  # (key, header, format)
     ("agree", "agree", "{:.3f}"),
     ("kl", "KL", "{:.2e}"),
     ("prefix", "prefix/W", None),
+    ("prefix_untied", "untied", None),
+    ("prefix_ties", "ties", None),
+    ("prefix_full", "vs full", None),
     ("ppl_delta", "ΔPPL", "{:+.2%}"),
 ]
 
@@ -33,11 +36,19 @@ def blocks(result: dict):
             yield corpus, block
 
 
+#: The prefix columns: mean ± s.e.m. over windows against the exact cache, the same over the windows that did not
+#: end on a near-tie, how many did (of all windows), and a lynx anchor's against its own full code.
+PREFIX_CELLS = ("prefix", "prefix_untied", "prefix_full")
+
+
 def _cell(summary: dict, key: str, fmt: str | None) -> str:
-    if key == "prefix":
-        if "prefix_mean" not in summary:
+    if key in PREFIX_CELLS:
+        mean, sem = summary.get(f"{key}_mean"), summary.get(f"{key}_sem")
+        if mean is None or math.isnan(mean):
             return "-"
-        return f"{summary['prefix_mean']:.1f} ± {summary['prefix_sem']:.1f}"
+        return f"{mean:.1f} ± {sem:.1f}" if not math.isnan(sem) else f"{mean:.1f}"
+    if key == "prefix_ties":
+        return f"{summary['prefix_ties']}/{summary['windows']}" if "prefix_ties" in summary else "-"
     value = summary.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -47,8 +58,9 @@ def _cell(summary: dict, key: str, fmt: str | None) -> str:
 
 
 def _visible(result: dict) -> list[tuple[str, str, str | None]]:
-    any_summary = next(iter(result["corpora"][0]["lengths"][0]["codecs"].values()), {})
-    return [c for c in COLUMNS if c[0] in any_summary or (c[0] == "prefix" and "prefix_mean" in any_summary)]
+    """The columns some codec of some table has a value for."""
+    keys = {k for _, block in blocks(result) for summary in block["codecs"].values() for k in summary}
+    return [c for c in COLUMNS if c[0] in keys or f"{c[0]}_mean" in keys]
 
 
 def _title(result: dict, corpus: dict, block: dict) -> str:
@@ -56,10 +68,12 @@ def _title(result: dict, corpus: dict, block: dict) -> str:
     if result["kind"] == "kv":
         return f"{corpus['name']}: {sizes[0]} tokens (KV-only)"
     skipped = block.get("skipped_overlapping")
+    windows_note = f", {result['windows']} windows per prompt" if result.get("windows", 1) > 1 else ""
     note = f", {skipped} piece(s) skipped as overlapping" if skipped else ""
     return (
         f"{ROLE_LABELS[corpus['role']]}: {corpus['name']}; {result['model']}, ~{block['tokens']} tokens, "
         f"{len(sizes)} prompt(s) of {min(sizes)}-{max(sizes)} tokens{note}, window W={result['window']}"
+        f"{windows_note}"
     )
 
 

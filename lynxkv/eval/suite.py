@@ -2,16 +2,16 @@
 
 The result is one JSON-ready dict:
 
-    {"kind": "model" | "kv", "model": ..., "window": W, "ppl_tokens": N,
+    {"kind": "model" | "kv", "model": ..., "window": W, "windows": per prompt, "tie_margin": m, "ppl_tokens": N,
      "corpora": [{"role": "heldout" | "choosing" | "kv", "name": ..., "lengths": [
                    {"tokens": 1000, "prompt_tokens": [...], "skipped_overlapping": 0, "codecs": {name: summary}},
                    ...]}, ...],
      "seconds": wall time, "cpu_seconds": process CPU time}
 
-Summaries hold means over prompts and their standard errors (see :func:`lynxkv.eval.harness.summarize`); the
-vNMSE figures are the per-layer global ratio averaged over layers (``k_vnmse``) and the per-vector mean
-(``k_vnmse_pv``). Corpora come in the order given; ``lynxkv eval`` puts the held-out one first, the one to
-report.
+Summaries hold means over prompts and their standard errors, the accepted prefix pooled over every window (see
+:func:`lynxkv.eval.harness.summarize`); the vNMSE figures are the per-layer global ratio averaged over layers
+(``k_vnmse``) and the per-vector mean (``k_vnmse_pv``). Corpora come in the order given; ``lynxkv eval`` puts
+the held-out one first, the one to report.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 
 from lynxkv.eval import harness
 from lynxkv.eval.cases import Corpus, choosing_runs, corpus_cases, load_kv_dump
+from lynxkv.eval.windows import TIE_MARGIN
 
 
 def evaluate_model(
@@ -31,22 +32,28 @@ def evaluate_model(
     prompts: int = 4,
     window: int = 64,
     ppl_tokens: int = 64,
+    windows: int = 1,
+    tie_margin: float = TIE_MARGIN,
     progress=None,
 ) -> dict:
     """Score ``codecs`` on ``prompts`` prompts of each corpus in ``corpora`` for each length in ``lengths``
-    (tokens). Held-out text is cut so that it shares no run of tokens with the choosing corpus
+    (tokens), ``windows`` windows of ``window`` tokens per prompt (:mod:`lynxkv.eval.windows`; ``tie_margin``:
+    the near-tie threshold). Held-out text is cut so that it shares no run of tokens with the choosing corpus
     (:func:`lynxkv.eval.cases.text_cases`), whether or not the choosing corpus is among ``corpora``."""
     t0, c0 = time.perf_counter(), time.process_time()
     avoid = choosing_runs(loaded.tokenizer) if any(c.text is not None for c in corpora) else None
-    result = {"kind": "model", "model": loaded.name, "window": window, "ppl_tokens": ppl_tokens, "corpora": []}
+    result = {"kind": "model", "model": loaded.name, "window": window, "windows": windows, "tie_margin": tie_margin,
+              "ppl_tokens": ppl_tokens, "corpora": []}
     for corpus in corpora:
         blocks = []
         for tokens in lengths:
             cases, skipped = corpus_cases(corpus, loaded.tokenizer, tokens, prompts, ppl_tokens, avoid)
-            task = progress.add_task(f"{corpus.role}, {tokens} tokens", total=len(cases) * len(codecs)) \
+            task = progress.add_task(f"{corpus.role}, {tokens} tokens", total=len(cases) * len(codecs) * windows) \
                 if progress else None
             tick = (lambda: progress.advance(task)) if progress else None
-            per_prompt = [harness.score_prompt(loaded.model, ids, codecs, window, cont, tick) for ids, cont in cases]
+            per_prompt = [harness.score_prompt(loaded.model, ids, codecs, window, cont, tick,
+                                               windows_per_prompt=windows, tie_margin=tie_margin)
+                          for ids, cont in cases]
             blocks.append({
                 "tokens": tokens, "prompt_tokens": [int(ids.numel()) for ids, _ in cases],
                 "skipped_overlapping": skipped, "codecs": harness.summarize(per_prompt, codecs, window),
