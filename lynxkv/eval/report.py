@@ -44,9 +44,7 @@ PREFIX_CELLS = ("prefix", "prefix_untied", "prefix_full")
 def _cell(summary: dict, key: str, fmt: str | None) -> str:
     if key in PREFIX_CELLS:
         mean, sem = summary.get(f"{key}_mean"), summary.get(f"{key}_sem")
-        if mean is None or math.isnan(mean):
-            return "-"
-        return f"{mean:.1f} ± {sem:.1f}" if not math.isnan(sem) else f"{mean:.1f}"
+        return "-" if mean is None else f"{mean:.1f} ± {sem:.1f}"
     if key == "prefix_ties":
         return f"{summary['prefix_ties']}/{summary['windows']}" if "prefix_ties" in summary else "-"
     value = summary.get(key)

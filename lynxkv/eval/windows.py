@@ -106,7 +106,7 @@ def summarize_prefixes(rows: list[dict], window: int) -> dict:
     """Pool the windows of the prompts ``rows`` (each :func:`collect`'s dict): for the prefix against the exact
     cache ``prefix_mean``, ``prefix_std``, ``prefix_sem`` (over windows), ``prefixes``, ``prefix_curve``,
     ``exact_match`` and ``exact_match_16``, ``windows``, ``prefix_ties`` (windows that ended on a near-tie) and
-    ``prefix_untied_mean`` / ``_sem`` over the others; for anchors the same against the full code
+    ``prefix_untied_mean`` / ``_sem`` over the others (None where there are none); for anchors the same against the full code
     (``prefix_full_mean`` ... ``prefix_full_untied_sem``)."""
     out: dict = {}
     prefixes = [p for r in rows for p in r["prefixes"]]
@@ -127,10 +127,10 @@ def summarize_prefixes(rows: list[dict], window: int) -> dict:
 def _pooled(key: str, prefixes: list[int], ties: list[bool]) -> dict:
     mean, std = metrics.mean_std([float(p) for p in prefixes])
     untied = [float(p) for p, t in zip(prefixes, ties) if not t]
-    untied_mean, untied_std = metrics.mean_std(untied)
+    untied_mean, untied_std = metrics.mean_std(untied) if untied else (None, None)  # None: every window tied
     return {
         f"{key}_mean": mean, f"{key}_std": std, f"{key}_sem": std / math.sqrt(len(prefixes)),
         f"{key}_ties": sum(ties), "windows": len(prefixes),
         f"{key}_untied_mean": untied_mean,
-        f"{key}_untied_sem": untied_std / math.sqrt(len(untied)) if untied else math.nan,
+        f"{key}_untied_sem": untied_std / math.sqrt(len(untied)) if untied else None,
     }  # fmt: skip
