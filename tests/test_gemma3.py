@@ -25,7 +25,8 @@ def test_assembled_once_into_the_user_cache_and_rebuilt_when_altered(tmp_path, m
     folder, name = gguf_location(SHORT)
     path = os.path.join(folder, name)
     assert folder.startswith(str(tmp_path / "cache")) and sha256_of(path) == package.EXPECTED_SHA256
-    assert os.stat(folder).st_mode & 0o077 == 0  # a directory lynxkv creates there is the user's alone
+    for d in (folder, str(tmp_path / "cache")):  # every directory lynxkv creates there is the user's alone
+        assert os.stat(d).st_mode & 0o077 == 0
     first = os.stat(path)
     assert os.path.join(*gguf_location(SHORT)) == path and os.stat(path).st_ino == first.st_ino  # reused as is
     with open(path, "r+b") as f:  # a truncated copy (a disk that filled up, a crash outside lynxkv)
@@ -33,6 +34,16 @@ def test_assembled_once_into_the_user_cache_and_rebuilt_when_altered(tmp_path, m
     assert os.path.join(*gguf_location(SHORT)) == path
     assert os.stat(path).st_size == first.st_size and sha256_of(path) == package.EXPECTED_SHA256
     assert sorted(os.listdir(folder)) == [name]  # no temporary file left beside it
+
+
+def test_a_cache_directory_that_cannot_be_made_is_one_clear_error(tmp_path, monkeypatch):
+    from lynxkv.errors import InputError
+    from lynxkv.hf.offline import gguf_location
+
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "file" / "cache"))
+    with pytest.raises(InputError, match=CACHE_ENV):
+        gguf_location(SHORT)
 
 
 def test_missing_package_is_one_error_naming_the_packages(tmp_path):

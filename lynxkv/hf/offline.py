@@ -75,5 +75,5 @@ def gemma3_gguf() -> tuple[str, str]:
         except ValueError as exc:  # the package's own SHA-256 check of the chunks it ships
             raise InputError(f"cannot assemble {GEMMA3_270M}: {exc}; reinstall {_GEMMA3_PACKAGES[0]}") from None
 
-    path = cached_file(os.path.join("models", package.MODEL_NAME), package.EXPECTED_SHA256, build)
+    path = cached_file(f"models/{package.MODEL_NAME}", package.EXPECTED_SHA256, build)
     return os.path.dirname(path), os.path.basename(path)

@@ -7,6 +7,7 @@ creates there are private to the user (mode 0700). Nothing in it is needed: remo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -38,16 +39,21 @@ def sha256_of(path: str) -> str:
 
 
 def cached_file(relative: str, sha256: str, build: Callable[[str], None]) -> str:
-    """The path of ``relative`` under :func:`user_cache_dir`, a file whose SHA-256 is ``sha256``. If it is missing
+    """The path of ``relative`` (``/``-separated) under :func:`user_cache_dir`, a file whose SHA-256 is ``sha256``. If it is missing
     or its contents differ (a truncated or altered copy), ``build(temp_path)`` writes it to a temporary file beside
     it, which is checked and then renamed into place: a reader never sees a partial file, and two processes that
     build at once each publish a whole one. ``build`` may raise; nothing is left behind then."""
-    final = os.path.join(user_cache_dir(), relative)
+    root = user_cache_dir()
+    final = os.path.join(root, relative)
     if os.path.isfile(final) and sha256_of(final) == sha256:
         return final
     folder = os.path.dirname(final)
+    parts = [p for p in os.path.dirname(relative).split("/") if p]
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(root), exist_ok=True)  # ~/.cache: the system's default mode
+        for level in [os.path.join(root, *parts[:i]) for i in range(len(parts) + 1)]:  # root, then down
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(level, 0o700)  # one level at a time: makedirs gives its mode to the last level only
     except OSError as exc:
         raise InputError(f"cannot create the cache directory {folder} ({exc.strerror or exc}); set "
                          f"${CACHE_ENV} to a writable directory") from None
