@@ -21,7 +21,6 @@ from lynxkv.eval.draft import Reference, build_reference, forward_logits, window
 from lynxkv.cache.kv import KVPairs
 
 Tick = Callable[[], None]
-__all__ = ["draft_scores", "kv_scores", "roundtrip_cache", "score_kv", "score_prompt", "summarize"]
 
 
 def kv_scores(codec, kv: KVPairs, approx: KVPairs) -> dict:
