@@ -26,31 +26,41 @@ def ids():
     return torch.randint(0, 64, (48,))
 
 
+@pytest.fixture(scope="module")
+def text():
+    """The text after the prompt, along which the windows start."""
+    torch.manual_seed(6)
+    return torch.randint(0, 64, (3 * W,))
+
+
 def _codecs(*names):
     return [registry()[n] for n in names]
 
 
-def test_windows_are_consecutive_blocks_of_the_exact_greedy_continuation(model, ids):
-    """Window i scores exactly what one window scores on the prompt extended by the exact cache's greedy tokens
-    of the windows before it."""
+def test_window_i_starts_after_the_prompt_and_i_windows_of_its_text(model, ids, text):
+    """Window i scores exactly what one window scores on the prompt extended by the text's first i·W tokens; the
+    perplexity change comes from the prompt alone, on the text's first ppl_tokens."""
     codecs = _codecs("fp32", "int4-tensor", "kivi2")
-    three = harness.score_prompt(model, ids, codecs, W, None, windows_per_prompt=3)
-    kv, _ = draft.prefill(model, ids[:-1])
-    greedy = draft.greedy(model, kv, int(ids[-1]), 2 * W)
+    three = harness.score_prompt(model, ids, codecs, W, text, windows_per_prompt=3, ppl_tokens=4)
     for i in range(3):
-        one = harness.score_prompt(model, torch.cat([ids, greedy[: i * W]]), codecs, W, None)
+        one = harness.score_prompt(model, torch.cat([ids, text[: i * W]]), codecs, W, None)
         for c in codecs:
             assert three[c.name]["prefixes"][i] == one[c.name]["prefixes"][0]
             assert three[c.name]["prefix_ties"][i] == one[c.name]["prefix_ties"][0]
+    alone = harness.score_prompt(model, ids, codecs, W, text[:4])
+    for key in ("ppl_delta", "k_vnmse"):
+        assert three["kivi2"][key] == alone["kivi2"][key]
     assert three["fp32"]["prefixes"] == [W] * 3 and three["fp32"]["prefix_ties"] == [False] * 3
     assert three["kivi2"]["prefix"] == pytest.approx(sum(three["kivi2"]["prefixes"]) / 3)
     assert any(p < W for p in three["kivi2"]["prefixes"])  # a coarse code breaks windows: the test can tell
+    short = harness.score_prompt(model, ids, codecs, W, text[: W + 1], windows_per_prompt=3)
+    assert len(short["fp32"]["prefixes"]) == 2  # a window the text is too short for is left out
 
 
 def sharp_attention_model():
     """A tiny Llama whose attention is nearly one-hot (queries and keys scaled up), so that even the 8-bit full code
     moves an attention peak now and then: its greedy tokens part from the exact cache's."""
-    model = make_tiny_llama(2, vocab=64)
+    model = make_tiny_llama(1, vocab=64)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(30)
@@ -58,29 +68,28 @@ def sharp_attention_model():
     return model
 
 
-def test_a_lynx_anchor_is_also_measured_against_its_own_full_code(ids):
+def test_a_lynx_anchor_is_also_measured_against_its_own_full_code(ids, text):
     """The prefix against the full code equals, window by window, an anchor draft teacher-forced on greedy
     decoding of the full-code cache (decoded here one token at a time, whatever the full code's agreement)."""
     model, scheme = sharp_attention_model(), get_scheme()
     anchor, full = Lynx("x-anchor", scheme, anchor_only=True), Lynx("x", scheme)
-    scores = harness.score_prompt(model, ids, [anchor], W, None, windows_per_prompt=4)["x-anchor"]
-    history, want, parted = ids, [], False
-    for _ in range(4):
-        ref = draft.build_reference(model, history, W)
+    scores = harness.score_prompt(model, ids, [anchor], W, text, windows_per_prompt=4, ppl_tokens=0)["x-anchor"]
+    want, parted = [], False
+    for i in range(4):
+        ref = draft.build_reference(model, torch.cat([ids, text[: i * W]]), W)
         tokens = draft.greedy(model, roundtrip_cache(full, ref.prefix_kv), ref.last_token, W)
         parted |= not torch.equal(tokens, ref.tokens)
         drafted = draft.forward_logits(model, roundtrip_cache(anchor, ref.prefix_kv),
                                        draft.window_inputs(ref.last_token, tokens)).argmax(-1)
         want.append(metrics.accepted_prefix(tokens, drafted))
-        history = torch.cat([history, ref.tokens])
     assert scores["prefixes_full"] == want and len(scores["prefix_full_ties"]) == 4
     assert parted and scores["prefixes_full"] != scores["prefixes"]  # the two references differ on this model
     assert "prefixes_full" not in harness.score_prompt(model, ids, [full], W, None)["x"]
 
 
-def test_near_ties_are_counted_apart(model, ids):
+def test_near_ties_are_counted_apart(model, ids, text):
     codecs = _codecs("int4-tensor", "kivi2")
-    per = [harness.score_prompt(model, ids, codecs, W, None, windows_per_prompt=4, tie_margin=m) for m in (0, 1e9)]
+    per = [harness.score_prompt(model, ids, codecs, W, text, windows_per_prompt=4, tie_margin=m) for m in (0, 1e9)]
     for c in codecs:
         never, always = (harness.summarize([p], codecs, W)[c.name] for p in per)
         broken = [p for p in always["prefixes"] if p < W]
@@ -92,9 +101,9 @@ def test_near_ties_are_counted_apart(model, ids):
     assert torch.allclose(margin, torch.tensor([0.5, 0.0]))
 
 
-def test_summary_pools_windows_with_their_standard_error(model, ids):
+def test_summary_pools_windows_with_their_standard_error(model, ids, text):
     codecs = _codecs("kivi2")
-    prompts = [harness.score_prompt(model, ids[s:], codecs, W, None, windows_per_prompt=2) for s in (0, 9)]
+    prompts = [harness.score_prompt(model, ids[s:], codecs, W, text, windows_per_prompt=2) for s in (0, 9)]
     s = harness.summarize(prompts, codecs, W)["kivi2"]
     pooled = prompts[0]["kivi2"]["prefixes"] + prompts[1]["kivi2"]["prefixes"]
     mean, std = metrics.mean_std([float(p) for p in pooled])

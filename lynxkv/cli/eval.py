@@ -65,8 +65,8 @@ def eval_command(
     ),
     window: int = typer.Option(64, "--window", min=1, help="Teacher-forced draft window W (tokens)."),
     windows: int = typer.Option(
-        1, "--windows", min=1, help="Windows per prompt: consecutive W-token blocks of the exact greedy "
-        "continuation, pooled for the accepted prefix (mean ± s.e.m. over windows).",
+        1, "--windows", min=1, help="Windows per prompt: window i starts after the prompt and the first i·W tokens "
+        "of the text that follows it; the accepted prefix is pooled over windows (mean ± s.e.m.).",
     ),
     tie_margin: float = typer.Option(
         None, "--tie-margin", help="A window whose first disagreement falls where the exact top-2 logit margin is "

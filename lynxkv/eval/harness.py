@@ -79,21 +79,26 @@ WINDOW_MEANS = ("attn_err", "attn_kl", "agree", "kl")  # averaged over a prompt'
 
 
 def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuation, tick: Tick | None = None, *,
-                 windows_per_prompt: int = 1, tie_margin: float = windows.TIE_MARGIN) -> dict:
-    """Scores of every codec on one prompt ``ids`` ``[T]`` (``continuation``: the text's next tokens ``[N]`` for
-    the perplexity change, or None) over ``windows_per_prompt`` consecutive windows of the exact greedy
-    continuation: ``{codec name: {metric: value}}``, the draft metrics averaged over the windows, the prefixes
-    listed per window (:func:`lynxkv.eval.windows.collect`). ``tick`` is called once per codec and window."""
+                 windows_per_prompt: int = 1, ppl_tokens: int | None = None,
+                 tie_margin: float = windows.TIE_MARGIN) -> dict:
+    """Scores of every codec on one prompt ``ids`` ``[T]`` over ``windows_per_prompt`` windows: window ``i`` starts
+    after the prompt and the first ``i·window`` tokens of ``continuation`` (the text's next tokens ``[N]``, or
+    None; windows it is too short for are left out). Its first ``ppl_tokens`` tokens (None: all) score the
+    perplexity change. Returns ``{codec name: {metric: value}}``, the draft metrics averaged over the windows, the
+    prefixes listed per window (:func:`lynxkv.eval.windows.collect`); ``tick`` is called per codec and window."""
     from lynxkv.hf.models import check_context
 
     if windows_per_prompt < 1:
         raise InputError(f"--windows: expected >= 1, got {windows_per_prompt}")
-    check_context(model.config, int(ids.numel()), windows_per_prompt * window)
+    text = continuation if continuation is not None else torch.zeros(0, dtype=torch.long)
+    count = min(windows_per_prompt, 1 + text.numel() // window)
+    held = text if ppl_tokens is None else text[:ppl_tokens]
+    check_context(model.config, int(ids.numel()), max(count * window, held.numel()))
     first: dict[str, dict] = {}
     rows: dict[str, list[dict]] = {c.name: [] for c in codecs}
-    history = ids
-    for i in range(windows_per_prompt):
-        ref = build_reference(model, history, window, continuation if i == 0 else None)
+    for i in range(count):
+        ref = build_reference(model, torch.cat([ids, text[: i * window]]), window,
+                              held if i == 0 and held.numel() else None)
         exact_attn, full_codes = exact_attention(ref), windows.FullCodes(model, ref)
         for codec in codecs:
             approx = roundtrip_cache(codec, ref.prefix_kv)
@@ -106,7 +111,6 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
             rows[codec.name].append(row)
             if tick:
                 tick()
-        history = torch.cat([history, ref.tokens])
     return {name: {**first[name], **{k: _mean([r[k] for r in rs]) for k in WINDOW_MEANS}, **windows.collect(rs)}
             for name, rs in rows.items()}
 

@@ -37,9 +37,10 @@ def evaluate_model(
     progress=None,
 ) -> dict:
     """Score ``codecs`` on ``prompts`` prompts of each corpus in ``corpora`` for each length in ``lengths``
-    (tokens), ``windows`` windows of ``window`` tokens per prompt (:mod:`lynxkv.eval.windows`; ``tie_margin``:
-    the near-tie threshold). Held-out text is cut so that it shares no run of tokens with the choosing corpus
-    (:func:`lynxkv.eval.cases.text_cases`), whether or not the choosing corpus is among ``corpora``."""
+    (tokens), ``windows`` windows of ``window`` tokens per prompt, along the text that follows it
+    (:mod:`lynxkv.eval.windows`; ``tie_margin``: the near-tie threshold). Held-out text is cut so that it shares
+    no run of tokens with the choosing corpus (:func:`lynxkv.eval.cases.text_cases`), whether or not the choosing
+    corpus is among ``corpora``."""
     t0, c0 = time.perf_counter(), time.process_time()
     avoid = choosing_runs(loaded.tokenizer) if any(c.text is not None for c in corpora) else None
     result = {"kind": "model", "model": loaded.name, "window": window, "windows": windows, "tie_margin": tie_margin,
@@ -47,12 +48,14 @@ def evaluate_model(
     for corpus in corpora:
         blocks = []
         for tokens in lengths:
-            cases, skipped = corpus_cases(corpus, loaded.tokenizer, tokens, prompts, ppl_tokens, avoid)
+            need = max(ppl_tokens, (windows - 1) * window)  # the text after a prompt: for ΔPPL and the windows
+            cases, skipped = corpus_cases(corpus, loaded.tokenizer, tokens, prompts, need, avoid)
             task = progress.add_task(f"{corpus.role}, {tokens} tokens", total=len(cases) * len(codecs) * windows) \
                 if progress else None
             tick = (lambda: progress.advance(task)) if progress else None
             per_prompt = [harness.score_prompt(loaded.model, ids, codecs, window, cont, tick,
-                                               windows_per_prompt=windows, tie_margin=tie_margin)
+                                               windows_per_prompt=windows, ppl_tokens=ppl_tokens,
+                                               tie_margin=tie_margin)
                           for ids, cont in cases]
             blocks.append({
                 "tokens": tokens, "prompt_tokens": [int(ids.numel()) for ids, _ in cases],
