@@ -25,7 +25,7 @@ def test_assembled_once_into_the_user_cache_and_rebuilt_when_altered(tmp_path, m
     folder, name = gguf_location(SHORT)
     path = os.path.join(folder, name)
     assert folder.startswith(str(tmp_path / "cache")) and sha256_of(path) == package.EXPECTED_SHA256
-    for d in (folder, str(tmp_path / "cache")):  # every directory lynxkv creates there is the user's alone
+    for d in (folder, str(tmp_path / "cache" / "lynxkv")):  # every directory lynxkv creates is the user's alone
         assert os.stat(d).st_mode & 0o077 == 0
     first = os.stat(path)
     assert os.path.join(*gguf_location(SHORT)) == path and os.stat(path).st_ino == first.st_ino  # reused as is

@@ -1,7 +1,7 @@
 """lynxkv's per-user cache directory and the files it keeps there (:func:`cached_file`): built once, atomically,
 checked against their SHA-256 each time they are used.
 
-Location: ``$LYNXKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/lynxkv``, else ``~/.cache/lynxkv``. Directories lynxkv
+Location: ``$XDG_CACHE_HOME/lynxkv``, else ``~/.cache/lynxkv`` (the XDG base directory rule). Directories lynxkv
 creates there are private to the user (mode 0700). Nothing in it is needed: removing it costs a rebuild only.
 """
 
@@ -15,16 +15,13 @@ from collections.abc import Callable
 from lynxkv.errors import InputError
 from lynxkv.storage.atomic import atomic_path
 
-CACHE_ENV = "LYNXKV_CACHE_DIR"
+CACHE_ENV = "XDG_CACHE_HOME"
 _READ_BLOCK = 1 << 20
 
 
 def user_cache_dir() -> str:
     """The per-user cache directory (see the module docstring); it may not exist yet."""
-    chosen = os.environ.get(CACHE_ENV)
-    if chosen:
-        return os.path.abspath(os.path.expanduser(chosen))
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = os.environ.get(CACHE_ENV)
     base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lynxkv")
 
