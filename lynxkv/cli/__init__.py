@@ -13,6 +13,7 @@ from lynxkv.errors import LynxError
 from lynxkv.cli import codec  # noqa: F401  (encode, decode, inspect, verify)
 from lynxkv.cli import stream  # noqa: F401  (stream, serve, tier)
 from lynxkv.cli import run  # noqa: F401  (run)
+from lynxkv.cli import prefill_serve  # noqa: F401  (prefill)
 from lynxkv.cli import eval as _eval  # noqa: F401  (eval)
 from lynxkv.cli import demo  # noqa: F401  (demo)
 

@@ -22,7 +22,8 @@ from lynxkv.format.headers import AnchorHeader, SegmentEntry, names_problem, pac
 from lynxkv.format.properties import pack_properties
 from lynxkv.format.section_headers import ExactHeader, ResidualHeader, pack_exact_header, pack_residual_header
 from lynxkv.format.exact_records import EXACT_ZSTD_LEVEL, encode_exact_layer, predict_layer
-from lynxkv.format.layout import PageEntry, pack_index
+from lynxkv.format.layout import (PageEntry, anchor_record_layout, pack_index, page_sinks, page_tokens,
+                                  residual_record_layout)
 from lynxkv.format.records import choose_codec, encode_layer_records
 from lynxkv.quant import EncodedTensor
 from lynxkv.quant.scheme import Scheme
@@ -306,6 +307,28 @@ def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: b
                          exact_kv=exact_kv, exact=exact, exact_location=exact_location, exact_coding=exact_coding)
     return BuiltFiles(tuple(anchor.parts), None if residual is None else tuple(residual.parts), header,
                       None if exact is None else tuple(exact.parts))
+
+
+def planned_framing(enc: EncodedKV, *, cache_id: bytes, residual_location: str) -> "FramedSections":
+    """The leads of the two-file cache that :func:`write_files` writes for ``enc`` without zstd, before a page is
+    encoded: every page's CRC is still 0, but the leads' lengths, every offset and length, and so the files' sizes,
+    are the final ones (codec 0 stores a record as it is, and a record's size follows from the scheme and the shape,
+    spec/FORMAT.md section 6.2), and so is the anchor header's fixed part. What a publisher needs to serve a cache
+    while it is written."""
+    fields = _header_fields(enc, cache_id, False, residual_location)
+    s, heads, dim, tokens = enc.scheme, enc.kv_heads, enc.head_dim, enc.tokens
+    pages = len(enc.layers) * enc.pages_per_layer
+    a_pos, r_pos = pages * c.PAGE_ENTRY_SIZE, c.RESIDUAL_HEADER_SIZE + pages * c.PAGE_ENTRY_SIZE
+    a_entries, r_entries = [], []
+    for _ in range(len(enc.layers)):
+        for p in range(enc.pages_per_layer):
+            n = page_tokens(tokens, s.page, p)
+            a_len = anchor_record_layout(s, heads, dim, n, page_sinks(s, tokens, p)).raw_length
+            r_len = residual_record_layout(s, heads, dim, n).raw_length
+            a_entries.append(PageEntry(a_pos, a_len, a_len, c.CODEC_NONE, 0))
+            r_entries.append(PageEntry(r_pos, r_len, r_len, c.CODEC_NONE, 0))
+            a_pos, r_pos = a_pos + a_len, r_pos + r_len
+    return frame_sections(fields, a_entries, r_entries, residual_location=residual_location)
 
 
 @dataclass(frozen=True)

@@ -269,6 +269,7 @@ class CacheServer:
         try:
             for a in range(start, end, self.quantum):
                 b = min(a + self.quantum, end)
+                await self._final(res, a, b)
                 await self._egress.grant(cls, b - a)
                 if st is not None:
                     await self._conns.room(st, request.transport)
@@ -286,6 +287,11 @@ class CacheServer:
         record["seconds"] = time.perf_counter() - t0
         self.stats.cover(res.name, start, end)
         return resp
+
+    async def _final(self, res, a: int, b: int) -> None:
+        """Return once bytes ``[a, b)`` of ``res`` may go out (a cache read from disk: at once; a cache still being
+        written, :class:`lynxkv.serve.publish.PublishServer`: once they are final). Raising a ``ConnectionError``
+        cuts the response off."""
 
 
 class _OneLineLogger:
