@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 from lynxkv.errors import FormatError, LynxError, ResidualUnavailable, TransientError
 from lynxkv.format import constants as c
-from lynxkv.format.headers import PREFIX_SIZE, AnchorHeader, anchor_header_length, parse_anchor_header
+from lynxkv.format.headers import AnchorHeader
 from lynxkv.cache.loading import LoadTimeline
 from lynxkv.storage import (
     FileSource,
@@ -35,11 +35,13 @@ from lynxkv.storage import (
     is_local,
     is_transient,
     local_path,
+    protocol_of,
     read_range,
     resolve_location,
     size_of,
 )
 from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
+from lynxkv.stream.early import read_anchor_head
 from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL, STREAMS, Link
 
 Fetch = Callable[[int, int], bytes]
@@ -337,15 +339,12 @@ class StorageTransport:
         else:
             size, fetch = size_of(self.url, self.storage_options), self._fetch_exact
         self._size = self.anchor_size = size
-        head = fetch(0, min(PREFIX_SIZE, size))
-        length = anchor_header_length(head, size)
-        if length > len(head):
-            head = fetch(0, length)
-        h = parse_anchor_header(head, size)
-        end = h.segments[0].offset + h.segments[0].length
-        if end > size:
-            raise FormatError(f"`file_length` of anchor: expected at least {end} bytes, got {size} (truncated)",
-                              field="file_length", where="anchor")
+        # Over HTTP (a publisher may still write it) pages are read while the header is awaited: lynxkv.stream.early
+        http = self._anchor_src is None and protocol_of(self.url) in ("http", "https")
+        head, h, end, ahead = read_anchor_head(fetch, size, (lambda lead: self._blocks(
+            self.url, lead, size, ANCHOR, "anchor")) if http else None)
+        if ahead is not None:
+            t.add_closer(ahead.close)
         self.anchor_size = end  # a single file's inline residual is the residual stream's
         if self._anchor_src is not None:
             t.anchor_fetched.set()  # every anchor byte is in hand: nothing for the residual to yield to
@@ -355,7 +354,8 @@ class StorageTransport:
             t.link.send(ANCHOR, len(head))
         t.received(ANCHOR, "anchor", 0, head)
         buf.feed(0, head)
-        t.pump(self._blocks(self.url, len(head), end, ANCHOR, "anchor"), buf, ANCHOR, "anchor", charge_link=False)
+        blocks = ahead if ahead is not None else self._blocks(self.url, len(head), end, ANCHOR, "anchor")
+        t.pump(blocks, buf, ANCHOR, "anchor", charge_link=False)
         return buf
 
     def open_residual(self, header: AnchorHeader) -> StreamBuffer | InPlaceBuffer:
