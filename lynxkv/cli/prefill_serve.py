@@ -35,6 +35,8 @@ def prefill(
     dscp_residual: str = typer.Option(None, "--dscp-residual", help="DSCP class of residual responses (CS1)."),
     wait_timeout: float = typer.Option(120.0, "--wait-timeout", min=0.1, help="Seconds a response waits for "
                                        "bytes not yet written before it is cut off."),
+    write_buffer: str = typer.Option("256KiB", "--write-buffer", help="Bytes queued per connection (and its "
+                                     "kernel send buffer): what a killed prefill process still delivers."),
     start_on_request: bool = typer.Option(False, "--start-on-request", help="Start the prefill when the first "
                                           "client asks for the cache (a decoder that connects first)."),
     once: bool = typer.Option(False, "--once", help="Exit after every byte of the cache has been sent once."),
@@ -54,6 +56,7 @@ def prefill(
     from lynxkv.serve.publisher import PrefillPublisher
     from lynxkv.serve.publish import PublishServer
     from lynxkv.cache import default_residual_path
+    from lynxkv.stream.units import parse_size
 
     sch = get_scheme(scheme)
     if out is not None:
@@ -70,7 +73,7 @@ def prefill(
     pub = PrefillPublisher(loaded.model, ids, sch, name=name or (out.name if out is not None else "prefill.lynx"),
                            out=out, fingerprint=loaded.fingerprint, properties=model_properties(loaded))
     server = PublishServer(pub.files, pub.cache_id.hex(), host=host, port=port, dscp_anchor=marks[0],
-                           dscp_residual=marks[1], wait_timeout=wait_timeout,
+                           dscp_residual=marks[1], wait_timeout=wait_timeout, write_buffer=parse_size(write_buffer),
                            log=lambda msg: err.print(msg, highlight=False))
     _serve(server, pub, start_on_request, once, as_json, model_label(model))
 

@@ -1,0 +1,129 @@
+"""Serving a cache while it is written (lynxkv.serve.publish, lynxkv.serve.publisher) on loopback: a reader gets
+only final bytes and waits for the rest, a failed publisher or a wait past its bound cuts the response off, a tiny
+model's prefill published while it runs reads back page for page as the saved tier copy, and the early reading of
+an anchor's pages (lynxkv.stream.early) starts where the pages start."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+from lynxkv.cache import open_cache
+from lynxkv.format import constants as c
+from lynxkv.quant.scheme import get_scheme
+from lynxkv.serve.publish import GrowingFile, PublishServer
+from lynxkv.serve.publisher import PrefillPublisher
+from lynxkv.stream.early import lead_of
+from lynxkv.stream.progressive import open_progressive
+
+pytestmark = pytest.mark.network
+
+
+def _get(server: PublishServer, path: str, first: int, last: int) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    try:
+        conn.request("GET", "/" + path, headers={"Range": f"bytes={first}-{last}"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _growing(size: int = 4096, lead: int = 128) -> GrowingFile:
+    """A file whose first ``lead`` bytes are a hole (a header to come) and whose rest is written."""
+    f = GrowingFile("anchor", "x.lynx", size)
+    assert f.reserve(lead) == 0
+    f.write(bytes(range(256)) * ((size - lead) // 256) + bytes((size - lead) % 256))
+    return f
+
+
+def test_written_bytes_are_served_at_once_and_a_hole_when_filled():
+    f = _growing()
+    with PublishServer([f], "00", port=0) as srv:
+        assert _get(srv, "x.lynx", 128, 4095) == (206, bytes(f.data[128:]))
+        header = bytes(range(128))
+        timer = threading.Timer(0.4, f.fill, args=(0, header))
+        t0 = time.perf_counter()
+        timer.start()
+        status, body = _get(srv, "x.lynx", 0, 4095)
+        waited = time.perf_counter() - t0
+        timer.join()
+    assert status == 206 and body[:128] == header and body[128:] == bytes(f.data[128:])
+    assert waited >= 0.35  # the response waited for the hole to be filled, it did not send zeros
+
+
+@pytest.mark.parametrize("how", ["fail", "timeout"])
+def test_a_failed_publisher_or_a_wait_past_its_bound_cuts_the_response_off(how):
+    f = _growing()
+    with PublishServer([f], "00", port=0, wait_timeout=0.5 if how == "timeout" else 30) as srv:
+        if how == "fail":
+            threading.Timer(0.3, f.fail, args=("the prefill died",)).start()
+        t0 = time.perf_counter()
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            _get(srv, "x.lynx", 0, 4095)  # never a short 206 or the hole's zeros
+        assert time.perf_counter() - t0 < 5
+        if how == "timeout":  # the bytes that are final are still served
+            assert _get(srv, "x.lynx", 128, 4095)[0] == 206
+        else:  # a failed file serves nothing more
+            with pytest.raises((http.client.HTTPException, ConnectionError)):
+                _get(srv, "x.lynx", 128, 4095)
+
+
+def test_a_fill_that_changes_bytes_already_served_fails_the_file():
+    f = GrowingFile("anchor", "x.lynx", 200)
+    f.provisional(0, b"A" * 100, 10)
+    assert f.reserve(100) == 0
+    f.write(bytes(100))
+    with pytest.raises(Exception, match="changed"):
+        f.fill(0, b"B" * 100)
+    assert f.error is not None and not f.final_at(10, 100)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A tiny Llama's prefill of 700 tokens published on loopback with a reader opened before the prefill ran."""
+    out = tmp_path_factory.mktemp("pub") / "c.lynx"
+    model = make_tiny_llama(4, layers=3, head_dim=32)
+    ids = torch.randint(0, 128, (700,), generator=torch.Generator().manual_seed(3))
+    pub = PrefillPublisher(model, ids, get_scheme("default"), name="c.lynx", out=str(out))
+    with PublishServer(pub.files, pub.cache_id.hex(), port=0) as srv:
+        early = _get(srv, "c.lynx", 0, c.ANCHOR_FIXED_SIZE - 1)  # the header's fixed part, before any page
+        load = open_progressive(srv.url)
+        try:
+            time.sleep(0.3)  # the reader has asked for the header before the prefill starts
+            report = pub.run()
+            anchor_kv = [(k.clone(), v.clone()) for k, v in load.wait_anchor(30)]
+            full_kv = load.residual.result(30)
+        finally:
+            load.close()
+        served = _get(srv, "c.lynx", 0, pub.anchor.size - 1)[1], _get(srv, "c.lynxr", 0, pub.residual.size - 1)[1]
+    return dict(out=out, early=early, report=report, anchor_kv=anchor_kv, full_kv=full_kv, served=served, ids=ids)
+
+
+def test_a_prefill_published_while_it_runs_reads_back_as_the_saved_cache(published):
+    out = published["out"]
+    assert published["served"] == (out.read_bytes(), out.with_suffix(".lynxr").read_bytes())
+    assert published["early"] == (206, out.read_bytes()[:c.ANCHOR_FIXED_SIZE])  # served early, and final
+    r = published["report"]
+    assert r.saved == [str(out.with_suffix(".lynxr")), str(out)]
+    with open_cache(str(out)) as cache:
+        assert cache.info.prompt_token_ids == published["ids"].tolist()
+        for got, want in ((published["anchor_kv"], cache.load_kv(anchor_only=True, dtype=torch.float32)),
+                          (published["full_kv"], cache.load_kv(dtype=torch.float32))):
+            for (gk, gv), (wk, wv) in zip(got, want):
+                assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_early_reading_starts_at_the_first_page(published):
+    data = published["out"].read_bytes()
+    with open_cache(str(published["out"])) as cache:
+        h = cache.header
+        first_page = h.segments[0].offset + c.PAGE_ENTRY_SIZE * h.layers * h.pages_per_layer
+    assert lead_of(data[:c.ANCHOR_FIXED_SIZE], len(data)) == first_page
+    assert lead_of(data[:c.ANCHOR_FIXED_SIZE], first_page - 1) is None  # claims past the file: nothing early
+    assert lead_of(b"\0" * c.ANCHOR_FIXED_SIZE, len(data)) is None
