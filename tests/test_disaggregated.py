@@ -1,0 +1,138 @@
+"""Disaggregated prefill and decode across a real shaped link (lynxkv.bench.netlab): ``lynxkv prefill`` runs a tiny
+random Llama (saved as a model directory) in the lab's server namespace and publishes the cache while it encodes
+it; ``lynxkv run http://...`` decodes from it in the client namespace, over a 2 Mbit/s link shaped per DSCP class.
+The decoder's tokens equal plain greedy decoding on the cache's full code (the copy the prefill saved to its tier);
+a prefill killed while the residual is on the wire ends the decoder with one ``lynxkv: error:`` line, or lets it
+finish flagged on the anchor with ``--allow-anchor-only``; a link cut in the middle of the residual resumes.
+Needs root and iproute2; skips with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from runner_helpers import tiny_llama_cache, word
+
+from lynxkv.bench.netlab import NetLab, can_create_lab
+from lynxkv.cache import open_cache
+from lynxkv.speculative import decode_plain
+
+pytestmark = [pytest.mark.network]
+
+NEW = 12
+PROMPT_WORDS = 1200
+
+
+@pytest.fixture(scope="module")
+def lab():
+    reason = can_create_lab()
+    if reason is not None:
+        pytest.skip(reason)
+    with NetLab(rate="2Mbit") as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model, model_dir, *_ = tiny_llama_cache(d)
+    rng = random.Random(5)
+    prompt = d / "prompt.txt"
+    prompt.write_text(" ".join(word(rng.randrange(2, 128)) for _ in range(PROMPT_WORDS)))
+    return model, model_dir, prompt
+
+
+def _prefill(lab: NetLab, tiny, out, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start ``lynxkv prefill`` in the server namespace (it prefills when the first client asks); its URL."""
+    _, model_dir, prompt = tiny
+    proc = lab.popen("server", [sys.executable, "-m", "lynxkv", "prefill", "--model", model_dir, "--prompt-file",
+                                prompt, "--host", lab.server_addr, "--port", "0", "--out", out, "--start-on-request",
+                                "--dscp-anchor", "EF", "--dscp-residual", "CS1", "--json", *extra],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    while not lines or lines[-1] != "}\n":
+        lines.append(proc.stdout.readline())
+        assert lines[-1], proc.stderr.read()
+    return proc, json.loads("".join(lines))["url"]
+
+
+def _decode(lab: NetLab, tiny, url: str, *extra: str) -> subprocess.Popen:
+    return lab.popen("client", [sys.executable, "-m", "lynxkv", "run", url, "--model", tiny[1], "--max-new-tokens",
+                                str(NEW), "--ignore-eos", "--json", "--residual-timeout", "20", *extra],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _when_residual_moves(lab: NetLab, proc: subprocess.Popen, nbytes: int = 30_000) -> None:
+    """Return once the server has sent ``nbytes`` of residual (its class counter), the decoder still running."""
+    start = lab.class_bytes("server")["residual"]
+    deadline = time.monotonic() + 60
+    while lab.class_bytes("server")["residual"] - start < nbytes:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no residual bytes within 60 s"
+        time.sleep(0.02)
+
+
+def _reference(tiny, cache_path, result: dict, *, anchor_only: bool = False) -> list[int]:
+    """Plain greedy decoding on the saved cache's full code (or its anchor), in the runner's forward shapes."""
+    with open_cache(str(cache_path)) as cache:
+        kv = cache.load_kv(anchor_only=anchor_only, dtype=torch.float32)
+        ids = cache.info.prompt_token_ids
+    s = result["stats"]
+    if anchor_only:
+        return decode_plain(tiny[0], kv, ids, NEW, stop_token_ids=())
+    return decode_plain(tiny[0], kv, ids, NEW, first_forward=s["draft_token_ids"],
+                        branch=(s["branch_at"], s["branch_token_ids"]), stop_token_ids=())
+
+
+def test_a_prefill_killed_mid_residual_ends_the_decoder_cleanly_or_flagged(lab, tiny, tmp_path):
+    out = tmp_path / "c.lynx"
+    # a small send buffer: what the process has not handed to its socket dies with it
+    prefill, url = _prefill(lab, tiny, out, "--write-buffer", "16KiB")
+    try:
+        strict = _decode(lab, tiny, url)
+        lenient = _decode(lab, tiny, url, "--allow-anchor-only")
+        _when_residual_moves(lab, strict)
+        prefill.kill()
+        prefill.communicate()
+        s_out, s_err = strict.communicate(timeout=60)
+        l_out, l_err = lenient.communicate(timeout=60)
+    finally:
+        prefill.kill()
+    assert strict.returncode != 0 and s_out == ""
+    errors = [line for line in s_err.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("lynxkv: error:"), s_err
+    assert lenient.returncode == 0, l_err
+    result = json.loads(l_out)
+    if result["verified"]:  # the residual was all in before the kill: then it is exact
+        assert result["token_ids"] == _reference(tiny, out, result)
+    else:  # flagged: the tokens are greedy decoding on the anchor, never a mix
+        assert result["token_ids"] == _reference(tiny, out, result, anchor_only=True)
+
+
+def test_decoder_reads_a_prefill_still_publishing_across_a_link_cut_and_decodes_exactly(lab, tiny, tmp_path):
+    out = tmp_path / "c.lynx"
+    before = lab.class_bytes("server")
+    prefill, url = _prefill(lab, tiny, out, "--once")
+    try:
+        decoder = _decode(lab, tiny, url)
+        _when_residual_moves(lab, decoder)
+        lab.link_down()  # mid-residual: the connections stay and retransmit once it is back
+        time.sleep(1.5)
+        lab.link_up()
+        stdout, stderr = decoder.communicate(timeout=90)
+        assert decoder.returncode == 0, stderr
+        assert prefill.wait(timeout=30) == 0  # --once: every byte went out, then it exited
+    finally:
+        lab.link_up()
+        prefill.kill()
+        prefill.communicate()
+    result = json.loads(stdout)
+    assert result["verified"] is True and len(result["token_ids"]) == NEW
+    assert result["token_ids"] == _reference(tiny, out, result)
+    sent = {k: v - before[k] for k, v in lab.class_bytes("server").items()}  # each segment in its DSCP class
+    assert sent["anchor"] >= out.stat().st_size and sent["residual"] >= out.with_suffix(".lynxr").stat().st_size
