@@ -80,12 +80,13 @@ def encode_model(model: str | None, output, scheme, *, prompt: str | None = None
                       properties=model_properties(loaded), exact=exact, exact_path=exact_path)
 
 
-def forward(model: "torch.nn.Module", input_ids: torch.Tensor, cache):
+def forward(model: "torch.nn.Module", input_ids: torch.Tensor, cache, **options):
     """``model(input_ids, cache)`` with ``use_cache``: ``cache`` grows in place. The cache argument is named
     ``cache`` from transformers 5.20 and ``past_key_values`` before (a 5.19 model ignores ``cache=`` silently and
-    would decode without the prompt). Attention runs through :func:`lynxkv.hf.attention.use_grouped_sdpa`."""
+    would decode without the prompt). Attention runs through :func:`lynxkv.hf.attention.use_grouped_sdpa`.
+    ``options`` go to the model (``logits_to_keep=1``: the last position's logits only)."""
     use_grouped_sdpa(model)
-    return model(input_ids=input_ids, use_cache=True, **{_cache_argument(type(model)): cache})
+    return model(input_ids=input_ids, use_cache=True, **{_cache_argument(type(model)): cache}, **options)
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,8 +50,9 @@ class ForwardLayers:
     ``enc.layers``): iterating waits for layer ``i`` and checks its shape and dtype against the plan."""
 
     def __init__(self, count: int, scheme: Scheme, shape: tuple[int, int, int], dtype: torch.dtype,
-                 timeout: float = LAYER_TIMEOUT):
+                 timeout: float = LAYER_TIMEOUT, on_last=None):
         self._count, self._scheme, self._shape, self._dtype = count, scheme, shape, dtype
+        self._on_last = on_last  # called when the last layer is handed over
         self._queue: queue.Queue = queue.Queue()
         self._timeout = timeout
         self.handed = 0  # layers handed over so far (the forward pass's progress)
@@ -63,6 +64,8 @@ class ForwardLayers:
         """The next layer's ``[1, H, T, D]`` (or ``[H, T, D]``) keys and values, final."""
         self._queue.put((keys[0] if keys.dim() == 4 else keys, values[0] if values.dim() == 4 else values))
         self.handed += 1
+        if self.handed == self._count and self._on_last is not None:
+            self._on_last()
 
     def abort(self, exc: BaseException) -> None:
         self._queue.put(exc)
@@ -122,6 +125,7 @@ class PublishReport:
     layers: int
     anchor_bytes: int
     residual_bytes: int
+    kv_s: float = 0.0  # the last layer's KV handed over (the prefill's cache complete)
     forward_s: float = 0.0  # the forward pass, hooks included
     anchor_s: float = 0.0  # every anchor byte final (header included)
     done_s: float = 0.0  # both files final (and the tier copy published)
@@ -146,7 +150,7 @@ class PrefillPublisher:
         if dtype not in DTYPE_NAMES:
             raise InputError(f"the model runs in {dtype}: a cache stores fp32, fp16 or bf16 KV")
         tokens = self.ids.shape[1]
-        self.layers = ForwardLayers(layers, scheme, (heads, tokens, dim), dtype)
+        self.layers = ForwardLayers(layers, scheme, (heads, tokens, dim), dtype, on_last=self._kv_complete)
         self.enc = EncodedCache(scheme, self.layers, heads, dim, tokens, DTYPE_NAMES[dtype],  # type: ignore[arg-type]
                                 self.ids[0].tolist(), fingerprint, properties=properties)
         self.cache_id = secrets.token_bytes(16) if cache_id is None else cache_id
@@ -162,6 +166,9 @@ class PrefillPublisher:
         self.report = PublishReport(tokens, layers, self.anchor.size, self.residual.size)
         self.error: BaseException | None = None
 
+    def _kv_complete(self) -> None:
+        self.report.kv_s = time.perf_counter() - self._t0
+
     @property
     def files(self) -> list[GrowingFile]:
         return [self.anchor, self.residual]
@@ -173,6 +180,7 @@ class PrefillPublisher:
     def run(self) -> PublishReport:
         """Prefill, encode and publish; return the timings (raise the pipeline's error, after failing the files)."""
         t0, r = time.perf_counter(), self.report
+        self._t0 = t0
         r.started_at = time.time()
         writer = threading.Thread(target=self._write, args=(t0,), name="lynxkv-publish", daemon=True)
         writer.start()
@@ -201,7 +209,8 @@ class PrefillPublisher:
                 hooks.append(block.register_forward_hook(
                     lambda module, args, output, i=i: self.layers.hand(cache.layers[i].keys, cache.layers[i].values)))
         try:
-            forward(self.model, self.ids.to(self.model.device), cache)
+            # the cache is all a prefill publishes: the logits of the last position only (not [T, vocab])
+            forward(self.model, self.ids.to(self.model.device), cache, logits_to_keep=1)
         finally:
             for h in hooks:
                 h.remove()
