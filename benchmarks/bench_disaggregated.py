@@ -38,7 +38,7 @@ print(json.dumps({"open": t_open, "anchor": t_anchor, "residual": t_residual}))
 
 def one_run(lab: NetLab, model: str, tokens: int) -> dict:
     cmd = [sys.executable, "-m", "lynxkv", "prefill", "--model", model, "--tokens", str(tokens), "--host",
-           lab.server_addr, "--port", "0", "--start-on-request", "--once", "--json", "--dscp-anchor", "EF",
+           lab.server_addr, "--port", "0", "--start-on-request", "--json", "--dscp-anchor", "EF",
            "--dscp-residual", "CS1"]
     proc = lab.popen("server", cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -48,12 +48,13 @@ def one_run(lab: NetLab, model: str, tokens: int) -> dict:
             if not lines[-1]:
                 raise SystemExit(proc.stderr.read())
         url = json.loads("".join(lines))["url"]
-        reader = lab.run("client", [sys.executable, "-c", READER, url], timeout=600)
-        published = json.loads(proc.stdout.read())["published"]
-        proc.wait(timeout=60)
+        reader = lab.run("client", [sys.executable, "-c", READER, url], timeout=600, check=False)
+        if reader.returncode != 0:
+            raise SystemExit(f"the reader failed: {reader.stderr}")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        proc.terminate()  # after the reader: a block it read again must still find the server (no --once)
+        rest, _ = proc.communicate(timeout=60)
+    published = json.loads(rest)["published"]
     return {"published": published, "reader": json.loads(reader.stdout)}
 
 

@@ -117,7 +117,7 @@ def test_a_prefill_killed_mid_residual_ends_the_decoder_cleanly_or_flagged(lab, 
 def test_decoder_reads_a_prefill_still_publishing_across_a_link_cut_and_decodes_exactly(lab, tiny, tmp_path):
     out = tmp_path / "c.lynx"
     before = lab.class_bytes("server")
-    prefill, url = _prefill(lab, tiny, out, "--once")
+    prefill, url = _prefill(lab, tiny, out)
     try:
         decoder = _decode(lab, tiny, url)
         _when_residual_moves(lab, decoder)
@@ -126,11 +126,11 @@ def test_decoder_reads_a_prefill_still_publishing_across_a_link_cut_and_decodes_
         lab.link_up()
         stdout, stderr = decoder.communicate(timeout=90)
         assert decoder.returncode == 0, stderr
-        assert prefill.wait(timeout=30) == 0  # --once: every byte went out, then it exited
     finally:
         lab.link_up()
-        prefill.kill()
-        prefill.communicate()
+        prefill.terminate()
+        _, p_err = prefill.communicate(timeout=30)
+    assert prefill.returncode == 0, p_err  # SIGTERM: a clean stop
     result = json.loads(stdout)
     assert result["verified"] is True and len(result["token_ids"]) == NEW
     assert result["token_ids"] == _reference(tiny, out, result)

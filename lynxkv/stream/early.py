@@ -21,6 +21,10 @@ from typing import Callable, Iterable, Iterator
 from lynxkv.errors import FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.headers import PREFIX_SIZE, anchor_header_length, parse_anchor_header
+from lynxkv.storage import RetryPolicy
+
+LEAD_WAIT = 120.0  # seconds a publisher lets a read wait for bytes (lynxkv prefill --wait-timeout's default)
+AHEAD_BLOCK = 256 << 10  # bytes per block of the pages read ahead
 
 _FIELDS = struct.Struct("<16xI4xI8xI12xI")  # header_length (16), layers (24), tokens (36), page (52)
 
@@ -112,20 +116,34 @@ class AheadBlocks:
             yield offset, data
 
 
+def early_options(retry: RetryPolicy, block_size: int, lead: bool) -> dict:
+    """How the reads of a cache that may be still being published differ from the others. The header and the page
+    index (``lead``) are written last, so their read may wait as long as the whole prefill: its stall bound is the
+    publisher's own bound on such a wait (:data:`LEAD_WAIT`), not a few seconds. The pages read ahead come in
+    smaller blocks, so that a block waiting for a layer still being computed holds up little behind it and
+    finishes well within the stall bound."""
+    if lead:
+        return {"retry": RetryPolicy(retry.attempts, retry.base, retry.cap, max(retry.stall_timeout, LEAD_WAIT))}
+    return {"block_size": min(block_size, AHEAD_BLOCK)}
+
+
 def read_anchor_head(fetch: Callable[[int, int], bytes], size: int,
-                     ahead_from: Callable[[int], Iterable[tuple[int, bytes]]] | None):
+                     reads: Callable[[int, int, bool], Iterable[tuple[int, bytes]]] | None):
     """``(head, header, end, ahead)`` of an anchor file of ``size`` bytes read with ``fetch(a, b)``: its header
     (``head`` holds it, and with ``ahead`` the page index too), parsed and checked, and where the anchor section ends.
-    With ``ahead_from(lead)`` (the blocks of bytes ``[lead, size)``), the pages are read from where they start while
-    the header is awaited: ``ahead`` delivers them from ``len(head)`` up to ``end`` (None without ``ahead_from`` or
-    when the fixed part gives no plausible start; then the caller reads from ``len(head)`` itself)."""
-    head = fetch(0, min(c.ANCHOR_FIXED_SIZE if ahead_from is not None else PREFIX_SIZE, size))
+    With ``reads(a, b, lead)`` (the blocks of bytes ``[a, b)``; ``lead``: the header and index, see
+    :func:`early_options`), the pages are read from where they start while the header is awaited: ``ahead`` delivers
+    them from ``len(head)`` up to ``end`` (None without ``reads`` or when the fixed part gives no plausible start;
+    then the caller reads from ``len(head)`` itself)."""
+    head = fetch(0, min(c.ANCHOR_FIXED_SIZE if reads is not None else PREFIX_SIZE, size))
     length = anchor_header_length(head, size)
-    lead = lead_of(head, size) if ahead_from is not None else None
-    ahead = None if lead is None else AheadBlocks(ahead_from(lead))
+    lead = lead_of(head, size) if reads is not None else None
+    ahead = None if lead is None else AheadBlocks(reads(lead, size, False))
     try:
-        if max(length, lead or 0) > len(head):
-            head = fetch(0, max(length, lead or 0))
+        if lead is not None:
+            head = b"".join(data for _, data in reads(0, lead, True))
+        elif length > len(head):
+            head = fetch(0, length)
         h = parse_anchor_header(head, size)
         end = h.segments[0].offset + h.segments[0].length
         if end > size:

@@ -41,7 +41,7 @@ from lynxkv.storage import (
     size_of,
 )
 from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
-from lynxkv.stream.early import read_anchor_head
+from lynxkv.stream.early import early_options, read_anchor_head
 from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL, STREAMS, Link
 
 Fetch = Callable[[int, int], bytes]
@@ -314,13 +314,13 @@ class StorageTransport:
         return is_local(url) and t.link is None and self.fetch_hook is None and t.tee is None
 
     def _blocks(self, url: str, start: int, end: int, stream: int, name: str, *, link: bool = True,
-                fetch: Fetch | None = None) -> RangeStream:
-        """Bytes ``[start, end)`` of ``url`` in blocks (or of ``fetch``, ``url`` then only naming the bytes)."""
+                fetch: Fetch | None = None, **options) -> RangeStream:
+        """Bytes ``[start, end)`` of ``url`` in blocks (or of ``fetch``; ``options``: another block size, retry)."""
         if self.fetch_hook is not None:
             fetch = self.fetch_hook(name, fetch or (lambda a, b: read_range(url, a, b, self.storage_options)))
         t = self.transfer
         src = RangeStream(url, start, end, stream=stream, segment=name, link=t.link if link else None, fetch=fetch,
-                          block_size=self.block_size, inflight=self.inflight, retry=self.retry,
+                          **{"block_size": self.block_size, "inflight": self.inflight, "retry": self.retry, **options},
                           storage_options=self.storage_options, on_retry=t.on_retry,
                           after={ANCHOR: None, RESIDUAL: t.anchor_fetched, EXACT: t.residual_fetched}[stream])
         t.add_closer(src.close)
@@ -339,10 +339,10 @@ class StorageTransport:
         else:
             size, fetch = size_of(self.url, self.storage_options), self._fetch_exact
         self._size = self.anchor_size = size
-        # Over HTTP (a publisher may still write it) pages are read while the header is awaited: lynxkv.stream.early
         http = self._anchor_src is None and protocol_of(self.url) in ("http", "https")
-        head, h, end, ahead = read_anchor_head(fetch, size, (lambda lead: self._blocks(
-            self.url, lead, size, ANCHOR, "anchor")) if http else None)
+        head, h, end, ahead = read_anchor_head(fetch, size, (lambda a, b, lead: self._blocks(  # see stream.early
+            self.url, a, b, ANCHOR, "anchor", link=not lead, **early_options(self.retry, self.block_size, lead)))
+            if http else None)
         if ahead is not None:
             t.add_closer(ahead.close)
         self.anchor_size = end  # a single file's inline residual is the residual stream's
