@@ -127,3 +127,31 @@ def test_early_reading_starts_at_the_first_page(published):
     assert lead_of(data[:c.ANCHOR_FIXED_SIZE], len(data)) == first_page
     assert lead_of(data[:c.ANCHOR_FIXED_SIZE], first_page - 1) is None  # claims past the file: nothing early
     assert lead_of(b"\0" * c.ANCHOR_FIXED_SIZE, len(data)) is None
+
+
+def test_a_reader_waits_for_a_header_written_last_past_its_stall_bound(tmp_path):
+    """The header and index of a cache being published come last: the reader waits for them (up to the publisher's
+    own bound), not only its stall timeout, while the pages it has read ahead wait for them."""
+    from lynxkv.cache import encode_kv
+    from lynxkv.format.writer import build_files
+    from lynxkv.storage import RetryPolicy
+
+    kv = [(torch.randn(2, 300, 32), torch.randn(2, 300, 32)) for _ in range(2)]
+    built = build_files(encode_kv(kv), residual_location="x.lynxr")
+    lead, *pages = built.anchor_parts
+    anchor, residual = GrowingFile("anchor", "x.lynx", len(built.anchor)), GrowingFile("residual", "x.lynxr",
+                                                                                      len(built.residual))
+    anchor.provisional(0, lead, c.ANCHOR_FIXED_SIZE)  # as a publisher serves it: the fixed part at once
+    anchor.reserve(len(lead))
+    for page in pages:
+        anchor.write(page)
+    residual.write(built.residual)
+    with PublishServer([anchor, residual], "00", port=0) as srv:
+        threading.Timer(2.0, anchor.fill, args=(0, lead)).start()
+        load = open_progressive(srv.url, retry=RetryPolicy(attempts=2, stall_timeout=0.5))
+        try:
+            got = load.residual.result(30)
+        finally:
+            load.close()
+    for (gk, gv), (wk, wv) in zip(got, encode_kv(kv).dequantize(dtype=torch.float32)):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
