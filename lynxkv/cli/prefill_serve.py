@@ -53,12 +53,14 @@ def prefill(
     from lynxkv.hf.prompts import builtin_prompt
     from lynxkv.quant.scheme import get_scheme
     from lynxkv.serve import parse_dscp
-    from lynxkv.serve.publisher import PrefillPublisher
+    from lynxkv.serve.publisher import PrefillPublisher, check_name
     from lynxkv.serve.publish import PublishServer
     from lynxkv.cache import default_residual_path
     from lynxkv.stream.units import parse_size
 
     sch = get_scheme(scheme)
+    if name is not None:
+        check_name(name)
     if out is not None:
         if name is not None and name != out.name:
             raise InputError(f"--name {name!r} and --out {out}: the served name is --out's file name")

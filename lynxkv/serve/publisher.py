@@ -107,6 +107,13 @@ class _Tee:
             s.fill(offset, data)
 
 
+def check_name(name: str) -> None:
+    """The anchor's URL name: a plain file name (the residual is served beside it)."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or any(ord(ch) < 32 or ord(ch) == 127
+                                                                             for ch in name):
+        raise InputError(f"--name {name!r}: expected a plain file name")
+
+
 def decoder_layers(model) -> list | None:
     """The model's decoder layers in order (``model.model.layers`` in Hugging Face causal LMs), or None."""
     want = kv_shape(model.config)[0]
@@ -143,8 +150,7 @@ class PrefillPublisher:
         self.ids = input_ids.reshape(1, -1)
         if self.ids.shape[1] == 0:
             raise InputError("the prompt is empty")
-        if not name or "/" in name or name in (".", "..") or any(ord(ch) < 32 for ch in name):
-            raise InputError(f"--name {name!r}: expected a plain file name")
+        check_name(name)
         layers, heads, dim = kv_shape(model.config)
         dtype = next(model.parameters()).dtype
         if dtype not in DTYPE_NAMES:
