@@ -77,7 +77,8 @@ def main() -> None:
             transfer = p["anchor_bytes"] * 8 / bits
             ready = rd["anchor"] - p["started_at"]
             prefill = p["kv_s"]  # the prefill's KV complete (its last layer has run)
-            row = {"tokens": p["tokens"], "prefill_s": prefill, "forward_s": p["forward_s"], "anchor_final_s": p["anchor_s"],
+            row = {"tokens": p["tokens"], "prefill_s": prefill, "forward_s": p["forward_s"],
+                   "anchor_final_s": p["anchor_s"],
                    "anchor_bytes": p["anchor_bytes"], "transfer_s": transfer, "anchor_ready_s": ready,
                    "residual_ready_s": rd["residual"] - p["started_at"],
                    "ratio_to_max": ready / max(prefill, transfer), "ratio_to_sum": ready / (prefill + transfer)}

@@ -155,3 +155,13 @@ def test_a_reader_waits_for_a_header_written_last_past_its_stall_bound(tmp_path)
             load.close()
     for (gk, gv), (wk, wv) in zip(got, encode_kv(kv).dequantize(dtype=torch.float32)):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
+def test_a_tier_that_cannot_be_written_fails_the_publish_and_its_readers(tmp_path):
+    model = make_tiny_llama(4, layers=2, head_dim=16)
+    pub = PrefillPublisher(model, torch.arange(100) % 128, get_scheme("default"), name="c.lynx",
+                           out=str(tmp_path / "gone" / "c.lynx"))
+    with pytest.raises(Exception, match="does not exist"):
+        pub.run()
+    assert pub.anchor.error and pub.residual.error  # every response waiting for their bytes is cut off
+    assert not list(tmp_path.iterdir())

@@ -75,7 +75,8 @@ class ForwardLayers:
             try:
                 item = self._queue.get(timeout=self._timeout)
             except queue.Empty:
-                raise LynxError(f"layer {i}: the forward pass did not hand it over within {self._timeout:g} s") from None
+                raise LynxError(f"layer {i}: the forward pass did not hand it over within {self._timeout:g} s"
+                                ) from None
             if isinstance(item, BaseException):
                 raise item
             for t, what in zip(item, ("keys", "values")):
@@ -225,8 +226,9 @@ class PrefillPublisher:
                 self.layers.hand(layer.keys, layer.values)
 
     def _write(self, t0: float) -> None:
-        tier = self._tier_writers()
+        tier: list[AtomicWriter] = []
         try:
+            self._tier_writers(tier)
             anchor = _Tee(self.anchor, *tier[1:])
             residual = _Tee(self.residual, *tier[:1])
             write_files(self.enc, anchor, residual, cache_id=self.cache_id, residual_location=self.residual_location)
@@ -243,10 +245,10 @@ class PrefillPublisher:
             self.error = exc if isinstance(exc, LynxError) else LynxError(f"publish: {type(exc).__name__}: {exc}")
             self.fail(str(self.error))
 
-    def _tier_writers(self) -> list[AtomicWriter]:
-        """[residual writer, anchor writer] of the tier copy, or [] without ``out``."""
-        if self.out is None:
-            return []
-        rpath = posixpath.join(os.path.dirname(self.out), self.residual_location) if os.path.dirname(self.out) \
-            else self.residual_location
-        return [AtomicWriter(rpath), AtomicWriter(self.out)]
+    def _tier_writers(self, tier: list) -> None:
+        """Add the tier copy's residual writer, then its anchor writer, to ``tier`` (nothing without ``out``)."""
+        if self.out is not None:
+            rpath = posixpath.join(os.path.dirname(self.out), self.residual_location) if os.path.dirname(self.out) \
+                else self.residual_location
+            tier.append(AtomicWriter(rpath))
+            tier.append(AtomicWriter(self.out))
