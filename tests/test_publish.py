@@ -165,3 +165,21 @@ def test_a_tier_that_cannot_be_written_fails_the_publish_and_its_readers(tmp_pat
         pub.run()
     assert pub.anchor.error and pub.residual.error  # every response waiting for their bytes is cut off
     assert not list(tmp_path.iterdir())
+
+
+def test_a_published_cache_replaces_the_one_at_out_whole(tmp_path):
+    """A second prefill to the same --out: the new residual under a fresh name (the old anchor keeps its own until
+    it is replaced), the old residual removed afterwards; the cache there is the new one, whole."""
+    model = make_tiny_llama(4, layers=2, head_dim=16)
+    out = tmp_path / "c.lynx"
+    ids = []
+    for seed in (1, 2):
+        pub = PrefillPublisher(model, torch.randint(0, 128, (90,), generator=torch.Generator().manual_seed(seed)),
+                               get_scheme("default"), name="c.lynx", out=str(out))
+        pub.run()
+        ids.append(pub.cache_id)
+    assert pub.residual.path != "c.lynxr"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.lynx", pub.residual.path])
+    with open_cache(str(out)) as cache:
+        assert cache.header.cache_id == ids[1]
+        cache.load_kv()  # the residual it records is there and its own

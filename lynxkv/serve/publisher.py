@@ -20,6 +20,7 @@ cut off (the readers see a transfer error, never a page that is not final) and n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import queue
@@ -32,6 +33,8 @@ import torch
 
 from lynxkv.cache.encoded import EncodedCache
 from lynxkv.cache.kv import DTYPE_NAMES
+from lynxkv.cache.replace import fresh_residual_name
+from lynxkv.cache.save import residual_file_of
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
 from lynxkv.format.writer import planned_framing, write_files
@@ -157,19 +160,25 @@ class PrefillPublisher:
         if dtype not in DTYPE_NAMES:
             raise InputError(f"the model runs in {dtype}: a cache stores fp32, fp16 or bf16 KV")
         tokens = self.ids.shape[1]
+        self.cache_id = secrets.token_bytes(16) if cache_id is None else cache_id
         self.layers = ForwardLayers(layers, scheme, (heads, tokens, dim), dtype, on_last=self._kv_complete)
         self.enc = EncodedCache(scheme, self.layers, heads, dim, tokens, DTYPE_NAMES[dtype],  # type: ignore[arg-type]
                                 self.ids[0].tolist(), fingerprint, properties=properties)
-        self.cache_id = secrets.token_bytes(16) if cache_id is None else cache_id
         stem = name[:-len(".lynx")] if name.endswith(".lynx") else name
+        self.out = os.fspath(out) if out is not None else None
         self.residual_location = stem + c.RESIDUAL_SUFFIX
+        self._replaced: str | None = None  # the residual of the cache --out replaces, removed once it is replaced
+        if self.out is not None and os.path.exists(self._beside_out(self.residual_location)):
+            # as save_cache does: the new residual under a fresh name, so that the anchor still there keeps its own
+            # until the new one replaces it (a reader sees the old cache or the new one, never a mix)
+            self._replaced = residual_file_of(self.out)
+            self.residual_location = fresh_residual_name(self.residual_location, self.cache_id)
         framing = planned_framing(self.enc, cache_id=self.cache_id, residual_location=self.residual_location)
         a_seg, r_seg = framing.header.segments[:2]
         self.anchor = GrowingFile("anchor", name, a_seg.offset + a_seg.length)
         self.residual = GrowingFile("residual", self.residual_location, r_seg.length)
         # The fixed part of the header depends on no page: final now, so a reader learns the layout at once.
         self.anchor.provisional(0, framing.anchor_lead, c.ANCHOR_FIXED_SIZE)
-        self.out = os.fspath(out) if out is not None else None
         self.report = PublishReport(tokens, layers, self.anchor.size, self.residual.size)
         self.error: BaseException | None = None
 
@@ -239,16 +248,20 @@ class PrefillPublisher:
             for w in tier:  # the residual first: an anchor never points at a missing residual
                 w.commit()
                 self.report.saved.append(w.url)
+            if self._replaced is not None and os.path.basename(self._replaced) != self.residual_location:
+                with contextlib.suppress(OSError):  # the replaced cache's residual, referenced no more
+                    os.remove(self._replaced)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the files, then the caller raises it
             for w in tier:
                 w.abort()
             self.error = exc if isinstance(exc, LynxError) else LynxError(f"publish: {type(exc).__name__}: {exc}")
             self.fail(str(self.error))
 
+    def _beside_out(self, name: str) -> str:
+        return posixpath.join(os.path.dirname(self.out), name) if os.path.dirname(self.out) else name
+
     def _tier_writers(self, tier: list) -> None:
         """Add the tier copy's residual writer, then its anchor writer, to ``tier`` (nothing without ``out``)."""
         if self.out is not None:
-            rpath = posixpath.join(os.path.dirname(self.out), self.residual_location) if os.path.dirname(self.out) \
-                else self.residual_location
-            tier.append(AtomicWriter(rpath))
+            tier.append(AtomicWriter(self._beside_out(self.residual_location)))
             tier.append(AtomicWriter(self.out))
