@@ -183,3 +183,22 @@ def test_a_published_cache_replaces_the_one_at_out_whole(tmp_path):
     with open_cache(str(out)) as cache:
         assert cache.header.cache_id == ids[1]
         cache.load_kv()  # the residual it records is there and its own
+
+
+@pytest.mark.parametrize("preset", ["default", "linear", "paper"])
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_the_planned_layout_is_the_written_one(preset, tokens):
+    """What a publisher serves before any page exists (sizes, offsets, the header's fixed part) is what the writer
+    then writes, for every preset and page remainder."""
+    from lynxkv.cache import encode_kv
+    from lynxkv.format.writer import build_files, planned_framing
+
+    kv = [(torch.randn(2, tokens, 32), torch.randn(2, tokens, 32)) for _ in range(3)]
+    enc = encode_kv(kv, get_scheme(preset), prompt_token_ids=list(range(tokens)))
+    cid = bytes(range(16))
+    plan = planned_framing(enc, cache_id=cid, residual_location="x.lynxr")
+    built = build_files(enc, cache_id=cid, residual_location="x.lynxr")
+    a_seg, r_seg = plan.header.segments[:2]
+    assert (a_seg.offset + a_seg.length, r_seg.length) == (len(built.anchor), len(built.residual))
+    assert len(plan.anchor_lead) == len(built.anchor_parts[0])
+    assert plan.anchor_lead[:c.ANCHOR_FIXED_SIZE] == built.anchor[:c.ANCHOR_FIXED_SIZE]
