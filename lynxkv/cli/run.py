@@ -232,34 +232,21 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
              as_json: bool) -> dict:
     """One cache: check it names this model, load the model, time a step, decode, report."""
     from lynxkv.bench.compare import compare_run
+    from lynxkv.bench.emulated_link import link_at
     from lynxkv.bench.timeline import compare_timelines, run_timeline
-    from lynxkv.cache import open_cache
     from lynxkv.cli.console import model_label, progress_step
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import check_context, load_model, model_for_cache, model_id
+    from lynxkv.hf.models import check_context, load_model
     from lynxkv.integrations.lmcache import source as lmcache_source
-    from lynxkv.speculative import RunResult, stream
+    from lynxkv.speculative import stream
     from lynxkv.stream.exact_load import ExactLoad
-    from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream.progressive import open_progressive
-    from lynxkv.stream.units import format_rate
 
     store = lmcache_source.parse_address(cache) if lmcache_source.is_lmcache_source(cache) else None
     if exact and (store is not None or compare or allow_anchor_only):
         raise InputError("--exact needs a .lynx cache with an exact segment and excludes --compare and "
                          "--allow-anchor-only")
-    if store is not None:  # an LMCache store knows its model by name: the one its keys were made for
-        if prompt is not None:
-            raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
-        # (its model is the one the user named in the address)
-        model = model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model or store.model)
-        cached = 0  # (its tokens= are the prompt: the ones after the stored prefix come as new text)
-    else:
-        with open_cache(cache, residual=residual, allow_locations=allow) as c:
-            model = model_for_cache(c.info.properties, model)  # the recorded model, checked before any weights load
-            cached = len(c.info.prompt_token_ids or [])
-            if exact and not c.info.has_exact:
-                raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
+    model, cached = _model_of(cache, store, model, prompt=prompt, residual=residual, allow=allow, exact=exact)
     with progress_step(f"loading model {model_label(model)} ({dtype})"):
         loaded = load_model(model, dtype=torch_dtype)
         new_tokens = len(loaded.tokenizer.encode(prompt)) if prompt else 0
@@ -294,21 +281,10 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
             cached = len(load.prompt_token_ids or [])
         check_context(loaded.model.config, cached + len(new or []), max_new_tokens)
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
-        tokens: list[int] = []
-        stats = None
-        for ev in stream(loaded.model, load, cfg, new_token_ids=new, timing=timing,
-                            provisional=printer is not None and printer.live is not None,
-                            fingerprint=fingerprint, started_at=started):
-            if printer is not None:
-                printer.event(ev)
-            if ev.kind == "commit":
-                tokens.extend(ev.tokens)
-            elif ev.kind == "done":
-                stats = ev.stats
-        if printer is not None:
-            printer.close()
-            printer = None
-        result = RunResult(tokens, stats)
+        events = stream(loaded.model, load, cfg, new_token_ids=new, timing=timing, fingerprint=fingerprint,
+                        provisional=printer is not None and printer.live is not None, started_at=started)
+        result = _collect(events, printer)
+        printer, tokens, stats = None, result.token_ids, result.stats
         report: dict = {
             "prompt_token_ids": [int(t) for t in load.prompt_token_ids or []] + (new or []),
             "token_ids": tokens,
@@ -330,18 +306,60 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
             printer.close()
         load.close()
 
-    if as_json:  # the results first: a --timeline that cannot be written loses none of them
-        print_json(report)
-    else:
-        out.print(stats_table(stats, gain_label, gain))
-        if compare:
-            link = report["compare"]["link"]
-            link_text = f"link {format_rate(link['bandwidth_bytes_per_s'])}"
-            out.print(compare_table(report["compare"], link_text))
-            print_judge(report["compare"]["judge"])
-    if timeline is not None:
+    _print_report(report, stats, gain_label, gain, as_json)  # the results first: a --timeline that cannot be
+    if timeline is not None:  # written loses none of them
         write_timeline(timeline, report["timelines"], cache)
     return report
+
+
+def _model_of(cache: str, store, model, *, prompt, residual, allow, exact: bool) -> tuple:
+    """(the model to load, the cached prompt's length) for ``cache``: the one it records, checked against the one
+    the user named before any weights load (an LMCache store: the one its address names)."""
+    from lynxkv.cache import open_cache
+    from lynxkv.hf.models import model_for_cache, model_id
+    from lynxkv.integrations.lmcache import source as lmcache_source
+
+    if store is not None:  # an LMCache store knows its model by name: the one its keys were made for
+        if prompt is not None:
+            raise InputError("an lmcache:// source continues its tokens=; put the whole prompt's ids there")
+        # (its tokens= are the prompt: the ones after the stored prefix come as new text)
+        return model_for_cache({lmcache_source.MODEL_PROPERTY: model_id(store.model)}, model or store.model), 0
+    with open_cache(cache, residual=residual, allow_locations=allow) as c:
+        model = model_for_cache(c.info.properties, model)
+        if exact and not c.info.has_exact:
+            raise InputError(f"{cache}: this cache has no exact segment (encode it with --exact)")
+        return model, len(c.info.prompt_token_ids or [])
+
+
+def _collect(events, printer):
+    """The run's committed tokens and stats from its events, shown by ``printer`` (if any) as they come."""
+    from lynxkv.speculative import RunResult
+
+    tokens: list[int] = []
+    stats = None
+    for ev in events:
+        if printer is not None:
+            printer.event(ev)
+        if ev.kind == "commit":
+            tokens.extend(ev.tokens)
+        elif ev.kind == "done":
+            stats = ev.stats
+    if printer is not None:
+        printer.close()
+    return RunResult(tokens, stats)
+
+
+def _print_report(report: dict, stats, gain_label: str, gain, as_json: bool) -> None:
+    from lynxkv.stream.units import format_rate
+
+    if as_json:
+        print_json(report)
+        return
+    out.print(stats_table(stats, gain_label, gain))
+    if "compare" in report:
+        link_text = f"link {format_rate(report['compare']['link']['bandwidth_bytes_per_s'])}"
+        out.print(compare_table(report["compare"], link_text))
+        print_judge(report["compare"]["judge"])
 
 
 def _prompt_text(prompt: str | None) -> str | None:
