@@ -94,8 +94,17 @@ def test_a_prefill_killed_mid_residual_ends_the_decoder_cleanly_or_flagged(lab, 
     # a small send buffer: what the process has not handed to its socket dies with it
     prefill, url = _prefill(lab, tiny, out, "--write-buffer", "16KiB")
     try:
-        strict = _decode(lab, tiny, url)
+        # one decoder after the other, so that each has its whole anchor before the kill (a decoder that starts
+        # late would meet a dead server before its first byte: another fault than this test's)
         lenient = _decode(lab, tiny, url, "--allow-anchor-only")
+        _when_residual_moves(lab, lenient)
+        one_anchor = lab.class_bytes("server")["anchor"]
+        strict = _decode(lab, tiny, url)
+        deadline = time.monotonic() + 60
+        while lab.class_bytes("server")["anchor"] < 2 * one_anchor:
+            assert strict.poll() is None, strict.communicate()
+            assert time.monotonic() < deadline, "the second decoder's anchor did not arrive within 60 s"
+            time.sleep(0.02)
         _when_residual_moves(lab, strict)
         prefill.kill()
         prefill.communicate()

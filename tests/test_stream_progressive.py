@@ -604,8 +604,9 @@ def test_random_residual_corruption_never_delivers_a_bad_page(tmp_path, cache_di
 
 @pytest.mark.timing
 def test_residual_eta_under_a_link(cache_dir):
-    """Right after the anchor, the ETA is about the residual's bytes over the link rate (the runner sizes its
-    speculation window with it)."""
+    """Right after the anchor, the ETA is the residual's bytes over the rate seen so far (the link's own rate, less
+    the load's set-up before its first byte: an ETA never below the truth by more than noise), and the residual then
+    takes about that long (the runner sizes its speculation window with it)."""
     _, path, anchor, residual, (ref_anchor, ref_full) = cache_dir
     rate = 2e6  # bytes/s: the residual takes about 30 ms
     with open_progressive(path, link=link_at(rate)) as load:
@@ -615,7 +616,7 @@ def test_residual_eta_under_a_link(cache_dir):
         assert kv_equal(load.residual.result(30), ref_full)
         took = time.perf_counter() - t0
         assert load.residual_eta() == 0.0
-    assert eta is not None and 0 < eta <= len(residual) / rate + 0.01
+    assert eta is not None and len(residual) / rate - 0.01 <= eta <= 2 * len(residual) / rate + 0.02
     assert took == pytest.approx(eta, abs=0.05)
 
 
