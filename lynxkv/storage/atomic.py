@@ -193,10 +193,7 @@ class AtomicWriter:
         """Write the bytes of the :meth:`reserve` at ``offset`` (exactly its length)."""
         if self._f is not None:
             try:
-                self._f.flush()
-                view, done = memoryview(data).cast("B"), 0
-                while done < len(view):
-                    done += os.pwrite(self._f.fileno(), view[done:], offset + done)
+                _pwrite_all(self._f, offset, data)
             except OSError as exc:
                 self.abort()
                 raise _storage_error(self.url, exc) from None
@@ -298,10 +295,7 @@ class SpillFile:
 
     def fill(self, offset: int, data) -> None:
         try:
-            self._f.flush()
-            view, done = memoryview(data).cast("B"), 0
-            while done < len(view):
-                done += os.pwrite(self._f.fileno(), view[done:], offset + done)
+            _pwrite_all(self._f, offset, data)
         except OSError as exc:
             raise _storage_error(self._where, exc) from None
 
@@ -347,3 +341,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         w.abort()
         raise
     w.commit()
+
+
+def _pwrite_all(f, offset: int, data) -> None:
+    """Write all of ``data`` at ``offset`` of the open file ``f`` (its buffered writes flushed first)."""
+    f.flush()
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        done += os.pwrite(f.fileno(), view[done:], offset + done)
