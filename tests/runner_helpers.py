@@ -125,6 +125,17 @@ def save_tiny_model_dir(model, path) -> str:
     return str(path)
 
 
+def store_prefill(model, ids: list[int], path: str):
+    """Prefill ``ids`` with ``model``, store the cache at ``path`` (with its prompt and the model's fingerprint) and
+    return its full code as every reader decodes it."""
+    from lynxkv.cache import open_cache, save_cache
+
+    kv, _ = prefill(model, torch.tensor(ids))
+    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
+    with open_cache(path) as c:
+        return c.load_kv()
+
+
 def tiny_llama_cache(directory, seed: int = 4, tokens: int = 300):
     """A 3-layer tiny Llama saved as a Hugging Face directory under ``directory`` and its prefill of a
     ``tokens``-long prompt stored as ``directory/c.lynx``: (model, model dir, cache path, prompt ids, exact KV)."""

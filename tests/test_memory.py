@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+from peak_rss import CHILD_PRELUDE, can_reset_peak
+
 pytestmark = pytest.mark.slow
 
 SHAPE = (16, 8, 2048, 128)  # layers, KV heads, tokens, head dim: Llama-3-8B's heads at 2K tokens
@@ -24,14 +26,10 @@ import json, os, sys
 import torch, lynxkv, lynxkv.cache, lynxkv.cli, lynxkv.stream.progressive, safetensors.torch
 from lynxkv.cli import main
 
-def rss(key):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-
+''' + CHILD_PRELUDE + r'''
 path, cache, work = sys.argv[1:4]
 base = rss("VmRSS")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the high-water mark starts again from the RSS now
+reset_peak()
 held, code = [], 0
 if path == "decode":
     code = main(["decode", cache, "-o", os.path.join(work, "out.safetensors"), "--force"])
@@ -47,20 +45,11 @@ print("MEMORY " + json.dumps({"code": code, "above": rss("VmHWM") - base}))
 '''
 
 
-def _can_measure() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     from lynxkv.cache import save_cache
 
-    if not _can_measure():
+    if not can_reset_peak():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
     d = tmp_path_factory.mktemp("memory")
     layers, heads, tokens, dim = SHAPE

@@ -12,7 +12,7 @@ from conftest import make_tiny_llama
 from lynxkv.speculative import RunConfig, decode_plain, run
 from lynxkv.speculative.interrupt import DraftInterrupt, Superseded, decoder_modules
 from lynxkv.speculative.model_ops import forward_tokens, start_cache
-from runner_helpers import StepLoad, caches, single_thread, prompt_ids
+from runner_helpers import StepLoad, caches, prompt_ids, single_thread, store_prefill
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -163,19 +163,13 @@ def _run_over_a_link(tmp_path):
     second (the anchor a bit more before it): (result, the greedy tokens on the full code)."""
     import os
 
-    from lynxkv.cache import open_cache, save_cache
-    from lynxkv.hf import prefill
-    from lynxkv.hf.models import model_fingerprint
     from lynxkv.bench.emulated_link import link_at
     from lynxkv.stream import open_progressive
 
     big = make_tiny_llama(5, layers=6, kv_heads=2, head_dim=64)
     ids = prompt_ids(5, 400)
-    kv, _ = prefill(big, torch.tensor(ids))
     path = str(tmp_path / "c.lynx")
-    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(big))
-    with open_cache(path) as c:
-        full_kv = c.load_kv()
+    full_kv = store_prefill(big, ids, path)
     rate = os.path.getsize(path + "r") / 1.0
     with open_progressive(path, link=link_at(rate), block_size=8 << 10, inflight=1) as load:
         res = run(big, load, RunConfig(max_new_tokens=400, max_window=400))

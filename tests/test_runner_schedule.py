@@ -12,7 +12,7 @@ from lynxkv.cache.loading import PreparedLoad
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative import RunConfig, Timing, decode_plain, run
 from lynxkv.speculative import timing as timing_module
-from runner_helpers import caches, prompt_ids, single_thread
+from runner_helpers import caches, prompt_ids, single_thread, store_prefill
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(single_thread)
 
@@ -110,20 +110,13 @@ def test_the_window_follows_the_bytes_not_the_links_configured_rate(tmp_path):
     it reads mid-way is the time the bytes then still took."""
     import time
 
-    import torch
-
-    from lynxkv.cache import open_cache, save_cache
-    from lynxkv.hf import prefill
-    from lynxkv.stream import open_progressive
     from lynxkv.bench.emulated_link import EmulatedLink
+    from lynxkv.stream import open_progressive
 
     model = make_tiny_llama(5, layers=4, kv_heads=2, head_dim=64)
     ids = prompt_ids(5, 400)
-    kv, _ = prefill(model, torch.tensor(ids))
     path = str(tmp_path / "c.lynx")
-    save_cache(path, kv, prompt_token_ids=ids, model_fingerprint=model_fingerprint(model))
-    with open_cache(path) as c:
-        full_kv = c.load_kv()
+    full_kv = store_prefill(model, ids, path)
     residual_bytes = os.path.getsize(path + "r")
     rate = residual_bytes / 1.0  # the residual takes about a second
     link = EmulatedLink(rate)
