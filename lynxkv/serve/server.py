@@ -56,7 +56,7 @@ class CacheServer:
     ``start()`` runs it on a thread of its own (``with CacheServer(...) as srv:``); ``serve_forever(until)`` runs
     it on the calling thread until ``until()`` is true or ``close()`` is called."""
 
-    def __init__(self, cache: ServedCache, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, cache: ServedCache | None, *, host: str = "127.0.0.1", port: int = 0,
                  bandwidth: float | None = None, dscp_anchor: int | None = None, dscp_residual: int | None = None,
                  dscp_exact: int | None = None,
                  max_connections: int = Limits.max_connections, idle_timeout: float = Limits.idle_timeout,
@@ -72,7 +72,8 @@ class CacheServer:
         self.quantum = quantum
         self.log = log or (lambda msg: None)
         self.stats = ServerStats()
-        self._versions = Versions(cache, log=self.log, swapped=self._swapped)
+        # (None: a subclass that serves several caches keeps their versions itself, see lynxkv.serve.store)
+        self._versions = None if cache is None else Versions(cache, log=self.log, swapped=self._swapped)
         self._backlog = max(256, min(4096, max_connections))
         self._sock = socket.create_server((host, port), backlog=self._backlog)
         self._sock.setblocking(False)
@@ -230,14 +231,11 @@ class CacheServer:
     async def _respond(self, request, st):
         if request.method not in ("GET", "HEAD"):
             raise HTTPRefusal(405, f"method {request.method} not allowed: GET or HEAD", {"Allow": "GET, HEAD"})
-        await self._versions.current()  # read the cache again first if its files changed on disk
         if request.path in ("/", "/manifest.json"):
+            await self._refresh()
             return web.Response(text=json.dumps(self.describe()) + "\n", content_type="application/json")
-        res = self.resources.get(request.raw_path.split("?", 1)[0])  # this response's bytes, to its end
-        if res is None:
-            raise HTTPRefusal(404, f"no such resource: {request.path[:200]}; this server has "
-                              + ", ".join(self.resources))
-        size, dated = len(res.data), self._versions.dated(res)
+        res, dated = await self._lookup(request.raw_path.split("?", 1)[0], request.path)
+        size = len(res.data)
         status, start, end = select(request.headers.get("Range"), request.headers.get("If-Range"), size,
                                     etag=res.etag, modified=res.modified, date_is_strong=dated)
         headers = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream", "ETag": res.etag,
@@ -287,6 +285,18 @@ class CacheServer:
         record["seconds"] = time.perf_counter() - t0
         self.stats.cover(res.name, start, end)
         return resp
+
+    async def _refresh(self) -> None:
+        await self._versions.current()  # read the cache again first if its files changed on disk
+
+    async def _lookup(self, raw_path: str, path: str):
+        """The resource served at ``raw_path`` (this response's bytes, to its end) and whether its date validates;
+        an :class:`HTTPRefusal` (404) if there is none."""
+        await self._refresh()
+        res = self.resources.get(raw_path)
+        if res is None:
+            raise HTTPRefusal(404, f"no such resource: {path[:200]}; this server has " + ", ".join(self.resources))
+        return res, self._versions.dated(res)
 
     async def _final(self, res, a: int, b: int) -> None:
         """Return once bytes ``[a, b)`` of ``res`` may go out (a cache read from disk: at once; a cache still being
