@@ -16,6 +16,7 @@ from lynxkv.cli import run  # noqa: F401  (run)
 from lynxkv.cli import prefill_serve  # noqa: F401  (prefill)
 from lynxkv.cli import eval as _eval  # noqa: F401  (eval)
 from lynxkv.cli import demo  # noqa: F401  (demo)
+from lynxkv.cli import vllm_proxy  # noqa: F401  (vllm-proxy)
 
 
 class _Stdout:
