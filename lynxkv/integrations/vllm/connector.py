@@ -6,7 +6,8 @@ Configure it with ``--kv-transfer-config``::
      "kv_role": "kv_producer" | "kv_consumer", "kv_connector_extra_config": {...}}
 
 **Producer** (the prefill instance; extra config ``store``: a directory, ``port``, ``host``: where to serve it,
-``url``: the address decode instances reach it at, default ``http://<host>:<port>``). A request whose
+``url``: the address decode instances reach it at, default ``http://<host>:<port>``; ``dscp_anchor``,
+``dscp_residual``: the DSCP classes of its responses, as ``lynxkv serve``'s options). A request whose
 ``kv_transfer_params`` carry ``{"lynx_publish": NAME}`` has its prompt's KV gathered from its blocks at the end of
 the forward pass that completes its prompt, encoded with lynx's default scheme and written atomically as
 ``<store>/<NAME>.lynx`` (+ ``.lynxr``), before the request's output leaves the engine; its output's
@@ -20,9 +21,6 @@ ahead of residual, range requests), so the decode instance reads the anchor befo
 in, dequantized into its blocks. Two requests naming one URL share one transfer (:mod:`.fetch`). A cache that does
 not arrive in time, does not read, or was made from another prompt fails the load: vLLM's
 ``kv_load_failure_policy`` ("fail", its default, ends the request with an error) decides, never wrong tokens.
-``{"lynx_verify": true}`` lets a request with ``prompt_logprobs`` read the prefix cache (vLLM skips it for such
-requests by default; the proxy's verify pass needs the full code's cached prefix and reads only the draft
-positions' logprobs).
 
 Keys of anchor and full-code KV never mix in vLLM's prefix cache because the proxy gives each request its own
 ``cache_salt`` (the block hashes chain from it).
@@ -117,10 +115,12 @@ class LynxConnector(KVConnectorBase_V1):
         self._server = None
         if role == KVConnectorRole.WORKER:
             if self._producer:
+                from lynxkv.serve.resources import parse_dscp
                 from lynxkv.serve.store import StoreServer
 
                 os.makedirs(self._store, exist_ok=True)
-                self._server = StoreServer(self._store, host=host, port=port).start()
+                self._server = StoreServer(self._store, host=host, port=port, dscp_anchor=parse_dscp(
+                    extra.get("dscp_anchor")), dscp_residual=parse_dscp(extra.get("dscp_residual"))).start()
             else:
                 self._loads = SharedLoads(keep=int(extra.get("keep", 8)))
                 self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lynx-load")
@@ -130,10 +130,6 @@ class LynxConnector(KVConnectorBase_V1):
     def _params(request: "Request") -> dict:
         params = getattr(request, "kv_transfer_params", None)
         return params if isinstance(params, dict) else {}
-
-    def on_new_request(self, request: "Request") -> None:
-        if self._params(request).get("lynx_verify") is True:
-            request.skip_reading_prefix_cache = False
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)

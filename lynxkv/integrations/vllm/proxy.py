@@ -10,10 +10,10 @@ A request (greedy: ``temperature`` 0) goes through these steps (engine requests 
 3. Otherwise (speculative, the default), at once and side by side: [anchor] the completion drafted on the anchor,
    streamed, under a salt of its own; [full] ``max_tokens`` 1 on the full code, under the full-code salt, which
    ends once the residual is in and the full code is in the decode instance's prefix cache. Then the drafting
-   stops, and the drafts ``d`` are checked against the full code: ``d[0]`` against the full request's token, and
-   [verify] the prompt plus the drafts, ``prompt_logprobs`` 1, under the full-code salt (the prompt's blocks come
-   from the prefix cache; only the draft positions are computed, in one forward pass): the longest prefix of drafts
-   that are each the full code's argmax is kept. [continue] the rest of the completion from the prompt plus the
+   stops, and the drafts ``d`` are checked against the full code (:func:`verify`): ``d[0]`` against the full
+   request's token, then [verify] ``d[j]`` against the greedy token of ``prompt + d[:j]``, one-token requests
+   under the full-code salt that the engine batches and serves from the prefix cache; the longest prefix of drafts
+   the full code agrees with is kept. [continue] the rest of the completion from the prompt plus the
    kept drafts, again from the prefix cache. The client sees only verified tokens: the kept drafts, then the
    continuation, whose first token is the full code's own at the first rejected draft. When the residual lands
    before the first draft, nothing was drafted and the proxy goes straight to [continue].
@@ -48,6 +48,7 @@ class Trace:
     """What the proxy did for one request (returned as ``"lynx"`` in the response)."""
 
     mode: str
+    cache_url: str | None = None
     drafted: int = 0
     kept: int = 0
     anchor_only: bool = False
@@ -91,19 +92,27 @@ def parse(body) -> Ask:
                body.get("ignore_eos") is True)
 
 
-def kept_prefix(drafts: list[int], first: int, prompt_logprobs: list | None, prompt_len: int) -> int:
+VERIFY_BATCH = 16  # verify requests sent at once (vLLM runs them in one batch, each from the prefix cache)
+
+
+async def verify(decode: Engine, prompt: list[int], drafts: list[int], first: int, salt: str, extra: dict,
+                 trace: "Trace") -> int:
     """How many drafts the full code keeps: ``drafts[0]`` if it is ``first`` (the full code's own next token), then
-    each draft whose rank at its position of the verify pass's ``prompt_logprobs`` is 1, up to the first that is
-    not."""
+    ``drafts[j]`` while it is the full code's greedy token after ``prompt + drafts[:j]``. Those are one-token
+    requests under the full-code salt, sent ``VERIFY_BATCH`` at a time: the engine batches them, and each computes
+    only what the prefix cache does not hold (the prompt's last partial block and the drafts before it)."""
     if not drafts or drafts[0] != first:
         return 0
     kept = 1
-    for j in range(1, len(drafts)):
-        row = (prompt_logprobs or [])[prompt_len + j] if prompt_len + j < len(prompt_logprobs or []) else None
-        entry = (row or {}).get(str(drafts[j]))
-        if not entry or entry.get("rank") != 1:
-            break
-        kept += 1
+    while kept < len(drafts):
+        js = range(kept, min(len(drafts), kept + VERIFY_BATCH))
+        outs = await asyncio.gather(*(decode.complete(prompt + drafts[:j], 1, cache_salt=salt, **extra)
+                                      for j in js))
+        trace.engine_requests += len(outs)
+        for j, out in zip(js, outs):
+            if out.token_ids[:1] != [drafts[j]]:
+                return kept
+            kept += 1
     return kept
 
 
@@ -176,11 +185,15 @@ class Proxy:
             await response.prepare(request)
 
         tokens: list[int] = []
-        text = []
+        text = [""]
+        prefill = self._engines()[0]
 
         async def emit(new: list[int], piece: str, finish: str | None = None) -> None:
             tokens.extend(new)
-            text.append(piece)
+            if new and not piece:  # the decode instance has no tokenizer: the prefill instance's text of them
+                whole = await prefill.detokenize(tokens)
+                piece = whole[len(text[0]):] if whole.startswith(text[0]) else ""
+            text[0] += piece
             if response is not None and (new or finish):
                 await response.write(b"data: " + json.dumps(chunk(new, piece, finish)).encode() + b"\n\n")
 
@@ -199,7 +212,7 @@ class Proxy:
             final["lynx"] = asdict(trace)
             await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
             return response
-        doc = chunk(tokens, "".join(text), finish)
+        doc = chunk(tokens, text[0], finish)
         doc["usage"] = {"completion_tokens": len(tokens)}
         doc["lynx"] = asdict(trace)
         return web.json_response(doc)
@@ -212,6 +225,7 @@ class Proxy:
         trace.engine_requests += 1
         trace.prefill_s = time.perf_counter() - t0
         url = (pre.kv_transfer_params or {}).get("lynx_url")
+        trace.cache_url = url
         prompt = pre.prompt_token_ids
         if not isinstance(url, str) or not prompt:
             raise EngineError(f"{self.prefill_base}: its answer names no lynx cache (is it running LynxConnector "
@@ -266,31 +280,23 @@ class Proxy:
                 raise
             await drafting_done.wait()  # the anchor's own completion, flagged
             trace.anchor_only, trace.drafted = True, len(drafts.token_ids)
-            await emit(drafts.token_ids[:ask.max_tokens], drafts.text)
+            await emit(drafts.token_ids[:ask.max_tokens], "")
             return drafts.finish_reason
         trace.residual_s = time.perf_counter() - t1
         drafter.cancel()
         await asyncio.gather(drafter, return_exceptions=True)
         d = list(drafts.token_ids[:ask.max_tokens])
         trace.drafted = len(d)
-        kept = 0
-        if d and d[0] == first.token_ids[0]:
-            if len(d) > 1:
-                t2 = time.perf_counter()
-                check = await decode.complete(prompt + d, 1, cache_salt=salt, prompt_logprobs=1,
-                                              kv_transfer_params={"lynx_verify": True}, **extra)
-                trace.engine_requests += 1
-                trace.verify_s = time.perf_counter() - t2
-                kept = kept_prefix(d, first.token_ids[0], check.prompt_logprobs, len(prompt))
-            else:
-                kept = 1
+        t2 = time.perf_counter()
+        kept = await verify(decode, prompt, d, first.token_ids[0], salt, extra, trace)
+        trace.verify_s = time.perf_counter() - t2 if len(d) > 1 else None
         trace.kept = kept
         # the tokens the full code is known to give: the kept drafts, or else its own first token
         known = d[:kept] if kept else list(first.token_ids[:1])
         stopped = drafts.finish_reason == "stop" and kept == len(drafts.token_ids) if kept \
             else first.finish_reason == "stop"
         trace.first_token_s = time.perf_counter() - t0
-        await emit(known, await decode.detokenize(known))
+        await emit(known, "")
         if stopped:
             return "stop"
         if len(known) >= ask.max_tokens:
