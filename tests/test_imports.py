@@ -143,7 +143,8 @@ def test_every_module_imports_on_its_own():
     skip = {m for m in order if m.startswith("lynxkv.kernels") or m == "lynxkv.__main__"}  # Triton; runs the CLI
     import importlib.util
 
-    extras = {"lynxkv.integrations.lmcache.serde": "lmcache", "lynxkv.integrations.lmcache.adapter": "lmcache"}
+    extras = {"lynxkv.integrations.lmcache.serde": "lmcache", "lynxkv.integrations.lmcache.adapter": "lmcache",
+              "lynxkv.integrations.vllm.connector": "vllm"}
     skip |= {m for m, dep in extras.items() if importlib.util.find_spec(dep) is None}  # an optional extra
     proc = subprocess.run([sys.executable, "-c", code, *[m for m in order if m not in skip]],
                           capture_output=True, text=True, timeout=300)
