@@ -3,9 +3,10 @@ import.
 
 The proxy sends two requests for one prompt, one on the anchor and one on the full code; both name the same URL,
 so the bytes cross the link once: the anchor request takes the load's anchor as soon as it lands, the full-code
-request the full code once the residual is in. A finished load stays in a small LRU (``keep`` loads) so that a
-request arriving after the other has taken its KV still finds it; the oldest is closed, and its KV freed, when a
-new URL needs the room.
+request the full code once the residual is in. A load is closed, and its KV freed, once its full code has been
+taken (the full-code request is the last to read it); until then it stays in a small LRU (``keep`` loads), so
+that a request arriving after the other has taken the anchor still finds it, and the oldest is closed when a new
+URL needs the room.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class SharedLoads:
         stored = load.prompt_token_ids
         if stored is None or list(stored[:len(prompt)]) != list(prompt) or len(stored) < len(prompt):
             raise LoadFailed(f"{url}: this cache was not made from the request's prompt")
+        if mode == FULL:  # the full code is what a load is read for last: its KV goes once taken
+            self.forget(url)
         return [(k[:, :len(prompt)], v[:, :len(prompt)]) for k, v in kv]
 
     def close(self) -> None:
