@@ -11,10 +11,8 @@ serve the next request as before."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+
 import threading
 import time
 
@@ -23,13 +21,9 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.network]
 pytest.importorskip("vllm", reason="vLLM is not installed here: run `make test-vllm`")
 
-from lynxkv.bench.netlab import NetLab, can_create_lab  # noqa: E402
+from lynxkv.bench.netlab import can_create_lab  # noqa: E402
+from lynxkv.bench.vllm_lab import VllmLab  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-ENV = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-PY = sys.executable
 TOKENS = 64
 
 
@@ -50,36 +44,6 @@ def _prompt(seed: int, n: int = 1500) -> list[int]:
     return [(i * (31 + 2 * seed) + 7 * seed) % 500 + 3 for i in range(n)]
 
 
-def _vllm(lab: NetLab, side: str, model, port: int, role: str, extra: dict, log) -> object:
-    ktc = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynxkv.integrations.vllm.connector",
-           "kv_role": role, "kv_connector_extra_config": extra}
-    host = lab.server_addr if side == "server" else "127.0.0.1"
-    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-            "--host", host, "--port", str(port), "--enforce-eager", "--dtype", "float32", "--block-size", "32",
-            "--max-model-len", "4096", "--max-num-seqs", "16", "--kv-transfer-config", json.dumps(ktc)]
-    return lab.popen(side, argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-
-
-def _wait_up(lab: NetLab, side: str, url: str, procs, logs, deadline: float = 600) -> None:
-    probe = f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline:
-        for p, log in zip(procs, logs):
-            if p.poll() is not None:
-                pytest.fail(f"an engine exited ({p.returncode}):\n" + open(log.name).read()[-4000:])
-        if lab.run(side, [PY, "-c", probe], check=False, timeout=10).returncode == 0:
-            return
-        time.sleep(2)
-    pytest.fail(f"{url} did not come up in {deadline} s")
-
-
-def _send(lab: NetLab, tmp_path, url: str, bodies: list[dict], name: str) -> list[dict]:
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(bodies))
-    p = lab.run("client", [PY, os.path.join(HERE, "vllm_proxy_client.py"), url, str(path)], timeout=600)
-    return json.loads(p.stdout)
-
-
 def _tokens(reply: dict) -> list[int]:
     assert reply["status"] == 200, reply
     return reply["body"]["choices"][0]["token_ids"]
@@ -88,21 +52,10 @@ def _tokens(reply: dict) -> list[int]:
 def test_the_proxy_keeps_drafts_and_gives_the_full_codes_tokens_across_a_shaped_link(tmp_path):
     if (reason := can_create_lab()) is not None:
         pytest.skip(reason)
-    model, store = tmp_path / "model", tmp_path / "store"
+    model = tmp_path / "model"
     _tiny_llama(model)
-    logs = [open(tmp_path / "prefill.log", "w"), open(tmp_path / "decode.log", "w"), open(tmp_path / "proxy.log", "w")]
-    with NetLab(rate="12Mbit") as lab:
-        prefill = _vllm(lab, "server", model, 8100, "kv_producer",
-                        {"store": str(store), "host": lab.server_addr, "port": 7071, "dscp_anchor": "EF",
-                         "dscp_residual": "CS1"}, logs[0])
-        decode = _vllm(lab, "client", model, 8200, "kv_consumer", {"timeout_s": 30}, logs[1])
-        _wait_up(lab, "server", f"http://{lab.server_addr}:8100/health", [prefill, decode], logs[:2])
-        _wait_up(lab, "client", "http://127.0.0.1:8200/health", [prefill, decode], logs[:2])
-        lab.popen("client", [PY, "-m", "lynxkv", "vllm-proxy", "--prefill", f"http://{lab.server_addr}:8100",
-                             "--decode", "http://127.0.0.1:8200", "--port", "8300", "--timeout", "120"],
-                  stdout=logs[2], stderr=subprocess.STDOUT, env=ENV)
-        proxy = "http://127.0.0.1:8300"
-        _wait_up(lab, "client", proxy + "/health", [prefill, decode], logs[:2])
+    with VllmLab(model, tmp_path, rate="12Mbit", timeout_s=30) as vl:
+        store = vl.store
 
         def body(seed: int, **kw) -> dict:
             return {"prompt": _prompt(seed), "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, **kw}
@@ -110,8 +63,8 @@ def test_the_proxy_keeps_drafts_and_gives_the_full_codes_tokens_across_a_shaped_
         # alone, one at a time: full mode, then speculative, per prompt
         full, spec = {}, {}
         for seed in range(3):
-            full[seed] = _send(lab, tmp_path, proxy, [body(seed, lynx_mode="full")], f"full{seed}")[0]
-            spec[seed] = _send(lab, tmp_path, proxy, [body(seed)], f"spec{seed}")[0]
+            full[seed] = vl.send([body(seed, lynx_mode="full")])[0]
+            spec[seed] = vl.send([body(seed)])[0]
         for seed in range(3):
             assert len(_tokens(full[seed])) == TOKENS
             assert _tokens(spec[seed]) == _tokens(full[seed]), seed
@@ -121,15 +74,15 @@ def test_the_proxy_keeps_drafts_and_gives_the_full_codes_tokens_across_a_shaped_
 
         # eight at once: what each returns alone
         bodies = [body(seed % 3) for seed in range(8)]
-        together = _send(lab, tmp_path, proxy, bodies, "together")
+        together = vl.send(bodies)
         for seed, reply in zip(range(8), together):
             assert _tokens(reply) == _tokens(full[seed % 3])
 
         # a cache made from another prompt: that request fails, the engine goes on
         url = spec[0]["body"]["lynx"]["cache_url"]
-        other = _send(lab, tmp_path, "http://127.0.0.1:8200", [
-            {"model": "tiny", "prompt": _prompt(5), "max_tokens": 4, "temperature": 0, "cache_salt": "x1",
-             "kv_transfer_params": {"lynx_url": url, "lynx_mode": "full"}}], "other")[0]
+        other = vl.send([
+            {"prompt": _prompt(5), "max_tokens": 4, "temperature": 0, "cache_salt": "x1",
+             "kv_transfer_params": {"lynx_url": url, "lynx_mode": "full"}}], url=vl.decode_url)[0]
         assert other["status"] != 200
 
         # a cache that never arrives (its residual is gone before anyone reads it): one error, within the timeout
@@ -139,17 +92,15 @@ def test_the_proxy_keeps_drafts_and_gives_the_full_codes_tokens_across_a_shaped_
         dropper.start()
         try:
             t0 = time.monotonic()
-            lost = _send(lab, tmp_path, proxy, [body(7)], "lost")[0]
+            lost = vl.send([body(7)])[0]
             took = time.monotonic() - t0
         finally:
             stop.set()
             dropper.join()
         assert lost["status"] == 502 and "lynxkv vllm-proxy:" in lost["body"]["error"]["message"], lost
         assert took < 30 + 60
-        again = _send(lab, tmp_path, proxy, [body(1)], "again")[0]
+        again = vl.send([body(1)])[0]
         assert _tokens(again) == _tokens(full[1])
-    for log in logs:
-        log.close()
 
 
 def _drop_new(store, before: set, stop: threading.Event) -> None:

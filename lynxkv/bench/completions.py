@@ -1,6 +1,7 @@
-"""Requests to ``lynxkv vllm-proxy`` (or a vLLM instance) for tests/test_vllm_proxy.py, run inside a lab namespace.
+"""OpenAI ``/v1/completions`` requests sent all at once, from inside a lab namespace: what tests/test_vllm_proxy.py
+and benchmarks/bench_vllm.py send to ``lynxkv vllm-proxy`` or a vLLM instance. Standard library only.
 
-    python vllm_proxy_client.py URL REQUESTS.json
+    python -m lynxkv.bench.completions URL REQUESTS.json
 
 ``REQUESTS.json``: a list of request bodies, sent all at once (one thread each); prints one JSON list of
 ``{"status", "body", "seconds"}``, in order."""
