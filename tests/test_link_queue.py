@@ -1,4 +1,4 @@
-"""The shared link of a batch: anchors before any residual, then residuals one at a time in the policy's order."""
+"""The shared link of a batch: whole caches (anchor, then residual) one at a time in the policy's order."""
 
 from __future__ import annotations
 
@@ -14,26 +14,22 @@ from lynxkv.bench.link_queue import LinkQueue
 
 def _transfer(queue, sizes, *, anchor=20_000, block=10_000, late=()):
     """Each load sends its anchor then its residual in blocks, from its own thread (as the transports do); the
-    loads in ``late`` start their residual a little after the others. Returns the order residuals finished."""
-    lanes = [queue.lane(size, name=str(i)) for i, size in enumerate(sizes)]
+    loads in ``late`` start sending a little after the others. Returns the order caches finished and the blocks
+    sent, in the order they went."""
+    lanes = [queue.lane(anchor + size, name=str(i)) for i, size in enumerate(sizes)]
     done, events = [], []
     lock = threading.Lock()
     for lane in lanes:
         lane.join()
 
     def load(i, lane):
-        for _ in range(anchor // block):
-            lane.send(ANCHOR, block)
-            with lock:
-                events.append(("anchor", i))
         if i in late:
             time.sleep(0.05)
-        sent = 0
-        while sent < sizes[i]:
-            lane.send(RESIDUAL, block)
-            sent += block
-            with lock:
-                events.append(("residual", i))
+        for stream, nbytes in ((ANCHOR, anchor), (RESIDUAL, sizes[i])):
+            for _ in range(nbytes // block):
+                lane.send(stream, block)
+                with lock:
+                    events.append((stream, i))
         with lock:
             done.append(i)
 
@@ -46,16 +42,16 @@ def _transfer(queue, sizes, *, anchor=20_000, block=10_000, late=()):
 
 
 @pytest.mark.parametrize("policy", ["fifo", "srf"])
-def test_anchors_first_then_one_residual_at_a_time(policy):
+def test_one_whole_cache_at_a_time_in_the_policys_order(policy):
     sizes = [60_000, 20_000, 40_000, 10_000]
     done, events = _transfer(LinkQueue(2e6, policy=policy), sizes, late=(3,))
-    last_anchor = max(i for i, e in enumerate(events) if e[0] == "anchor")
-    first_residual = min(i for i, e in enumerate(events) if e[0] == "residual")
-    assert last_anchor < first_residual
-    runs = [i for kind, i in events if kind == "residual"]
-    # one residual at a time: each load's residual blocks are contiguous
-    assert [i for j, i in enumerate(runs) if j == 0 or runs[j - 1] != i] == done
-    # srf waits for the late short one (it has joined) instead of starting a longer one
+    owners = [i for _, i in events]
+    # one cache at a time: each load's blocks are contiguous, its anchor before its residual
+    assert [i for j, i in enumerate(owners) if j == 0 or owners[j - 1] != i] == done
+    for i in done:
+        streams = [stream for stream, owner in events if owner == i]
+        assert streams == sorted(streams, key=lambda s: s != ANCHOR) and len(streams) == 2 + sizes[i] // 10_000
+    # srf waits for the late small one (it has joined) instead of starting a larger one
     assert done == ([0, 1, 2, 3] if policy == "fifo" else [3, 1, 2, 0])
 
 

@@ -1,28 +1,25 @@
-"""One emulated link for many loads: the residuals (or whole caches) one at a time, in a policy's order.
+"""One emulated link for many loads: whole caches one at a time, in a policy's order.
 
 Each load gets a *lane* (:meth:`LinkQueue.lane`), which it uses as its link (``open_progressive(..., link=lane)``).
-Anchor bytes go straight to the shared :class:`~lynxkv.bench.emulated_link.EmulatedLink`, whose strict priority puts every
-waiting anchor block before any residual block, whichever load it belongs to. A residual may use the link only
-while it holds the *turn*: one residual at a time, so a residual finishes as early as the link allows instead of
-sharing the rate with all the others. The turn passes when the holder has sent its whole residual (``size``
-bytes) or is released (its load finished, failed or closed), to the lane the policy puts first among those whose
-load has opened (:meth:`_Lane.join`) and whose residual is not done yet:
+A lane may use the shared :class:`~lynxkv.bench.emulated_link.EmulatedLink` only while it holds the *turn*: one
+cache at a time, its anchor then its residual, so a cache finishes as early as the link allows instead of sharing
+the rate with all the others. The turn passes when the holder has sent its whole cache (``size`` bytes, anchor and
+residual) or is released (its load finished, failed or closed), to the lane the policy puts first among those
+whose load has opened (:meth:`_Lane.join`) and whose cache is not done yet:
 
     fifo   the order the lanes were made in (arrival order)
-    srf    shortest residual first (fewest bytes; ties in arrival order), not preempting the holder
+    srf    smallest cache first (fewest bytes; ties in arrival order), not preempting the holder
 
-Why ``srf``: with one link and the residuals all waiting, sending them shortest first minimises the sum of their
-completion times (the shortest-processing-time rule), and a request's time to N tokens is its residual's
-completion plus a part that does not depend on the order (the decode steps its drafts did not save), so it
-minimises the mean time to N tokens as well. FIFO is the fair baseline: a long residual that arrived first
-delays every shorter one behind it.
+Why ``srf``: with one link and the caches all waiting, sending them smallest first minimises the sum of their
+completion times (the shortest-processing-time rule), and a request's time to N tokens is its full code's
+arrival plus a part that does not depend on the order (the decode steps its drafts did not save), so it
+minimises the mean time to N tokens as well. FIFO is the fair baseline: a large cache that arrived first
+delays every smaller one behind it.
 
-A *whole* lane (``lane(..., whole=True)``) takes the turn for its anchor too, and ``size`` counts both: one cache
-at a time, its anchor then its residual. ``lynxkv run`` uses whole lanes for the monolithic baseline and, by
-default (``--link-turn cache``), for Lynx too: a request's time to N tokens counts verified tokens, and with every
-anchor first each residual waits for all the anchors (more than half the bytes), while with whole lanes a request's
-full code lands when the monolithic baseline's does and its anchor a residual's transfer earlier
-(docs/speculative.md, "Batches").
+Why whole caches: a request's time to N tokens counts verified tokens. Sent anchors first, each residual would wait
+for all the anchors (more than half the bytes); sent whole, a request's full code lands when the monolithic
+baseline's does and its anchor a residual's transfer earlier (docs/speculative.md, "Batches"). ``lynxkv run``
+uses the same lanes for the monolithic baseline and for Lynx.
 """
 
 from __future__ import annotations
@@ -31,13 +28,12 @@ import threading
 
 from lynxkv.errors import InputError
 from lynxkv.bench.emulated_link import EmulatedLink
-from lynxkv.stream.link import ANCHOR
 
 POLICIES = ("fifo", "srf")
 
 
 class LinkQueue:
-    """The shared link and the residuals' turn (see the module docstring)."""
+    """The shared link and the caches' turn (see the module docstring)."""
 
     def __init__(self, bandwidth: float | None, latency: float = 0.0, *, policy: str = "srf"):
         if policy not in POLICIES:
@@ -50,13 +46,12 @@ class LinkQueue:
         self._made = 0
         self.order: list[str] = []  # the names of the lanes, in the order they got the turn
 
-    def lane(self, size: int | None = None, name: str = "", *, whole: bool = False) -> "_Lane":
-        """A link for one load whose residual has ``size`` bytes (None: unknown, sorted last by ``srf``).
-        ``whole``: the anchor waits for the turn too and ``size`` counts both (a monolithic transfer, one
-        cache after another, for the baselines)."""
+    def lane(self, size: int | None = None, name: str = "") -> "_Lane":
+        """A link for one load whose cache has ``size`` bytes, anchor and residual (None: unknown, sorted last by
+        ``srf``)."""
         with self._cond:
             self._made += 1
-            return _Lane(self, size, self._made, name or str(self._made), whole)
+            return _Lane(self, size, self._made, name or str(self._made))
 
     def _key(self, lane: "_Lane"):
         if self.policy == "fifo":
@@ -104,8 +99,8 @@ class _Released(Exception):
 class _Lane:
     """One load's view of the shared link: the :class:`EmulatedLink` interface the transports use."""
 
-    def __init__(self, queue: LinkQueue, size: int | None, seq: int, name: str, whole: bool = False):
-        self.queue, self.size, self.seq, self.name, self.whole = queue, size, seq, name, whole
+    def __init__(self, queue: LinkQueue, size: int | None, seq: int, name: str):
+        self.queue, self.size, self.seq, self.name = queue, size, seq, name
         self.sent = 0
         self.released = False
 
@@ -118,11 +113,9 @@ class _Lane:
         return self.queue.link.bandwidth
 
     def send(self, stream: int, nbytes: int) -> float:
-        if stream == ANCHOR and not self.whole:
-            return self.queue.link.send(stream, nbytes)
         try:
             self.queue._acquire(self)
-        except _Released:  # the load is over (closed, or its residual failed): its bytes no longer matter
+        except _Released:  # the load is over (closed, or its transfer failed): its bytes no longer matter
             return self.queue.link.send(stream, nbytes)
         delivered = self.queue.link.send(stream, nbytes)
         self.sent += nbytes
@@ -131,12 +124,12 @@ class _Lane:
         return delivered
 
     def join(self) -> None:
-        """The load has opened: from now on the policy counts this residual as waiting, whether or not its first
-        block is ready yet (so a short residual that is a moment late still goes before a long one)."""
+        """The load has opened: from now on the policy counts this cache as waiting, whether or not its first
+        block is ready yet (so a small cache that is a moment late still goes before a large one)."""
         self.queue._join(self)
 
     def release(self) -> None:
-        """Give the turn up for good (the residual is complete, failed, or no longer wanted)."""
+        """Give the turn up for good (the cache is complete, failed, or no longer wanted)."""
         self.queue._release(self)
 
     def report(self) -> dict:

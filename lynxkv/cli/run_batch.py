@@ -214,7 +214,7 @@ def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, sp
         if queue is not None:
             # each cache whole (its anchor first), one after another: every request is verified as early as its
             # monolithic full code would arrive (docs/results.md, the link's turn)
-            lane = queue.lane(anchor_bytes + residual_bytes, spec.name, whole=True)
+            lane = queue.lane(anchor_bytes + residual_bytes, spec.name)
             if spec.arrival_s == 0 and (max_batch is None or index < max_batch):
                 lane.join()  # opened in the batch's first pass: waiting from the start, not from when its turn came
 
