@@ -103,72 +103,44 @@ def eval_command(
     seed: int = typer.Option(0, "--seed", help="With --task passkey: seed of the keys and filler windows."),
 ) -> None:
     """Parse, evaluate (lynxkv.eval.suite, or lynxkv.eval.tasks with --task), print (lynxkv.eval.report)."""
-    import math
-
-    from lynxkv.eval.windows import TIE_MARGIN
-
-    tie_margin = TIE_MARGIN if tie_margin is None else tie_margin
-    if not (math.isfinite(tie_margin) and tie_margin >= 0):
-        raise InputError(f"--tie-margin: expected a finite number >= 0, got {tie_margin}")
+    tie_margin = _tie_margin(tie_margin)
     if task is not None:
         if kv or sweep or heldout_text:
             raise InputError("--task excludes --kv, --sweep and --heldout-text (give task text with --corpus DIR)")
         return _tasks(task, model, corpus, tokens, prompts, ppl_tokens, lengths, depths, trials, dtype, seed,
                       schemes, as_json, as_markdown, plot_dir, threads)
-    corpus = corpus or "both"
-    tokens = tokens or "1000"
-    prompts = prompts or 4
-    ppl_tokens = 64 if ppl_tokens is None else ppl_tokens
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from lynxkv.eval import baselines, report, suite
-    from lynxkv.eval.cases import CHOOSING, Corpus, stdlib_corpus
 
-    if kv and (model or heldout_text or corpus != "both"):
-        raise InputError("--kv excludes --model, --corpus and --heldout-text: a KV dump is scored without a model")
-    if corpus not in CORPUS_CHOICES:
-        raise InputError(f"--corpus: expected one of {', '.join(CORPUS_CHOICES)}, got {corpus!r}")
-    roles = CORPUS_CHOICES[corpus]
-    if heldout_text and "heldout" not in roles:
-        raise InputError("--heldout-text needs the held-out corpus: drop --corpus choosing")
+    roles = _roles(kv, model, corpus or "both", heldout_text)
     codecs = baselines.select(schemes, sweep=sweep)
-    lengths = _lengths(tokens)
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
-    )  # fmt: skip
-    with progress:
+    context = _lengths(tokens or "1000")
+    _set_threads(threads)
+    with _progress() as progress:
         if kv:
             result = suite.evaluate_kv(kv, codecs, progress=progress)
         else:
-            import torch
-
-            from lynxkv.hf.models import load_model
-
-            corpora = []
-            if "heldout" in roles:
-                corpora.append(
-                    Corpus("heldout", "text from " + ", ".join(heldout_text),
-                           "\n\n".join(read_text(p, limit=HELDOUT_LIMIT) for p in heldout_text))
-                    if heldout_text else stdlib_corpus()
-                )
-            if "choosing" in roles:
-                corpora.append(CHOOSING)
-            err.print(f"loading model {model_label(model)} ...")
-            loaded = load_model(model, dtype=torch.float32)
-            if loaded.tokenizer is None:
-                raise InputError(f"model {loaded.name!r} has no tokenizer; prompts are cut from text")
-            result = suite.evaluate_model(
-                loaded, codecs, corpora, lengths=lengths, prompts=prompts, window=window, ppl_tokens=ppl_tokens,
-                windows=windows, tie_margin=tie_margin, progress=progress,
+            result = _evaluate_model(
+                model, _corpora(roles, heldout_text), codecs, progress, lengths=context, prompts=prompts or 4,
+                window=window, ppl_tokens=64 if ppl_tokens is None else ppl_tokens, windows=windows,
+                tie_margin=tie_margin,
             )
-    if plot_dir:
-        result["plots"] = report.plot(result, plot_dir)
-        err.print(f"wrote {len(result['plots'])} plot(s) to {plot_dir}")
+    _plot(result, report.plot, plot_dir)
+    _print_scores(result, len(codecs), as_json, as_markdown)
+
+
+def _evaluate_model(model: str | None, corpora: list, codecs, progress, **settings) -> dict:
+    """Load the model (fp32) and score ``codecs`` on ``corpora`` (lynxkv.eval.suite.evaluate_model)."""
+    from lynxkv.eval import suite
+
+    err.print(f"loading model {model_label(model)} ...")
+    loaded = _load(model, "fp32", "prompts are cut from text")
+    return suite.evaluate_model(loaded, codecs, corpora, progress=progress, **settings)
+
+
+def _print_scores(result: dict, codecs: int, as_json: bool, as_markdown: bool) -> None:
+    """The draft-metrics result on stdout (JSON, Markdown or tables), then its time and how to read it on stderr."""
+    from lynxkv.eval import report
+
     if as_json:
         print_json(result)
     elif as_markdown:
@@ -177,23 +149,96 @@ def eval_command(
         for table in report.tables(result):
             out.print(table)
     err.print(
-        f"{len(codecs)} codecs in {result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU "
+        f"{codecs} codecs in {result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU "
         "(vNMSE: per-layer global ratio, mean over layers; agree, KL, ΔPPL: mean ± s.e.m. over prompts; prefix: "
         "over windows; ties: windows ended on a near-tie)"
     )
+
+
+def _tie_margin(value: float | None) -> float:
+    """``--tie-margin``, its default filled in, checked."""
+    import math
+
+    from lynxkv.eval.windows import TIE_MARGIN
+
+    value = TIE_MARGIN if value is None else value
+    if not (math.isfinite(value) and value >= 0):
+        raise InputError(f"--tie-margin: expected a finite number >= 0, got {value}")
+    return value
+
+
+def _roles(kv: str | None, model: str | None, corpus: str, heldout_text: list[str] | None) -> tuple[str, ...]:
+    """The corpora a draft-metrics run scores (``CORPUS_CHOICES``), after checking the options that pick them."""
+    if kv and (model or heldout_text or corpus != "both"):
+        raise InputError("--kv excludes --model, --corpus and --heldout-text: a KV dump is scored without a model")
+    if corpus not in CORPUS_CHOICES:
+        raise InputError(f"--corpus: expected one of {', '.join(CORPUS_CHOICES)}, got {corpus!r}")
+    roles = CORPUS_CHOICES[corpus]
+    if heldout_text and "heldout" not in roles:
+        raise InputError("--heldout-text needs the held-out corpus: drop --corpus choosing")
+    return roles
+
+
+def _corpora(roles: tuple[str, ...], heldout_text: list[str] | None) -> list:
+    """The corpora of ``roles``, held-out first: ``--heldout-text`` files read whole, else the standard library."""
+    from lynxkv.eval.cases import CHOOSING, Corpus, stdlib_corpus
+
+    corpora = []
+    if "heldout" in roles:
+        corpora.append(
+            Corpus("heldout", "text from " + ", ".join(heldout_text),
+                   "\n\n".join(read_text(p, limit=HELDOUT_LIMIT) for p in heldout_text))
+            if heldout_text else stdlib_corpus()
+        )
+    if "choosing" in roles:
+        corpora.append(CHOOSING)
+    return corpora
+
+
+def _set_threads(threads: int) -> None:
+    """``--threads``: torch's intra-op threads (0 leaves torch's default)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _load(model: str | None, dtype: str, why_tokenizer: str):
+    """The model in ``dtype`` (fp32 or bf16), refused without a tokenizer (``why_tokenizer`` says what needs it)."""
+    import torch
+
+    from lynxkv.hf.models import load_model
+
+    loaded = load_model(model, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    if loaded.tokenizer is None:
+        raise InputError(f"model {loaded.name!r} has no tokenizer; {why_tokenizer}")
+    return loaded
+
+
+def _progress(*columns):
+    """A transient progress display on stderr: description, bar, done of total, elapsed, then ``columns``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), *columns,
+        console=err, transient=True,
+    )  # fmt: skip
+
+
+def _plot(result: dict, plot, plot_dir: str | None) -> None:
+    """``--plot DIR``: write the plots (``plot(result, DIR)``), list them in the result and say so on stderr."""
+    if plot_dir:
+        result["plots"] = plot(result, plot_dir)
+        err.print(f"wrote {len(result['plots'])} plot(s) to {plot_dir}")
 
 
 def _tasks(spec, model, corpus, tokens, prompts, ppl_tokens, lengths, depths, trials, dtype, seed, schemes,
            as_json, as_markdown, plot_dir, threads) -> None:
     """``--task``: validate everything (the model's context from its configuration alone), then load the model,
     run lynxkv.eval.tasks and print lynxkv.eval.task_report."""
-    import torch
-    from rich.progress import (
-        BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-    )  # fmt: skip
+    from rich.progress import TimeRemainingColumn
 
     from lynxkv.eval import prose, task_report, tasks
-    from lynxkv.hf.models import load_model
 
     names = tasks.parse_tasks(spec)
     context = tokens and tasks.parse_lengths(tokens, "--tokens")
@@ -213,22 +258,13 @@ def _tasks(spec, model, corpus, tokens, prompts, ppl_tokens, lengths, depths, tr
     text = prose.default_corpus() if corpus in (None, "both", "heldout") else prose.directory_corpus(corpus)
     codecs = tasks.task_codecs(schemes)
     tasks.check_context(grid, tasks.model_context(model), model_label(model))
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     err.print(f"task text: {text.name}")
     err.print(f"loading model {model_label(model)} ({dtype}) ...")
-    loaded = load_model(model, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-    if loaded.tokenizer is None:
-        raise InputError(f"model {loaded.name!r} has no tokenizer; the tasks cut their prompts from text")
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), console=err, transient=True,
-    )  # fmt: skip
-    with progress:
+    loaded = _load(model, dtype, "the tasks cut their prompts from text")
+    with _progress(TimeRemainingColumn()) as progress:
         result = tasks.evaluate(loaded, text, grid, codecs, progress=progress)
-    if plot_dir:
-        result["plots"] = task_report.plot(result, plot_dir)
-        err.print(f"wrote {len(result['plots'])} plot(s) to {plot_dir}")
+    _plot(result, task_report.plot, plot_dir)
     if as_json:
         print_json(result)
     elif as_markdown:
