@@ -4,18 +4,15 @@ Eight SmolLM2 caches of 500-2,000 tokens (the built-in prompt from eight differe
 ``--dir``), all arriving together over one emulated link (default 60 Mbit/s), 64 tokens each, greedy. Every
 repeat runs, interleaved, through the CLI in this process (``lynxkv.cli.main``, ``--json``):
 
-    lynx-srf   the batch, one cache at a time (``--link-turn cache``, the default), shortest first
-    mono-srf   the batch on the monolithic full code (``--compare``; each cache whole, shortest first)
-    lynx-fifo  the batch, one cache at a time in arrival order
-    lynx-nolayered  lynx-srf with ``--no-layered-verify`` (each verify after its whole residual)
-    lynx-res   the batch, every anchor first, then the residuals shortest first (``--link-turn residual``)
+    lynx       the batch (one cache at a time on the link, smallest first) with ``--compare``: the same batch on
+               the monolithic full code over the same link
+    batch      the batch alone (its wall time is the batch's throughput)
     one-by-one each cache alone on its own link, one after another (batch 1; not with --no-batch1)
     decode-8 / decode-1   with --decode-only, the same without a link (caches on local disk): decode alone
 
 and prints the medians over the repeats: aggregate tokens/s (batch 8 against batch 1, beside the bound the link
-alone sets on that ratio), per-request TT64 of Lynx
-against the batched monolithic full code (the gain in units of Δ = min(t_res, 64·TPOT)), mean TT64 with either
-link order and either turn, and whether every request's tokens equal its batch-1 run's.
+alone sets on that ratio), per-request TT64 of Lynx against the batched monolithic full code (the gain in units of
+Δ = min(t_res, 64·TPOT)), and whether every request's tokens equal its batch-1 run's.
 
     python benchmarks/bench_batch.py --repeats 3 [--dir /tmp/bench-batch] [--bandwidth 60Mbps] [--json out.json]
                                      [--no-batch1]
@@ -33,7 +30,7 @@ import sys
 import time
 
 LENGTHS = (500, 700, 900, 1100, 1300, 1500, 1750, 2000)
-# The order the requests are given in (FIFO's order): not by size, so that shortest-residual-first differs from it.
+# The order the requests are given in (arrival order): not by size, so that sending the smallest first differs from it.
 ORDER = (7, 0, 5, 2, 6, 1, 4, 3)
 
 
@@ -94,62 +91,40 @@ def _delta(st: dict) -> float | None:
     return min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
 
 
-def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batch1: bool = True,
-              lynx: tuple[str, ...] = ()) -> dict:
-    common = ["-n", str(n), "--ignore-eos", *lynx]
+def one_round(paths: list[str], link: list[str], n: int, decode_only: bool, batch1: bool = True) -> dict:
+    common = ["-n", str(n), "--ignore-eos"]
     out = {}
-    srf, out["wall_srf"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache", "--compare")
-    fifo, out["wall_fifo"] = cli(*paths, *common, *link, "--link-order", "fifo", "--link-turn", "cache")
-    turn, out["wall_residual_turn"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "residual")
-    flat, out["wall_nolayered"] = cli(*paths, *common, *link, "--link-order", "srf", "--link-turn", "cache",
-                                      "--no-layered-verify")
-    # One by one with --min-window 0: the batch has no such rule (every window here is long enough to draft in
-    # anyway), and without it a single run does not time a decode step before its load opens (0.1-0.3 s)
-    single = ["--min-window", "0"]
+    lynx, _ = cli(*paths, *common, *link, "--compare")
+    batch, out["wall_batch8"] = cli(*paths, *common, *link)
     singles, walls = [], []
     for p in paths if batch1 else ():
-        doc, wall = cli(p, *common, *single, *link)
+        doc, wall = cli(p, *common, *link)
         singles.append(doc)
         walls.append(wall)
-    tokens = sum(len(r["token_ids"]) for r in srf["requests"])
-    out["tps_batch8"] = tokens / out["wall_fifo"]  # the srf call also ran the monolithic batch (--compare)
+    tokens = sum(len(r["token_ids"]) for r in lynx["requests"])
+    out["tps_batch8"] = tokens / out["wall_batch8"]
     out["tps_batch1"] = tokens / sum(walls) if walls else None
-    out["link_bound"] = link_bound(srf["requests"], singles, walls, link)
+    out["link_bound"] = link_bound(lynx["requests"], singles, walls, link)
     out["tps_decode8"] = out["tps_decode1"] = None
     if decode_only:
         out["wall_decode8"] = cli(*paths, *common)[1]
         out["tps_decode8"] = tokens / out["wall_decode8"]
-        out["tps_decode1"] = tokens / sum(cli(p, *common, *single)[1] for p in paths)
+        out["tps_decode1"] = tokens / sum(cli(p, *common)[1] for p in paths)
     rows = []
-    for r, s, c, nl in zip(srf["requests"], singles or [None] * len(paths), turn["requests"], flat["requests"]):
+    for r, s in zip(lynx["requests"], singles or [None] * len(paths)):
         st = r["stats"]
-        delta = None
-        if st["residual_after_anchor_s"] is not None and st["tpot_s"] is not None:
-            delta = min(st["residual_after_anchor_s"], 64 * st["tpot_s"])
-        mono = r["compare"]["monolithic_full"]["tt64_s"]
         rows.append({"name": r["name"], "prompt": st["prompt_tokens"], "tt1": st["tt1_s"], "tt64": st["tt64_s"],
-                     "tt64_mono": mono, "gain": r["compare"]["gain_tt64_s"], "delta": delta,
-                     "kept": f"{st['accepted']}/{st['drafted']}",
+                     "tt64_mono": r["compare"]["monolithic_full"]["tt64_s"], "gain": r["compare"]["gain_tt64_s"],
+                     "delta": _delta(st), "kept": f"{st['accepted']}/{st['drafted']}",
                      "tt64_batch1": s["stats"]["tt64_s"] if s else None,
-                     "tt64_residual_turn": c["stats"]["tt64_s"], "tt1_residual_turn": c["stats"]["tt1_s"],
-                     "delta_residual_turn": _delta(c["stats"]),
-                     "kept_residual_turn": f"{c['stats']['accepted']}/{c['stats']['drafted']}",
-                     "same_residual_turn": c["token_ids"] == r["token_ids"],
-                     "layered": bool(st.get("verify_layered")), "waited": st.get("verify_waited_s"),
-                     "tt64_nolayered": nl["stats"]["tt64_s"], "delta_nolayered": _delta(nl["stats"]),
-                     "kept_nolayered": f"{nl['stats']['accepted']}/{nl['stats']['drafted']}",
-                     "same_nolayered": nl["token_ids"] == r["token_ids"],
                      "same_as_mono": r["compare"]["monolithic_full"]["same_tokens_as_lynx"],
                      "same_as_batch1": r["token_ids"] == s["token_ids"] if s else None})
     out["rows"] = rows
-    out["tt64_mean_srf"] = srf["aggregate"]["tt64_mean_s"]
-    out["tt64_mean_fifo"] = fifo["aggregate"]["tt64_mean_s"]
-    out["tt64_mean_nolayered"] = flat["aggregate"]["tt64_mean_s"]
-    out["tt64_mean_residual_turn"] = turn["aggregate"]["tt64_mean_s"]
-    out["tt64_mean_mono"] = srf["aggregate"]["monolithic_full"]["tt64_mean_s"]
-    out["acceptance"] = srf["aggregate"]["acceptance_rate"]
-    out["verify_per_token"] = srf["aggregate"]["verify_s_per_token"]
-    out["same_fifo_tokens"] = [r["token_ids"] for r in fifo["requests"]] == [r["token_ids"] for r in srf["requests"]]
+    out["tt64_mean_lynx"] = lynx["aggregate"]["tt64_mean_s"]
+    out["tt64_mean_mono"] = lynx["aggregate"]["monolithic_full"]["tt64_mean_s"]
+    out["acceptance"] = lynx["aggregate"]["acceptance_rate"]
+    out["verify_per_token"] = lynx["aggregate"]["verify_s_per_token"]
+    out["same_batch_tokens"] = [r["token_ids"] for r in batch["requests"]] == [r["token_ids"] for r in lynx["requests"]]
     return out
 
 
@@ -238,93 +213,37 @@ def step_times(repeats: int, steps: int = 4) -> None:
           f"({nbytes / r_s / 1e9:.1f} GB/s)")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/tmp/lynxkv-bench-batch")
-    ap.add_argument("--bandwidth", default="60Mbps")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("-n", type=int, default=64)
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--steps-only", action="store_true", help="only the decode step at batch 1 against batch 8")
-    ap.add_argument("--no-batch1", action="store_true", help="skip the one-by-one runs (no batch-1 TT64, no "
-                    "throughput ratio): the TT64 comparisons only, in about half the time")
-    ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
-                    "a link (decode throughput alone)")
-    ap.add_argument("--branch-margin", type=float, default=0.0, help="passed to every run (the monolithic baseline "
-                    "does not draft)")
-    a = ap.parse_args()
-    if a.steps_only:
-        step_times(a.repeats)
-        return
-    paths = [encode(a.dir)[i] for i in ORDER]
-    rounds = []
-    for k in range(a.repeats):
-        lynx = ("--branch-margin", str(a.branch_margin)) if a.branch_margin else ()
-        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only, not a.no_batch1, lynx))
-        print(f"round {k + 1} of {a.repeats} done", file=sys.stderr, flush=True)
-        if a.json_out:
-            with open(a.json_out, "w") as f:
-                json.dump(rounds, f, indent=1)
+def report(rounds: list[dict], names: int, a) -> None:
+    """The medians over the rounds: per-request TT64 against the batched monolithic full code, then the means and
+    the throughput ratios."""
     med = lambda xs: statistics.median([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
-    print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link"
-          f"{f', --branch-margin {a.branch_margin:g}' if a.branch_margin else ''}; medians of {a.repeats} interleaved "
-          "rounds\n")
     f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     yes = lambda xs: "-" if any(x is None for x in xs) else ("yes" if all(xs) else "NO")  # noqa: E731
-    print("--link-turn cache (the default: one cache at a time, its anchor then its residual), srf order:\n")
+    print(f"8 SmolLM2 requests of {LENGTHS[0]}-{LENGTHS[-1]} tokens, {a.n} tokens each, one {a.bandwidth} link "
+          f"(one cache at a time, smallest first); medians of {a.repeats} interleaved rounds\n")
     print("| request | prompt | TT1 | TT64 batch 8 | TT64 monolithic batch 8 | gain | Δ | gain / Δ | drafts kept "
-          "| layered verify (waited, s) | gain / Δ without it | TT64 batch 1 | = monolithic | = batch 1 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|---|")
-    ratios, flat_ratios = [], []
-    for i in range(len(paths)):
+          "| TT64 batch 1 | = monolithic | = batch 1 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|")
+    ratios = []
+    for i in range(names):
         rs = [r["rows"][i] for r in rounds]
         g, d = med([r["gain"] for r in rs]), med([r["delta"] for r in rs])
-        ratio = g / d if g is not None and d else None
-        ratios.append(ratio)
-        gn = med([r["tt64_mono"] - r["tt64_nolayered"] for r in rs if r["tt64_mono"] and r["tt64_nolayered"]])
-        dn = med([r["delta_nolayered"] for r in rs])
-        flat_ratios.append(gn / dn if gn is not None and dn else None)
-        layered = ", ".join(f"{r['waited']:.2f}" if r["layered"] and r["waited"] is not None else "no" for r in rs)
+        ratios.append(g / d if g is not None and d else None)
         print(f"| {rs[0]['name']} | {rs[0]['prompt']} | {f(med([r['tt1'] for r in rs]))} | "
               f"{f(med([r['tt64'] for r in rs]))} | {f(med([r['tt64_mono'] for r in rs]))} | {f(g)} | {f(d)} | "
-              f"{f(ratio)} | {', '.join(r['kept'] for r in rs)} | {layered} | {f(flat_ratios[-1])} | "
-              f"{f(med([r['tt64_batch1'] for r in rs]))} | "
-              f"{yes([r['same_as_mono'] and r['same_nolayered'] for r in rs])} | "
-              f"{yes([r['same_as_batch1'] for r in rs])} |")
-    t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
-    d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
-    print()
-    print("--link-turn residual (every anchor first, then one residual at a time), srf order:\n")
-    print("| request | TT1 | TT64 | TT64 monolithic | gain | Δ | gain / Δ | drafts kept | = cache turn |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
-    turn_ratios = []
-    for i in range(len(paths)):
-        rs = [r["rows"][i] for r in rounds]
-        tt, mono = med([r["tt64_residual_turn"] for r in rs]), med([r["tt64_mono"] for r in rs])
-        g = med([r["tt64_mono"] - r["tt64_residual_turn"] for r in rs if r["tt64_mono"] and r["tt64_residual_turn"]])
-        d = med([r["delta_residual_turn"] for r in rs])
-        ratio = g / d if g is not None and d else None
-        turn_ratios.append(ratio)
-        print(f"| {rs[0]['name']} | {f(med([r['tt1_residual_turn'] for r in rs]))} | {f(tt)} | {f(mono)} | {f(g)} "
-              f"| {f(d)} | {f(ratio)} | {', '.join(r['kept_residual_turn'] for r in rs)} | "
-              f"{yes([r['same_residual_turn'] for r in rs])} |")
+              f"{f(ratios[-1])} | {', '.join(r['kept'] for r in rs)} | {f(med([r['tt64_batch1'] for r in rs]))} | "
+              f"{yes([r['same_as_mono'] for r in rs])} | {yes([r['same_as_batch1'] for r in rs])} |")
     print()
     # each round's ratios first (its runs were interleaved, minutes apart at most), then their median
-    per = lambda a, b: med([r[a] / r[b] for r in rounds if r[a] and r[b]])  # noqa: E731
-    print(f"mean TT64, medians of the rounds: cache turn {f(med([r['tt64_mean_srf'] for r in rounds]))} s, residual "
-          f"turn {f(med([r['tt64_mean_residual_turn'] for r in rounds]))} s, monolithic "
-          f"{f(med([r['tt64_mean_mono'] for r in rounds]))} s; per round, cache turn / monolithic "
-          f"{f(per('tt64_mean_srf', 'tt64_mean_mono'))}, residual turn / cache turn "
-          f"{f(per('tt64_mean_residual_turn', 'tt64_mean_srf'))}")
-    print(f"median per-request gain over the batched monolithic full code: cache turn "
-          f"{f(statistics.median([r for r in ratios if r is not None]))} Δ "
-          f"({f(statistics.median([r for r in flat_ratios if r is not None]))} Δ with --no-layered-verify; mean TT64 "
-          f"{f(med([r['tt64_mean_nolayered'] for r in rounds]))} s), residual turn "
-          f"{f(statistics.median([r for r in turn_ratios if r is not None]))} Δ")
-    fs, ff = med([r["tt64_mean_srf"] for r in rounds]), med([r["tt64_mean_fifo"] for r in rounds])
-    srf_gain = med([(r["tt64_mean_fifo"] - r["tt64_mean_srf"]) / r["tt64_mean_fifo"] for r in rounds])
-    print(f"mean TT64: srf {fs:.2f} s, fifo {ff:.2f} s: srf {ff - fs:+.2f} s (per round {srf_gain:+.1%}) "
-          f"(same tokens either way: {all(r['same_fifo_tokens'] for r in rounds)})")
+    per = lambda x, y: med([r[x] / r[y] for r in rounds if r[x] and r[y]])  # noqa: E731
+    print(f"mean TT64, medians of the rounds: lynx {f(med([r['tt64_mean_lynx'] for r in rounds]))} s, monolithic "
+          f"{f(med([r['tt64_mean_mono'] for r in rounds]))} s; per round, lynx / monolithic "
+          f"{f(per('tt64_mean_lynx', 'tt64_mean_mono'))}")
+    print(f"median per-request gain over the batched monolithic full code: "
+          f"{f(med([r for r in ratios if r is not None]))} Δ "
+          f"(the batch alone gave the same tokens: {all(r['same_batch_tokens'] for r in rounds)})")
+    t8, t1 = med([r["tps_batch8"] for r in rounds]), med([r["tps_batch1"] for r in rounds])
+    d8, d1 = med([r["tps_decode8"] for r in rounds]), med([r["tps_decode1"] for r in rounds])
     if t1 is not None:
         print(f"aggregate tokens/s over the link: batch 8 {t8:.1f}, one by one {t1:.1f}: {t8 / t1:.2f}x "
               f"(per round {f(per('tps_batch8', 'tps_batch1'))}x)")
@@ -337,6 +256,34 @@ def main() -> None:
         print(f"aggregate tokens/s without a link (decode): batch 8 {d8:.1f}, one by one {d1:.1f}: {d8 / d1:.2f}x")
     print(f"acceptance {med([r['acceptance'] for r in rounds]):.2f}; verify per accepted token "
           f"{1e3 * med([r['verify_per_token'] for r in rounds]):.0f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/lynxkv-bench-batch")
+    ap.add_argument("--bandwidth", default="60Mbps")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--steps-only", action="store_true", help="only the decode step at batch 1 against batch 8")
+    ap.add_argument("--no-batch1", action="store_true", help="skip the one-by-one runs (no batch-1 TT64, no "
+                    "throughput ratio): the TT64 comparisons only, in about half the time")
+    ap.add_argument("--decode-only", action="store_true", help="also run the batch and the one-by-one runs without "
+                    "a link (decode throughput alone)")
+    a = ap.parse_args()
+    if a.steps_only:
+        step_times(a.repeats)
+        return
+    paths = [encode(a.dir)[i] for i in ORDER]
+    rounds = []
+    for k in range(a.repeats):
+        rounds.append(one_round(paths, ["--bandwidth", a.bandwidth], a.n, a.decode_only, not a.no_batch1))
+        print(f"round {k + 1} of {a.repeats} done", file=sys.stderr, flush=True)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rounds, f, indent=1)
+    report(rounds, len(paths), a)
+
 
 if __name__ == "__main__":
     main()

@@ -78,7 +78,7 @@ def row_of(doc: dict, prompt: str, rate: str) -> dict:
     tt1, full_tt1 = rows["lynx"]["tt1_s"], rows["monolithic-full"]["tt1_s"]
     return {
         "prompt": prompt, "rate": rate,
-        # with --branch-margin, "+1+n": the branch's root and n of its drafts kept after the main chain's
+        # with a branch, "+1+n": the branch's root and n of its drafts kept after the main chain's
         # and "(fork at p)" for a fork whose branch was not verified (the main chain was not rejected there)
         "worth_s": (_med([s["accepted"] + (s.get("branch_accepted") or 0) for s in lynx]) or 0) * step
         if step else None,

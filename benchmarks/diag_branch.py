@@ -14,7 +14,7 @@ The first disagreement d is where the free chain first differs from F (the two a
 branch policy forks at a position p of the free chain (within the window of ``--window`` drafts) whose margin is
 below X, the branch's root being the anchor's runner-up there:
 
-- ``first``: the first position below X (``lynxkv run --branch-margin X``);
+- ``first``: the first position below X (what the runner does, with X = ``lynxkv.speculative.config.BRANCH_MARGIN``);
 - ``lowest``: and re-forked whenever a later position's margin is lower than the current fork's.
 
 A fork is *true* when p = d and F's token at d is the runner-up: the verify rejects the main chain at d and the
@@ -24,7 +24,7 @@ fork also the branch's accepted drafts (its root is not counted: without a branc
 as its correction). A fork makes every later draft step a two-chain step; the ones that cost drafts are those
 while the main chain is still right (p < i < d, or to the window's end when nothing disagrees): "costly
 two-chain steps" below. Those after d only slow drafts that are rejected anyway. The window is counted in drafts,
-not in time (the two-chain steps' own cost is measured end to end by bench_branch.py).
+not in time (the two-chain steps' own cost is in the end-to-end runs of bench_held_out.py).
 """
 
 from __future__ import annotations
