@@ -54,7 +54,6 @@ def stream(
     from lynxkv.stream.progressive import open_progressive
     from lynxkv.stream.received import ReceivedCopy
     from lynxkv.stream.summary import transfer_report
-    from lynxkv.stream.units import format_rate, format_seconds
 
     if exact_out is not None and output is None:
         raise InputError("--exact-out needs -o (where the copy goes)")
@@ -65,31 +64,8 @@ def stream(
                             tee=saver.tee if saver else None, allow_locations=allow_location or (),
                             exact=want_exact, exact_file=exact_file)
     try:
-        with _progress() as bars:
-            ta = bars.add_task("anchor", total=None)
-            tr = bars.add_task("residual", total=None)
-            te = bars.add_task("exact", total=None, visible=False)
-
-            def update() -> None:
-                a_total, r_total = load.sizes
-                extra = load.timeline.extra
-                bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
-                bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
-                if "exact_total_bytes" in extra:  # the cache has an exact segment, and it is being read
-                    bars.update(te, completed=extra.get("exact_bytes", 0), total=extra["exact_total_bytes"],
-                                visible=True)
-
-            while not (load.residual.done() and (want_exact is False or load.exact.done())):
-                update()
-                time.sleep(0.05)
-            update()
-        failure = load.residual.exception()
-        if load.anchor_error is not None:
-            raise load.anchor_error
-        if failure is not None and not allow_anchor_only:
-            raise failure
-        if want_exact is not False and failure is None and load.exact.exception() is not None:
-            raise load.exact.exception()
+        _watch(load, want_exact)
+        failure = _failure(load, want_exact, allow_anchor_only)
         report = transfer_report(load, source=source)
         if saver is not None:
             report["written"] = saver.commit(load, anchor_only=failure is not None)
@@ -101,36 +77,88 @@ def stream(
     if as_json:
         print_json(report)
         return
+    out.print(_timeline_table(source, report, failure is None))
+    if report.get("monolithic"):
+        out.print(_monolithic_table(report))
+    if report.get("written"):
+        err.print("wrote " + ", ".join(f"{k} {v}" for k, v in report["written"].items()), highlight=False)
+
+
+def _watch(load, want_exact: bool | None) -> None:
+    """Progress bars of the anchor, the residual and (once it is being read) the exact segment, until the load
+    has resolved every segment it reads."""
+    with _progress() as bars:
+        ta = bars.add_task("anchor", total=None)
+        tr = bars.add_task("residual", total=None)
+        te = bars.add_task("exact", total=None, visible=False)
+
+        def update() -> None:
+            a_total, r_total = load.sizes
+            extra = load.timeline.extra
+            bars.update(ta, completed=load.timeline.anchor_bytes, total=a_total)
+            bars.update(tr, completed=load.timeline.residual_bytes, total=r_total)
+            if "exact_total_bytes" in extra:  # the cache has an exact segment, and it is being read
+                bars.update(te, completed=extra.get("exact_bytes", 0), total=extra["exact_total_bytes"],
+                            visible=True)
+
+        while not (load.residual.done() and (want_exact is False or load.exact.done())):
+            update()
+            time.sleep(0.05)
+        update()
+
+
+def _failure(load, want_exact: bool | None, allow_anchor_only: bool) -> BaseException | None:
+    """Raise what failed the load (the anchor; the residual, unless the anchor may stand alone; the exact segment
+    read); else the residual's failure the load went on without (None: the whole cache came)."""
+    failure = load.residual.exception()
+    if load.anchor_error is not None:
+        raise load.anchor_error
+    if failure is not None and not allow_anchor_only:
+        raise failure
+    if want_exact is not False and failure is None and load.exact.exception() is not None:
+        raise load.exact.exception()
+    return failure
+
+
+def _timeline_table(source: str, report: dict, residual_ok: bool):
+    """Each segment's ready time, bytes and rate, and the total."""
     from rich.table import Table
+
+    from lynxkv.stream.units import format_rate, format_seconds
 
     t = Table(title=f"lynxkv stream {source}", title_justify="left")
     for col in ("stream", "ready", "bytes", "rate"):
         t.add_column(col, justify="right" if col != "stream" else "left")
     t.add_row("anchor", format_seconds(report["anchor_ready_s"]), f"{report['anchor_bytes']:,}",
               format_rate(report["anchor_rate"]) if report["anchor_rate"] else "-")
-    t.add_row("residual", format_seconds(report["residual_ready_s"]) if failure is None else "FAILED",
+    t.add_row("residual", format_seconds(report["residual_ready_s"]) if residual_ok else "FAILED",
               f"{report['residual_bytes']:,}", format_rate(report["residual_rate"]) if report["residual_rate"] else "-")
     if report.get("exact_bytes") is not None:
         t.add_row("exact", format_seconds(report["exact_ready_s"]), f"{report['exact_bytes']:,}",
                   format_rate(report["exact_rate"]) if report.get("exact_rate") else "-")
     t.add_row("total", "", f"{report['anchor_bytes'] + report['residual_bytes'] + (report.get('exact_bytes') or 0):,}",
               format_rate(report["total_rate"]) if report["total_rate"] else "-")
-    out.print(t)
-    if report.get("monolithic"):
-        m = Table(title="monolithic transfer of the same cache on this link", title_justify="left")
-        for col in ("format", "bytes", "time"):
-            m.add_column(col, justify="right" if col != "format" else "left")
-        for name, row in report["monolithic"].items():
-            m.add_row(name.upper(), f"{row['bytes']:,}", format_seconds(row["seconds"]))
-        m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", format_seconds(report["anchor_ready_s"]))
-        m.add_row("lynx full", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
-                  format_seconds(report["residual_ready_s"]))
-        if report.get("exact_ready_s") is not None:
-            m.add_row("lynx exact", f"{report['anchor_bytes'] + report['residual_bytes'] + report['exact_bytes']:,}",
-                      format_seconds(report["exact_ready_s"]))
-        out.print(m)
-    if report.get("written"):
-        err.print("wrote " + ", ".join(f"{k} {v}" for k, v in report["written"].items()), highlight=False)
+    return t
+
+
+def _monolithic_table(report: dict):
+    """The same cache sent whole in each monolithic format on this link, beside lynx's anchor, full code and exact."""
+    from rich.table import Table
+
+    from lynxkv.stream.units import format_seconds
+
+    m = Table(title="monolithic transfer of the same cache on this link", title_justify="left")
+    for col in ("format", "bytes", "time"):
+        m.add_column(col, justify="right" if col != "format" else "left")
+    for name, row in report["monolithic"].items():
+        m.add_row(name.upper(), f"{row['bytes']:,}", format_seconds(row["seconds"]))
+    m.add_row("lynx anchor", f"{report['anchor_bytes']:,}", format_seconds(report["anchor_ready_s"]))
+    m.add_row("lynx full", f"{report['anchor_bytes'] + report['residual_bytes']:,}",
+              format_seconds(report["residual_ready_s"]))
+    if report.get("exact_ready_s") is not None:
+        m.add_row("lynx exact", f"{report['anchor_bytes'] + report['residual_bytes'] + report['exact_bytes']:,}",
+                  format_seconds(report["exact_ready_s"]))
+    return m
 
 
 @app.command()
