@@ -198,3 +198,33 @@ def test_while_the_runner_drafts_the_load_leaves_the_landed_layers_to_it(tmp_pat
     assert s.layers_dequantized_between_drafts >= 2, s.layers_dequantized_between_drafts
     assert early == []
     assert res.token_ids == want
+
+
+def test_the_hooks_go_on_once_per_draft_phase_and_come_off_after(model, monkeypatch):
+    """Five draft forwards (the fifth ended part-way) register the hooks once, and none is left on the model."""
+    first = decoder_modules(model)[0]
+    registered = []
+    real = first.register_forward_pre_hook
+    monkeypatch.setattr(first, "register_forward_pre_hook", lambda hook: registered.append(hook) or real(hook))
+    ids = prompt_ids(7, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    res, _ = _run(model, ids, anchor_kv, full_kv, 5)
+    assert res.stats.drafts_abandoned == 1 and len(res.stats.draft_steps) == 4
+    assert len(registered) == 1 and not first._forward_pre_hooks
+
+
+def test_a_run_stopped_while_it_drafts_leaves_no_hooks(model):
+    from lynxkv.speculative import stream
+
+    first = decoder_modules(model)[0]
+    ids = prompt_ids(7, 40)
+    _, anchor_kv, full_kv = caches(model, ids)
+    load = _LandsInForward(model, ids, anchor_kv, full_kv, 1000)  # the residual never lands in this run
+    try:
+        events = stream(model, load, RunConfig(max_new_tokens=30, max_window=24), provisional=True)
+        assert next(e for e in events if e.kind == "draft").tokens
+        assert first._forward_pre_hooks  # drafting: the interrupt's hook is on
+        events.close()  # the caller stops reading mid-draft
+    finally:
+        load.close()
+    assert not first._forward_pre_hooks

@@ -10,7 +10,9 @@ if it has, ends the forward with
 grown in some layers and not in others, is not used again (the full code replaces it, and a failed residual never
 interrupts, so the anchor-only fallback always gets a whole cache).
 
-A model whose decoder layers cannot be found gets no hooks: its draft steps run to their end, as before.
+The hooks go on at a request's first draft step and come off when its drafting ends (or the request leaves), not
+at every step; between draft forwards they are disarmed and only compare a thread id. A model whose decoder layers
+cannot be found gets no hooks: its draft steps run to their end, as before.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class DraftInterrupt:
         if self.modules and isinstance(head, torch.nn.Module):
             self.modules.append(head)
         self._armed_in: int | None = None  # the thread whose draft forward the hooks may end
+        self._handles: list | None = None  # the registered hooks while installed
         self.abandoned = 0  # forwards ended part-way
 
     def _check(self, *_args) -> None:
@@ -60,15 +63,26 @@ class DraftInterrupt:
             self.abandoned += 1
             raise Superseded
 
+    def install(self) -> None:
+        """Put the hooks on the model (disarmed); a second call while they are on does nothing."""
+        if self._handles is None:
+            self._handles = [m.register_forward_pre_hook(self._check) for m in self.modules]
+
+    def remove(self) -> None:
+        """Take the hooks off the model; nothing to do when they are off."""
+        self._armed_in = None
+        handles, self._handles = self._handles, None
+        for h in handles or ():
+            h.remove()
+
     @contextmanager
     def installed(self):
-        handles = [m.register_forward_pre_hook(self._check) for m in self.modules]
+        """The hooks on the model for the ``with`` block."""
+        self.install()
         try:
             yield self
         finally:
-            self._armed_in = None
-            for h in handles:
-                h.remove()
+            self.remove()
 
     def run(self, fn, *args):
         """``fn(*args)`` with the hooks armed: raises :class:`Superseded` when the residual lands during it."""

@@ -312,9 +312,9 @@ class Request:
             return forward_tokens(self.model, self.cache, self.pending)
         step = forward_tokens if self.brancher is None else self.brancher.forward
         before = int(self.cache.get_seq_length())
+        self.interrupt.install()  # once per draft phase: _stop_drafting and leave take the hooks off
         try:
-            with self.interrupt.installed():
-                return self.interrupt.run(step, self.model, self.cache, self.pending)
+            return self.interrupt.run(step, self.model, self.cache, self.pending)
         except Superseded:
             # Some layers took the step's token, the others not: the anchor-only fallback must see a whole cache
             trim_to(self.cache, before)
@@ -417,6 +417,8 @@ class Request:
         """Drafting is over: on to ``phase``; its steps and drafts noted, the branch's cache let go."""
         was_drafting = self.phase == "draft"
         self.phase = phase
+        if self.interrupt is not None:
+            self.interrupt.remove()
         if self.brancher is not None and self.brancher.branch is not None:
             self.brancher.branch.cache = None
         self.stats.drafted, self.stats.draft_token_ids = len(self.drafts), list(self.drafts)
@@ -445,6 +447,8 @@ class Request:
             self.noted = True
             self.timing.note_step(steps[len(steps) // 2][2], statistics.median(e - s for s, e, _ in steps))
         self.load = self.cache = self.anchor_kv = self.draft_cache = self.lv = self.side = None
+        if self.interrupt is not None:  # a request that left while drafting (it failed, or the run was stopped)
+            self.interrupt.remove()
         if self.brancher is not None:
             self._drop_branch()
         self.draft_probs.clear()
