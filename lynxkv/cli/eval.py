@@ -109,38 +109,38 @@ def eval_command(
             raise InputError("--task excludes --kv, --sweep and --heldout-text (give task text with --corpus DIR)")
         return _tasks(task, model, corpus, tokens, prompts, ppl_tokens, lengths, depths, trials, dtype, seed,
                       schemes, as_json, as_markdown, plot_dir, threads)
-    from lynxkv.eval import baselines, report, suite
+    from lynxkv.eval.baselines import select
 
     roles = _roles(kv, model, corpus or "both", heldout_text)
-    codecs = baselines.select(schemes, sweep=sweep)
+    codecs = select(schemes, sweep=sweep)
     context = _lengths(tokens or "1000")
     _set_threads(threads)
-    with _progress() as progress:
-        if kv:
-            result = suite.evaluate_kv(kv, codecs, progress=progress)
-        else:
-            result = _evaluate_model(
-                model, _corpora(roles, heldout_text), codecs, progress, lengths=context, prompts=prompts or 4,
-                window=window, ppl_tokens=64 if ppl_tokens is None else ppl_tokens, windows=windows,
-                tie_margin=tie_margin,
-            )
-    _plot(result, report.plot, plot_dir)
-    _print_scores(result, len(codecs), as_json, as_markdown)
+    result = _score(kv, model, roles, heldout_text, codecs, lengths=context, prompts=prompts or 4, window=window,
+                    ppl_tokens=64 if ppl_tokens is None else ppl_tokens, windows=windows, tie_margin=tie_margin)
+    _print_scores(result, len(codecs), plot_dir, as_json, as_markdown)
 
 
-def _evaluate_model(model: str | None, corpora: list, codecs, progress, **settings) -> dict:
-    """Load the model (fp32) and score ``codecs`` on ``corpora`` (lynxkv.eval.suite.evaluate_model)."""
+def _score(kv: str | None, model: str | None, roles: tuple[str, ...], heldout_text: list[str] | None, codecs,
+           **settings) -> dict:
+    """Score ``codecs`` on the KV dump ``kv`` (KV-only metrics), or on the corpora of ``roles`` with the model
+    (loaded in fp32) under ``settings`` (lynxkv.eval.suite), with a progress display."""
     from lynxkv.eval import suite
 
-    err.print(f"loading model {model_label(model)} ...")
-    loaded = _load(model, "fp32", "prompts are cut from text")
-    return suite.evaluate_model(loaded, codecs, corpora, progress=progress, **settings)
+    with _progress() as progress:
+        if kv:
+            return suite.evaluate_kv(kv, codecs, progress=progress)
+        corpora = _corpora(roles, heldout_text)
+        err.print(f"loading model {model_label(model)} ...")
+        loaded = _load(model, "fp32", "prompts are cut from text")
+        return suite.evaluate_model(loaded, codecs, corpora, progress=progress, **settings)
 
 
-def _print_scores(result: dict, codecs: int, as_json: bool, as_markdown: bool) -> None:
-    """The draft-metrics result on stdout (JSON, Markdown or tables), then its time and how to read it on stderr."""
+def _print_scores(result: dict, codecs: int, plot_dir: str | None, as_json: bool, as_markdown: bool) -> None:
+    """The plots (``--plot``), the draft-metrics result on stdout (JSON, Markdown or tables), then its time and how
+    to read it on stderr."""
     from lynxkv.eval import report
 
+    _plot(result, report.plot, plot_dir)
     if as_json:
         print_json(result)
     elif as_markdown:
