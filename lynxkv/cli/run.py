@@ -235,7 +235,6 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
     from lynxkv.bench.emulated_link import link_at
     from lynxkv.bench.timeline import compare_timelines, run_timeline
     from lynxkv.cli.console import model_label, progress_step
-    from lynxkv.hf import continuation_ids
     from lynxkv.hf.models import check_context, load_model
     from lynxkv.integrations.lmcache import source as lmcache_source
     from lynxkv.speculative import stream
@@ -271,28 +270,14 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
     load = open_load()
     printer = None
     try:
-        new = None
-        if prompt is not None:  # the cached prompt's ids arrive with the anchor header
-            load.wait_anchor()
-            new = continuation_ids(loaded.tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt)
-        elif store is not None:  # the tokens after the stored prefix are prefilled on the anchor, as new text
-            load.wait_anchor()
-            new = list(store.tokens[len(load.prompt_token_ids or []):]) or None
-            cached = len(load.prompt_token_ids or [])
+        new, cached = _new_tokens(load, loaded.tokenizer, prompt, store, cached)
         check_context(loaded.model.config, cached + len(new or []), max_new_tokens)
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         events = stream(loaded.model, load, cfg, new_token_ids=new, timing=timing, fingerprint=fingerprint,
                         provisional=printer is not None and printer.live is not None, started_at=started)
         result = _collect(events, printer)
-        printer, tokens, stats = None, result.token_ids, result.stats
-        report: dict = {
-            "prompt_token_ids": [int(t) for t in load.prompt_token_ids or []] + (new or []),
-            "token_ids": tokens,
-            "text": loaded.tokenizer.decode(tokens, skip_special_tokens=True),
-            "verified": stats.verified,
-            "verified_against": "exact" if exact else "full code",
-            "stats": stats.to_dict(),
-        }
+        printer, stats = None, result.stats
+        report = _run_report(load, new, result, loaded.tokenizer, exact)
         gain_label, gain = "gain, estimated (vs. wait-then-decode at this TPOT)", stats.gain_estimated(64)
         if compare:
             err.print("running the monolithic baselines (bf16, full code, anchor only) on the same link ...")
@@ -310,6 +295,34 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
     if timeline is not None:  # written loses none of them
         write_timeline(timeline, report["timelines"], cache)
     return report
+
+
+def _new_tokens(load, tokenizer, prompt, store, cached: int) -> tuple[list[int] | None, int]:
+    """(the tokens prefilled on the anchor after the cached prompt, the cached prompt's length): ``--prompt``'s
+    continuation, or an LMCache store's tokens past its stored prefix; both need the anchor header's prompt ids."""
+    from lynxkv.hf import continuation_ids
+
+    if prompt is not None:
+        load.wait_anchor()
+        return continuation_ids(tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt), cached
+    if store is not None:
+        load.wait_anchor()
+        return list(store.tokens[len(load.prompt_token_ids or []):]) or None, len(load.prompt_token_ids or [])
+    return None, cached
+
+
+def _run_report(load, new: list[int] | None, result, tokenizer, exact: bool) -> dict:
+    """The run's report: the prompt's and the output's ids, the text, whether and against what it was verified, the
+    stats."""
+    tokens, stats = result.token_ids, result.stats
+    return {
+        "prompt_token_ids": [int(t) for t in load.prompt_token_ids or []] + (new or []),
+        "token_ids": tokens,
+        "text": tokenizer.decode(tokens, skip_special_tokens=True),
+        "verified": stats.verified,
+        "verified_against": "exact" if exact else "full code",
+        "stats": stats.to_dict(),
+    }
 
 
 def _model_of(cache: str, store, model, *, prompt, residual, allow, exact: bool) -> tuple:

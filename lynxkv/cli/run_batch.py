@@ -103,27 +103,17 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     """Decode every request together (lynxkv.speculative.engine) and report one row per request and the aggregate."""
     import torch
 
-    from lynxkv.cache import open_cache
     from lynxkv.cli.console import model_label, print_json, progress_step
-    from lynxkv.errors import LynxError
     from lynxkv.hf import continuation_ids
-    from lynxkv.hf.models import check_context, load_model, model_for_cache
+    from lynxkv.hf.models import check_context, load_model
 
-    configs = []  # each request's settings with the command's (--branch-margin is greedy only), checked first
+    configs = []  # each request's settings with the command's, checked first
     for spec in specs:
         try:
             configs.append(_config(cfg, spec))
         except InputError as exc:
             raise InputError(f"request {spec.name}: {exc}") from None
-    sizes, errors = [], {}  # errors: request index -> why it cannot run (it ends with that, the others go on)
-    for i, spec in enumerate(specs):  # every cache's recorded model is checked before any weights load
-        try:
-            with open_cache(spec.cache, allow_locations=allow_locations) as c:
-                model_for_cache(c.info.properties, model)
-                sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
-        except LynxError as exc:
-            errors[i] = f"{spec.cache}: {exc}" if spec.cache not in str(exc) else str(exc)
-            sizes.append((0, 0, []))
+    sizes, errors = _check_caches(specs, model, allow_locations)
     if len(errors) == len(specs):
         _report_errors([(spec.name, errors[i]) for i, spec in enumerate(specs)])
         raise SystemExit(1)
@@ -156,13 +146,7 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
         err.print("running the monolithic full code on the same link, batched the same way ...")
         mono = _run_once(loaded, requests, sizes, rate, max_batch, False, speculate=False, progress=False,
                          allow_locations=allow_locations)
-        for row, m in zip(report["requests"], mono.requests):
-            tt_l, tt_m = row["stats"]["tt64_s"], m.stats.tt(64)
-            same = None if m.error or row["error"] else m.token_ids == row["token_ids"]  # nothing to compare
-            row["compare"] = {"monolithic_full": {"tt1_s": m.stats.tt(1), "tt64_s": tt_m, "error": m.error,
-                                                  "same_tokens_as_lynx": same},
-                              "gain_tt64_s": None if tt_l is None or tt_m is None else tt_m - tt_l}
-        report["aggregate"]["monolithic_full"] = mono.aggregate()
+        _add_compare(report, mono)
     if as_json:  # the results first: a --timeline that cannot be written loses none of them
         print_json(report)
     else:
@@ -178,6 +162,37 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     if failed:
         raise SystemExit(1)  # every other request's output is above
     return report
+
+
+def _check_caches(specs: list[Spec], model, allow_locations: tuple) -> tuple[list[tuple], dict[int, str]]:
+    """Every cache's recorded model checked against ``model`` before any weights load: (per request its anchor's
+    and residual's bytes and its cached prompt's ids, the requests that cannot run: index -> why)."""
+    from lynxkv.cache import open_cache
+    from lynxkv.errors import LynxError
+    from lynxkv.hf.models import model_for_cache
+
+    sizes, errors = [], {}  # a request that cannot run ends with its error, the others go on
+    for i, spec in enumerate(specs):
+        try:
+            with open_cache(spec.cache, allow_locations=allow_locations) as c:
+                model_for_cache(c.info.properties, model)
+                sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
+        except LynxError as exc:
+            errors[i] = f"{spec.cache}: {exc}" if spec.cache not in str(exc) else str(exc)
+            sizes.append((0, 0, []))
+    return sizes, errors
+
+
+def _add_compare(report: dict, mono) -> None:
+    """Each request's monolithic full-code run (``mono``, batched the same way) beside its Lynx row, and the
+    monolithic aggregate."""
+    for row, m in zip(report["requests"], mono.requests):
+        tt_l, tt_m = row["stats"]["tt64_s"], m.stats.tt(64)
+        same = None if m.error or row["error"] else m.token_ids == row["token_ids"]  # nothing to compare
+        row["compare"] = {"monolithic_full": {"tt1_s": m.stats.tt(1), "tt64_s": tt_m, "error": m.error,
+                                              "same_tokens_as_lynx": same},
+                          "gain_tt64_s": None if tt_l is None or tt_m is None else tt_m - tt_l}
+    report["aggregate"]["monolithic_full"] = mono.aggregate()
 
 
 def _report_errors(failed: list[tuple[str, str]]) -> None:
