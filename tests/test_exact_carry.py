@@ -1,4 +1,4 @@
-"""The exact segment (format 1.4) everywhere the other segments go: ``lynxkv tier --exact-out``, ``lynxkv serve``,
+"""The exact segment everywhere the other segments go: ``lynxkv tier --exact-out``, ``lynxkv serve``,
 the progressive reader's third stage (``open_progressive(..., exact=True)``, ``lynxkv stream --exact``) and
 ``stream -o``: bit-identical tensors in every dtype, and a wrong, corrupt or untrusted exact segment refused with
 one clear error before any tensor is returned or any file written."""

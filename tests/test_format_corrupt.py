@@ -18,9 +18,10 @@ from lynxkv.format.writer import build_files
 from lynxkv.quant.scheme import Scheme, get_scheme
 
 SCHEME = Scheme(chunk=4, page=8)
-#: Format 1.3 with every later feature: keys rotated (flag KEY_ROTATION), values per channel, 4 sink tokens.
-SCHEME_1_3 = get_scheme("default", chunk=4, page=8, extremes="midpoint")
-SCHEME_1_6 = get_scheme("default", chunk=4, page=8)  # the end sub-bins decoded at the chunk's extremes
+#: Every scheme field of the default: keys rotated (flag KEY_ROTATION), values per channel, 4 sink tokens, and
+#: the full code's end sub-bins decoded at the chunk's extremes (flag EXTREMES); and the same at the midpoints.
+SCHEME_DEFAULT = get_scheme("default", chunk=4, page=8)
+SCHEME_MIDPOINT = SCHEME_DEFAULT.replace(extremes="midpoint")
 FINGERPRINT = "00112233445566778899aabbccddeeff"
 
 
@@ -57,15 +58,6 @@ def edit_header(field: str, value: int, size: str = "I"):
         struct.pack_into("<" + size, a, c.ANCHOR_FIELD_OFFSETS[field], value)
         if field != "header_length":
             fix_header_crc(a)
-    return edit
-
-
-def edit_minor_2(field: str, value: int, size: str = "I"):
-    """A 1.2 header (``version_minor`` 2) with one of its scheme fields changed."""
-    def edit(a: bytearray, r: bytearray):
-        struct.pack_into("<H", a, c.ANCHOR_FIELD_OFFSETS["version_minor"], 2)
-        struct.pack_into("<" + size, a, c.ANCHOR_FIELD_OFFSETS[field], value)
-        fix_header_crc(a)
     return edit
 
 
@@ -135,16 +127,12 @@ CORPUS = [
     ("anchor-bad-magic", anchor_bytes_edit(lambda a: a.__setitem__(1, ord("l"))), "anchor", "magic", FormatError),
     ("anchor-version-2", edit_header("version_major", 2, "H"), "anchor", "version_major", FormatError),
     ("anchor-unknown-flag", edit_header("flags", 1 << 7), "anchor", "flags", FormatError),
-    ("anchor-1.2-sink-tokens-in-a-1.0-file", edit_header("sink_tokens", 1), "anchor", "sink_tokens", FormatError),
-    ("anchor-1.2-value-axis-in-a-1.0-file", edit_header("value_axis", 1, "B"), "anchor", "value_axis", FormatError),
-    ("anchor-unknown-value-axis", edit_minor_2("value_axis", 2, "B"), "anchor", "value_axis", FormatError),
-    ("anchor-1.3-key-rotation-in-a-1.0-file", edit_header("flags", c.FLAG_KEY_ROTATION), "anchor", "flags",
+    ("anchor-unknown-value-axis", edit_header("value_axis", 2, "B"), "anchor", "value_axis", FormatError),
+    ("anchor-sink-tokens-over-cap", edit_header("sink_tokens", 65537), "anchor", "scheme", FormatError),
+    ("anchor-sink-tokens-without-their-records", edit_header("sink_tokens", 1), "anchor", "page.raw_length",
      FormatError),
-    ("anchor-1.3-key-rotation-in-a-1.2-file", edit_minor_2("flags", c.FLAG_KEY_ROTATION), "anchor", "flags",
-     FormatError),
-    ("anchor-sink-tokens-over-cap", edit_minor_2("sink_tokens", 65537), "anchor", "scheme", FormatError),
-    ("anchor-sink-tokens-without-their-records", edit_minor_2("sink_tokens", 1), "anchor", "page.raw_length",
-     FormatError),
+    ("anchor-values-per-channel-without-their-metadata", edit_header("value_axis", 1, "B"), "anchor",
+     "page.raw_length", FormatError),
     ("anchor-unknown-grid", edit_header("grid", 2, "B"), "anchor", "grid", FormatError),
     ("anchor-header-over-cap", edit_header("header_length", c.MAX_ANCHOR_HEADER + 8), "anchor", "header_length",
      FormatError),
@@ -259,10 +247,10 @@ def test_every_single_byte_corruption_and_truncation_is_reported(target, zstd):
     _check_every_byte(built.anchor, built.residual, target)
 
 
-@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3, SCHEME_1_6], ids=["1.0", "1.3", "1.6"])
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_MIDPOINT, SCHEME_DEFAULT], ids=["linear", "midpoint", "default"])
 def test_every_single_byte_corruption_of_a_single_file_is_reported(scheme):
     built = small_cache(single=True, scheme=scheme)
-    assert built.anchor[10] == {SCHEME_1_3: 3, SCHEME_1_6: 6}.get(scheme, 0)
+    assert built.anchor[10] == 0  # version_minor: every writer writes 1.0
     assert verify_cache(BytesSource(built.anchor), lambda: None) == []
     _check_every_byte(built.anchor, None, "anchor")
 
@@ -292,7 +280,7 @@ def _exercise(a: bytes, r: bytes | None) -> None:
         pass
 
 
-@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_1_3, SCHEME_1_6], ids=["1.0", "1.3", "1.6"])
+@pytest.mark.parametrize("scheme", [SCHEME, SCHEME_MIDPOINT, SCHEME_DEFAULT], ids=["linear", "midpoint", "default"])
 def test_fuzz_reader_raises_only_lynx_errors(scheme):
     rng = random.Random(1234)
     built = small_cache(zstd=True, tokens=40, scheme=scheme)

@@ -106,7 +106,7 @@ def names_case(names):
 
 
 def properties_case(data: bytes):
-    """A 1.1 header whose properties string is ``data`` (a writer that would write anything there)."""
+    """A header whose properties string is ``data`` (a writer that would write anything there)."""
     def build(d, outside, monkeypatch):
         import lynxkv.format.headers as headers
 
@@ -437,8 +437,8 @@ def test_malformed_requests_get_a_400_and_log_one_line_each(tmp_path, capsys):
 
 @pytest.mark.parametrize("field", ["key_scale", "value_offset", "value_scale"])
 @pytest.mark.parametrize("anchor_only", [False, True])
-def test_non_finite_metadata_of_a_format_1_2_cache_is_named(tmp_path, field, anchor_only):
-    """Values per channel and sink tokens (format 1.2): a NaN in one page's metadata fails the load naming the
+def test_non_finite_metadata_of_values_per_channel_and_sinks_is_named(tmp_path, field, anchor_only):
+    """Values per channel and sink tokens: a NaN in one page's metadata fails the load naming the
     field, the layer and the page, whole or anchor-only (the compiled pass flags it, the record decoder names it)."""
     scheme = Scheme(chunk=4, page=8, value_axis="channel", sink_tokens=2)
     enc = encode_kv(kv(), scheme)

@@ -1,4 +1,4 @@
-"""The Hadamard key rotation (format 1.3): the pinned butterfly against a plain loop that follows the spec's
+"""The Hadamard key rotation: the pinned butterfly against a plain loop that follows the spec's
 text, the exact inverse, and every decode path (reference, fast CPU, the entry, the cache readers) bit for bit
 with the reference on rotated keys, anchor-only with sink tokens and bf16 output included."""
 
@@ -14,6 +14,7 @@ import torch
 import lynxkv.quant as entry
 from lynxkv.cache import open_cache, save_cache
 from lynxkv.errors import InputError
+from lynxkv.format import constants as c
 from lynxkv.quant import fast, reference, rotation
 from lynxkv.quant.scheme import get_scheme
 from lynxkv.stream import open_progressive
@@ -155,14 +156,13 @@ def test_fast_decode_rotates_back_bit_for_bit(d, dtype):
 @pytest.mark.parametrize("d", [64, 96, 80, 5], ids=["D64", "D96", "D80", "D5-b1"])
 def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
     """``load_kv`` (full and anchor-only) and the progressive reader give the reference's bf16 values of the
-    file's own codes; the file is format 1.6 (the default's extremes; 1.3 with the keys' flag alone) and a
-    non-rotating scheme's file does not set the keys' flag. An odd head_dim (blocks of
+    file's own codes; the file sets the keys' flag (KEY_ROTATION) and a non-rotating scheme's file does not. An odd head_dim (blocks of
     one channel: the identity) still sets the flag and takes the unpacked page path."""
     kv = [(kv_like(2, 300, d, seed=i).to(torch.bfloat16), kv_like(2, 300, d, seed=10 + i).to(torch.bfloat16))
           for i in range(2)]
     save_cache(tmp_path / "r.lynx", kv, ROTATED)
     with open_cache(tmp_path / "r.lynx") as cache:
-        assert cache.header.version_minor == 6 and cache.info.scheme == ROTATED  # the default: 1.6 (extremes)
+        assert cache.header.flags & c.FLAG_KEY_ROTATION and cache.info.scheme == ROTATED
         for anchor_only in (False, True):
             got = cache.load_kv(anchor_only=anchor_only)
             enc = cache.load_encoded(anchor_only=anchor_only)
@@ -178,7 +178,7 @@ def test_caches_of_rotated_keys_load_as_the_reference_decodes(tmp_path, d):
                 assert torch.equal(k, kw) and torch.equal(v, vw)
     save_cache(tmp_path / "p.lynx", kv, ROTATED.replace(key_rotation="none", extremes="midpoint"))
     with open_cache(tmp_path / "p.lynx") as cache:
-        assert cache.header.version_minor == 2 and not cache.load_encoded().layers[0][0].rotated
+        assert not cache.header.flags & c.FLAG_KEY_ROTATION and not cache.load_encoded().layers[0][0].rotated
 
 
 def test_finite_keys_whose_rotation_overflows_are_one_clear_error():

@@ -47,8 +47,8 @@ class CacheInfo:
     anchor_payload_bytes: int  # stored page bytes (after zstd where used)
     residual_payload_bytes: int
     bits_per_element: dict = field(default_factory=dict)
-    properties: dict = field(default_factory=dict)  # text key/value pairs (format 1.1), e.g. lynxkv.model
-    format_version: str = ""  # the version the anchor header declares, e.g. "1.3" (keys rotated)
+    properties: dict = field(default_factory=dict)  # text key/value pairs, e.g. lynxkv.model
+    format_version: str = ""  # the version the anchor header declares, e.g. "1.0"
     has_exact: bool = False  # 1.4: an exact segment rebuilds the original tensors bit for bit
     exact_location: str | None = None  # as written in the header (None when inline or absent)
     exact_inline: bool = False
@@ -136,7 +136,7 @@ class LynxCache:
             self._rsrc = src
         return self._reader.index(c.SEGMENT_RESIDUAL)
 
-    # -- exact segment (1.4) ----------------------------------------------------------------------------------
+    # -- exact segment ----------------------------------------------------------------------------------
     def _open_exact_source(self):
         """The exact segment's byte source: the override, the anchor source (inline), or its recorded location
         under the trust rule."""
@@ -214,7 +214,7 @@ class LynxCache:
         ``device`` (default the CPU; ``"cuda"``, ``"cuda:1"``, a ``torch.device``; ``meta``, an unknown name or a
         missing device is an :class:`InputError`). The tensors are allocated on ``device`` and decoded there:
         only the packed page records cross to it (:func:`lynxkv.quant.dequantize_pages`: the Triton kernels on
-        CUDA, the compiled kernels on the CPU, the torch reference elsewhere). ``exact`` (1.4): the original
+        CUDA, the compiled kernels on the CPU, the torch reference elsewhere). ``exact``: the original
         tensors bit for bit, from the full code and the exact segment (in the original dtype only); every page is
         checked against the CRC of its original bytes before anything is returned. The exact segment's coder runs
         on the CPU: with another device the rebuilt tensors are moved there at the end."""
@@ -364,7 +364,7 @@ def open_cache(path, *, residual=None, allow_locations=(), exact=None) -> LynxCa
     The residual is read from ``residual`` when given (the caller named it), else from the location the anchor
     header records, under the trust rule of :func:`lynxkv.storage.resolve_location`: a relative location inside
     the anchor's directory, or a place under a prefix of ``allow_locations`` (or ``$LYNXKV_ALLOW_LOCATIONS``).
-    ``exact`` names the exact segment's file (1.4) likewise; by default its recorded location is followed under the
+    ``exact`` names the exact segment's file likewise; by default its recorded location is followed under the
     same rule, and only when it is asked for (``load_kv(exact=True)``, ``verify``)."""
     return LynxCache(path, residual=residual, allow_locations=allow_locations, exact=exact)
 

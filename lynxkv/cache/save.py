@@ -29,7 +29,7 @@ def default_residual_path(anchor_path: str | os.PathLike, suffix: str = c.RESIDU
 
 
 def default_exact_path(anchor_path: str | os.PathLike) -> str:
-    """``x.lynx`` -> ``x.lynxe``: where the exact segment (1.4) goes by default."""
+    """``x.lynx`` -> ``x.lynxe``: where the exact segment goes by default."""
     return default_residual_path(anchor_path, c.EXACT_SUFFIX)
 
 
@@ -38,7 +38,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
                single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
                model_fingerprint: str | None = None, names: Sequence[str] | None = None,
                cache_id: bytes | None = None, properties: dict[str, str] | None = None, exact: bool = False,
-               exact_path: str | os.PathLike | None = None, exact_coding: str = "rans") -> CacheInfo:
+               exact_path: str | os.PathLike | None = None) -> CacheInfo:
     """Encode (unless given an :class:`EncodedCache`) and write a cache atomically; return its info.
 
     Two files by default: ``path`` (anchor) and ``residual_path`` (default: ``path`` with suffix ``.lynxr``),
@@ -47,11 +47,9 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
     URL when the residual will be served from elsewhere). ``properties`` are text key/value pairs recorded in
     the header (the model's name as ``lynxkv.model``, an input file's own metadata).
 
-    ``exact`` (format 1.4) adds the exact segment, with which a reader rebuilds the input tensors bit for bit: in
+    ``exact`` adds the exact segment, with which a reader rebuilds the input tensors bit for bit: in
     its own file ``exact_path`` (default ``path`` with suffix ``.lynxe``, written before the anchor), or inline at
     the end of a single file. It needs the original tensors (KV pairs, not an :class:`EncodedCache` without them).
-    ``exact_coding``: ``"rans"`` (coding 2, format 1.5: entropy-coded, the default) or ``"planes"`` (coding 1: the
-    1.4 bytes, readable by lynxkv releases that read 1.4).
 
     Replacing a two-file cache is atomic for readers: if the residual path is taken, the new residual goes to a
     fresh name (``x.<id>.lynxr``), and so does the exact file (``x.<id>.lynxe``); the anchor is renamed over the
@@ -74,7 +72,7 @@ def save_cache(path: str | os.PathLike, kv_or_encoded, scheme: Scheme = DEFAULT,
         enc.properties = dict(properties)
     return _save_encoded(path, enc, exact or exact_path is not None, residual_path=residual_path,
                          residual_location=residual_location, single_file=single_file, zstd=zstd, cache_id=cache_id,
-                         exact_path=exact_path, exact_coding=exact_coding)
+                         exact_path=exact_path)
 
 
 def save_cache_layers(path: str | os.PathLike, layers: Iterable, scheme: Scheme = DEFAULT, *,
@@ -83,7 +81,7 @@ def save_cache_layers(path: str | os.PathLike, layers: Iterable, scheme: Scheme 
                       prompt_token_ids: Sequence[int] | None = None, model_fingerprint: str | None = None,
                       names: Sequence[str] | None = None, cache_id: bytes | None = None,
                       properties: dict[str, str] | None = None, exact: bool = False,
-                      exact_path: str | os.PathLike | None = None, exact_coding: str = "rans",
+                      exact_path: str | os.PathLike | None = None,
                       window: int | None = None) -> CacheInfo:
     """:func:`save_cache` for a cache given one layer at a time: ``layers`` yields each layer's ``(keys,
     values)`` (``[H, T, D]`` or ``[1, H, T, D]``, every layer the shape and dtype of the first), and each is
@@ -104,12 +102,11 @@ def save_cache_layers(path: str | os.PathLike, layers: Iterable, scheme: Scheme 
     if properties is not None:
         enc.properties = dict(properties)
     return _save_encoded(path, enc, exact, residual_path=residual_path, residual_location=residual_location,
-                         single_file=single_file, zstd=zstd, cache_id=cache_id, exact_path=exact_path,
-                         exact_coding=exact_coding)
+                         single_file=single_file, zstd=zstd, cache_id=cache_id, exact_path=exact_path)
 
 
 def _save_encoded(path, enc, exact: bool, *, residual_path, residual_location, single_file: bool, zstd: bool,
-                  cache_id, exact_path, exact_coding: str) -> CacheInfo:
+                  cache_id, exact_path) -> CacheInfo:
     """The files of an encoded cache (whose layers may be quantized as they are read), under the writer lock."""
     if exact and enc.originals is None:
         raise InputError("exact: an exact segment needs the original tensors; pass the KV pairs, not an "
@@ -119,13 +116,13 @@ def _save_encoded(path, enc, exact: bool, *, residual_path, residual_location, s
     with writer_lock(path) as lock:  # one writer of this cache at a time: none removes what another is writing
         settle_dead_writers(lock, path)
         rpath, epath = _write_cache(lock, path, enc, residual_path, residual_location, single_file, zstd, cache_id,
-                                    exact_kv, exact_path, exact_coding)
+                                    exact_kv, exact_path)
         with open_cache(path, residual=rpath, exact=epath) as cache:
             return cache.info
 
 
 def _write_cache(lock, path: str, enc, residual_path, residual_location, single_file: bool, zstd: bool,
-                 cache_id, exact_kv, exact_path, exact_coding: str = "rans") -> tuple[str | None, str | None]:
+                 cache_id, exact_kv, exact_path) -> tuple[str | None, str | None]:
     """The files of :func:`save_cache`, under its writer lock ``lock`` (each noted in it before it is created or
     removed); return the residual's and the exact file's paths (None: single file, or no exact segment)."""
     exact = exact_kv is not None
@@ -140,7 +137,7 @@ def _write_cache(lock, path: str, enc, residual_path, residual_location, single_
         # the inline residual and exact sections wait on disk beside the output until the anchor pages are written
         scratch = (lambda: SpillFile(os.path.dirname(os.path.abspath(local_path(path))))) if is_local(path) else Parts
         with AtomicWriter(path) as anchor:
-            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv, exact_coding=exact_coding,
+            write_files(enc, anchor, cache_id=cache_id, zstd=zstd, exact_kv=exact_kv,
                         scratch=scratch)
         for stale in old:
             with contextlib.suppress(LynxError):  # the replaced two-file cache's residual and exact, unreferenced
@@ -175,8 +172,7 @@ def _write_cache(lock, path: str, enc, residual_path, residual_location, single_
         anchor = AtomicWriter(path)
         write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=location,
                     exact_kv=exact_kv, exact=exact_w,
-                    exact_location=record_location(path, epath) if epath is not None else "",
-                    exact_coding=exact_coding)
+                    exact_location=record_location(path, epath) if epath is not None else "")
         residual.commit()  # first: an anchor never points at a missing residual
         if created:
             published.append(rpath)
@@ -208,7 +204,7 @@ def residual_file_of(path: str) -> str | None:
 
 
 def exact_file_of(path: str) -> str | None:
-    """The exact file (1.4) of the cache now at ``path``, on the terms of :func:`residual_file_of`."""
+    """The exact file of the cache now at ``path``, on the terms of :func:`residual_file_of`."""
     return _recorded_file_of(path, "exact_location")
 
 

@@ -1,4 +1,4 @@
-"""The ``.lynx`` format v1 (spec/FORMAT.md): headers, page indexes and page records <-> bytes, no I/O."""
+"""The ``.lynx`` format 1.0 (spec/FORMAT.md): headers, page indexes and page records <-> bytes, no I/O."""
 
 from lynxkv.format.headers import PREFIX_SIZE, AnchorHeader, SegmentEntry, anchor_header_length, parse_anchor_header
 from lynxkv.format.layout import PageEntry

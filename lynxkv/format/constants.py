@@ -1,4 +1,4 @@
-"""Constants of the ``.lynx`` format v1, mirroring the tables of spec/FORMAT.md.
+"""Constants of the ``.lynx`` format 1.0, mirroring the tables of spec/FORMAT.md.
 
 Sizes are written as sums of their fields so that each line reads like a row of the spec's table. Every
 integer is little-endian. Nothing else in :mod:`lynxkv.format` should spell a byte count or a code directly.
@@ -9,15 +9,9 @@ from __future__ import annotations
 # -- identity -----------------------------------------------------------------------------------------------
 ANCHOR_MAGIC = b"\x89LYNXA\r\n"  # PNG-style: a high byte and CR LF catch 7-bit and text-mode mangling
 RESIDUAL_MAGIC = b"\x89LYNXR\r\n"
-EXACT_MAGIC = b"\x89LYNXE\r\n"  # 1.4: the exact remainder's section header
+EXACT_MAGIC = b"\x89LYNXE\r\n"  # the exact remainder's section header
 VERSION_MAJOR = 1
-VERSION_MINOR = 0  # what a writer writes unless a later minor's feature is used:
-MINOR_PROPERTIES = 1  # 1.1: the properties string
-MINOR_SCHEME = 2  # 1.2: the scheme fields value_axis and sink_tokens (reserved, i.e. zero, before)
-MINOR_KEY_ROTATION = 3  # 1.3: the flag KEY_ROTATION (the keys are Hadamard-rotated before quantization)
-MINOR_EXACT = 4  # 1.4: segment kind 3, the exact remainder (written only by a cache that has one)
-MINOR_EXACT_RANS = 5  # 1.5: exact coding 2, the remainder entropy-coded (written only by a cache that uses it)
-MINOR_EXTREMES = 6  # 1.6: the flag EXTREMES (the full code's end sub-bins decode at the chunk's extremes)
+VERSION_MINOR = 0  # what every writer writes; a reader accepts any minor of major 1 (spec §8)
 
 # -- anchor header: fixed part (spec table "Anchor header") --------------------------------------------------
 ANCHOR_FIXED_STRUCT = (
@@ -27,7 +21,7 @@ ANCHOR_FIXED_STRUCT = (
     "H"  # 10  version_minor
     "I"  # 12  flags
     "I"  # 16  header_length
-    "I"  # 20  sink_tokens (1.2; reserved, must be 0, before)
+    "I"  # 20  sink_tokens
     "I"  # 24  layers
     "I"  # 28  kv_heads
     "I"  # 32  head_dim
@@ -39,7 +33,7 @@ ANCHOR_FIXED_STRUCT = (
     "B"  # 44  anchor_bits
     "B"  # 45  residual_bits
     "B"  # 46  grid
-    "B"  # 47  value_axis (1.2; reserved, must be 0, before)
+    "B"  # 47  value_axis
     "I"  # 48  chunk
     "I"  # 52  page
     "d"  # 56  alpha (f64)
@@ -48,7 +42,7 @@ ANCHOR_FIXED_STRUCT = (
     "H"  # 84  segment_count
     "H"  # 86  fingerprint_length
     "I"  # 88  names_length
-    "I"  # 92  properties_length (1.1, with FLAG_PROPERTIES; otherwise unused: writers write 0, readers ignore)
+    "I"  # 92  properties_length (with FLAG_PROPERTIES; otherwise unused: writers write 0, readers ignore)
 )
 ANCHOR_FIXED_SIZE = 8 + 2 + 2 + 4 + 4 + 4 + 4 * 4 + 6 * 1 + 1 + 1 + 4 + 4 + 8 + 16 + 4 + 2 + 2 + 4 + 4  # 96
 
@@ -141,7 +135,7 @@ RESIDUAL_FIELD_OFFSETS = {
     "header_crc32": 68,
 }
 
-# -- exact header (spec table "Exact header", 1.4) -----------------------------------------------------------
+# -- exact header (spec table "Exact header") ---------------------------------------------------------------
 EXACT_STRUCT = (
     "<"
     "8s"  # 0  magic
@@ -157,7 +151,7 @@ EXACT_STRUCT = (
     "I"  # 52 tokens
     "I"  # 56 page
     "B"  # 60 dtype (the original dtype, as the anchor's)
-    "B"  # 61 coding (1: ordered difference, zigzag, byte planes; 2: the same, rANS-coded per context)
+    "B"  # 61 coding (1: ordered difference, zigzag, byte planes)
     "2s"  # 62 reserved (must be 0)
     "I"  # 64 index_crc32
     "I"  # 68 header_crc32
@@ -183,17 +177,9 @@ EXACT_FIELD_OFFSETS = {
     "header_crc32": 68,
 }
 EXACT_CODING_PLANES = 1  # the ordered difference against the full code's decoding, zigzagged, in byte planes
-EXACT_CODING_RANS = 2  # 1.5: the zigzagged ordered difference, rANS-coded with a table per (K/V, exponent) context
-EXACT_CODINGS = {EXACT_CODING_PLANES: "ordered difference, byte planes", EXACT_CODING_RANS: "ordered difference, rANS"}
-EXACT_CODING_NAMES = {"planes": EXACT_CODING_PLANES, "rans": EXACT_CODING_RANS}  # the writers' names for them
-EXACT_CODING_MINORS = {EXACT_CODING_RANS: MINOR_EXACT_RANS}  # a coding a reader rejects in a file of an earlier minor
+EXACT_CODINGS = {EXACT_CODING_PLANES: "ordered difference, byte planes"}
 KNOWN_EXACT_FLAGS = 0
 EXACT_RECORD_CRC_SIZE = 4  # an exact record starts with the CRC-32 of the page's original bytes (K then V)
-# coding 2 (1.5): a record's raw length varies; it is at least the CRC and the four stream_length, and at most
-# those, the largest tables (2·256 + 1 contexts of 1 + 2·alphabet bytes), four streams of 4 + 2·ceil(N/4) bytes
-# and the extra bits (at most w - 2 per element), with alphabet = 16 + 2·(w - 4) for w-bit elements
-EXACT_RANS_MIN_RECORD = 4 + 4 * 4
-EXACT_RANS_CONTEXTS = 2 * 256 + 1
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 # -- page index entry (spec table "Page index entry") --------------------------------------------------------
@@ -210,12 +196,10 @@ PAGE_ENTRY_SIZE = 8 + 4 + 4 + 1 + 3 + 4  # 24
 
 # -- flags ---------------------------------------------------------------------------------------------------
 FLAG_BATCH_DIM = 1 << 0  # the input tensors had a leading batch dimension of 1
-FLAG_PROPERTIES = 1 << 1  # 1.1: the header ends with a properties string of properties_length bytes
-FLAG_KEY_ROTATION = 1 << 2  # 1.3: the keys are rotated along head_dim before quantization (spec §9)
-FLAG_EXTREMES = 1 << 3  # 1.6: scheme extremes = range, the full code's end sub-bins decode at o ∓ s (spec §9.3)
+FLAG_PROPERTIES = 1 << 1  # the header ends with a properties string of properties_length bytes
+FLAG_KEY_ROTATION = 1 << 2  # the keys are rotated along head_dim before quantization (spec §9)
+FLAG_EXTREMES = 1 << 3  # scheme extremes = range, the full code's end sub-bins decode at o ∓ s (spec §9.3)
 KNOWN_ANCHOR_FLAGS = FLAG_BATCH_DIM | FLAG_PROPERTIES | FLAG_KEY_ROTATION | FLAG_EXTREMES
-# a flag a reader rejects in a file of an earlier minor
-ANCHOR_FLAG_MINORS = {FLAG_KEY_ROTATION: MINOR_KEY_ROTATION, FLAG_EXTREMES: MINOR_EXTREMES}
 KNOWN_RESIDUAL_FLAGS = 0
 
 # -- enumerations --------------------------------------------------------------------------------------------
@@ -228,14 +212,14 @@ VALUE_AXIS_CODES = {"token": 0, "channel": 1}
 
 SEGMENT_ANCHOR = 1
 SEGMENT_RESIDUAL = 2
-SEGMENT_EXACT = 3  # 1.4
+SEGMENT_EXACT = 3
 SEGMENT_KINDS = {SEGMENT_ANCHOR: "anchor", SEGMENT_RESIDUAL: "residual", SEGMENT_EXACT: "exact"}
 PLACEMENT_INLINE = 0
 PLACEMENT_EXTERNAL = 1
 
 CODEC_NONE = 0
 CODEC_ZSTD = 1
-CODEC_ZSTD_FRAMES = 2  # 1.4, exact pages only: Zstandard frames one after another, the record their contents joined
+CODEC_ZSTD_FRAMES = 2  # exact pages only: Zstandard frames one after another, the record their contents joined
 CODEC_NAMES = {CODEC_NONE: "none", CODEC_ZSTD: "zstd", CODEC_ZSTD_FRAMES: "zstd-frames"}
 
 # -- caps: checked before anything a header claims is allocated ---------------------------------------------
@@ -265,4 +249,4 @@ FINGERPRINT_HEX_LENGTH = 32
 
 # Default residual file name: the anchor path with this suffix in place of ``.lynx``.
 RESIDUAL_SUFFIX = ".lynxr"
-EXACT_SUFFIX = ".lynxe"  # and the exact remainder's (1.4)
+EXACT_SUFFIX = ".lynxe"  # and the exact remainder's

@@ -1,24 +1,21 @@
-"""Exact records (format 1.4, 1.5): the bytes of one (layer, page) of the exact segment, and their application.
+"""Exact records: the bytes of one (layer, page) of the exact segment, and their application.
 
 Exact record for a page of n tokens, ``E`` bytes per element of the original dtype, little-endian, no padding:
 
     CRC-32 of the page's original bytes (K [H, n, D] then V [H, n, D], row-major, little-endian) |
-    coding 1 (1.4): byte planes of the remainder of K then V (2·H·n·D elements, in the prediction's exponent
-    order): plane 0 (byte 0 of every element) ... plane E-1;
-    coding 2 (1.5): the remainder of K then V rANS-coded, a table per context (:mod:`lynxkv.quant.rans`)
+    byte planes of the remainder of K then V (2·H·n·D elements, in the prediction's exponent order):
+    plane 0 (byte 0 of every element) ... plane E-1
 
 The remainder is :func:`lynxkv.quant.remainder.remainder_planes` against the full code decoded to the original
 dtype (spec §9.3). Applying a record rebuilds the original page and checks it against the CRC before anything
 is returned, so a record of another cache, a corrupt one or a prediction that differs from the writer's is refused.
-Coding 1 records are stored raw (codec 0) or as zstd frames split at the exponent runs (codec 2, spec §12.3);
-coding 2 records are stored raw (they are entropy-coded already; spec §12.6).
+Records are stored raw (codec 0) or as zstd frames split at the exponent runs (codec 2), whichever is smaller.
 """
 
 from __future__ import annotations
 
 import struct
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -27,8 +24,6 @@ from lynxkv.errors import ChecksumError, FormatError
 from lynxkv.format import constants as c
 from lynxkv.format.checksum import crc32
 from lynxkv.format.records import dequantize_records
-from lynxkv.quant.dispatch import concurrent_tensors
-from lynxkv.quant.rans import decode_body, encode_body
 from lynxkv.quant.remainder import apply_planes, element_bytes, remainder_planes_and_runs
 
 #: zstd level of the exact pages: level 1 was as small as level 3 and faster on KV (docs/format.md, "Exact tier")
@@ -38,11 +33,10 @@ EXACT_MIN_RUN = 1024
 
 
 def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: tuple[torch.Tensor, torch.Tensor],
-                       page: int, tokens: int, coding: int = c.EXACT_CODING_RANS, threads: int | None = None):
-    """The exact record of each page of one layer in ``coding``, in page order, with where its zstd frames split
-    (coding 1; None for coding 2, stored raw): ``original`` and ``predicted`` are the layer's (keys, values)
-    ``[H, T, D]`` in the original dtype, ``predicted`` the full code's decoding. Coding 2 codes the layer's pages
-    on up to ``threads`` workers (:func:`lynxkv.quant.dispatch.concurrent_tensors`)."""
+                       page: int, tokens: int):
+    """The exact record of each page of one layer, in page order, with where its zstd frames split: ``original``
+    and ``predicted`` are the layer's (keys, values) ``[H, T, D]`` in the original dtype, ``predicted`` the full
+    code's decoding."""
     (k, v), (pk, pv) = original, predicted
 
     def record(p: int):
@@ -50,18 +44,10 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
         both = joined(k[:, sl], v[:, sl])  # K then V of the page, one contiguous copy
         pred = joined(pk[:, sl], pv[:, sl])
         head = struct.pack("<I", crc32(both.view(torch.uint8).numpy()))
-        if coding == c.EXACT_CODING_RANS:
-            return head + encode_body(both, pred), None
         planes, runs = remainder_planes_and_runs(both, pred)
         return head + planes.numpy().tobytes(), frame_splits(runs, both.numel(), planes.shape[0])
 
-    pages = range(-(-tokens // page))
-    workers = min(concurrent_tensors(threads), len(pages)) if coding == c.EXACT_CODING_RANS else 1
-    if workers <= 1:
-        yield from map(record, pages)
-        return
-    with ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-exact") as pool:
-        yield from pool.map(record, pages)  # in page order
+    yield from map(record, range(-(-tokens // page)))
 
 
 def predict_layer(records, scheme, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype):
@@ -116,27 +102,23 @@ def frame_splits(groups: list[int], n: int, planes: int, min_run: int = EXACT_MI
 
 
 def apply_exact_record(raw, predicted_k: torch.Tensor, predicted_v: torch.Tensor, where: str,
-                       out_k: torch.Tensor, out_v: torch.Tensor, coding: int = c.EXACT_CODING_RANS) -> None:
-    """Rebuild the original keys and values of one page from its raw exact record in ``coding`` and the page's
-    prediction (``[H, n, D]`` each, the original dtype) into ``out_k`` / ``out_v``; the original bytes' CRC is
-    checked before anything is written."""
+                       out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Rebuild the original keys and values of one page from its raw exact record and the page's prediction
+    (``[H, n, D]`` each, the original dtype) into ``out_k`` / ``out_v``; the original bytes' CRC is checked before
+    anything is written."""
     e = element_bytes(predicted_k.dtype)
     n = predicted_k.numel()
-    rans = coding == c.EXACT_CODING_RANS
-    want = c.EXACT_RECORD_CRC_SIZE + (4 if rans else 2 * n * e)  # coding 2: at least stream_length
-    if len(raw) < want if rans else len(raw) != want:
-        raise FormatError(f"`page.raw_length` {where}: expected {'at least ' if rans else ''}{want} bytes, got "
-                          f"{len(raw)}", field="page.raw_length", where=where)
+    want = c.EXACT_RECORD_CRC_SIZE + 2 * n * e
+    if len(raw) != want:
+        raise FormatError(f"`page.raw_length` {where}: expected {want} bytes, got {len(raw)}",
+                          field="page.raw_length", where=where)
     stored_crc = struct.unpack_from("<I", raw, 0)[0]
     predicted = joined(predicted_k, predicted_v)
-    if rans:
-        both = decode_body(memoryview(raw)[c.EXACT_RECORD_CRC_SIZE:], predicted, where)
-    else:
-        with warnings.catch_warnings():  # the record is only read: a view of the (read-only) page bytes, no copy
-            warnings.simplefilter("ignore", UserWarning)
-            planes = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8,
-                                                    offset=c.EXACT_RECORD_CRC_SIZE).reshape(e, 2 * n))
-        both = apply_planes(planes, predicted)
+    with warnings.catch_warnings():  # the record is only read: a view of the (read-only) page bytes, no copy
+        warnings.simplefilter("ignore", UserWarning)
+        planes = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8,
+                                                offset=c.EXACT_RECORD_CRC_SIZE).reshape(e, 2 * n))
+    both = apply_planes(planes, predicted)
     got = crc32(both.view(torch.uint8).numpy())
     if got != stored_crc:
         raise ChecksumError(f"`exact.original_crc32` {where}: expected {stored_crc:#010x}, got {got:#010x} (the exact "

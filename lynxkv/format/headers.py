@@ -1,4 +1,4 @@
-"""The anchor header of ``.lynx`` v1 (with its segment table), a frozen dataclass <-> bytes, with the structural
+"""The anchor header of ``.lynx`` 1.0 (with its segment table), a frozen dataclass <-> bytes, with the structural
 checks of spec/FORMAT.md, and the sizes it declares; the residual and exact headers are in
 :mod:`lynxkv.format.section_headers`, the properties string in :mod:`lynxkv.format.properties`.
 
@@ -37,7 +37,7 @@ def _inv(d: dict) -> dict:
 class SegmentEntry:
     """One row of the anchor header's segment table."""
 
-    kind: int  # SEGMENT_ANCHOR | SEGMENT_RESIDUAL | SEGMENT_EXACT (1.4)
+    kind: int  # SEGMENT_ANCHOR | SEGMENT_RESIDUAL | SEGMENT_EXACT
     placement: int  # PLACEMENT_INLINE | PLACEMENT_EXTERNAL
     page_count: int
     offset: int  # inline: byte offset of the section in the anchor file; external: 0
@@ -62,7 +62,7 @@ class AnchorHeader:
     flags: int = 0
     version_minor: int = c.VERSION_MINOR
     header_length: int = 0  # filled in by the parser (the writer computes it)
-    properties: tuple[tuple[str, str], ...] = ()  # 1.1: text key/value pairs, sorted by key (e.g. lynxkv.model)
+    properties: tuple[tuple[str, str], ...] = ()  # text key/value pairs, sorted by key (e.g. lynxkv.model)
 
     @property
     def pages_per_layer(self) -> int:
@@ -122,12 +122,8 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
     var += struct.pack(f"<{len(h.prompt_token_ids)}I", *h.prompt_token_ids)
     var += b"".join(locations) + fingerprint + names + properties
     length = _pad_to(c.ANCHOR_FIXED_SIZE + len(var) + c.CRC_SIZE, c.HEADER_ALIGN)
-    exact = any(seg.kind == c.SEGMENT_EXACT for seg in h.segments)
-    minor = max(h.version_minor, c.MINOR_EXTREMES if ranged else c.MINOR_EXACT if exact
-                else c.MINOR_KEY_ROTATION if s.rotated("key") else c.MINOR_SCHEME if s.extended
-                else c.MINOR_PROPERTIES if properties else 0)
     fixed = _ANCHOR_FIXED.pack(
-        c.ANCHOR_MAGIC, c.VERSION_MAJOR, minor, flags, length, s.sink_tokens,
+        c.ANCHOR_MAGIC, c.VERSION_MAJOR, h.version_minor, flags, length, s.sink_tokens,
         h.layers, h.kv_heads, h.head_dim, h.tokens,
         c.DTYPE_CODES[h.dtype], c.COMPANDER_CODES[s.compander], c.CENTRING_CODES[s.centring],
         c.META_DTYPE_CODES[s.meta_dtype], s.anchor_bits, s.residual_bits, c.GRID_CODES[s.grid],
@@ -141,9 +137,9 @@ def pack_anchor_header(h: AnchorHeader) -> bytes:
 
 
 def check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_header: int,
-                 file_size: int | None, what: str, flag_minors: dict | None = None) -> tuple[int, int, int]:
-    """magic -> version -> flags -> header_length; returns (minor, flags, header_length). ``flag_minors``: the
-    flag bits a later minor version introduced and that minor (a bit is unknown, so rejected, before it)."""
+                 file_size: int | None, what: str) -> tuple[int, int, int]:
+    """magic -> version -> flags -> header_length; returns (minor, flags, header_length). Any minor version of
+    major 1 is read: a later minor only adds what this reader ignores or rejects by a flag bit (spec §8)."""
     if len(buf) < PREFIX_SIZE:
         raise _err("magic", f"{what} byte 0", f"a header of at least {PREFIX_SIZE} bytes", f"{len(buf)} bytes")
     got_magic = bytes(buf[0:8])
@@ -154,10 +150,6 @@ def check_prefix(buf, magic: bytes, known_flags: int, max_header: int, min_heade
         raise _err("version_major", f"{what} byte 8", c.VERSION_MAJOR, major)
     if flags & ~known_flags:
         raise _err("flags", f"{what} byte 12", f"only bits {known_flags:#x}", f"{flags:#x}")
-    for bit, since in (flag_minors or {}).items():
-        if flags & bit and minor < since:
-            raise _err("flags", f"{what} byte 12", f"bit {bit.bit_length() - 1} clear in a version 1.{minor} file "
-                       f"(it is a 1.{since} flag)", f"{flags:#x}")
     if not (min_header <= length <= max_header) or length % c.HEADER_ALIGN:
         raise _err("header_length", f"{what} byte 16",
                    f"a multiple of {c.HEADER_ALIGN} in [{min_header}, {max_header}]", length)
@@ -179,7 +171,7 @@ def check_header_crc(buf, length: int, what: str) -> None:
 
 def _check_anchor_prefix(buf, file_size: int | None) -> tuple[int, int, int]:
     return check_prefix(buf, c.ANCHOR_MAGIC, c.KNOWN_ANCHOR_FLAGS, c.MAX_ANCHOR_HEADER,
-                         c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, "anchor", c.ANCHOR_FLAG_MINORS)
+                         c.ANCHOR_FIXED_SIZE + c.CRC_SIZE, file_size, "anchor")
 
 
 def anchor_header_length(prefix, file_size: int | None = None) -> int:
@@ -202,10 +194,6 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
      anchor_bits, residual_bits, grid, value_axis, chunk, page, alpha, cache_id, n_prompt, n_seg, n_fp, n_names,
      n_props) = _ANCHOR_FIXED.unpack_from(buf, 0)
     off = c.ANCHOR_FIELD_OFFSETS
-    if minor < c.MINOR_SCHEME:  # reserved before 1.2
-        for name, value in (("sink_tokens", sink_tokens), ("value_axis", value_axis)):
-            if value:
-                raise _err(name, f"{what} byte {off[name]}", f"0 in a version 1.{minor} file", value)
     check_range("layers", layers, c.MAX_LAYERS, off, what, 1)
     check_range("kv_heads", kv_heads, c.MAX_KV_HEADS, off, what, 1)
     check_range("head_dim", head_dim, c.MAX_HEAD_DIM, off, what, 1)
@@ -306,7 +294,7 @@ def parse_anchor_header(buf, file_size: int | None = None) -> AnchorHeader:
 
 
 def _check_segments(h: AnchorHeader) -> None:
-    """The v1 segment table: first an inline anchor segment right after the header, at most one residual."""
+    """The segment table: first an inline anchor segment right after the header, at most one residual."""
     what = "anchor"
     seg_base = c.ANCHOR_FIXED_SIZE
     pages = h.layers * h.pages_per_layer
@@ -345,15 +333,10 @@ def inline_end(h: AnchorHeader) -> int:
 
 
 
-def exact_record_length(h: AnchorHeader, n: int, coding: int = c.EXACT_CODING_PLANES) -> int:
-    """The raw exact record of a page of ``n`` tokens: coding 1, the original bytes' CRC-32, then K and V's byte
-    planes; coding 2, the most it may hold (spec §12.6)."""
-    elements, w = 2 * h.kv_heads * n * h.head_dim, 8 * c.DTYPE_BYTES[h.dtype]
-    if coding == c.EXACT_CODING_RANS:
-        tables = c.EXACT_RANS_CONTEXTS * (1 + 2 * (16 + 2 * (w - 4)))
-        streams = 4 * (4 + 2 * -(-elements // 4))  # each its state and a word per element at most
-        return c.EXACT_RANS_MIN_RECORD + tables + streams + -(-elements * (w - 2) // 8)
-    return c.EXACT_RECORD_CRC_SIZE + elements * w // 8
+def exact_record_length(h: AnchorHeader, n: int) -> int:
+    """The raw exact record of a page of ``n`` tokens: the original bytes' CRC-32, then K and V's byte planes."""
+    elements, element_bytes = 2 * h.kv_heads * n * h.head_dim, c.DTYPE_BYTES[h.dtype]
+    return c.EXACT_RECORD_CRC_SIZE + elements * element_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -365,16 +348,15 @@ def decoded_bytes(h: AnchorHeader, element_bytes: int) -> int:
     return 2 * h.layers * h.kv_heads * h.tokens * h.head_dim * element_bytes
 
 
-def raw_lengths(h: AnchorHeader, kind: int, exact_coding: int = c.EXACT_CODING_PLANES) -> list[int]:
-    """The raw record length of every page of a segment, in streaming order (layer-major); for exact coding 2,
-    the most each may hold."""
+def raw_lengths(h: AnchorHeader, kind: int) -> list[int]:
+    """The raw record length of every page of a segment, in streaming order (layer-major)."""
     per_page = []
     for p in range(h.pages_per_layer):
         n = page_tokens(h.tokens, h.scheme.page, p)
         if kind == c.SEGMENT_ANCHOR:
             lay = anchor_record_layout(h.scheme, h.kv_heads, h.head_dim, n, page_sinks(h.scheme, h.tokens, p))
         elif kind == c.SEGMENT_EXACT:
-            per_page.append(exact_record_length(h, n, exact_coding))
+            per_page.append(exact_record_length(h, n))
             continue
         else:
             lay = residual_record_layout(h.scheme, h.kv_heads, h.head_dim, n)

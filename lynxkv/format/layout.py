@@ -42,7 +42,7 @@ class RecordLayout:
     codes_size: int  # one packed [H, n, D] code array (K or V)
     meta_arrays: int  # 4 for an anchor record (K off, K scale, V off, V scale), 0 for a residual record
     value_meta_size: int = -1  # one value metadata array: [H, nc, D], or [H, n, ceil(D/C)] per channel (-1: as K)
-    sinks: int = 0  # anchor record (1.2): S, the page's sink tokens, whose residual codes it carries
+    sinks: int = 0  # anchor record: S, the page's sink tokens, whose residual codes it carries
     sink_size: int = 0  # one packed [H, S, D] residual array (K or V) of those tokens
 
     @property
@@ -97,10 +97,9 @@ def pack_index(entries: list[PageEntry]) -> bytes:
 
 
 def parse_index(buf, count: int, *, first_offset: int, section_length: int, raw_lengths: list[int],
-                segment: str, pages_per_layer: int, index_at: int, raw_at_least: int | None = None) -> list[PageEntry]:
-    """Parse ``count`` entries and check them: codec known, reserved zero, raw length as the shape implies (with
-    ``raw_at_least``, records of varying length: between it and ``raw_lengths``), stored length consistent with
-    the codec, offsets contiguous from ``first_offset`` to ``section_length``."""
+                segment: str, pages_per_layer: int, index_at: int) -> list[PageEntry]:
+    """Parse ``count`` entries and check them: codec known, reserved zero, raw length as the shape implies, stored
+    length consistent with the codec, offsets contiguous from ``first_offset`` to ``section_length``."""
     entries = []
     pos = first_offset
     for i in range(count):
@@ -113,10 +112,7 @@ def parse_index(buf, count: int, *, first_offset: int, section_length: int, raw_
             raise field_error("page.codec", at, f"one of {sorted(c.CODEC_NAMES)}", codec)
         if codec == c.CODEC_ZSTD_FRAMES and segment != c.SEGMENT_KINDS[c.SEGMENT_EXACT]:
             raise field_error("page.codec", at, "0 or 1 (codec 2 is for exact pages only)", codec)
-        if raw_at_least is not None:
-            if not raw_at_least <= raw <= raw_lengths[i]:
-                raise field_error("page.raw_length", at, f"{raw_at_least} to {raw_lengths[i]}", raw)
-        elif raw != raw_lengths[i]:
+        if raw != raw_lengths[i]:
             raise field_error("page.raw_length", at, raw_lengths[i], raw)
         if codec == c.CODEC_NONE and stored != raw:
             raise field_error("page.stored_length", at, f"raw_length {raw} for codec none", stored)

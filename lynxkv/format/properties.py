@@ -1,4 +1,4 @@
-"""The anchor header's properties string (1.1): text key/value pairs <-> a JSON object, keys sorted, UTF-8."""
+"""The anchor header's properties string: text key/value pairs <-> a JSON object, keys sorted, UTF-8."""
 
 from __future__ import annotations
 

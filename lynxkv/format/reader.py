@@ -1,4 +1,4 @@
-"""Reading ``.lynx`` v1 from a byte source: the one page reader.
+"""Reading ``.lynx`` 1.0 from a byte source: the one page reader.
 
 :class:`PageReader` walks a cache over byte sources (anything with ``size`` and ``read(offset, length)``, see
 :mod:`lynxkv.storage`): ``header``, ``index(segment)``, ``page(segment, layer, page)``, ``pages(segment)`` and
@@ -141,7 +141,7 @@ class PageReader:
         return seg is not None and seg.placement == c.PLACEMENT_INLINE
 
     def attach_exact(self, src=None, *, base: int | None = None) -> SectionIndex:
-        """Read the exact header and index (1.4) from ``src`` (default: the anchor source, for an inline exact
+        """Read the exact header and index from ``src`` (default: the anchor source, for an inline exact
         segment); ``base`` as for :meth:`attach_residual`."""
         if src is None:
             src = self.anchor
@@ -169,8 +169,7 @@ class PageReader:
         def rebuild(layer: int, p: int, raw) -> None:
             k, v = out[layer]
             sl = slice(p * page, min((p + 1) * page, h.tokens))
-            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl],
-                               self.exact_header.coding)
+            apply_exact_record(raw, k[:, sl], v[:, sl], _where("exact", layer, p), k[:, sl], v[:, sl])
 
         pages = (self.pages(c.SEGMENT_EXACT, decode=False) if layers is None
                  else self._layer_pages(c.SEGMENT_EXACT, layers))

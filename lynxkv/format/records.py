@@ -4,9 +4,9 @@ Anchor record for a page of n tokens (nc = ceil(n / C) chunks), all little-endia
 
     K offsets [H, nc, D] meta dtype | K scales | V offsets | V scales |
     K anchor codes, pack_bits over the flattened [H, n, D] | V anchor codes, likewise |
-    (1.2, a page holding S of the scheme's sink tokens) their K residual codes [H, S, D] packed | V, likewise
+    (a page holding S of the scheme's sink tokens) their K residual codes [H, S, D] packed | V, likewise
 
-(values grouped per channel, 1.2: V offsets and scales are [H, n, ceil(D/C)])
+(values grouped per channel: V offsets and scales are [H, n, ceil(D/C)])
 
 Residual record: K residual codes packed | V residual codes packed. Anchor-only decoding therefore needs only
 anchor records. :func:`check_and_decompress` checks the CRC-32 of the stored bytes first, then decompresses with
@@ -141,7 +141,7 @@ def compress(raw: bytes, codec: int, level: int = 3) -> bytes:
 
 
 def compress_frames(raw, splits, level: int) -> bytes:
-    """Codec 2 (zstd frames, 1.4): one Zstandard frame per run of ``raw`` between consecutive ``splits`` (byte
+    """Codec 2 (zstd frames, exact pages only): one Zstandard frame per run of ``raw`` between consecutive ``splits`` (byte
     offsets, increasing, within ``raw``), one after another; an empty run gets no frame."""
     import zstandard
 
@@ -356,7 +356,7 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     entry (:func:`lynxkv.quant.dequantize_pages`: nothing is unpacked, permuted or concatenated first).
     ``where(i)`` names page ``i`` in errors (``"layer 3 page 1"``; the segment is put before it). The checks of
     :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
-    and scales, scales >= 0. Format 1.2: values per channel take the entry's channel-axis pass; from the anchor
+    and scales, scales >= 0. Values per channel take the entry's channel-axis pass; from the anchor
     alone, the sink tokens of a page holding any are then decoded again from the full code (their residual is in
     the anchor record, split out by :func:`decode_anchor_records`)."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]

@@ -1,4 +1,4 @@
-"""The headers of the sections that may live in their own files: the residual header and the exact header (1.4),
+"""The headers of the sections that may live in their own files: the residual header and the exact header,
 frozen dataclasses <-> bytes, with the structural checks of spec/FORMAT.md and the check that a section belongs
 to its anchor header. No torch, no file I/O.
 """
@@ -36,7 +36,7 @@ class ResidualHeader:
 
 @dataclass(frozen=True)
 class ExactHeader:
-    """The header of an exact-remainder section (1.4): bound to its anchor by ``cache_id`` and the shape."""
+    """The header of an exact-remainder section: bound to its anchor by ``cache_id`` and the shape."""
 
     cache_id: bytes
     layers: int
@@ -48,7 +48,7 @@ class ExactHeader:
     index_crc32: int
     coding: int = c.EXACT_CODING_PLANES
     flags: int = 0
-    version_minor: int = 0
+    version_minor: int = c.VERSION_MINOR
     header_length: int = c.EXACT_HEADER_SIZE
 
 
@@ -88,7 +88,7 @@ def check_residual_matches(a: AnchorHeader, r: ResidualHeader) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# exact header (1.4)
+# exact header
 # ---------------------------------------------------------------------------------------------------------
 def pack_exact_header(h: ExactHeader) -> bytes:
     body = _EXACT.pack(c.EXACT_MAGIC, c.VERSION_MAJOR, h.version_minor, h.flags, c.EXACT_HEADER_SIZE, 0, h.cache_id,
@@ -120,14 +120,8 @@ def parse_exact_header(buf, section_size: int | None = None) -> ExactHeader:
 
 
 def check_exact_matches(a: AnchorHeader, e: ExactHeader) -> None:
-    """The exact header must belong to this anchor header (same cache id, same shape and dtype), and its coding
-    must be one the anchor's version defines (coding 2 from 1.5 on)."""
+    """The exact header must belong to this anchor header (same cache id, same shape and dtype)."""
     _check_belongs(a, e, "exact", "the exact segment", c.EXACT_FIELD_OFFSETS, (("dtype", a.dtype, e.dtype),))
-    since = c.EXACT_CODING_MINORS.get(e.coding, 0)
-    if a.version_minor < since:
-        raise _err("coding", f"exact byte {c.EXACT_FIELD_OFFSETS['coding']}",
-                   f"coding {e.coding} only in a file of version 1.{since} or later (the anchor is "
-                   f"1.{a.version_minor})", e.coding)
 
 
 def _check_shape(off: dict, what: str, layers: int, kv_heads: int, head_dim: int, tokens: int, page: int) -> None:

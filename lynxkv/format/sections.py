@@ -123,10 +123,8 @@ def parse_section_index(buf, h: AnchorHeader, kind: int, *, base: int,
         if got != want:
             raise ChecksumError(f"`{name}.index_crc32` of the {name} page index at byte {base + index_at}: expected "
                                 f"{want:#010x}, got {got:#010x}", field=f"{name}.index_crc32", where=f"{name} index")
-    coding = getattr(residual_header, "coding", c.EXACT_CODING_PLANES)
     entries = parse_index(buf, seg.page_count, first_offset=first_page, section_length=seg.length,
-                          raw_lengths=raw_lengths(h, kind, coding), segment=name,
-                          raw_at_least=c.EXACT_RANS_MIN_RECORD if coding == c.EXACT_CODING_RANS else None,
+                          raw_lengths=raw_lengths(h, kind), segment=name,
                           pages_per_layer=max(h.pages_per_layer, 1), index_at=base + index_at)
     return SectionIndex(kind, base, tuple(entries), h.pages_per_layer)
 
@@ -159,7 +157,7 @@ def read_residual_section(src, h: AnchorHeader, *, base: int | None = None) -> t
 
 
 def read_exact_section(src, h: AnchorHeader, *, base: int | None = None) -> tuple[ExactHeader, SectionIndex]:
-    """The exact header and index (1.4) from ``src`` (its own file, or the anchor file when inline): bound to the
+    """The exact header and index from ``src`` (its own file, or the anchor file when inline): bound to the
     anchor by cache id, shape and dtype; its index CRC must match its own header and the anchor's segment table."""
     return _side_section(src, h, c.SEGMENT_EXACT, "exact", c.EXACT_HEADER_SIZE, parse_exact_header,
                          check_exact_matches, base)

@@ -57,7 +57,7 @@ def verify_cache(anchor_src, open_residual: Callable[[], object] | None,
                  open_exact: Callable[[], object] | None = None, *, window: int | None = None) -> list[Finding]:
     """All findings for the anchor file in ``anchor_src`` and its residual (``open_residual()`` returns the
     residual's byte source, or raises a LynxError when it cannot be reached; ``None`` skips an external
-    residual; an inline residual is always checked). An exact segment (1.4) is checked likewise through
+    residual; an inline residual is always checked). An exact segment is checked likewise through
     ``open_exact``: its header, index and page CRCs, then exactness -- the full code decoded and every page rebuilt
     from it must match the CRC of its original bytes, ``window`` layers at a time (default: one per CPU worker)."""
     found: list[Finding] = []

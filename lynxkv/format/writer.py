@@ -1,4 +1,4 @@
-"""Writing ``.lynx`` v1: page records -> sections -> the bytes of the files.
+"""Writing ``.lynx`` 1.0: page records -> sections -> the bytes of the files.
 
 :func:`write_files` puts an encoded cache (:class:`EncodedKV`, e.g. :class:`lynxkv.cache.EncodedCache`) into one
 or two :class:`PageSink` s as its layers are read: the pages in order after room left for the header and the
@@ -42,7 +42,7 @@ class EncodedKV(Protocol):
     model_fingerprint: str | None
     names: Sequence[str] | None
     batch_dim: bool
-    properties: Mapping[str, str] | None  # text key/value pairs recorded in the header (format 1.1)
+    properties: Mapping[str, str] | None  # text key/value pairs recorded in the header
 
     @property
     def pages_per_layer(self) -> int: ...
@@ -56,7 +56,7 @@ class BuiltFiles:
     anchor_parts: tuple[bytes, ...]  # the anchor file (with the residual section inline when single_file)
     residual_parts: tuple[bytes, ...] | None  # the residual file, or None for a single file
     header: AnchorHeader
-    exact_parts: tuple[bytes, ...] | None = None  # 1.4: the exact segment's own file, when it has one
+    exact_parts: tuple[bytes, ...] | None = None  # the exact segment's own file, when it has one
 
     @property
     def exact(self) -> bytes | None:
@@ -156,7 +156,7 @@ def _check_layer(keys: EncodedTensor, values: EncodedTensor, s: Scheme, sinks: i
 
 
 def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_location: str) -> AnchorHeader:
-    """Every header field but the segment table, checked against what format v1 stores."""
+    """Every header field but the segment table, checked against what the format stores."""
     if len(cache_id) != 16:
         raise InputError(f"cache_id: expected 16 bytes, got {len(cache_id)}")
     if not single_file and not residual_location:
@@ -182,7 +182,7 @@ def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_
                              ("head_dim", dim, c.MAX_HEAD_DIM), ("tokens", enc.tokens, c.MAX_TOKENS),
                              ("prompt_token_ids", len(prompt), c.MAX_PROMPT_TOKENS)):
         if not (0 if name in ("tokens", "prompt_token_ids") else 1) <= value <= cap:
-            raise InputError(f"{name}: {value} is outside what format v1 stores (at most {cap})")
+            raise InputError(f"{name}: {value} is outside what the format stores (at most {cap})")
     return AnchorHeader(layers, heads, dim, enc.tokens, enc.dtype, enc.scheme, cache_id, (), prompt, fingerprint,
                         names, c.FLAG_BATCH_DIM if enc.batch_dim else 0, properties=properties)
 
@@ -190,33 +190,28 @@ def _header_fields(enc: EncodedKV, cache_id: bytes, single_file: bool, residual_
 def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = None, *,
                 cache_id: bytes | None = None, zstd: bool = False, residual_location: str = "",
                 exact_kv: Sequence[tuple] | None = None, exact: PageSink | None = None,
-                exact_location: str = "", exact_coding: str = "rans",
-                scratch: Callable[[], ScratchSink] = Parts) -> AnchorHeader:
+                exact_location: str = "", scratch: Callable[[], ScratchSink] = Parts) -> AnchorHeader:
     """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
     section inline after the anchor's) as the layers are read from ``enc.layers``: each layer's pages are written
     before the next layer is read, so a sequence that quantizes layers as they are read keeps only those it is
     working on. The header and the
     page indexes go last into the space reserved for them at the start: the bytes are those of
     :func:`build_files`. ``residual_location``: the residual file's path relative to the anchor file's
-    directory (or a URL), for two files. ``exact_kv`` (1.4): the original ``(keys, values)`` ``[H, T, D]`` of each
+    directory (or a URL), for two files. ``exact_kv``: the original ``(keys, values)`` ``[H, T, D]`` of each
     layer, in the cache's dtype: an exact segment is written too, into ``exact`` (its own file, recorded as
-    ``exact_location``) or, when ``exact`` is None, inline after the other sections, coded as ``exact_coding``
-    names (``"rans"``: coding 2, format 1.5; ``"planes"``: coding 1, the 1.4 bytes). The inline sections that follow
+    ``exact_location``) or, when ``exact`` is None, inline after the other sections. The inline sections that follow
     the anchor's are kept in ``scratch()`` sinks until the anchor's pages are written (default: in memory). Returns
     the header as a reader parses it."""
     single_file = residual is None
     cache_id = secrets.token_bytes(16) if cache_id is None else bytes(cache_id)
     fields = _header_fields(enc, cache_id, single_file, residual_location)
     has_exact = exact_kv is not None
-    if exact_coding not in c.EXACT_CODING_NAMES:
-        raise InputError(f"exact_coding: expected one of {sorted(c.EXACT_CODING_NAMES)}, got {exact_coding!r}")
-    coding = c.EXACT_CODING_NAMES[exact_coding]
     if has_exact and len(exact_kv) != len(enc.layers):
         raise InputError(f"exact_kv: expected {len(enc.layers)} layers of originals, got {len(exact_kv)}")
     if has_exact and exact is not None and not exact_location:
         raise InputError("exact_location: an exact segment in its own file needs that file's location")
     framing = dict(single_file=single_file, residual_location=residual_location,
-                   exact_location=exact_location if exact is not None else None, exact_coding=coding)
+                   exact_location=exact_location if exact is not None else None)
     scratches = []
 
     def held():  # an inline section: written after the anchor pages, so held until then
@@ -226,7 +221,7 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     try:
         residual_out = held() if single_file else residual
         exact_out = (exact if exact is not None else held()) if has_exact else None  # inline: after everything
-        return _write_sections(enc, fields, anchor, residual_out, exact_out, zstd, exact_kv, coding, framing,
+        return _write_sections(enc, fields, anchor, residual_out, exact_out, zstd, exact_kv, framing,
                                single_file, exact is None)
     finally:
         for sink in scratches:
@@ -234,7 +229,7 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
 
 
 def _write_sections(enc: EncodedKV, fields: AnchorHeader, anchor: PageSink, residual_out, exact_out, zstd: bool,
-                    exact_kv, coding: int, framing: dict, single_file: bool, exact_inline: bool) -> AnchorHeader:
+                    exact_kv, framing: dict, single_file: bool, exact_inline: bool) -> AnchorHeader:
     """The body of :func:`write_files`: every layer's pages, then the leads, then the inline sections."""
     s = enc.scheme
     pages = len(enc.layers) * enc.pages_per_layer
@@ -245,8 +240,7 @@ def _write_sections(enc: EncodedKV, fields: AnchorHeader, anchor: PageSink, resi
     a_at, r_at = anchor.reserve(len(lead.anchor_lead)), residual_out.reserve(len(lead.residual_lead))
     e_at = exact_out.reserve(len(lead.exact_lead)) if has_exact else None
     a_sec, r_sec = _Section(index_size, zstd), _Section(c.RESIDUAL_HEADER_SIZE + index_size, zstd)
-    # the planes always pay for zstd; the rANS records are entropy-coded already, so they are stored raw
-    e_sec = _Section(c.EXACT_HEADER_SIZE + index_size, coding == c.EXACT_CODING_PLANES, EXACT_ZSTD_LEVEL)
+    e_sec = _Section(c.EXACT_HEADER_SIZE + index_size, True, EXACT_ZSTD_LEVEL)  # the planes always pay for zstd
     sinks = min(s.sink_tokens, enc.tokens)
     for i, (keys, values) in enumerate(enc.layers):  # layer-major streaming order
         _check_layer(keys, values, s, sinks)
@@ -261,7 +255,7 @@ def _write_sections(enc: EncodedKV, fields: AnchorHeader, anchor: PageSink, resi
             # the full code decoded from the records just written, as the reader decodes it (no unpacking)
             predicted = predict_layer(records, s, enc.kv_heads, enc.head_dim, enc.tokens, originals[0].dtype)
             del records
-            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens, coding):
+            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens):
                 exact_out.write(e_sec.store(e_rec, splits))
     framed = frame_sections(fields, a_sec.entries, r_sec.entries, e_sec.entries if has_exact else None, **framing)
     anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
@@ -296,15 +290,15 @@ def _originals(pair, enc: EncodedKV, layer: int) -> tuple:
 
 def build_files(enc: EncodedKV, *, cache_id: bytes | None = None, single_file: bool = False,
                 zstd: bool = False, residual_location: str = "", exact_kv: Sequence[tuple] | None = None,
-                exact_location: str = "", exact_coding: str = "rans") -> BuiltFiles:
+                exact_location: str = "") -> BuiltFiles:
     """The bytes of a ``.lynx`` cache, in memory (:func:`write_files` into :class:`Parts`). ``residual_location``
     is the residual file's path relative to the anchor file's directory (or a URL); it is ignored for a single
-    file. ``exact_kv``: the originals, for an exact segment (1.4), inline unless ``exact_location`` names its own
-    file (then in ``BuiltFiles.exact_parts``), coded as ``exact_coding`` names (:func:`write_files`)."""
+    file. ``exact_kv``: the originals, for an exact segment, inline unless ``exact_location`` names its own
+    file (then in ``BuiltFiles.exact_parts``)."""
     anchor, residual = Parts(), None if single_file else Parts()
     exact = Parts() if exact_kv is not None and exact_location else None
     header = write_files(enc, anchor, residual, cache_id=cache_id, zstd=zstd, residual_location=residual_location,
-                         exact_kv=exact_kv, exact=exact, exact_location=exact_location, exact_coding=exact_coding)
+                         exact_kv=exact_kv, exact=exact, exact_location=exact_location)
     return BuiltFiles(tuple(anchor.parts), None if residual is None else tuple(residual.parts), header,
                       None if exact is None else tuple(exact.parts))
 
@@ -336,18 +330,17 @@ class FramedSections:
     anchor_lead: bytes  # the anchor header and the anchor page index: the anchor file up to its first page
     residual_lead: bytes  # the residual header and the residual page index: the section up to its first page
     header: AnchorHeader  # as a reader parses it (header_length filled in)
-    exact_lead: bytes = b""  # 1.4: the exact header and the exact page index
+    exact_lead: bytes = b""  # the exact header and the exact page index
 
 
 def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residual_entries: list[PageEntry],
                    exact_entries: list[PageEntry] | None = None, *, single_file: bool = False,
-                   residual_location: str = "", exact_location: str | None = None,
-                   exact_coding: int = c.EXACT_CODING_RANS) -> FramedSections:
+                   residual_location: str = "", exact_location: str | None = None) -> FramedSections:
     """The bytes around the stored pages of a cache: both headers and both page indexes, from the index entries
     (offsets section-relative, as :func:`_section` places them) and ``fields`` (every header field but the segment
     table, which is computed here). The pages themselves are the caller's: written after each lead, in order.
-    ``exact_entries`` (1.4): an exact segment's, external at ``exact_location`` or, when that is None, inline after
-    the other inline sections, in ``exact_coding`` (coding 2 makes the file 1.5)."""
+    ``exact_entries``: an exact segment's, external at ``exact_location`` or, when that is None, inline after
+    the other inline sections."""
     a_index, r_index = pack_index(anchor_entries), pack_index(residual_entries)
     a_length = len(a_index) + sum(e.stored_length for e in anchor_entries)
     r_length = c.RESIDUAL_HEADER_SIZE + len(r_index) + sum(e.stored_length for e in residual_entries)
@@ -358,8 +351,7 @@ def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residu
     e_length = c.EXACT_HEADER_SIZE + len(e_index) + sum(e.stored_length for e in exact_entries or ())
     e_head = b"" if exact_entries is None else pack_exact_header(
         ExactHeader(fields.cache_id, fields.layers, fields.kv_heads, fields.head_dim, fields.tokens, fields.scheme.page,
-                    fields.dtype, crc32(e_index), exact_coding))
-    exact_minor = c.EXACT_CODING_MINORS.get(exact_coding, 0) if exact_entries is not None else 0
+                    fields.dtype, crc32(e_index)))
 
     def header(anchor_offset: int) -> AnchorHeader:
         anchor_seg = SegmentEntry(c.SEGMENT_ANCHOR, c.PLACEMENT_INLINE, len(anchor_entries), anchor_offset, a_length,
@@ -380,8 +372,7 @@ def frame_sections(fields: AnchorHeader, anchor_entries: list[PageEntry], residu
                 segments += (SegmentEntry(c.SEGMENT_EXACT, c.PLACEMENT_EXTERNAL, len(exact_entries), 0, e_length,
                                           crc32(e_index), exact_location),)
         return replace(fields, segments=segments,
-                       flags=fields.flags | (c.FLAG_PROPERTIES if fields.properties else 0),
-                       version_minor=max(1 if fields.properties else c.VERSION_MINOR, exact_minor))
+                       flags=fields.flags | (c.FLAG_PROPERTIES if fields.properties else 0))
 
     # The header holds the anchor section's offset, which is the header's own length: pack once to learn it.
     length = len(pack_anchor_header(header(0)))

@@ -1,4 +1,4 @@
-"""The exact remainder (format 1.4): the original bf16/fp16/fp32 values, bit for bit, from the full code's decoding.
+"""The exact remainder: the original bf16/fp16/fp32 values, bit for bit, from the full code's decoding.
 
 Each value's bits are mapped to an integer that orders like the value (negative values with their magnitude bits
 flipped: ``o = s ^ ((s >> (w-1)) & (2^(w-1) - 1))`` on the signed ``w``-bit view ``s``, an involution), and the
@@ -8,7 +8,7 @@ elements are put in the order of the prediction's exponent field (stable: ties k
 is split into byte planes (plane ``j`` holds byte ``j`` of every element, little-endian). Near the prediction the
 difference is a few ULPs, and how many depends on the value's exponent: in that order the values whose
 remainders look alike sit together, and the nearly empty high planes and the noisy low plane each compress on
-their own (spec/FORMAT.md §12).
+their own (spec/FORMAT.md §10).
 
 Two paths give the same bytes: the compiled one (``lynxkv/quant/_remainder.c``, a counting sort and one pass,
 GB/s) where it is built, and the torch reference below (``LYNXKV_NATIVE=0``, or no C compiler at install).

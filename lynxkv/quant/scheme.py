@@ -11,15 +11,15 @@ A scheme fixes everything the decoder needs to turn codes back into values (spec
   of its bin: Lynx's Algorithm 1);
 - ``meta_dtype``: the storage dtype of the per-chunk offset and scale (``fp16`` or ``fp32``);
 - ``value_axis``: how the values are grouped: ``token`` (chunks of C tokens per channel, like the keys) or
-  ``channel`` (groups of C channels of one token: KIVI's value axis; format 1.2). Keys always run along tokens;
+  ``channel`` (groups of C channels of one token: KIVI's value axis). Keys always run along tokens;
 - ``sink_tokens`` S: the first S tokens of the cache are decoded from the full code also from the anchor alone
-  (the anchor records of their pages carry their residual too: attention sinks, format 1.2);
+  (the anchor records of their pages carry their residual too: attention sinks);
 - ``key_rotation``: ``none`` or ``hadamard``: the keys are rotated along head_dim by an orthonormal
-  Walsh–Hadamard matrix before they are quantized and rotated back after decoding (:mod:`lynxkv.quant.rotation`,
-  format 1.3). Values are not rotated;
+  Walsh–Hadamard matrix before they are quantized and rotated back after decoding
+  (:mod:`lynxkv.quant.rotation`). Values are not rotated;
 - ``extremes``: where the full code of the nested grid decodes the two end sub-bins that hold the chunk's extremes
   (the codes ``(0, R/2)``, ``(A, R/2 - 1)`` and ``(A, R/2)``): ``midpoint`` (the centre of the sub-bin, like every
-  other code; formats 1.0-1.5) or ``range`` (format 1.6: the chunk's range ends ``o ∓ s``, where its min and max
+  other code) or ``range`` (the chunk's range ends ``o ∓ s``, where its min and max
   lie up to the metadata's rounding; the midpoints sit 1/(2R) of an anchor step inside them, so every chunk's
   extremes were pulled towards its centre).
 """
@@ -114,11 +114,6 @@ class Scheme:
         ``key_rotation = "hadamard"``)."""
         return kind == "key" and self.key_rotation == "hadamard"
 
-    @property
-    def extended(self) -> bool:
-        """True when a field of format 1.2 differs from its 1.0 meaning (values per channel, sink tokens)."""
-        return self.value_axis != "token" or self.sink_tokens != 0
-
     # Derived constants of the code (spec/FORMAT.md, "Quantizer"). -----------------------------------------
     @property
     def anchor_steps(self) -> int:
@@ -185,7 +180,7 @@ LINEAR = Scheme()
 #: The default: the same grid with a mild α-law compander (α = 0.5), the keys rotated by a per-head Walsh–Hadamard
 #: matrix along head_dim before they are quantized, the values grouped per token over channels (KIVI's axis) and
 #: the first 4 tokens (attention sinks) decoded from the full code also from the anchor alone; chosen by measured
-#: anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default scheme"; format 1.3).
+#: anchor-only draft quality at 5 bits on the built-in prompts (README, "Choosing the default scheme").
 #: Format 1.6 added the full code's end sub-bins decoded at the chunk's extremes (next-token KL of the full code
 #: 3.4 times lower on the built-in text; docs/evaluation.md, "Why the full code lowered perplexity").
 DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard",
