@@ -1,4 +1,4 @@
-"""What the key rotation (format 1.3) costs on the user path: the default scheme against the same scheme with
+"""What the key rotation costs on the user path: the default scheme against the same scheme with
 ``key_rotation="none"``, side by side in one process, through the public API, interleaved, medians.
 
 Steps, each timed in wall seconds and in CPU seconds of this process (the CPU figure is the one to read on a

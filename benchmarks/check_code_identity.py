@@ -7,7 +7,7 @@ it with :func:`lynxkv.quant.reference.codes_of_u` (the α-law step in float64); 
 sends every element near a code boundary through that table. This walks all 2,130,706,434 fp32 values of
 ``[-1, 1]`` through both in slices of 2^24 and prints the mismatches (a few minutes per scheme on 2 cores).
 
-The key rotation of format 1.3 (the default's) happens before ``u``: it changes which ``u`` a key has, not the
+The key rotation (the default's) happens before ``u``: it changes which ``u`` a key has, not the
 code of a ``u``, so this check covers a rotating scheme as it covers any other. The rotation itself is checked
 separately (``--rotation``): the fused CPU decode and, where Triton imports (a GPU, or ``TRITON_INTERPRET=1``),
 the Triton decode rotate back bit for bit as the reference does, on random and adversarial key rows (bf16 and

@@ -2,7 +2,7 @@
 text of ``lynxkv eval --task``), encoded and decoded with a scheme through the public API, measured in the domain
 the codes live in (the rotated keys) and after rotating back.
 
-Printed per scheme (the format-1.3 default, then one factor changed at a time, the last the format-1.6 default):
+Printed per scheme (the default with extremes = midpoint, then one factor changed at a time, the last the default):
 
 - the relative change of the keys' energy, ``Σ(x̂² − x²) / Σx²`` (= ``2Σx·e + Σe²``, ``e = x̂ − x``), split into the
   chunk extremes (the max and the min of each chunk of one channel) and every other element, and the mean of the
@@ -13,7 +13,7 @@ Printed per scheme (the format-1.3 default, then one factor changed at a time, t
 
 With ``--choosing N`` it then scores the fix where the defaults are chosen: N documents of 1023 + 256 tokens of
 the choosing corpus (pydoc's topic help, :mod:`lynxkv.hf.prompts`), each cache stored in ``lynx-1.3`` (the end
-sub-bins at their midpoints) and in ``lynx-default`` (format 1.6: at the chunk's extremes) as ``lynxkv eval
+sub-bins at their midpoints) and in ``lynx-default`` (at the chunk's extremes) as ``lynxkv eval
 --task perplexity`` stores it, and the 256 continuation tokens teacher-forced: per codec the mean next-token KL
 against the original cache, the mean ΔPPL ± s.e.m. and the mean |ΔPPL|, and the paired KL difference.
 
@@ -162,12 +162,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     keys = held_out_keys(args.documents)
-    base = get_scheme("default").replace(extremes="midpoint")  # the format-1.3 default
+    base = get_scheme("default").replace(extremes="midpoint")  # the default with extremes = midpoint
     variants = [("the 1.3 default (extremes = midpoint)", base), ("fp32 metadata (scale not rounded up)", base.replace(meta_dtype="fp32")),
                 ("keys not rotated", base.replace(key_rotation="none")),
                 ("linear compander", base.replace(compander="linear", alpha=0.0)),
                 ("no sink tokens", base.replace(sink_tokens=0)),
-                ("extremes = range (format 1.6, the default)", base.replace(extremes="range"))]
+                ("extremes = range (the default)", base.replace(extremes="range"))]
     print(f"SmolLM2 fp32 keys, {args.documents} held-out documents of 1023 tokens, 30 layers")
     for name, scheme in variants:
         m = measure(keys, scheme)

@@ -5,7 +5,7 @@
 Writers (each the entry users run, in a child forked from this pre-imported process, so a kill costs a fork, not
 a torch import): ``lynxkv encode`` (``lynxkv.cli.main``) replacing a two-file cache, or writing it where none is;
 ``lynxkv tier`` moving the residual and the anchor back and forth, and (``tier-exact``) the exact segment of a
-format-1.4 cache and its anchor; ``lynxkv stream -o`` replacing a saved copy;
+cache with an exact segment and its anchor; ``lynxkv stream -o`` replacing a saved copy;
 the LMCache tier's store (``LynxL2Adapter._store``, the method LMCache's worker calls, run against stand-ins for
 the five LMCache names the adapter imports, since LMCache is not installed in the main venv).
 
@@ -344,7 +344,7 @@ class Tier(Scenario):
 
 
 class TierExact(Tier):
-    """``lynxkv tier`` on a format-1.4 cache: the exact segment to another directory and back, then the anchor to
+    """``lynxkv tier`` on a cache: the exact segment to another directory and back, then the anchor to
     another name and back (its recorded exact location rewritten each time)."""
 
     name = "tier-exact"
@@ -451,7 +451,7 @@ def make_assets(assets: str) -> None:
         save_kv_safetensors(dump, kv(seed), metadata={WHICH: which})
         os.makedirs(os.path.join(assets, which), exist_ok=True)
         assert run_child_wait(cli(["encode", dump, "-o", os.path.join(assets, which, "c.lynx")])) == 0
-    dump = os.path.join(assets, "E.safetensors")  # a format-1.4 cache with an exact segment
+    dump = os.path.join(assets, "E.safetensors")  # a cache with an exact segment
     save_kv_safetensors(dump, kv(3), metadata={WHICH: "E"})
     os.makedirs(os.path.join(assets, "E"), exist_ok=True)
     assert run_child_wait(cli(["encode", dump, "-o", os.path.join(assets, "E", "c.lynx"), "--exact"])) == 0

@@ -3,7 +3,7 @@
 One program handles one chunk of C tokens of one (batch, head): it reads the packed bytes of the chunk as a
 ``[C, D/2]`` tile (byte j of a row holds channel 2j in the low nibble and 2j + 1 in the high nibble), spreads
 the nibbles to a ``[C, D]`` tile in registers (join + reshape), reads the offsets and scales (per channel of
-the chunk, or for values per channel, format 1.2, per token and group of C channels), and writes straight into
+the chunk, or for values per channel, per token and group of C channels), and writes straight into
 a preallocated KV tensor in the HF layout and dtype (any strides for B, H and T, so a slice of a larger cache
 works). Every code goes through the reference's own level table ``û`` (``lynxkv.quant.reference
 .expanded_levels``: 256 entries of the full code, then 16 of the anchor alone), so every compander and grid
@@ -13,7 +13,7 @@ decodes as the reference does:
     anchor only:  x = o + s * levels[256 + a]      (the first SINKS tokens: from the full code)
 
 in fp32, then one rounding to the output dtype. Compiled without FMA contraction (``enable_fp_fusion=False``)
-this is the reference's value bit for bit. Rotated keys (format 1.3) are decoded to fp32, rotated back on the
+this is the reference's value bit for bit. Rotated keys are decoded to fp32, rotated back on the
 same device by :func:`lynxkv.quant.rotation.unrotate` (exactly rounded fp32 additions and power-of-two
 scalings: the same bits on every device), then cast. Not supported: splits other than 4+4, an odd head_dim,
 head_dim > 1024.

@@ -113,7 +113,7 @@ def test_sweep_and_selection():
     assert sweep["default"].scheme.key_rotation == "hadamard" and sweep["keys=none"].scheme.key_rotation == "none"
     assert sweep["keys=none"].scheme.replace(key_rotation="hadamard") == sweep["default"].scheme
     assert sweep["alpha=1"].scheme.alpha == 1.0 and sweep["alpha=1"].scheme.key_rotation == "hadamard"
-    old = baselines.registry()["lynx-1.2-anchor"]  # the format-1.2 default, kept by name
+    old = baselines.registry()["lynx-1.2-anchor"]  # an earlier default, kept by name
     assert old.anchor_only and old.scheme == get_scheme("default", alpha=1.0, key_rotation="none", extremes="midpoint")
     assert baselines.registry()["lynx-1.3"].scheme == get_scheme("default", extremes="midpoint")
     assert sweep["extremes=midpoint"].scheme.replace(extremes="range") == sweep["default"].scheme

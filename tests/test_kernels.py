@@ -276,7 +276,7 @@ def test_decode_is_the_reference_bit_for_bit(scheme, shape, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d", [64, 128, 96, 80], ids=["D64", "D128", "D96-b32", "D80-b16"])
 def test_decode_rotates_keys_back_as_the_reference(d, dtype, device):
-    """Rotated keys (format 1.3; blocks of 32 and 16 channels for D = 96 and 80) from bf16 inputs with outlier
+    """Rotated keys (blocks of 32 and 16 channels for D = 96 and 80) from bf16 inputs with outlier
     channels and adversarial magnitudes: the full code and the anchor alone with sink tokens, written into a
     poisoned slice, are the reference's values bit for bit (the rotation back is fp32 before the cast)."""
     scheme = get_scheme("default")  # keys rotated, 4 sink tokens

@@ -1,5 +1,5 @@
 """Which model made a cache: its name (and revision) recorded beside the fingerprint, checked before any weights
-are loaded; an input file's own metadata kept through encode and decode (format 1.1 properties)."""
+are loaded; an input file's own metadata kept through encode and decode (the header's properties)."""
 
 from __future__ import annotations
 

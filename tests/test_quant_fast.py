@@ -404,7 +404,7 @@ def test_dequantize_pages_flags_and_bounds():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(3, 257, 64), (2, 33, 40), (1, 3, 4)], ids=["T257", "D40", "tiny"])
 def test_dequantize_pages_values_per_channel(shape, dtype, anchor_only):
-    """Values grouped per token over channels (format 1.2): metadata [H, n, ceil(D/C)] per page, decoded in the
+    """Values grouped per token over channels: metadata [H, n, ceil(D/C)] per page, decoded in the
     same compiled pass as the reference decodes the whole tensor (sink tokens are the caller's, so none here)."""
     scheme = get_scheme("default", sink_tokens=0)
     assert scheme.axis("value") == "channel"

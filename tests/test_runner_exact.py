@@ -1,4 +1,4 @@
-"""``lynxkv run --exact``: the drafts are verified against the exact segment (format 1.4), so the output is greedy
+"""``lynxkv run --exact``: the drafts are verified against the exact segment, so the output is greedy
 decoding on the original cache, per dtype, on a tiny model through the CLI and the progressive reader."""
 
 from __future__ import annotations

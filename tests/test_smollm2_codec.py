@@ -33,7 +33,7 @@ def _roundtrip(tmp_path, kv, scheme):
 def test_default_scheme_quality_and_size(tmp_path, real_kv):
     kv, _ = real_kv
     info, err = _roundtrip(tmp_path, kv, DEFAULT)
-    # values grouped per token (format 1.2) raise the global value vNMSE of the full code (3.5e-5 against 2.5e-5
+    # values grouped per token raise the global value vNMSE of the full code (3.5e-5 against 2.5e-5
     # along tokens; README "The quantizer and the format") while the drafts improve
     assert err["key_full"] <= 1e-5 and err["value_full"] <= 4e-5, err
     assert err["key_anchor"] <= 2.5e-3 and err["value_anchor"] <= 7e-3, err

@@ -15,7 +15,7 @@ is late, so neither a late wake-up nor the hand-over from one block's sender to 
 idle spell of 20 ms or more (no send waiting), the bucket starts empty again, so a new transfer gets no credit for
 the idle time. Strict priority: a residual block is granted only while no anchor block is
 waiting, so the residual gets exactly what the anchor leaves (the paper's rule; a stalled anchor source leaves
-the link to the residual), and an exact block (format 1.4) only while neither is waiting. Blocks are granted whole, so a grant delays the anchor by at most one residual block:
+the link to the residual), and an exact block only while neither is waiting. Blocks are granted whole, so a grant delays the anchor by at most one residual block:
 callers send in quanta of ``quantum`` bytes.
 
 Per stream the link records bytes and the first-grant / last-delivery times, from which the measured rates are

@@ -31,7 +31,7 @@ class EncodedCache:
     names: tuple[str, ...] | None = None  # K0, V0, K1, V1, ... as they were in the input file
     batch_dim: bool = False  # the input tensors were [1, H, T, D]
     properties: dict[str, str] | None = None  # text key/value pairs: lynxkv.model, an input file's metadata ...
-    originals: list | None = None  # the input (keys, values) [H, T, D] per layer, kept for an exact segment (1.4)
+    originals: list | None = None  # the input (keys, values) [H, T, D] per layer, kept for an exact segment
 
     @property
     def pages_per_layer(self) -> int:

@@ -41,7 +41,7 @@ def names_residual(anchor: str, name: str) -> bool | None:
             locations = [cache.info.residual_location, cache.info.exact_location]
     except LynxError:
         return None
-    for loc in locations:  # the residual's file, or the exact segment's (format 1.4)
+    for loc in locations:  # the residual's file, or the exact segment's
         if loc is None:
             continue
         try:

@@ -51,10 +51,10 @@ def encode(
                                                "before quantization: none or hadamard (the default's)."),
     extremes: Optional[str] = typer.Option(None, "--extremes", help="Where the full code decodes the sub-bins that "
                                            "hold each chunk's min and max: midpoint or range (at the chunk's "
-                                           "extremes; format 1.6)."),
+                                           "extremes)."),
     single_file: bool = typer.Option(False, "--single-file", help="Anchor and residual in one file."),
     zstd: bool = typer.Option(False, "--zstd", help="zstd-compress each page where it pays."),
-    exact: bool = typer.Option(False, "--exact", help="Also write the exact segment (format 1.4), which rebuilds "
+    exact: bool = typer.Option(False, "--exact", help="Also write the exact segment, which rebuilds "
                                "the input tensors bit for bit: OUTPUT with .lynxe, or inline with --single-file."),
     exact_out: Optional[str] = typer.Option(None, "--exact-out", help="Where the exact segment goes, a path or URL "
                                             "(implies --exact; default: OUTPUT with .lynxe)."),
@@ -115,7 +115,7 @@ def decode(
     output: Path = typer.Option(..., "-o", "--output", help="The safetensors file to write."),
     anchor_only: bool = typer.Option(False, "--anchor-only", help="Reconstruct from the anchor alone."),
     exact: bool = typer.Option(False, "--exact", help="The original tensors bit for bit, from the full code and "
-                               "the exact segment (format 1.4; the original dtype)."),
+                               "the exact segment (the original dtype)."),
     dtype: Optional[str] = typer.Option(None, help="Output dtype: bf16, fp16 or fp32 (default: the original)."),
     residual: Optional[str] = typer.Option(None, help="Read the residual from here instead."),
     exact_file: Optional[str] = typer.Option(None, "--exact-file", help="Read the exact segment from here "

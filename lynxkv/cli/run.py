@@ -171,7 +171,7 @@ def run(
     residual: str = typer.Option(None, "--residual", help="Read the residual from here (path, URL)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     exact: bool = typer.Option(False, "--exact", help="Verify the drafts against the original tensors (the exact "
-                               "segment, format 1.4): the output is greedy decoding on the original cache."),
+                               "segment): the output is greedy decoding on the original cache."),
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
                                            "many seconds from the start."),

@@ -32,7 +32,7 @@ def stream(
                                  "location the anchor header records."),
     residual_out: str = typer.Option(None, "--residual-out", help="Where to save the residual copy (default: "
                                      "the anchor's recorded relative location, next to --output)."),
-    exact: bool = typer.Option(False, "--exact", help="Also read the exact segment (format 1.4) behind the "
+    exact: bool = typer.Option(False, "--exact", help="Also read the exact segment behind the "
                                "residual and check every page; -o copies it whenever the cache has one."),
     exact_file: str = typer.Option(None, "--exact-file", help="Read the exact segment from here instead of the "
                                    "location the anchor header records (implies --exact)."),
@@ -168,7 +168,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     residual: str = typer.Option(None, "--residual", help="The residual to serve, when the anchor records it "
                                  "outside its own directory (absolute path or URL)."),
-    exact_file: str = typer.Option(None, "--exact-file", help="The exact segment to serve (format 1.4), when the "
+    exact_file: str = typer.Option(None, "--exact-file", help="The exact segment to serve, when the "
                                    "anchor records it outside its own directory (absolute path or URL)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),
     bandwidth: str = typer.Option(None, "--bandwidth", help="Pace all responses to this rate, e.g. 1Gbps: the "
@@ -248,7 +248,7 @@ def tier(
     src: str = typer.Argument(..., help="The cache's anchor file (path or URL)."),
     dst: str = typer.Argument(None, help="New location of the anchor file (default: leave it where it is)."),
     residual_out: str = typer.Option(None, "--residual-out", help="New location of the residual (path or URL)."),
-    exact_out: str = typer.Option(None, "--exact-out", help="New location of the exact segment (format 1.4; path "
+    exact_out: str = typer.Option(None, "--exact-out", help="New location of the exact segment (path "
                                   "or URL)."),
     keep: bool = typer.Option(False, "--keep", help="Copy instead of move (keep the source files)."),
     allow_location: Optional[list[str]] = typer.Option(None, "--allow-location", help=ALLOW_HELP),

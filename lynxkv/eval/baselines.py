@@ -18,9 +18,9 @@ Baselines (the storage dtype of each scale/zero in brackets):
 - ``kivi4`` / ``kivi2``: KIVI: keys asymmetric per channel over groups of 32 tokens, values asymmetric per
   token over groups of 32 channels [fp16 scale + fp16 zero], also without KIVI's full-precision recent window;
 - ``lynx-*``: a :class:`~lynxkv.quant.scheme.Scheme` through the quantizer entry, full code or anchor only
-  (``lynx-1.3``: the format-1.3 default, the full code's end sub-bins decoded at their midpoints;
-  ``lynx-1.2``: the format-1.2 default, α = 1, values per channel, 4 sink tokens, keys not rotated;
-  ``lynx-alpha1-1.0``: the format-1.0 default, values per token and no sink tokens either).
+  (earlier defaults, named by the development format version that made them the default: ``lynx-1.3``, the
+  full code's end sub-bins decoded at their midpoints; ``lynx-1.2``, α = 1, values per channel, 4 sink tokens,
+  keys not rotated; ``lynx-alpha1-1.0``, values per token and no sink tokens either).
 """
 
 from __future__ import annotations
@@ -264,8 +264,8 @@ def _baselines() -> list:
 def _lynx_codecs() -> list:
     default = get_scheme("default")
     codecs = lynx_pair("lynx-default", default) + lynx_pair("lynx-linear", get_scheme("linear"))
-    codecs += lynx_pair("lynx-1.3", default.replace(extremes="midpoint"))  # the format-1.3 (and 1.4) default
-    default_1_2 = default.replace(alpha=1.0, key_rotation="none", extremes="midpoint")  # the format-1.2 default
+    codecs += lynx_pair("lynx-1.3", default.replace(extremes="midpoint"))  # the earlier default: extremes at the midpoints
+    default_1_2 = default.replace(alpha=1.0, key_rotation="none", extremes="midpoint")  # the earlier default before the key rotation
     codecs += lynx_pair("lynx-1.2", default_1_2)
     codecs += lynx_pair("lynx-alpha1-1.0", default_1_2.replace(value_axis="token", sink_tokens=0))  # the 1.0 default
     codecs += lynx_pair("lynx-paper", get_scheme("paper"))
@@ -283,7 +283,7 @@ def sweep_codecs() -> dict[str, object]:
     """The ablation, one factor at a time around the default scheme (full and anchor for each variant):
     compander (linear, α ∈ {0.25, 0.5 (the default), 1, 2, 10, 100, 255}), the keys not rotated (``keys=none``;
     the default's are: ``keys=hadamard``), also at α = 1, the full code's end sub-bins at their midpoints
-    (``extremes=midpoint``, the format-1.3 default; the default's: ``range``), centring (midrange, mean),
+    (``extremes=midpoint``, the earlier default; the default's: ``range``), centring (midrange, mean),
     values per token instead of per channel, sink tokens ∈ {0, 1, 16} (default 4), chunk C ∈ {16, 32, 64}, page
     P ∈ {128, 256, 512} and split ∈ {3+5, 4+4, 5+3, 6+2}."""
     base = get_scheme("default")

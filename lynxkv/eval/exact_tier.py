@@ -1,4 +1,4 @@
-"""The exact tier's row of the task tables: Lynx's full code plus the exact segment (format 1.4), stored and read
+"""The exact tier's row of the task tables: Lynx's full code plus the exact segment, stored and read
 back through the cache API users call.
 
 Unlike the per-tensor codecs of :mod:`lynxkv.eval.baselines` (fp32 in, fp32 out), the exact tier rebuilds the
@@ -32,7 +32,7 @@ class ExactTier:
 
     @property
     def description(self) -> str:
-        return f"lynx full + exact tier (format 1.4, the original values bit for bit): {self.scheme.describe()}"
+        return f"lynx full + exact tier (the original values bit for bit): {self.scheme.describe()}"
 
     @property
     def scheme(self):

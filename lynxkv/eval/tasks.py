@@ -40,7 +40,7 @@ from lynxkv.hf import prefill
 TASKS = ("perplexity", "passkey")
 
 #: The codecs a task run compares by default: the original cache, Lynx's full code, the full code with the exact
-#: tier (format 1.4), the anchor alone, plain INT8 (per tensor), INT4 per token (groups of 64), KIVI-4 and KIVI-2.
+#: tier, the anchor alone, plain INT8 (per tensor), INT4 per token (groups of 64), KIVI-4 and KIVI-2.
 DEFAULT_CODECS = ("fp32", "lynx-default", EXACT_CODEC, "lynx-default-anchor", "int8-tensor", "int4-g64", "kivi4",
                   "kivi2")
 REFERENCE = "fp32"  # the identity codec: the cache as the model produced it

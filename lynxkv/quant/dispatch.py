@@ -5,7 +5,7 @@
   scheme through the reference's level table, sink tokens included), else the torch reference on the GPU.
 - CPU tensors take the compiled fast path (:mod:`lynxkv.quant.fast`, every scheme) where its C kernels were
   built, else the reference.
-- Rotated keys (format 1.3): the compiled CPU encode rotates each block of keys inside its pass; elsewhere
+- Rotated keys: the compiled CPU encode rotates each block of keys inside its pass; elsewhere
   :func:`quantize` rotates them (:mod:`lynxkv.quant.rotation`, through the reference's one rule) before the
   token-axis encoding runs; the decoders rotate them back (the compiled CPU decode in its own pass, Triton through
   the torch rotation on the GPU).
@@ -177,7 +177,7 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     hold ``held`` (metadata, anchor codes) and ``residual_held`` (residual codes) tokens per head. Returns
     metadata problem flags: 1 an offset is not finite, 2 a scale is not finite, 4 a scale is negative (the
     caller decides; the values written for such a page are what the arithmetic gives). The fast CPU path
-    decodes the 4+4 split in one compiled pass (the rotated keys of format 1.3 rotated back in it); every other
+    decodes the 4+4 split in one compiled pass (the rotated keys rotated back in it); every other
     device and split decodes on ``out``'s device (:mod:`lynxkv.quant.device_pages`: the record bytes copied there
     once, the Triton kernels on CUDA, the reference elsewhere). ``kind`` (``"key"`` or ``"value"``) fixes,
     through the scheme, the axis the groups run along (``scheme.axis``: along tokens, or along the channels of

@@ -31,16 +31,16 @@ decoded as ``ẑ = code * (2/Q) - 1`` (full) or at the middle of the anchor's bi
 
 Decoding (nested grid): ``v̂ = a + ((r + 0.5) / R - 0.5)`` from the full code or ``v̂ = a`` from the anchor alone (the anchor
 level itself: the centre of its residual sub-grid, and for a = 0 and a = A the chunk's extremes); with
-``extremes = "range"`` (format 1.6) the full code's end sub-bins, where the chunk's min and max are encoded
+``extremes = "range"`` the full code's end sub-bins, where the chunk's min and max are encoded
 (:func:`end_codes`), decode at ``ẑ = ∓1`` instead, the chunk's range ends; then
 ``ẑ = v̂ * (2/A) - 1``, ``û = ẑ`` or ``sign(ẑ) * fp32(expm1(|ẑ| * c) / alpha)`` (float64 inside),
 ``x̂ = o + s * û``.
 
-Keys always run along tokens as above. Values with ``value_axis = "channel"`` (format 1.2) are the same
+Keys always run along tokens as above. Values with ``value_axis = "channel"`` are the same
 encoding applied to the transpose ``[H, D, T]``: groups of C consecutive channels of one token, metadata
 ``[H, T, ceil(D/C)]``; the codes stay in ``[H, T, D]`` order. With ``sink_tokens`` S the first S tokens decode
 from the full code also when only the anchor is given (the anchor carries their residual). With
-``key_rotation = "hadamard"`` (format 1.3) the keys are rotated along head_dim first (:func:`lynxkv.quant.rotation
+``key_rotation = "hadamard"`` the keys are rotated along head_dim first (:func:`lynxkv.quant.rotation
 .rotate`: everything above applies to the rotated keys ``y``) and rotated back after decoding, in fp32, before
 the cast to the requested dtype (:func:`lynxkv.quant.rotation.unrotate`).
 

@@ -1,4 +1,4 @@
-"""The per-head Walsh–Hadamard rotation of the keys (format 1.3, ``Scheme.key_rotation = "hadamard"``): the one
+"""The per-head Walsh–Hadamard rotation of the keys (``Scheme.key_rotation = "hadamard"``): the one
 place that defines it; the reference, the fast CPU path and Triton all use (or mirror) this arithmetic.
 
 The keys are rotated along ``head_dim`` before they are quantized, and rotated back after they are decoded. An

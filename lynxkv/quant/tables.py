@@ -27,7 +27,7 @@ Why it is exact:
 - **Decoding through a level table.** The reference decodes ``x̂ = o + s·û(code)``; ``û`` of all 256 codes (or
   of every anchor) is computed once by the reference itself, so ``fl(o + fl(s·levels[code]))`` is the
   reference's value bit for bit, rounded to bf16 (nearest even) or kept in fp32 in the same loop.
-- **Rotated keys** (format 1.3): the Walsh–Hadamard butterfly of :mod:`lynxkv.quant.rotation`, the same fp32
+- **Rotated keys**: the Walsh–Hadamard butterfly of :mod:`lynxkv.quant.rotation`, the same fp32
   additions on the same operands (so the same bits), runs per row in the encode pass (before the range), in the
   decode pass (after ``o + s·û``, before the cast) and in :func:`rotate`.
 - **Vectors.** Where the CPU has AVX2 (checked at run time) the rows of the default layout run on 8-lane vectors:

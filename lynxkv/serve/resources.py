@@ -7,7 +7,7 @@ needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual nex
 or an S3 object). How they answer is :mod:`lynxkv.serve.server`'s and :mod:`lynxkv.serve.ranges`'s part.
 
 What is served. Only the cache the user named: the anchor file, the residual its header records (or the
-``--residual`` override), and the exact segment (format 1.4) its header records (or the ``--exact-file``
+``--residual`` override), and the exact segment its header records (or the ``--exact-file``
 override), found under the same rules. All are read once at start-up and checked before the port opens: every
 header, index and page CRC, and the residual's and the exact segment's magic and ``cache_id`` (and the exact
 segment's shape and dtype) against its anchor, so a header that names ``/etc/passwd`` or another cache's
@@ -142,7 +142,7 @@ def load_served_cache(cache: str, residual: str | None = None, *, exact: str | N
     """Read and check the cache the user named (see the module docstring); raise a LynxError if it is not
     whole, or if a side segment is not its own. The residual is the one ``residual`` names, or the location the
     anchor records, followed under the storage layer's trust rule (``allow``: the allow-list); the exact segment
-    (1.4) likewise, ``exact`` or its recorded location, when the anchor names one."""
+    likewise, ``exact`` or its recorded location, when the anchor names one."""
     from lynxkv.storage import local_path, read_stamped, resolve_location
     from lynxkv.stream.tier import anchor_header_of, relocate_segments
 

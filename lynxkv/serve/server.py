@@ -1,7 +1,7 @@
 """``lynxkv serve``: one cache over HTTP (aiohttp): :class:`CacheServer`, range requests, connection bounds.
 
 Resources. The anchor file is ``GET /<anchor file name>``; an external residual is ``GET /<location>`` where
-``<location>`` is the relative location its anchor header records, and an external exact segment (format 1.4)
+``<location>`` is the relative location its anchor header records, and an external exact segment
 likewise, so the URL of the anchor is all a client needs (``open_progressive("http://host:port/x.lynx")`` resolves the residual next to it, exactly as for a file
 or an S3 object). Each answers ``GET`` and ``HEAD`` (the same headers, no body: ``Content-Length``,
 ``Accept-Ranges: bytes``, a strong ``ETag``, ``Last-Modified`` once it validates) and RFC 9110 range requests as

@@ -1,4 +1,4 @@
-"""Progressive reading to the exact tier (format 1.4): anchor, then full code, then the original tensors.
+"""Progressive reading to the exact tier: anchor, then full code, then the original tensors.
 
 :func:`read_exact_stage` is the progressive reader's third stage (``open_progressive(..., exact=True)``, run on
 its exact worker): the exact segment's bytes arrive behind the residual's through the load's transport, its header

@@ -11,7 +11,7 @@ arrive, the full code once the whole residual is in, at the lowest CPU priority,
 anchor keeps every core. Buffers are bounded (16 MiB per segment beyond what its parser used, ``inflight x
 block_size`` in flight, ``max_pending_pages`` residual pages). A final residual failure fails the whole load
 unless ``allow_anchor_only`` (then the anchor stays usable, flagged lossy). Asked for it (``exact``), an *exact*
-worker reads the exact segment (format 1.4) behind the residual, page by page, and once the full code is in
+worker reads the exact segment behind the residual, page by page, and once the full code is in
 applies it to a copy of the full code: ``load.exact`` completes with the original tensors bit for bit, or fails
 with one clear error (a wrong or corrupt exact segment) before any of them is handed out; the anchor and the full
 code stay usable. docs/tiers.md, "Inside the progressive reader", says why each choice was made and what the
@@ -148,7 +148,7 @@ class ProgressiveLoad(LoadConsumer, CacheLoad):
 
     @property
     def exact(self) -> Future:
-        """Completes once the exact segment (1.4) has arrived and checked out: with the original tensors bit for
+        """Completes once the exact segment has arrived and checked out: with the original tensors bit for
         bit (in the cache's dtype; ``None`` with ``decode=False``, or when ``exact=None`` and the cache has no
         exact segment), or with the error that refused it."""
         return self._exact_future
@@ -366,7 +366,7 @@ class ProgressiveLoad(LoadConsumer, CacheLoad):
                                                                  reader.index(c.SEGMENT_RESIDUAL))
         self._put(1, ("residual_done",))
 
-    # ------------------------------------------------------------------------------------------ exact (1.4)
+    # ------------------------------------------------------------------------------------------ exact
     def _wait_header(self) -> tuple:
         """(header, page reader) once the consumer has read the header; the load's error if it ended first."""
         while not self._header_ready.wait(0.2):
@@ -406,7 +406,7 @@ def open_progressive(source: str, *, residual: str | None = None, on_event: Call
     ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page), in ``dtype`` (default
     fp32; with ``exact`` -- ``exact=None``: when the cache has an exact segment -- the cache's own dtype).
 
-    ``exact`` (format 1.4) adds a third stage: the exact segment, read behind every residual byte (from
+    ``exact`` adds a third stage: the exact segment, read behind every residual byte (from
     ``exact_file`` when given, else inline or at its recorded location under the same trust rule as the
     residual's), page by page; ``load.exact`` then completes with the original tensors bit for bit (see
     :attr:`ProgressiveLoad.exact`). ``exact=None`` reads it only where the cache has one."""

@@ -2,7 +2,7 @@
 
 A :class:`ReceivedCopy` is given to :func:`~lynxkv.stream.progressive.open_progressive` as its ``tee``: it keeps
 every block the load receives, and writes the files only once the load has verified every page (:meth:`commit`):
-the residual first, then the exact segment (format 1.4, when the load read it), then the anchor, each atomically,
+the residual first, then the exact segment (when the load read it), then the anchor, each atomically,
 so an anchor never points at a missing side file; then it reads them back and checks every page of every segment.
 A side file written for an anchor that then fails to be written (a full disk) is removed again.
 

@@ -37,7 +37,7 @@ def transfer_report(load, *, source: str) -> dict:
         "anchor_only": tl.residual_failed is not None,
         "retries": list(tl.extra.get("retries", [])),
     }
-    if "exact_total_bytes" in tl.extra:  # the exact stage (format 1.4) was read
+    if "exact_total_bytes" in tl.extra:  # the exact stage was read
         out.update(exact_source=getattr(load, "exact_url", None), exact_ready_s=tl.extra.get("exact_ready_s"),
                    exact_bytes=tl.extra.get("exact_bytes", 0), exact_failed=tl.extra.get("exact_failed"))
     if link is not None:

@@ -151,7 +151,7 @@ _SIDES = ((c.SEGMENT_RESIDUAL, "residual"), (c.SEGMENT_EXACT, "exact"))
 def move_cache(src: str, dst: str | None = None, *, residual_to: str | None = None, exact_to: str | None = None,
                keep: bool = False, progress: Progress | None = None, allow_locations=()) -> dict:
     """Move (or with ``keep`` copy) the anchor to ``dst``, the residual to ``residual_to`` and/or the exact
-    segment (format 1.4) to ``exact_to``.
+    segment to ``exact_to``.
 
     A side segment is found under the trust rule of :func:`lynxkv.storage.resolve_location` (``allow_locations``)
     when it moves or when the anchor does (its recorded location is then rewritten relative to the new anchor); a

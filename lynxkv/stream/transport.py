@@ -214,7 +214,7 @@ class Transfer:
             if self.residual_started_at is None:
                 self.residual_started_at = time.perf_counter()
             self.timeline.residual_bytes += len(data)
-        else:  # the exact segment (1.4)
+        else:  # the exact segment
             self.timeline.extra["exact_bytes"] = self.timeline.extra.get("exact_bytes", 0) + len(data)
 
     def pump(self, blocks: Iterable[tuple[int, bytes]], buf: StreamBuffer, stream: int, name: str, *,
@@ -398,7 +398,7 @@ class StorageTransport:
         return buf
 
     def open_exact(self, header: AnchorHeader, override: str | None = None) -> StreamBuffer | InPlaceBuffer:
-        """The exact segment's bytes (1.4), behind every residual byte: inline in the anchor file, or at
+        """The exact segment's bytes, behind every residual byte: inline in the anchor file, or at
         ``override``, or at the location the header records under the trust rule (``allow_locations``)."""
         seg = header.segment(c.SEGMENT_EXACT)
         t = self.transfer

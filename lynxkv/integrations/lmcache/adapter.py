@@ -11,7 +11,7 @@ Loaded by ``lmcache server`` as a plugin tier, with the ``lynx`` serde in front 
 
 Objects. A chunk with key (model, kv_rank, object group, chunk hash, cache salt) is stored as
 ``<anchor_path>/<name>.lynx`` and ``<residual_path>/<name>.lynxr`` (and, when the serde writes exact segments,
-format 1.4, ``<exact_path>/<name>.lynxe``, ``exact_path`` defaulting to ``residual_path``) where ``<name>`` is
+``<exact_path>/<name>.lynxe``, ``exact_path`` defaulting to ``residual_path``) where ``<name>`` is
 ``<model with / as %2F>@<kv_rank>@<group>@<hash hex>[@<salt>]``: the model name is part of the key, and each
 file is a valid lynx segment (``lynxkv inspect``/``verify`` read them; the anchor records where its residual
 is, relative to it). The residual is written first, then the exact segment, the anchor last, each atomically: a
@@ -81,7 +81,7 @@ class LynxL2Adapter(L2AdapterInterface):
         return object_paths(key, self.anchor_path, self.residual_path)
 
     def exact_file(self, key: ObjectKey) -> str:
-        """Where the chunk's exact segment (1.4) goes: ``<exact_path>/<name>.lynxe``."""
+        """Where the chunk's exact segment goes: ``<exact_path>/<name>.lynxe``."""
         return exact_object_path(key, self.exact_path)
 
     def _residual_location(self, anchor: str, residual: str) -> str:
@@ -182,7 +182,7 @@ class LynxL2Adapter(L2AdapterInterface):
         return tid
 
     def read_chunk(self, key: ObjectKey) -> tuple[bytes, ...]:
-        """(anchor, residual) of one chunk, and its exact file when the anchor records one of its own (1.4), every
+        """(anchor, residual) of one chunk, and its exact file when the anchor records one of its own, every
         CRC checked (and the exact segment's rebuild); a LynxError if any is missing or bad."""
         apath, rpath = self.paths(key)
         anchor, residual = read_all(apath), read_all(rpath)

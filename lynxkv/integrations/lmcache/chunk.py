@@ -10,7 +10,7 @@ that backend's raw memory: the keys as ``[head_dim, B]``, then the values as ``[
 the header's ``lynxkv.lmcache_layout`` property); :func:`split_chunk` turns that file into an anchor file and a
 residual file (what the lynx tier stores on two paths); :func:`decode_chunk` reads either form back into a
 chunk tensor in the recorded layout, exactly the full code's values (:func:`lynxkv.open_cache` ``.load_kv()``),
-every CRC checked. With ``exact`` (format 1.4) the chunk also carries its exact segment (inline in the single
+every CRC checked. With ``exact`` the chunk also carries its exact segment (inline in the single
 file, a third file after :func:`split_segments`), and :func:`decode_chunk` ``exact=True`` gives back the chunk
 bit for bit in its own dtype.
 """

@@ -9,7 +9,7 @@ identically), ``layout`` (how the chunk tensor holds K and V, :class:`~lynxkv.in
 ``B``, whose objects LMCache gathers as ``[layers, tokens, kv_heads * 2 * head_dim]`` blocks of that backend's raw
 memory: the lynx object is then a cache of the model's layers, heads and head dim), ``scheme`` (a lynxkv scheme
 name, default ``default``; stored without sink tokens, :func:`~lynxkv.integrations.lmcache.chunk.chunk_scheme`),
-``exact`` (format 1.4: each object also carries the chunk's exact segment, and deserializing gives the chunk back
+``exact`` (each object also carries the chunk's exact segment, and deserializing gives the chunk back
 bit for bit instead of the full code's values; an object without one is then refused), ``max_workers``.
 
 A deserialize failure fails LMCache's whole load batch; the lynx tier (``adapter.py``) therefore checks every CRC

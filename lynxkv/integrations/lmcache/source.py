@@ -103,7 +103,7 @@ def object_paths(key, anchor_path: str, residual_path: str) -> tuple[str, str]:
 
 
 def exact_object_path(key, exact_path: str) -> str:
-    """Where the lynx tier keeps a chunk's exact segment (format 1.4): ``<exact_path>/<name>.lynxe``."""
+    """Where the lynx tier keeps a chunk's exact segment: ``<exact_path>/<name>.lynxe``."""
     return _join(exact_path, object_name(key) + c.EXACT_SUFFIX)
 
 
