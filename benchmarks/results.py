@@ -41,7 +41,10 @@ machine, the date and the commit it ran on. The other pages say what the code do
 This page is generated: edit the records in `benchmarks/results/*.json` and run `python benchmarks/results.py`
 (`tests/test_results_page.py` fails when the page and the records disagree). A figure measured again replaces
 its record; git keeps the earlier ones. Figures measured while the runner still had options that are now its
-fixed behaviour give, under "As run then", the command as it was run.
+fixed behaviour give, under "As run then", the command as it was run. Records measured before the `.lynx` format
+was fixed at 1.0 name a scheme by the development version whose default it was (1.0: α = 1, values per token;
+1.2: α = 1, values per channel, 4 sink tokens; 1.3: keys rotated, α = 0.5, extremes at the sub-bins' midpoints;
+1.6: today's default); those versions were never released, and format 1.0 holds every scheme.
 
 Terms used in the tables: Δ = min(t_res, 64·TPOT), where t_res is the residual's arrival after the anchor and
 TPOT a plain decode step: the most that drafting while the residual arrives can save on the time to 64 tokens.

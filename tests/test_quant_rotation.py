@@ -193,7 +193,7 @@ def test_finite_keys_whose_rotation_overflows_are_one_clear_error():
 
 @pytest.mark.parametrize("d", HEAD_DIMS.values(), ids=HEAD_DIMS.keys())
 def test_error_bound_holds_on_adversarial_rows(d):
-    """error_bound of rotated keys (spec/FORMAT.md §9.4) on rows whose butterflies round: cancelling sums of
+    """error_bound of rotated keys (docs/format.md, "Error bound") on rows whose butterflies round: cancelling sums of
     2^40-sized values, subnormal sums, ties; per token (C = 1: each row its own metadata) and per chunk."""
     x = torch.stack([adversarial_rows(d, seed) for seed in range(4)]).view(2, 10, d)
     for scheme in (ROTATED.replace(meta_dtype="fp32"), ROTATED.replace(meta_dtype="fp32", chunk=1, page=1)):

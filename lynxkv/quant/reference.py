@@ -343,7 +343,7 @@ def error_bound(enc: EncodedTensor, scheme: Scheme, *, anchor_only: bool = False
 
     Rotated keys (``enc.rotated``): with ``e`` that bound of the rotated rows and ``ŷ`` their fp32 decoding, the
     bound of element ``i`` of a block of ``b = 2^m`` channels is ``2^(k-m)·Σe + (m+1)·2^-23·2^k·Σ(|ŷ| + e) +
-    2^-126``, the sums over the block (spec/FORMAT.md §9.4 derives it): the butterfly's entries are ±1 and its
+    2^-126``, the sums over the block (docs/format.md, "Error bound", derives it): the butterfly's entries are ±1 and its
     fp32 rounding, in the encoder's and the decoder's, is ``m`` relative roundings deep.
     """
     h, t, d = enc.anchor.shape
