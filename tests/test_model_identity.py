@@ -102,7 +102,7 @@ def test_a_header_whose_properties_are_not_a_json_object_is_refused(tmp_path):
     kv = [(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))]
     save_cache(tmp_path / "x.lynx", kv, single_file=True, properties={"k": "v"})
     a = bytearray((tmp_path / "x.lynx").read_bytes())
-    assert struct.unpack_from("<H", a, 10)[0] >= 1 and struct.unpack_from("<I", a, 12)[0] & c.FLAG_PROPERTIES
+    assert struct.unpack_from("<H", a, 10)[0] == 0 and struct.unpack_from("<I", a, 12)[0] & c.FLAG_PROPERTIES
     start = a.index(b'{"k":"v"}')
     a[start:start + 9] = b'["k","v"]'
     length = struct.unpack_from("<I", a, 16)[0]
