@@ -173,3 +173,15 @@ def test_the_reader_rejects_every_invalid_example(source, change, field):
             with open_cache(exact_anchor, residual=ex["residual"], exact=patched(ex["exact"], change)) as cache:
                 cache.load_kv(exact=True)
     assert info.value.field == field, str(info.value)
+
+
+def test_a_later_minor_version_is_read_as_the_spec_says():
+    """§8: a reader of 1.x reads any 1.y (only reserved flag bits and unknown majors are refused)."""
+    a = bytearray(examples()["anchor"])
+    a[10] = 7  # version_minor 7, the header CRC made valid again
+    hl = int.from_bytes(a[16:20], "little")
+    a[hl - 4:hl] = zlib.crc32(bytes(a[:hl - 4])).to_bytes(4, "little")
+    with open_cache(bytes(a), residual=examples()["residual"]) as cache:
+        assert cache.info.format_version == "1.7" and cache.verify() == []
+        (k, _), = cache.load_kv()
+        assert torch.equal(k, dequantize(quantize(K, SCHEME), SCHEME))
