@@ -100,7 +100,6 @@ def header_padding(a: bytearray, r: bytearray):
 
 
 def bad_fingerprint(a: bytearray, r: bytearray):
-    hl = struct.unpack_from("<I", a, 16)[0]
     at = bytes(a).index(FINGERPRINT.encode())
     a[at] = ord("G")
     fix_header_crc(a)

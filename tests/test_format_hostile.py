@@ -26,7 +26,6 @@ import lynxkv.format.writer as writer
 from lynxkv.cache import encode_kv, open_cache, save_cache, verify_file
 from lynxkv.cli import main
 from lynxkv.errors import LynxError
-from lynxkv.format import constants as c
 from lynxkv.format.writer import build_files
 from lynxkv.quant.scheme import Scheme
 
