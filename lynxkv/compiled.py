@@ -1,19 +1,39 @@
-"""The compiled extensions (``lynxkv/quant/_native.c``, ``lynxkv/format/_crc.c``, built by ``pip install``),
-loaded with ctypes: their calls release the GIL. Either may be missing (no C compiler at install) or turned off
-with ``LYNXKV_NATIVE=0``; their users then take their pure-Python paths, which give the same results."""
+"""The compiled extensions (``lynxkv/quant/_native.c``, ``_remainder.c``, ``lynxkv/format/_crc.c``, built by
+``pip install`` as cffi modules whose C types come from a header next to each file; see setup.py). Their calls
+release the GIL. Any may be missing (no C compiler at install) or turned off with ``LYNXKV_NATIVE=0``; their users
+then take their pure-Python paths, which give the same results."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.util
 import os
 
 
+def disabled() -> bool:
+    """``LYNXKV_NATIVE=0``: every compiled path is off (the pure-Python ones run)."""
+    return os.environ.get("LYNXKV_NATIVE", "1") == "0"
+
+
+def load_module(module: str):
+    """The ``(ffi, lib)`` of cffi extension ``module`` (e.g. ``"lynxkv.quant._native"``): ``lib`` calls its C
+    functions with the header's types, ``ffi`` makes the pointers they take. None where it was not built, does
+    not load, or ``LYNXKV_NATIVE=0``."""
+    if disabled():
+        return None
+    try:
+        ext = importlib.import_module(module)
+    except ImportError:  # not built (no compiler at install), or cffi's backend is missing
+        return None
+    return ext.ffi, ext.lib
+
+
 def load_extension(module: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
-    """The shared library of extension ``module`` (e.g. ``"lynxkv.format._crc"``) with each function of
-    ``signatures`` (name -> (argtypes, restype)) declared, or None where it was not built, does not load, or
-    ``LYNXKV_NATIVE=0``."""
-    if os.environ.get("LYNXKV_NATIVE", "1") == "0":
+    """The shared library of extension ``module`` through ctypes, with each function of ``signatures`` (name ->
+    (argtypes, restype)) declared, or None where it was not built, does not load, or ``LYNXKV_NATIVE=0``: for
+    functions linked into a module whose header does not declare them (``_rans.c`` in ``_remainder``)."""
+    if disabled():
         return None
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.origin:

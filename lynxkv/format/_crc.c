@@ -7,13 +7,12 @@
  * then into one lane, then to 64 bits, and reduced to 32 bits by Barrett reduction. The constants are those of
  * the paper for the reflected CRC-32 polynomial (bit-reflected, shifted by one).
  *
- * Python loads this library with ctypes (lynxkv.format.layout.crc32); the call releases the GIL.
+ * Python calls it through a cffi module typed by _crc.h (built by setup.py; lynxkv.format.checksum).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
 #include <stddef.h>
 #include <stdint.h>
+
+#include "_crc.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LYNX_X86 1
@@ -105,11 +104,3 @@ int32_t lynx_crc32_folds(void) {
     return 0;
 #endif
 }
-
-static struct PyModuleDef crc_module = {
-    PyModuleDef_HEAD_INIT, "_crc",
-    "lynxkv's compiled CRC-32 (C); called through ctypes by lynxkv.format.layout.crc32, which documents it.", -1,
-    NULL,
-};
-
-PyMODINIT_FUNC PyInit__crc(void) { return PyModule_Create(&crc_module); }

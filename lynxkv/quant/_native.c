@@ -18,16 +18,16 @@
  * compander within a bound of the exact one and look up only the elements that land near a code step; both give
  * the reference's codes.
  *
- * Python loads this library with ctypes (lynxkv.quant.fast): the calls release the GIL, and the caller splits the
- * units over its threads. Nothing here allocates beyond one row buffer per call or keeps state between calls.
+ * Python calls these through a cffi module typed by _native.h (built by setup.py; lynxkv.quant.c_kernels): the
+ * calls release the GIL, and the caller splits the units over its threads. Nothing here allocates beyond one row
+ * buffer per call or keeps state between calls.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_native.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LYNX_X86 1
@@ -1036,10 +1036,3 @@ int32_t lynx_vector_rows(void) {
     return 0;
 #endif
 }
-
-static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT, "_native",
-    "lynxkv's compiled decode (C); called through ctypes by lynxkv.quant.fast, which documents it.", -1, NULL,
-};
-
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

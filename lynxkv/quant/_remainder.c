@@ -1,5 +1,6 @@
 /* The exact remainder of format 1.4 (spec/FORMAT.md §12), compiled: the same bytes as the torch reference
- * (lynxkv/quant/remainder.py), which documents the arithmetic. Loaded with ctypes (lynxkv/quant/remainder.py).
+ * (lynxkv/quant/remainder.py), which documents the arithmetic. Its binding is typed by _remainder.h (cffi, built by
+ * setup.py).
  *
  * Elements are E = 2 (bf16, fp16) or 4 (fp32) bytes wide, little-endian, contiguous. For element i:
  *   o(b)  = b ^ ((b >> (w-1)) & (2^(w-1) - 1))     on the signed w-bit view b (orders like the value; an involution)
@@ -12,6 +13,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "_remainder.h"
 
 static inline uint16_t ord16(uint16_t b) { return b ^ ((uint16_t)(-(int16_t)(b >> 15)) & 0x7FFF); }
 static inline uint32_t ord32(uint32_t b) { return b ^ ((uint32_t)(-(int32_t)(b >> 31)) & 0x7FFFFFFF); }

@@ -1,34 +1,18 @@
-"""The compiled C kernels of the fast CPU path (``lynxkv/quant/_native.c``): their ctypes signatures and one
-Python call per kernel (:mod:`lynxkv.quant.fast` lays the tensors out and splits the work over threads)."""
+"""The compiled C kernels of the fast CPU path (``lynxkv/quant/_native.c``, a cffi module whose C types are those
+of ``_native.h``) and one Python call per kernel (:mod:`lynxkv.quant.fast` lays the tensors out and splits the work
+over threads). Arrays are handed over as typed pointers into their buffers (``ffi.from_buffer``), so a call with a
+missing or mistyped argument fails in Python, before any C runs."""
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
-from lynxkv.compiled import load_extension
+from lynxkv.compiled import load_module
 from lynxkv.quant.tables import LOG_POLY
 
-
-def native_library():
-    """The compiled kernels (``lynxkv/quant/_native.c``) through ctypes, or None where they were not built or
-    ``LYNXKV_NATIVE=0``: then :func:`lynxkv.quant.fast.available` is false and the entry uses the reference."""
-    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    return load_extension("lynxkv.quant._native", {
-        "lynx_decode_pages": ([p, p, p, p, p, i64, i32, i32, i32, i32, i32, i64, f32, i64, i64, i64, i64, p, p, i32,
-                               i64, i64, i64], i64),
-        "lynx_encode_units": ([p, i32, i64, i64, i64, i64, i64, i64, i64, i32, i64, f32, i64, i64, i32, p, p, i32,
-                               f32, f32, f32, f32, f32, p, p, i64, i32, i32, i32, p, p, i64, i64], i64),
-        "lynx_rotate_rows": ([p, i32, i64, i64, i64, i64, i64, i64, f32, p, i64, i64], i64),
-        "lynx_pack4_rows": ([p, i64, i64, i64, i64, i64, p, i64, i64], i64),
-        "lynx_unpack4": ([p, p, i64, i64], i64),
-        "lynx_vector_rows": ([], i32),
-        "lynx_scalar_only": ([i32], None),
-    })
-
-
-NATIVE = native_library()
+#: ``(ffi, lib)`` of the compiled kernels, or None where they were not built or ``LYNXKV_NATIVE=0``: then
+#: :func:`lynxkv.quant.fast.available` is false and the entry uses the reference.
+FFI, NATIVE = load_module("lynxkv.quant._native") or (None, None)
 _LOG_POLY_F32 = np.array(LOG_POLY, dtype=np.float32)
 
 
@@ -40,8 +24,15 @@ def native() -> str | None:
     return "avx2" if NATIVE.lynx_vector_rows() else "scalar"
 
 
-def ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
+def byte_pointer(a: np.ndarray):
+    """A ``uint8_t *`` into ``a``'s bytes (C-contiguous), which keeps ``a`` alive: for buffers that several calls
+    read (:func:`decode_kernel`)."""
+    return FFI.from_buffer("uint8_t[]", a)
+
+
+def _buf(a: np.ndarray, ctype: str = "char[]"):
+    """A pointer into ``a``'s buffer (C-contiguous), of ``ctype`` (an array type, e.g. ``"float[]"``)."""
+    return FFI.from_buffer(ctype, a)
 
 
 def encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1, meta_given, offset, scale,
@@ -58,20 +49,21 @@ def encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0
     bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``. ``block`` > 1 (keys of format 1.3, along tokens):
     each row is rotated first (the butterfly within blocks of ``block`` channels, then times ``rotation_scale``)."""
     flags = NATIVE.lynx_encode_units(
-        ptr(x), int(x.dtype == np.uint16), x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
-        meta_given, ptr(offset), ptr(scale), int(offset.dtype == np.uint16), alpha, inv_c, gk, gb, margin,
-        ptr(_LOG_POLY_F32), ptr(table), off, shift, rb, packed, ptr(a_out), ptr(r_out), out_h, out_t)
+        _buf(x), x.dtype == np.uint16, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
+        meta_given, _buf(offset), _buf(scale), offset.dtype == np.uint16, alpha, inv_c, gk, gb, margin,
+        _buf(_LOG_POLY_F32, "float[]"), _buf(table, "uint32_t[]"), off, shift, rb, packed,
+        _buf(a_out, "uint8_t[]"), _buf(r_out, "uint8_t[]"), out_h, out_t)
     if flags < 0:
         raise MemoryError("the encode's unit buffers could not be allocated")
     return flags
 
 
-def decode_kernel(o_buf: int, s_buf: int, a_buf: int, r_buf: int, pages: np.ndarray, packed, anchor_only, rb, wide,
+def decode_kernel(o_buf, s_buf, a_buf, r_buf, pages: np.ndarray, packed, anchor_only, rb, wide,
                    per_row, block, back, H, C, u0, u1, levels: np.ndarray, y: int, y_bf16: bool, sh, st, sd):
     """``x̂ = o + s·levels[code]`` for units ``[u0, u1)`` into ``y`` (the address of fp32, or of bf16 as uint16
-    bits: ``y_bf16``) by ``lynx_decode_pages``; ``o_buf``/``s_buf``/``a_buf``/``r_buf`` are the addresses of the
-    byte buffers; returns metadata problem flags: 1 = an offset is not finite, 2 = a scale is not finite, 4 = a
-    scale is negative.
+    bits: ``y_bf16``) by ``lynx_decode_pages``; ``o_buf``/``s_buf``/``a_buf``/``r_buf`` are the byte buffers
+    (:func:`byte_pointer`); returns metadata problem flags: 1 = an offset is not finite, 2 = a scale is not
+    finite, 4 = a scale is negative.
 
     ``pages`` int64 ``[P, 10]``, one row per page of ``rows x cols`` elements per head: byte offsets of its
     offsets and scales (``[H, ceil(held/C), cols]``, little-endian fp16, or fp32 when ``wide``) in
@@ -86,21 +78,21 @@ def decode_kernel(o_buf: int, s_buf: int, a_buf: int, r_buf: int, pages: np.ndar
     Hadamard-rotated rows (keys, format 1.3), each decoded fp32 row rotated back (the butterfly, then times
     ``back``) before it is stored."""
     flags = NATIVE.lynx_decode_pages(
-        o_buf, s_buf, a_buf, r_buf, ptr(pages), pages.shape[0], packed, anchor_only, rb, wide, per_row, block,
-        back, H, C, u0, u1, ptr(levels), y, int(y_bf16), sh, st, sd)
+        o_buf, s_buf, a_buf, r_buf, _buf(pages, "int64_t[]"), pages.shape[0], packed, anchor_only, rb, wide,
+        per_row, block, back, H, C, u0, u1, _buf(levels, "float[]"), FFI.cast("void *", y), y_bf16, sh, st, sd)
     if flags < 0:
         raise MemoryError("the decode's row buffer could not be allocated")
     return flags
 
 
 def rotate_kernel(x, x0, sh, st, T, D, block, scale, y, r0, r1):
-    return NATIVE.lynx_rotate_rows(ptr(x), int(x.dtype == np.uint16), x0, sh, st, T, D, block, scale, ptr(y), r0,
-                                    r1)
+    return NATIVE.lynx_rotate_rows(_buf(x), x.dtype == np.uint16, x0, sh, st, T, D, block, scale,
+                                   _buf(y, "float[]"), r0, r1)
 
 
 def pack4_rows_kernel(v, v0, sh, st, n, D, out, r0, r1):
-    return NATIVE.lynx_pack4_rows(ptr(v), v0, sh, st, n, D, ptr(out), r0, r1)
+    return NATIVE.lynx_pack4_rows(_buf(v, "uint8_t[]"), v0, sh, st, n, D, _buf(out, "uint8_t[]"), r0, r1)
 
 
 def unpack4_kernel(p, out, i0, i1):
-    return NATIVE.lynx_unpack4(ptr(p), ptr(out), i0, i1)
+    return NATIVE.lynx_unpack4(_buf(p, "uint8_t[]"), _buf(out, "uint8_t[]"), i0, i1)

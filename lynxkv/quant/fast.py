@@ -1,4 +1,4 @@
-"""The fast CPU path: compiled C kernels (``lynxkv/quant/_native.c``, called through ctypes), bit-identical to
+"""The fast CPU path: compiled C kernels (``lynxkv/quant/_native.c``, a cffi module typed by ``_native.h``), bit-identical to
 :mod:`lynxkv.quant.reference` in codes, metadata and decoded values, for every scheme. This module checks and
 lays out the tensors, calls the kernels and splits the work over threads; the tables the kernels read, and why
 their codes are exactly the reference's, are :mod:`lynxkv.quant.tables`.
@@ -23,8 +23,8 @@ from lynxkv.errors import InputError
 from lynxkv.quant import reference, rotation
 from lynxkv.quant.reference import META_TORCH_DTYPE, EncodedTensor
 from lynxkv.quant.scheme import Scheme
-from lynxkv.quant.c_kernels import (NATIVE, decode_kernel, encode_kernel, pack4_rows_kernel, ptr, rotate_kernel,
-                                    unpack4_kernel)
+from lynxkv.quant.c_kernels import (NATIVE, byte_pointer, decode_kernel, encode_kernel, pack4_rows_kernel,
+                                    rotate_kernel, unpack4_kernel)
 from lynxkv.quant.c_kernels import native  # noqa: F401  (which kernels run: part of this module's interface)
 from lynxkv.quant.tables import TABLE_SHIFT, approximation, code_table, level_table
 
@@ -238,9 +238,9 @@ def _decode_pages(o_buf, s_buf, a_buf, r_buf, pages: list[tuple[int, ...]], pack
         table.append((*row, units) if len(row) == 9 else (*row, row[5], row[5], units))
         units += h * (row[5] if per_row else -(-row[5] // c))
     sh, st, sd = y.stride()  # the kernel writes y[h·sh + t·st + d·sd] from y's first element
-    a_at = ptr(a_buf)  # the buffers' addresses, each taken once (the records hold metadata and codes alike)
-    o_at, s_at = (a_at if b is a_buf else ptr(b) for b in (o_buf, s_buf))
-    r_at = a_at if anchor_only else ptr(r_buf)
+    a_at = byte_pointer(a_buf)  # each buffer's pointer made once (the records hold metadata and codes alike)
+    o_at, s_at = (a_at if b is a_buf else byte_pointer(b) for b in (o_buf, s_buf))
+    r_at = a_at if anchor_only else byte_pointer(r_buf)
     flags = 0
     for f in _parallel(
         decode_kernel, units,

@@ -16,11 +16,9 @@ GB/s) where it is built, and the torch reference below (``LYNXKV_NATIVE=0``, or 
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from lynxkv.compiled import load_extension
+from lynxkv.compiled import load_module
 from lynxkv.errors import InputError
 
 #: the dtypes an exact remainder is defined for, by the names the format uses
@@ -30,12 +28,9 @@ _VIEWS = {torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16), t
 #: dtype -> (shift, mask) of its exponent field, the key of the element order
 _EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F), torch.float32: (23, 0xFF)}
 
-_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-#: ``lynxkv/quant/_remainder.c`` through ctypes, or None (not built, or ``LYNXKV_NATIVE=0``): the reference runs.
-_LIB = load_extension("lynxkv.quant._remainder", {
-    "lynx_exact_planes": ([_p, _p, _i64, _i32, _i32, _p, _p], _i64),
-    "lynx_exact_apply": ([_p, _p, _i64, _i32, _i32, _p], _i64),
-})
+#: ``lynxkv/quant/_remainder.c`` (a cffi module typed by ``_remainder.h``), or None (not built, or
+#: ``LYNXKV_NATIVE=0``): the reference runs.
+_FFI, _LIB = load_module("lynxkv.quant._remainder") or (None, None)
 
 
 def compiled() -> bool:
@@ -101,8 +96,10 @@ def remainder_planes_and_runs(original: torch.Tensor, predicted: torch.Tensor) -
         e = element_bytes(x.dtype)
         out = torch.empty(e, x.numel(), dtype=torch.uint8)
         counts = torch.empty(256, dtype=torch.int64)
-        _native_call(_LIB.lynx_exact_planes(x.data_ptr(), p.data_ptr(), x.numel(), e, int(x.dtype == torch.float16),
-                                            out.data_ptr(), counts.data_ptr()))
+        _native_call(_LIB.lynx_exact_planes(_FFI.cast("void *", x.data_ptr()), _FFI.cast("void *", p.data_ptr()),
+                                            x.numel(), e, x.dtype == torch.float16,
+                                            _FFI.cast("uint8_t *", out.data_ptr()),
+                                            _FFI.cast("int64_t *", counts.data_ptr())))
         return out, counts[counts > 0].tolist()
     return reference_planes(original, predicted), group_sizes(predicted)
 
@@ -116,8 +113,8 @@ def apply_planes(planes: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
     if _LIB is not None and planes.device.type == "cpu" and predicted.device.type == "cpu":
         planes, p = planes.contiguous(), predicted.contiguous()
         out = torch.empty_like(p)
-        _native_call(_LIB.lynx_exact_apply(planes.data_ptr(), p.data_ptr(), n, w // 8, int(p.dtype == torch.float16),
-                                           out.data_ptr()))
+        _native_call(_LIB.lynx_exact_apply(_FFI.cast("uint8_t *", planes.data_ptr()), _FFI.cast("void *", p.data_ptr()),
+                                           n, w // 8, p.dtype == torch.float16, _FFI.cast("void *", out.data_ptr())))
         return out
     return reference_apply(planes, predicted)
 
