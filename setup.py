@@ -28,8 +28,9 @@ def _ffi(module: str, header: str, sources: list[str], flags: list[str]):
     lines = (HERE / header).read_text(encoding="utf-8").splitlines()
     ffi = FFI()
     ffi.cdef("\n".join(line for line in lines if not line.lstrip().startswith("#")))
+    # depends: the header goes into the sdist (and a change to it rebuilds the module)
     ffi.set_source(module, f'#include "{Path(header).name}"', sources=sources, include_dirs=[str(Path(header).parent)],
-                   extra_compile_args=flags, optional=True, py_limited_api=False)
+                   depends=[header], extra_compile_args=flags, optional=True, py_limited_api=False)
     return ffi
 
 
