@@ -4,9 +4,12 @@
 #   lynxkv --version; lynxkv encode / verify / decode of a small safetensors dump; the decoded tensors have the
 #   dump's names, shapes and dtype, are within the quantizer's error of it and equal the Python API's load_kv.
 # Where a C compiler is found, the installed wheel must hold all three compiled modules (an extension that fails
-# to compile is skipped silently by the build, so only this check would notice).
+# to compile is skipped silently by the build, so only this check would notice). NO_COMPILER=1 builds as a machine
+# without one does (CC=false): the build must go on, the wheel hold no compiled module, and the round trip work
+# through the pure-Python paths.
 #
 #   benchmarks/wheel_check.sh                  # with the running venv's python (PYTHON=... to choose another)
+#   NO_COMPILER=1 benchmarks/wheel_check.sh    # what an install without a C compiler gets
 #
 # Nothing is downloaded: the build runs without isolation (setuptools and cffi from $PYTHON's environment) and the
 # wheel is installed with --no-deps; its dependencies (torch, numpy, ...) are those of $PYTHON's environment, put
@@ -29,8 +32,14 @@ step "sdist (PEP 517 hook, no isolation)"
     "$WORK/dist" >"$WORK/sdist.log" 2>&1) || { tail -20 "$WORK/sdist.log"; exit 1; }
 SDIST="$(ls "$WORK"/dist/lynxkv-*.tar.gz)"
 
-step "wheel from $(basename "$SDIST")"
-(cd "$WORK" && "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$SDIST" \
+COMPILER=0
+if [ "${NO_COMPILER:-0}" = 1 ]; then
+    export CC=false CXX=false
+elif command -v "${CC:-cc}" >/dev/null 2>&1; then
+    COMPILER=1
+fi
+step "wheel from $(basename "$SDIST") (C compiler: $COMPILER)"
+(cd "$WORK" && "$PYTHON" -m pip wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$WORK/dist" "$SDIST" \
     >"$WORK/wheel.log" 2>&1) || { tail -20 "$WORK/wheel.log"; exit 1; }
 WHEEL="$(ls "$WORK"/dist/lynxkv-*.whl)"
 
@@ -47,8 +56,6 @@ VENV_PY="$WORK/venv/bin/python"
 step "lynxkv --version"
 "$WORK/venv/bin/lynxkv" --version
 
-COMPILER=0
-command -v "${CC:-cc}" >/dev/null 2>&1 && COMPILER=1
 "$VENV_PY" - "$SITE" "$COMPILER" <<'EOF'
 import sys
 from pathlib import Path
@@ -63,6 +70,8 @@ built = {"quant kernels": fast.native(), "exact remainder": remainder.compiled()
 print("wheel_check: compiled modules:", ", ".join(f"{k}: {v}" for k, v in built.items()), file=sys.stderr)
 if compiler:
     assert all(built.values()), f"a C compiler is here, but the wheel lacks a compiled module: {built}"
+else:
+    assert not any(built.values()), f"built without a C compiler, yet compiled modules run: {built}"
 EOF
 
 step "encode / verify / decode round trip"
