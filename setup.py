@@ -39,8 +39,8 @@ def native_ffi():
 
 
 def remainder_ffi():
-    return _ffi("lynxkv.quant._remainder", "lynxkv/quant/_remainder.h",
-                ["lynxkv/quant/_remainder.c", "lynxkv/quant/_rans.c"], ["-O3", "-Wall"])
+    sources = [s for s in ("lynxkv/quant/_remainder.c", "lynxkv/quant/_rans.c") if (HERE / s).exists()]
+    return _ffi("lynxkv.quant._remainder", "lynxkv/quant/_remainder.h", sources, ["-O3", "-Wall"])
 
 
 def crc_ffi():
