@@ -1,7 +1,7 @@
-"""The fast CPU path: compiled C kernels (``lynxkv/quant/_native.c``, a cffi module typed by ``_native.h``), bit-identical to
-:mod:`lynxkv.quant.reference` in codes, metadata and decoded values, for every scheme. This module checks and
-lays out the tensors, calls the kernels and splits the work over threads; the tables the kernels read, and why
-their codes are exactly the reference's, are :mod:`lynxkv.quant.tables`.
+"""The fast CPU path: compiled C kernels (``lynxkv/quant/_native.c``, a cffi module typed by ``_native.h``),
+bit-identical to :mod:`lynxkv.quant.reference` in codes, metadata and decoded values, for every scheme. This
+module checks and lays out the tensors, calls the kernels and splits the work over threads; the tables the
+kernels read, and why their codes are exactly the reference's, are :mod:`lynxkv.quant.tables`.
 
 The loops release the GIL and run on a small thread pool (``LYNXKV_CPU_THREADS``, default the torch intra-op
 thread count, at most 8), each worker on a contiguous span of units ((head, chunk), or (head, token) for values
