@@ -9,6 +9,7 @@ import ctypes
 import importlib
 import importlib.util
 import os
+import warnings
 
 
 def disabled() -> bool:
@@ -25,6 +26,11 @@ def load_module(module: str):
     try:
         ext = importlib.import_module(module)
     except ImportError:  # not built (no compiler at install), or cffi's backend is missing
+        return None
+    if not hasattr(ext, "ffi") or not hasattr(ext, "lib"):  # a library built before the cffi bindings
+        warnings.warn(f"{module} at {getattr(ext, '__file__', '?')} is a stale build without its cffi binding: the "
+                      "pure-Python path runs; rebuild it (pip install -e ., or python setup.py build_ext --inplace)",
+                      RuntimeWarning, stacklevel=2)
         return None
     return ext.ffi, ext.lib
 

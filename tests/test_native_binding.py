@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lynxkv import open_cache, save_cache
+from lynxkv.compiled import load_module
 from lynxkv.quant import c_kernels, fast
 
 compiled_only = pytest.mark.skipif(not fast.available(), reason="the compiled kernels were not built")
@@ -42,6 +43,7 @@ def test_a_call_that_does_not_fit_the_header_fails_before_any_c_runs():
 _WITHOUT_NATIVE = """
 import sys, torch
 from lynxkv import open_cache, save_cache
+from lynxkv.compiled import load_module
 from lynxkv.quant import fast, remainder
 assert not fast.available() and not remainder.compiled()
 kv = torch.load(sys.argv[1])
@@ -73,3 +75,15 @@ def test_without_compiled_code_the_files_and_values_are_the_same(tmp_path):
             for pair_got, pair_want in zip(got, want, strict=True):
                 for a, b in zip(pair_got, pair_want, strict=True):
                     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_a_stale_build_without_its_binding_falls_back_with_a_warning(tmp_path, monkeypatch):
+    """A library left from before the cffi bindings (a module without ``ffi``/``lib``) is not called: the loader
+    warns and the pure-Python path runs."""
+    (tmp_path / "lynxkv_stale_ext.py").write_text("# a module without ffi and lib\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="stale build"):
+        assert load_module("lynxkv_stale_ext") is None
+    assert load_module("lynxkv_not_built_ext") is None  # not there at all: no warning needed
+    monkeypatch.setenv("LYNXKV_NATIVE", "0")
+    assert load_module("lynxkv.quant._native") is None
