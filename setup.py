@@ -1,6 +1,5 @@
 """The compiled parts of lynxkv, each a cffi module (API mode) typed by its header: the CPU quantizer kernels
-(``lynxkv/quant/_native.c``, ``_native.h``), the exact remainder (``lynxkv/quant/_remainder.c``, ``_remainder.h``;
-its rANS coding ``_rans.c`` is linked into the same module) and the page checksum (``lynxkv/format/_crc.c``,
+(``lynxkv/quant/_native.c``, ``_native.h``), the exact remainder (``lynxkv/quant/_remainder.c``, ``_remainder.h``) and the page checksum (``lynxkv/format/_crc.c``,
 ``_crc.h``).
 
 The header is the one statement of each binding: the C file includes it, so a definition that disagrees does not
@@ -39,8 +38,8 @@ def native_ffi():
 
 
 def remainder_ffi():
-    sources = [s for s in ("lynxkv/quant/_remainder.c", "lynxkv/quant/_rans.c") if (HERE / s).exists()]
-    return _ffi("lynxkv.quant._remainder", "lynxkv/quant/_remainder.h", sources, ["-O3", "-Wall"])
+    return _ffi("lynxkv.quant._remainder", "lynxkv/quant/_remainder.h", ["lynxkv/quant/_remainder.c"],
+                ["-O3", "-Wall"])
 
 
 def crc_ffi():

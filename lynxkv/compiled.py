@@ -5,7 +5,6 @@ then take their pure-Python paths, which give the same results."""
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import os
@@ -33,22 +32,3 @@ def load_module(module: str):
                       RuntimeWarning, stacklevel=2)
         return None
     return ext.ffi, ext.lib
-
-
-def load_extension(module: str, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
-    """The shared library of extension ``module`` through ctypes, with each function of ``signatures`` (name ->
-    (argtypes, restype)) declared, or None where it was not built, does not load, or ``LYNXKV_NATIVE=0``: for
-    functions linked into a module whose header does not declare them (``_rans.c`` in ``_remainder``)."""
-    if disabled():
-        return None
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.origin:
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError:  # pragma: no cover - a broken build; the pure-Python path stays in charge
-        return None
-    for name, (args, result) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, result
-    return lib

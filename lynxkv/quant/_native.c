@@ -1,5 +1,5 @@
 /* The compiled kernels of lynxkv.quant.fast: the encode (codes and metadata of units of a tensor), the decode
- * (x̂ = o + s·levels[code], rotated back for format 1.3 keys, rounded to bf16 or kept in fp32, for pages of codes
+ * (x̂ = o + s·levels[code], rotated back for Hadamard-rotated keys, rounded to bf16 or kept in fp32, for pages of codes
  * held in byte buffers), the rotation and 4-bit packing. lynxkv.quant.fast's docstring says why their results are
  * those of the torch reference (lynxkv.quant.reference, their oracle in the tests) bit for bit. The decode:
  *

@@ -1,4 +1,4 @@
-/* The exact remainder of format 1.4 (spec/FORMAT.md §12), compiled: the same bytes as the torch reference
+/* The exact remainder (spec/FORMAT.md §10), compiled: the same bytes as the torch reference
  * (lynxkv/quant/remainder.py), which documents the arithmetic. Its binding is typed by _remainder.h (cffi, built by
  * setup.py).
  *

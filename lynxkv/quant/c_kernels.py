@@ -42,11 +42,11 @@ def encode_kernel(x, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0
     does.
 
     Groups along tokens (keys): a unit is one (head, chunk of C tokens), the groups its D channels, metadata
-    ``[H·nc·D]``. ``per_row`` (values per channel, format 1.2): a unit is one (head, token) row, the groups its
+    ``[H·nc·D]``. ``per_row`` (values per channel): a unit is one (head, token) row, the groups its
     runs of C channels, metadata ``[H·T·ceil(D/C)]``. ``offset``/``scale`` (fp32, or fp16 as uint16 bits) are
     written from each group's max and min (midrange centring), or read (``meta_given``: the reference computed
     them). Codes go out packed 4+4 (``packed``; pairs along D, ``[H·T·D/2]`` bytes each) or as anchor and residual
-    bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``. ``block`` > 1 (keys of format 1.3, along tokens):
+    bytes, element ``(h, t, d)`` at ``h·out_h + t·out_t + d``. ``block`` > 1 (rotated keys, along tokens):
     each row is rotated first (the butterfly within blocks of ``block`` channels, then times ``rotation_scale``)."""
     flags = NATIVE.lynx_encode_units(
         _buf(x), x.dtype == np.uint16, x0, sh, st, T, D, C, nc, per_row, block, rotation_scale, u0, u1,
@@ -75,7 +75,7 @@ def decode_kernel(o_buf, s_buf, a_buf, r_buf, pages: np.ndarray, packed, anchor_
     or one byte each; ``anchor_only`` indexes ``levels`` by the anchor. Element (h, t, d) of a page goes to
     ``y[y0 + h·sh + t·st + d·sd]``: any strided view. ``per_row``: the groups run along each row instead (values
     per channel), metadata ``[H, rows, ceil(cols/C)]``, a unit one (head, row). ``block`` > 1: the codes are of
-    Hadamard-rotated rows (keys, format 1.3), each decoded fp32 row rotated back (the butterfly, then times
+    Hadamard-rotated rows (keys), each decoded fp32 row rotated back (the butterfly, then times
     ``back``) before it is stored."""
     flags = NATIVE.lynx_decode_pages(
         o_buf, s_buf, a_buf, r_buf, _buf(pages, "int64_t[]"), pages.shape[0], packed, anchor_only, rb, wide,

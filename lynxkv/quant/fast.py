@@ -175,7 +175,7 @@ def packable(scheme: Scheme, head_dim: int) -> bool:
 def quantize(x: torch.Tensor, scheme: Scheme, axis: str = "token", rotated: bool = False) -> EncodedTensor:
     """:func:`lynxkv.quant.reference.quantize_tokens` (``axis="token"``) or the reference's encoding of values per
     channel (``axis="channel"``: groups of C channels of one token, read in place, no transposed copy), of the
-    Hadamard-rotated rows where ``rotated`` (keys of format 1.3: rotated inside the same pass), bit for bit (CPU
+    Hadamard-rotated rows where ``rotated`` (keys: rotated inside the same pass), bit for bit (CPU
     tensors; no sink tokens or rotation marked: :func:`lynxkv.quant.reference.quantize`, whose ``encoder`` this
     is, does that)."""
     h, t, d = _input(x).shape
@@ -314,8 +314,8 @@ def dequantize_pages(anchor, residual, pages, scheme: Scheme, *, out: torch.Tens
     the sink tokens of a page, whose residual codes the anchor record holds apart. Returns metadata problem flags
     (1: an offset is not finite, 2: a scale is not finite, 4: a scale is
     negative); the values written for such a page are what the arithmetic gives. ``axis="channel"``: the groups
-    run along the channels of each token (values per channel, format 1.2), metadata ``[H, n, ceil(D/C)]``.
-    ``rotated``: the codes are of Hadamard-rotated keys (format 1.3), rotated back in the same pass."""
+    run along the channels of each token (values per channel), metadata ``[H, n, ceil(D/C)]``.
+    ``rotated``: the codes are of Hadamard-rotated keys, rotated back in the same pass."""
     h, t, d = out.shape
     if not packable(scheme, d):
         raise InputError(f"the packed layout needs the 4+4 split and an even head_dim, got "
