@@ -90,7 +90,8 @@ class VllmLab:
         self._engine("prefill", "server", PREFILL_PORT, "kv_producer",
                      {"store": str(self.store), "host": self.lab.server_addr, "port": STORE_PORT,
                       "dscp_anchor": "EF", "dscp_residual": "CS1"})
-        self._engine("decode", "client", DECODE_PORT, "kv_consumer", {"timeout_s": self.timeout_s})
+        self._engine("decode", "client", DECODE_PORT, "kv_consumer",
+                     {"timeout_s": self.timeout_s, "sources": [f"http://{self.lab.server_addr}:{STORE_PORT}/"]})
         self.wait_up("server", f"{self.prefill_url}/health")
         self.wait_up("client", f"{self.decode_url}/health")
         self._popen("proxy", "client", [sys.executable, "-m", "lynxkv", "vllm-proxy", "--prefill", self.prefill_url,

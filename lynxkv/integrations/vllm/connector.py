@@ -14,8 +14,10 @@ the forward pass that completes its prompt, encoded with lynx's default scheme a
 ``kv_transfer_params`` carry ``{"lynx_url": URL}``. The worker serves the directory (:class:`StoreServer`: anchor
 ahead of residual, range requests), so the decode instance reads the anchor before the residual crosses the link.
 
-**Consumer** (the decode instance; extra config ``timeout_s``, default 120: how long a request waits for its KV;
-``keep``, default 8: loads kept for reuse). A request whose ``kv_transfer_params`` carry ``{"lynx_url": URL,
+**Consumer** (the decode instance; extra config ``sources``: the URL prefixes of the stores it may read, such as
+``["http://prefill-host:7071/"]``, required; ``timeout_s``, default 120: how long a request waits for its KV;
+``keep``, default 8: loads kept for reuse). A request naming a URL under no source is refused: a client of the
+decode instance cannot make it fetch anything its operator did not name. A request whose ``kv_transfer_params`` carry ``{"lynx_url": URL,
 "lynx_mode": "anchor" | "full"}`` has its prompt's KV loaded asynchronously (it waits in vLLM's
 ``WAITING_FOR_REMOTE_KVS``) from that cache: the anchor as soon as it lands, or the full code once the residual is
 in, dequantized into its blocks. Two requests naming one URL share one transfer (:mod:`.fetch`). A cache that does
@@ -101,6 +103,13 @@ class LynxConnector(KVConnectorBase_V1):
         self._base_url = str(extra.get("url") or f"http://{host}:{port}").rstrip("/")
         if self._producer and not self._store:
             raise LynxError("LynxConnector: a producer needs kv_connector_extra_config.store (a directory)")
+        sources = extra.get("sources") or []
+        if isinstance(sources, str):
+            sources = [sources]
+        self._sources = tuple(str(s) for s in sources if str(s).startswith(("http://", "https://")))
+        if not self._producer and not self._sources:
+            raise LynxError("LynxConnector: a consumer needs kv_connector_extra_config.sources, the http(s) URL "
+                            "prefixes of the stores it may read (e.g. [\"http://prefill-host:7071/\"])")
         # scheduler side
         self._to_load: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()
@@ -207,6 +216,8 @@ class LynxConnector(KVConnectorBase_V1):
         try:
             if spec.mode not in MODES:
                 raise LynxError(f"lynx_mode: expected one of {', '.join(MODES)}")
+            if not spec.url.startswith(self._sources):
+                raise LynxError(f"{spec.url[:200]}: not under a configured source ({', '.join(self._sources)})")
             kv = self._loads.kv(spec.url, spec.mode, spec.prompt, self._timeout)
             if len(kv) != len(self._layers):
                 raise LynxError(f"{spec.url}: {len(kv)} layers, the model has {len(self._layers)}")
