@@ -3,20 +3,23 @@ random Llama (saved as a model directory) in the lab's server namespace and publ
 it; ``lynxkv run http://...`` decodes from it in the client namespace, over a 2 Mbit/s link shaped per DSCP class.
 The decoder's tokens equal plain greedy decoding on the cache's full code (the copy the prefill saved to its tier);
 a prefill killed while the residual is on the wire ends the decoder with one ``lynxkv: error:`` line, or lets it
-finish flagged on the anchor with ``--allow-anchor-only``; a link cut in the middle of the residual resumes.
+finish flagged on the anchor with ``--allow-anchor-only``, and so does a ``lynxkv serve`` stopped (SIGSTOP) in the
+middle of the residual, its connections open, within ``--residual-timeout``; a link cut in the middle of the
+residual resumes.
 Needs root and iproute2; skips with the reason otherwise."""
 
 from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from runner_helpers import tiny_llama_cache, word
+from runner_helpers import store_prefill, tiny_llama_cache, word
 
 from lynxkv.bench.netlab import NetLab, can_create_lab
 from lynxkv.cache import open_cache
@@ -61,9 +64,10 @@ def _prefill(lab: NetLab, tiny, out, *extra: str) -> tuple[subprocess.Popen, str
     return proc, json.loads("".join(lines))["url"]
 
 
-def _decode(lab: NetLab, tiny, url: str, *extra: str) -> subprocess.Popen:
+def _decode(lab: NetLab, tiny, url: str, *extra: str, residual_timeout: float = 20) -> subprocess.Popen:
     return lab.popen("client", [sys.executable, "-m", "lynxkv", "run", url, "--model", tiny[1], "--max-new-tokens",
-                                str(NEW), "--ignore-eos", "--json", "--residual-timeout", "20", *extra],
+                                str(NEW), "--ignore-eos", "--json", "--residual-timeout", str(residual_timeout),
+                                *extra],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -145,3 +149,54 @@ def test_decoder_reads_a_prefill_still_publishing_across_a_link_cut_and_decodes_
     assert result["token_ids"] == _reference(tiny, out, result)
     sent = {k: v - before[k] for k, v in lab.class_bytes("server").items()}  # each segment in its DSCP class
     assert sent["anchor"] >= out.stat().st_size and sent["residual"] >= out.with_suffix(".lynxr").stat().st_size
+
+
+def _serve(lab: NetLab, cache: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start ``lynxkv serve`` of a finished cache in the server namespace; its URL."""
+    proc = lab.popen("server", [sys.executable, "-m", "lynxkv", "serve", cache, "--host", lab.server_addr, "--port",
+                                "0", "--json", "--dscp-anchor", "EF", "--dscp-residual", "CS1", *extra],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    while not lines or lines[-1] != "}\n":
+        lines.append(proc.stdout.readline())
+        assert lines[-1], proc.stderr.read()
+    return proc, json.loads("".join(lines))["url"]
+
+
+@pytest.fixture(scope="module")
+def stored(tiny, tmp_path_factory):
+    """The tiny model's cache of a random prompt, finished and stored (what ``lynxkv serve`` serves)."""
+    path = str(tmp_path_factory.mktemp("stored") / "s.lynx")
+    rng = random.Random(6)
+    store_prefill(tiny[0], [rng.randrange(2, 128) for _ in range(PROMPT_WORDS)], path)
+    return path
+
+
+def test_a_server_that_stalls_mid_residual_ends_the_decoder_within_its_residual_timeout(lab, tiny, stored):
+    """A server stopped (SIGSTOP) while the residual is on the wire keeps its connections open and sends nothing
+    more, nor answers a retry: the decoder's --residual-timeout ends it with one error line, or with
+    --allow-anchor-only on the anchor, flagged; neither hangs nor prints tokens that are not the anchor's."""
+    server, url = _serve(lab, stored, "--write-buffer", "16KiB")
+    timeout = 10.0
+    try:
+        strict = _decode(lab, tiny, url, residual_timeout=timeout)
+        lenient = _decode(lab, tiny, url, "--allow-anchor-only", residual_timeout=timeout)
+        _when_residual_moves(lab, strict, 2 * 30_000)  # both decoders' residuals under way
+        server.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        s_out, s_err = strict.communicate(timeout=timeout + 30)
+        l_out, l_err = lenient.communicate(timeout=30)
+        ended = time.monotonic() - stopped
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.communicate()
+    # the residual timeout (counted from before the stop) ended both, not the transport's four stalls of 10 s
+    assert ended < timeout + 15
+    assert strict.returncode == 1 and s_out == "", s_out
+    errors = [line for line in s_err.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("lynxkv: error:") and "residual" in errors[0], s_err
+    assert lenient.returncode == 0, l_err
+    result = json.loads(l_out)
+    assert result["verified"] is False and "residual" in result["stats"]["residual_error"]
+    assert result["token_ids"] == _reference(tiny, stored, result, anchor_only=True)

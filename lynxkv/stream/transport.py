@@ -14,7 +14,8 @@ package's ``lynxkv.transports`` entry point), else :class:`StorageTransport` (ev
 opens: local files, ``s3://``, ``http(s)://``, ``memory://``). :class:`RangeStream` is the block stream over
 random-access storage: up to ``inflight`` ranged reads in flight, handed over in order, transient failures retried
 with exponential backoff (:class:`lynxkv.storage.RetryPolicy`); a read that does not answer within
-``stall_timeout`` is issued again. Memory is bounded by ``inflight * block_size``.
+``stall_timeout`` is issued again, the stalled one left to a daemon thread (it never keeps the process alive).
+Memory is bounded by ``inflight * block_size``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from lynxkv.stream.early import early_options, read_anchor_head
 from lynxkv.stream.link import ANCHOR, EXACT, RESIDUAL, STREAMS, Link
 
 Fetch = Callable[[int, int], bytes]
+_POLL_S = 0.1  # how often a reader waiting on a fetch looks whether its stream was closed
 
 
 class RangeStream:
@@ -75,7 +77,22 @@ class RangeStream:
     def close(self) -> None:
         self._closed.set()
 
-    def _read_block(self, pool: cf.ThreadPoolExecutor, a: int, b: int) -> tuple[bytes, float]:
+    def _await(self, fut: cf.Future) -> bytes:
+        """The fetch's bytes; ``cf.TimeoutError`` once it has been outstanding for ``stall_timeout`` seconds,
+        :class:`StreamClosed` as soon as the stream is closed (a stalled read is left to its thread)."""
+        deadline = time.monotonic() + self.retry.stall_timeout
+        while True:
+            if self._closed.is_set():
+                raise StreamClosed(f"{self.segment} stream closed")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise cf.TimeoutError
+            try:
+                return fut.result(timeout=min(left, _POLL_S))
+            except cf.TimeoutError:
+                continue
+
+    def _read_block(self, a: int, b: int) -> tuple[bytes, float]:
         """One block, retried with backoff; a stalled read is abandoned after ``stall_timeout``."""
         last: BaseException | None = None
         for k in range(self.retry.attempts):
@@ -86,12 +103,13 @@ class RangeStream:
                 if self.on_retry:
                     self.on_retry(f"{self.segment} bytes {a}-{b}: {last}; retry {k} of {self.retry.attempts - 1}")
                 time.sleep(self.retry.delay(k - 1))
-            fut = pool.submit(self.fetch, a, b)
             try:
-                data = fut.result(timeout=self.retry.stall_timeout)
+                data = self._await(_fetch_apart(self.fetch, a, b, self.segment))
             except cf.TimeoutError:
                 last = TransientError(f"no answer within {self.retry.stall_timeout:g} s")
                 continue
+            except StreamClosed:
+                raise
             except BaseException as exc:  # noqa: BLE001
                 if not is_transient(exc):
                     raise
@@ -125,14 +143,13 @@ class RangeStream:
                         self._charged_to = b
                         self._charge_turn.notify_all()
             return data, delivered
-        if isinstance(last, LynxError):
+        if isinstance(last, LynxError) and not isinstance(last, TransientError):
             raise last
         raise TransientError(f"{self.segment} segment at {self.url}: bytes {a}-{b} failed after "
                              f"{self.retry.attempts} attempts: {last}")
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        # Readers for the blocks (each may itself wait on a stalled fetch), and the fetch workers underneath.
-        fetch_pool = cf.ThreadPoolExecutor(self.inflight * 2, thread_name_prefix=f"lynxkv-{self.segment}-get")
+        # Readers for the blocks (each may itself wait on a stalled fetch, which runs on a thread of its own).
         block_pool = cf.ThreadPoolExecutor(self.inflight, thread_name_prefix=f"lynxkv-{self.segment}-blk")
         pending: list[tuple[int, cf.Future]] = []
         try:
@@ -141,7 +158,7 @@ class RangeStream:
                 limit = 1 if self.after is not None and not self.after.is_set() else self.inflight
                 while nxt < self.end and len(pending) < limit:
                     b = min(nxt + self.block_size, self.end)
-                    pending.append((nxt, block_pool.submit(self._read_block, fetch_pool, nxt, b)))
+                    pending.append((nxt, block_pool.submit(self._read_block, nxt, b)))
                     nxt = b
                 a, fut = pending.pop(0)
                 data, delivered = fut.result()
@@ -154,7 +171,24 @@ class RangeStream:
             for _, f in pending:
                 f.cancel()
             block_pool.shutdown(wait=False, cancel_futures=True)
-            fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fetch_apart(fetch: Fetch, a: int, b: int, name: str) -> cf.Future:
+    """``fetch(a, b)`` on a daemon thread of its own. A read can block for good (a peer that keeps its connection
+    open and sends nothing): the reader abandons it after its stall bound, and an abandoned read must not keep the
+    process from exiting, as a pool's worker would (the interpreter joins those at exit)."""
+    fut: cf.Future = cf.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fetch(a, b))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=f"lynxkv-{name}-get").start()
+    return fut
 
 
 class Transfer:
