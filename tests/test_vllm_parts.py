@@ -4,7 +4,6 @@ on vLLM itself)."""
 
 from __future__ import annotations
 
-import asyncio
 import urllib.error
 import urllib.request
 
@@ -14,10 +13,9 @@ import torch
 from lynxkv import open_cache, save_cache
 from lynxkv.errors import InputError
 from lynxkv.integrations.lmcache.chunk import ChunkLayout, kv_to_chunk
-from lynxkv.integrations.vllm.engines import Completion
 from lynxkv.integrations.vllm.fetch import LoadFailed, SharedLoads
 from lynxkv.integrations.vllm.paged import gather, layout_of, scatter
-from lynxkv.integrations.vllm.proxy import BadRequest, Trace, parse, verify
+from lynxkv.integrations.vllm.proxy import BadRequest, kept_prefix, parse
 from lynxkv.serve.store import StoreServer
 
 H, D, B = 2, 32, 32
@@ -133,21 +131,24 @@ def test_the_proxy_refuses_what_it_cannot_verify(body, what):
         parse(body)
 
 
-class _Greedy:
-    """A stand-in decode engine whose greedy continuation of anything is ``truth``'s next token."""
-
-    def __init__(self, prompt_len: int, truth: list[int]):
-        self.prompt_len, self.truth, self.asked = prompt_len, truth, []
-
-    async def complete(self, prompt, max_tokens, **kw):
-        self.asked.append(len(prompt) - self.prompt_len)
-        return Completion(token_ids=[self.truth[len(prompt) - self.prompt_len]])
+def _rows(prompt_len: int, truth: list[int], other: int = 99) -> list:
+    """``prompt_logprobs`` as vLLM returns them for prompt + drafts: at each draft position the drafted token with
+    its rank, and the full code's argmax (``truth``) with rank 1."""
+    rows: list = [None] + [{"0": {"logprob": 0.0, "rank": 0}}] * (prompt_len - 1)  # rows of cached positions
+    for tok in truth:
+        rows.append({str(tok): {"logprob": -0.1, "rank": 1}, str(other): {"logprob": -3.0, "rank": 7}})
+    return rows
 
 
-@pytest.mark.parametrize("drafts, kept", [([7, 8, 9, 1], 4), ([7, 8, 5, 1], 2), ([6, 8], 0), ([7], 1), ([], 0)])
+@pytest.mark.parametrize("drafts, kept", [([7, 8, 9, 1], 4), ([7, 8, 5, 1], 2), ([7, 3], 1), ([7], 1)])
 def test_the_proxy_keeps_the_drafts_the_full_code_agrees_with_up_to_the_first_that_it_does_not(drafts, kept):
     truth = [7, 8, 9, 1, 4]
-    engine = _Greedy(3, truth)
-    got = asyncio.run(verify(engine, [0, 0, 0], drafts, truth[0], "salt", {}, Trace("speculative")))
-    assert got == kept
-    assert all(j >= 1 for j in engine.asked)  # drafts[0] is checked against the full request's own token
+    rows = _rows(3, truth)
+    for j, d in enumerate(drafts):  # the drafted token's own entry at its position
+        rows[3 + j] = {**rows[3 + j], str(d): rows[3 + j].get(str(d), {"logprob": -2.0, "rank": 5})}
+    assert kept_prefix(drafts, rows[:3 + len(drafts)], 3) == kept
+
+
+def test_rows_missing_or_malformed_keep_nothing_more():
+    assert kept_prefix([7, 8, 9], None, 3) == 1
+    assert kept_prefix([7, 8, 9], [None, None, None, None, {"8": "rank 1"}], 3) == 1

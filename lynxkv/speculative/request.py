@@ -54,19 +54,16 @@ class Request:
         self.cfg = spec.config
         self.name = spec.name or str(index)
         self.stats = RunStats()
-        self.tokens: list[int] = []
-        self.events: list[Event] = []
+        self.tokens, self.events = [], []  # list[int], list[Event]
         self.error: str | None = None
         self.exc: BaseException | None = None  # the error as raised (a run alone re-raises it)
         self.phase = "arrive"
         self.load: CacheLoad | None = None
         self.gen = torch.Generator().manual_seed(self.cfg.seed) if self.cfg.seed is not None else None
-        self.drafts: list[int] = []
-        self.draft_probs: list[torch.Tensor] = []
+        self.drafts, self.draft_probs = [], []  # list[int], list[torch.Tensor]
         self.cache = None  # the cache the next forward runs on (anchor while drafting, full after the verify)
         self.pending: list[int] = []
-        self.verified = True
-        self.anchor_kv = None
+        self.verified, self.anchor_kv = True, None
         self.step_s: list[float] = []  # its draft steps' seconds (one token each)
         self.layers = None  # its decoder layers for the layered verify (None: not known yet; False: none)
         self.lv: LayeredVerify | None = None  # its layered verify, while that is in the next forward
@@ -434,8 +431,7 @@ class Request:
         decode = [e - s for s, e, _ in self.stats.decode_steps]
         if decode:
             self.stats.decode_step_s = statistics.median(decode)
-        self.stats.drafted = len(self.drafts)
-        self.stats.draft_token_ids = list(self.drafts)
+        self.stats.drafted, self.stats.draft_token_ids = len(self.drafts), list(self.drafts)
         return RequestResult(self.name, self.tokens, self.stats, self.error, self.spec.arrival_s)
 
     def leave(self) -> None:  # the request is over: its load closed (if it still has it), its caches let go

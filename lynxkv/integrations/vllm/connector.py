@@ -24,6 +24,12 @@ in, dequantized into its blocks. Two requests naming one URL share one transfer 
 not arrive in time, does not read, or was made from another prompt fails the load: vLLM's
 ``kv_load_failure_policy`` ("fail", its default, ends the request with an error) decides, never wrong tokens.
 
+``{"lynx_verify": true}`` lets a request with ``prompt_logprobs`` read the prefix cache (vLLM skips it for such
+requests, because it computes no logprobs for the positions it serves from there); the proxy's verify pass reads
+only the positions it computes, the drafts'. A worker of either role makes the rows of positions not computed
+zeros (token 0, logprob 0, rank 0) instead of the uninitialized memory vLLM leaves there, which its detokenizer
+and its JSON encoder fail on (:func:`zero_uncomputed_prompt_logprobs`).
+
 Keys of anchor and full-code KV never mix in vLLM's prefix cache because the proxy gives each request its own
 ``cache_salt`` (the block hashes chain from it).
 """
@@ -81,6 +87,25 @@ class LynxMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
+def zero_uncomputed_prompt_logprobs() -> None:
+    """Make vLLM allocate its per-request prompt-logprob tensors zeroed (``LogprobsTensors.empty_cpu``): it fills
+    the rows of the positions a request computes and returns the others as they were allocated."""
+    from vllm.v1 import outputs
+
+    original = outputs.LogprobsTensors.empty_cpu
+    if getattr(original, "lynx_zeroed", False):
+        return
+
+    def empty_cpu(num_positions: int, num_tokens_per_position: int):
+        tensors = original(num_positions, num_tokens_per_position)
+        for t in (tensors.logprob_token_ids, tensors.logprobs, tensors.selected_token_ranks):
+            t.zero_()
+        return tensors
+
+    empty_cpu.lynx_zeroed = True
+    outputs.LogprobsTensors.empty_cpu = staticmethod(empty_cpu)
+
+
 def _layer_index(name: str) -> tuple:
     return tuple(int(n) for n in _LAYER.findall(name)) or (0,)
 
@@ -123,6 +148,7 @@ class LynxConnector(KVConnectorBase_V1):
         self._loads: SharedLoads | None = None
         self._server = None
         if role == KVConnectorRole.WORKER:
+            zero_uncomputed_prompt_logprobs()
             if self._producer:
                 from lynxkv.serve.resources import parse_dscp
                 from lynxkv.serve.store import StoreServer
@@ -139,6 +165,10 @@ class LynxConnector(KVConnectorBase_V1):
     def _params(request: "Request") -> dict:
         params = getattr(request, "kv_transfer_params", None)
         return params if isinstance(params, dict) else {}
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._params(request).get("lynx_verify") is True:
+            request.skip_reading_prefix_cache = False
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)

@@ -23,6 +23,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
     kv_transfer_params: dict | None = None
 
 
@@ -35,6 +36,8 @@ def _absorb(out: Completion, doc: dict, where: str) -> None:
     out.finish_reason = choice.get("finish_reason") or out.finish_reason
     if choice.get("prompt_token_ids") is not None:
         out.prompt_token_ids = list(choice["prompt_token_ids"])
+    if choice.get("prompt_logprobs") is not None:
+        out.prompt_logprobs = choice["prompt_logprobs"]
     if doc.get("kv_transfer_params") is not None:
         out.kv_transfer_params = doc["kv_transfer_params"]
 

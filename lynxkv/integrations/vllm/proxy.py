@@ -9,14 +9,14 @@ A request (greedy: ``temperature`` 0) goes through these steps (engine requests 
    residual is in. Plain compressed P/D transfer.
 3. Otherwise (speculative, the default), at once and side by side: [anchor] the completion drafted on the anchor,
    streamed, under a salt of its own; [full] ``max_tokens`` 1 on the full code, under the full-code salt, which
-   ends once the residual is in and the full code is in the decode instance's prefix cache. Then the drafting
-   stops, and the drafts ``d`` are checked against the full code (:func:`verify`): ``d[0]`` against the full
-   request's token, then [verify] ``d[j]`` against the greedy token of ``prompt + d[:j]``, one-token requests
-   under the full-code salt that the engine batches and serves from the prefix cache; the longest prefix of drafts
-   the full code agrees with is kept. [continue] the rest of the completion from the prompt plus the
-   kept drafts, again from the prefix cache. The client sees only verified tokens: the kept drafts, then the
-   continuation, whose first token is the full code's own at the first rejected draft. When the residual lands
-   before the first draft, nothing was drafted and the proxy goes straight to [continue].
+   ends once the residual is in and the full code is in the decode instance's prefix cache; its token goes to the
+   client at once. Then the drafting stops, and the drafts ``d`` (if ``d[0]`` is that token) are checked in one
+   prefill: [verify] the prompt plus the drafts under the full-code salt with ``prompt_logprobs`` 1 (the prompt's
+   blocks come from the prefix cache, only the draft positions are computed); the longest prefix of drafts that
+   are each the full code's argmax is kept (:func:`kept_prefix`), and when every draft is, the verify's own next
+   token too. [continue] the rest of the completion from the prompt plus those tokens, again from the prefix cache.
+   The client sees only verified tokens. When the residual lands before the first draft, nothing was drafted and
+   the proxy goes straight to [continue].
 
 Each request gets a fresh random NAME, and its salts derive from it: anchor KV can never serve a full-code
 request. A failed residual ends the request with an error (HTTP 502, one line), or, when the request asked for
@@ -92,27 +92,18 @@ def parse(body) -> Ask:
                body.get("ignore_eos") is True)
 
 
-VERIFY_BATCH = 16  # verify requests sent at once (vLLM runs them in one batch, each from the prefix cache)
-
-
-async def verify(decode: Engine, prompt: list[int], drafts: list[int], first: int, salt: str, extra: dict,
-                 trace: "Trace") -> int:
-    """How many drafts the full code keeps: ``drafts[0]`` if it is ``first`` (the full code's own next token), then
-    ``drafts[j]`` while it is the full code's greedy token after ``prompt + drafts[:j]``. Those are one-token
-    requests under the full-code salt, sent ``VERIFY_BATCH`` at a time: the engine batches them, and each computes
-    only what the prefix cache does not hold (the prompt's last partial block and the drafts before it)."""
-    if not drafts or drafts[0] != first:
-        return 0
+def kept_prefix(drafts: list[int], prompt_logprobs: list | None, prompt_len: int) -> int:
+    """How many drafts the full code keeps, given that ``drafts[0]`` is its own next token: then each ``drafts[j]``
+    whose rank in the verify pass's ``prompt_logprobs`` row at its position (``prompt_len + j``) is 1, up to the
+    first that is not."""
+    rows = prompt_logprobs or []
     kept = 1
-    while kept < len(drafts):
-        js = range(kept, min(len(drafts), kept + VERIFY_BATCH))
-        outs = await asyncio.gather(*(decode.complete(prompt + drafts[:j], 1, cache_salt=salt, **extra)
-                                      for j in js))
-        trace.engine_requests += len(outs)
-        for j, out in zip(js, outs):
-            if out.token_ids[:1] != [drafts[j]]:
-                return kept
-            kept += 1
+    for j in range(1, len(drafts)):
+        row = rows[prompt_len + j] if prompt_len + j < len(rows) else None
+        entry = (row or {}).get(str(drafts[j]))
+        if not isinstance(entry, dict) or entry.get("rank") != 1:
+            break
+        kept += 1
     return kept
 
 
@@ -285,23 +276,37 @@ class Proxy:
         trace.residual_s = time.perf_counter() - t1
         drafter.cancel()
         await asyncio.gather(drafter, return_exceptions=True)
-        d = list(drafts.token_ids[:ask.max_tokens])
-        trace.drafted = len(d)
-        t2 = time.perf_counter()
-        kept = await verify(decode, prompt, d, first.token_ids[0], salt, extra, trace)
-        trace.verify_s = time.perf_counter() - t2 if len(d) > 1 else None
-        trace.kept = kept
-        # the tokens the full code is known to give: the kept drafts, or else its own first token
-        known = d[:kept] if kept else list(first.token_ids[:1])
-        stopped = drafts.finish_reason == "stop" and kept == len(drafts.token_ids) if kept \
-            else first.finish_reason == "stop"
+        g0 = first.token_ids[:1]
         trace.first_token_s = time.perf_counter() - t0
+        await emit(g0, "")  # the full code's own first token, at once
+        if first.finish_reason == "stop" or ask.max_tokens == 1:
+            return first.finish_reason
+        d = list(drafts.token_ids[:ask.max_tokens])
+        trace.drafted, trace.kept = len(d), int(bool(d) and d[:1] == g0)
+        known: list[int] = []  # the tokens after g0 that the full code is known to give
+        stopped = False
+        if trace.kept and len(d) > 1:
+            t2 = time.perf_counter()
+            check = await decode.complete(prompt + d, 1, cache_salt=salt, prompt_logprobs=1,
+                                          kv_transfer_params={"lynx_verify": True}, **extra)
+            trace.engine_requests += 1
+            trace.verify_s = time.perf_counter() - t2
+            trace.kept = kept_prefix(d, check.prompt_logprobs, len(prompt))
+            known = d[1:trace.kept]
+            if trace.kept == len(d):
+                if drafts.finish_reason == "stop" and len(d) == len(drafts.token_ids):
+                    stopped = True  # the drafts ended on a stop token, and the full code agrees
+                else:
+                    known += check.token_ids[:1]  # the verify pass's own next token
+                    stopped = check.finish_reason == "stop"
+        known = known[:ask.max_tokens - 1]
         await emit(known, "")
         if stopped:
             return "stop"
-        if len(known) >= ask.max_tokens:
+        done = 1 + len(known)
+        if done >= ask.max_tokens:
             return "length"
-        return await self._continue(decode, prompt + known, ask.max_tokens - len(known), salt, None, extra, trace,
+        return await self._continue(decode, prompt + g0 + known, ask.max_tokens - done, salt, None, extra, trace,
                                     emit, t0)
 
 async def serve(prefill: str, decode: str, *, host: str, port: int, model: str | None, timeout: float,
