@@ -181,7 +181,7 @@ class Proxy:
 
         async def emit(new: list[int], piece: str, finish: str | None = None) -> None:
             tokens.extend(new)
-            if new and not piece:  # the decode instance has no tokenizer: the prefill instance's text of them
+            if new and not piece:  # tokens known without their text (verified drafts): the prefill instance's text
                 whole = await prefill.detokenize(tokens)
                 piece = whole[len(text[0]):] if whole.startswith(text[0]) else ""
             text[0] += piece
