@@ -130,7 +130,7 @@ class Proxy:
         app = web.Application(client_max_size=16 << 20)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", lambda request: web.Response(text="ok\n"))
+        app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -150,6 +150,9 @@ class Proxy:
                 return (await resp.json())["data"][0]["id"]
         except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
             raise EngineError(f"{base}: cannot list its model: {exc}") from None
+
+    async def _health(self, request):
+        return web.Response(text="ok\n")
 
     async def _models(self, request):
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
