@@ -80,47 +80,79 @@ class KVDump:
     shape: tuple[int, int, int]  # [kv_heads, tokens, head_dim] of every tensor, without the batch dimension
     dtype: torch.dtype
     tensor_names: tuple[str, ...]  # K0, V0, K1, V1, ... as the file names them
+    spans: tuple[tuple[int, int], ...] = ()  # each tensor's bytes in the file, in tensor_names' order
 
     def iter_layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's ``(keys, values)`` ``[H, T, D]``, read from the file when asked for (safetensors' lazy
-        ``safe_open``): a caller that lets each layer go holds one layer, not the dump."""
-        from safetensors import SafetensorError, safe_open
-
-        try:
+        """Each layer's ``(keys, values)`` ``[H, T, D]``, read from the file when asked for (positional reads, no
+        mapping of the file): a caller that lets each layer go holds one layer, not the dump."""
+        with open(self.path, "rb") as f:
             for i in range(self.layers):
-                # opened per layer: safe_open maps the whole file, and every page a read touched stays in this
-                # process's RSS until the mapping closes (the tensors themselves are copies)
-                with safe_open(self.path, framework="pt") as f:
-                    pair = tuple(self._read(f, self.tensor_names[2 * i + j]) for j in range(2))
-                yield pair
-        except SafetensorError as exc:
-            raise InputError(f"{self.path}: not a readable safetensors file ({exc})") from None
+                yield tuple(self._read(f.fileno(), 2 * i + j) for j in range(2))
 
-    def _read(self, f, name: str) -> torch.Tensor:
-        t = f.get_tensor(name)
-        t = t[0] if self.naming.batched else t
-        if tuple(t.shape) != self.shape or t.dtype != self.dtype:  # the header said so; the data must agree
-            raise InputError(f"{self.path}: {name} reads as {tuple(t.shape)} {t.dtype}, not the {self.shape} "
-                             f"{self.dtype} its header declares")
-        return t
+    def _read(self, fd: int, k: int) -> torch.Tensor:
+        start, end = self.spans[k]
+        buf = bytearray(end - start)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = os.preadv(fd, [view[got:]], start + got)
+            if n == 0:
+                raise InputError(f"{self.path}: ends inside {self.tensor_names[k]} (the file is truncated)")
+            got += n
+        t = torch.frombuffer(buf, dtype=self.dtype) if buf else torch.empty(0, dtype=self.dtype)
+        return t.view(self.shape)
+
+
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused before it is read
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """The ``__metadata__`` and, per tensor, ``(dtype, shape, start, end)`` (file offsets) of a safetensors file,
+    every field checked against the file's size: a header claims, it does not instruct."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise InputError(f"{path}: not a readable safetensors file (shorter than its header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise InputError(f"{path}: not a readable safetensors file (a header of {n} bytes in a file of {size})")
+        try:
+            doc = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"{path}: not a readable safetensors file (its header is not JSON: {exc})") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path}: not a readable safetensors file (its header is not an object)")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{path}: not a readable safetensors file (__metadata__ is not text)")
+    tensors, base = {}, 8 + n
+    for name, e in doc.items():
+        ok = (isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in e["shape"]) and isinstance(e.get("data_offsets"), list)
+              and len(e["data_offsets"]) == 2 and all(isinstance(o, int) for o in e["data_offsets"]))
+        if not ok:
+            raise InputError(f"{path}: not a readable safetensors file (tensor {name[:80]!r} is malformed)")
+        a, b = e["data_offsets"]
+        if not 0 <= a <= b <= size - base:
+            raise InputError(f"{path}: not a readable safetensors file ({name[:80]!r} lies outside the file)")
+        dtype = SAFETENSORS_DTYPES.get(e["dtype"])
+        if dtype is not None and b - a != math.prod(e["shape"]) * dtype.itemsize:
+            raise InputError(f"{path}: not a readable safetensors file ({name[:80]!r}: {b - a} bytes for shape "
+                             f"{e['shape']} {e['dtype']})")
+        tensors[name] = (e["dtype"], tuple(e["shape"]), base + a, base + b)
+    return metadata, tensors
 
 
 def open_dump(path: str | os.PathLike) -> KVDump:
     """Read and check a KV dump's header (names, shapes, dtypes; the module's rules) without reading a tensor."""
-    from safetensors import SafetensorError, safe_open
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file")
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            found, style = _tensor_names(path, list(f.keys()))
-            layers = 1 + max(i for i, _ in found)
-            names = tuple(found[(i, kind)] for i in range(layers) for kind in ("key", "value"))
-            shapes = [(name, f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in names]
-    except SafetensorError as exc:
-        raise InputError(f"{path}: not a readable safetensors file ({exc})") from None
+    metadata, entries = read_safetensors_header(path)
+    found, style = _tensor_names(path, list(entries))
+    layers = 1 + max(i for i, _ in found)
+    names = tuple(found[(i, kind)] for i in range(layers) for kind in ("key", "value"))
+    shapes = [(name, entries[name][1], entries[name][0]) for name in names]
     heads_major = metadata.get(LAYOUT_KEY) == HEADS_MAJOR
     seen_shapes, seen_dtypes, batched = set(), set(), None
     for name, shape, dtype in shapes:
@@ -138,7 +170,8 @@ def open_dump(path: str | os.PathLike) -> KVDump:
     if len(seen_dtypes) != 1:
         raise InputError(f"{path}: tensors differ in dtype: {sorted(seen_dtypes)}")
     naming = KVNaming(style, bool(batched), tuple(sorted(metadata.items())))
-    return KVDump(path, naming, layers, seen_shapes.pop(), SAFETENSORS_DTYPES[seen_dtypes.pop()], names)
+    return KVDump(path, naming, layers, seen_shapes.pop(), SAFETENSORS_DTYPES[seen_dtypes.pop()], names,
+                  tuple(entries[name][2:] for name in names))
 
 
 def _tensor_names(path: str, names: list[str]) -> tuple[dict[tuple[int, str], str], str]:
