@@ -71,6 +71,8 @@ def stream(
             report["written"] = saver.commit(load, anchor_only=failure is not None)
     finally:
         load.close()
+        if saver is not None:
+            saver.close()
 
     if failure is not None:
         err.print(f"[bold yellow]warning:[/] residual failed, anchor only (lossy): {failure}", highlight=False)

@@ -298,15 +298,30 @@ class SpillFile:
             _pwrite_all(self._f, offset, data)
         except OSError as exc:
             raise _storage_error(self._where, exc) from None
+        self.size = max(self.size, offset + memoryview(data).nbytes)
 
-    def chunks(self):
-        """The bytes written, in order, :attr:`BLOCK` at a time."""
+    def chunks(self, size: int | None = None):
+        """The bytes written (the first ``size`` of them), in order, :attr:`BLOCK` at a time."""
+        size = self.size if size is None else size
         try:
             self._f.flush()
-            for at in range(0, self.size, self.BLOCK):
-                yield os.pread(self._f.fileno(), min(self.BLOCK, self.size - at), at)
+            for at in range(0, size, self.BLOCK):
+                yield os.pread(self._f.fileno(), min(self.BLOCK, size - at), at)
         except OSError as exc:
             raise _storage_error(self._where, exc) from None
+
+    def read(self, offset: int, length: int) -> bytes:
+        try:
+            self._f.flush()
+            return os.pread(self._f.fileno(), length, offset)
+        except OSError as exc:
+            raise _storage_error(self._where, exc) from None
+
+    @property
+    def file(self):
+        """The scratch file object (for a reader of what was written)."""
+        self._f.flush()
+        return self._f
 
     def close(self) -> None:
         self._f.close()

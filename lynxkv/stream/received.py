@@ -1,7 +1,8 @@
 """Saving a copy of a cache as it streams in (``lynxkv stream -o``).
 
 A :class:`ReceivedCopy` is given to :func:`~lynxkv.stream.progressive.open_progressive` as its ``tee``: it keeps
-every block the load receives, and writes the files only once the load has verified every page (:meth:`commit`):
+every block the load receives in a scratch file on disk (one per segment, unnamed, gone when closed: memory holds
+a block, not the cache), and writes the files only once the load has verified every page (:meth:`commit`):
 the residual first, then the exact segment (when the load read it), then the anchor, each atomically,
 so an anchor never points at a missing side file; then it reads them back and checks every page of every segment.
 A side file written for an anchor that then fails to be written (a full disk) is removed again.
@@ -21,9 +22,11 @@ from lynxkv.cache import exact_file_of, residual_file_of
 from lynxkv.cache.replace import fresh_residual_name, names_residual, settle_dead_writers
 from lynxkv.errors import InputError, LynxError
 from lynxkv.format import constants as c
-from lynxkv.storage import (AtomicWriter, exists, read_all, record_location, remove, same_object, write_target,
+from lynxkv.storage import (AtomicWriter, exists, open_source, record_location, remove, same_object, write_target,
                             writer_lock)
-from lynxkv.stream.tier import check_cache_bytes, relocate_segments
+from lynxkv.storage.atomic import SpillFile
+from lynxkv.storage.sources import FileObjSource
+from lynxkv.stream.tier import check_cache_sources, relocate_segments
 
 _SIDES = ((c.SEGMENT_RESIDUAL, "residual", c.RESIDUAL_SUFFIX), (c.SEGMENT_EXACT, "exact", c.EXACT_SUFFIX))
 
@@ -40,34 +43,53 @@ class ReceivedCopy:
         for side in (residual_dest, exact_dest):
             if side is not None:
                 self.refuse_existing(side)
-        self._blocks: dict[str, list[tuple[int, bytes]]] = {"anchor": [], "residual": [], "exact": []}
+        self._spills: dict[str, SpillFile] = {}  # segment -> the bytes received, at their offsets
+        self._spans: dict[str, list[tuple[int, int]]] = {"anchor": [], "residual": [], "exact": []}
         self._lock = threading.Lock()
 
     def tee(self, segment: str, offset: int, data: bytes) -> None:
         with self._lock:
-            self._blocks[segment].append((offset, bytes(data)))
+            spill = self._spills.get(segment)
+            if spill is None:
+                spill = self._spills[segment] = SpillFile()
+            spill.fill(offset, data)
+            self._spans[segment].append((offset, len(data)))
+
+    def close(self) -> None:
+        """Let the scratch files go (what :meth:`commit` did not write is dropped)."""
+        with self._lock:
+            spills, self._spills = list(self._spills.values()), {}
+        for spill in spills:
+            spill.close()
 
     def refuse_existing(self, path: str) -> None:
         if not self.force and exists(path):
             raise InputError(f"{path} already exists; pass --force to replace it")
 
-    def _joined(self, *segments: str) -> bytearray:
-        """The bytes of one object from the blocks of ``segments``, by offset (a single file arrives as the
-        anchor stream alone, or as two streams over the two sections). The blocks are handed over: each is freed
-        once copied, so that the copy and the blocks never add up to twice the object."""
+    def _joined(self, *segments: str) -> tuple[SpillFile, int]:
+        """The scratch file holding one object, and its size, from the blocks of ``segments`` (a single file
+        arrives as the anchor stream alone, or as two streams over the two sections: the second's blocks are
+        copied into the first's file, a block at a time); refused if the blocks leave a gap."""
         with self._lock:
-            blocks = sorted(b for s in segments for b in self._blocks[s])
-            for s in segments:
-                self._blocks[s] = []
-        out = bytearray(sum(len(data) for _, data in blocks))
+            spans = sorted(s for seg in segments for s in self._spans[seg])
+            spills = [self._spills[seg] for seg in segments if seg in self._spills]
         at = 0
-        for i, (offset, data) in enumerate(blocks):
+        for offset, n in spans:
             if offset != at:
                 raise LynxError(f"received blocks leave a gap at byte {at}; nothing was written")
-            out[at:at + len(data)] = data
-            at += len(data)
-            blocks[i] = None  # the last reference to the block: freed now
-        return out
+            at += n
+        if not spills:
+            raise LynxError("no bytes of this object were received; nothing was written")
+        head = spills[0]
+        for other in spills[1:]:
+            seg = next(s for s in segments if self._spills.get(s) is other)
+            for offset, n in self._spans[seg]:
+                head.fill(offset, other.read(offset, n))
+        return head, at
+
+    @staticmethod
+    def _source(spill: SpillFile, size: int, name: str) -> FileObjSource:
+        return FileObjSource(spill.file, name, size)
 
     def commit(self, load, *, anchor_only: bool) -> dict:
         """Write what ``load`` (finished) received; ``anchor_only``: its residual failed. Returns what was
@@ -93,7 +115,8 @@ class ReceivedCopy:
             elif seg is not None and got:
                 external[kind] = self._joined(name)
         anchor = self._joined(*inline)
-        check_cache_bytes(anchor, external.get(c.SEGMENT_RESIDUAL), external.get(c.SEGMENT_EXACT))
+        check_cache_sources(self._source(*anchor, "anchor"),
+                            *(self._source(*external[k], n) if k in external else None for k, n, _ in _SIDES))
         # the replaced copy's side files, removed last
         old_of = {c.SEGMENT_RESIDUAL: residual_file_of(self.dest) if self.force else None,
                   c.SEGMENT_EXACT: exact_file_of(self.dest) if self.force else None}
@@ -114,8 +137,9 @@ class ReceivedCopy:
             if location != seg.location:
                 moves[kind] = location
             targets[kind] = target
-        if moves:
-            anchor = relocate_segments(anchor, moves)
+        # a relocated anchor is rebuilt in memory (its header's length changes); otherwise it is copied from disk
+        anchor_parts = [relocate_segments(b"".join(anchor[0].chunks(anchor[1])), moves)] if moves \
+            else anchor[0].chunks(anchor[1])
         created = {kind: not exists(t) for kind, t in targets.items()}
         for kind, t in targets.items():  # every note before the first file
             lock.note("new" if created[kind] else "tmp", t)
@@ -127,13 +151,16 @@ class ReceivedCopy:
         try:
             for kind, name, _ in _SIDES:  # the side files first: an anchor never names a missing one
                 if kind in targets:
+                    spill, size = external.pop(kind)
                     with AtomicWriter(targets[kind], make_dirs=True) as w:
-                        w.write(external.pop(kind))
+                        for part in spill.chunks(size):
+                            w.write(part)
                     written[name] = targets[kind]
                     if created[kind]:
                         published.append(targets[kind])
             with AtomicWriter(self.dest, make_dirs=True) as w:
-                w.write(anchor)
+                for part in anchor_parts:
+                    w.write(part)
         except BaseException:
             for f in published:  # a full disk: what no anchor names is not left behind
                 if names_residual(self.dest, f) is False:
@@ -141,8 +168,23 @@ class ReceivedCopy:
                         remove(f)
             raise
         written["anchor"] = self.dest
-        back = {kind: read_all(t) for kind, t in targets.items()}
-        check_cache_bytes(read_all(self.dest), back.get(c.SEGMENT_RESIDUAL), back.get(c.SEGMENT_EXACT))
+        back = [_reader(self.dest), *(_reader(targets[k]) if k in targets else None for k, _, _ in _SIDES)]
+        try:
+            check_cache_sources(*back)  # read back page by page
+        finally:
+            for src in back:
+                if src is not None:
+                    src.close()
         for f in old:
             remove(f)
         return written
+
+
+def _reader(where: str):
+    """A source for reading a written file back page by page: a local file through plain reads (a mapping would
+    keep every page read in this process's resident memory), anything else as the storage layer opens it."""
+    import os
+
+    if "://" not in where and os.path.isfile(where):
+        return FileObjSource(open(where, "rb"), where, owns=True)
+    return open_source(where)

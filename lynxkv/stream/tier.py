@@ -58,19 +58,27 @@ def check_cache_bytes(anchor: bytes, residual: bytes | None = None, exact: bytes
     the anchor (cache id, shape, dtype). ``decode``: also decode every anchor and residual record (finite metadata,
     record layout, padding), as a load would; ``False`` checks the CRCs only (a server that just moves bytes).
     Return the number of pages checked; raise the first FormatError."""
-    reader = PageReader(BytesSource(anchor, "anchor"))
+    wrap = (lambda data, name: None if data is None else BytesSource(data, name))
+    return check_cache_sources(wrap(anchor, "anchor"), wrap(residual, "residual"), wrap(exact, "exact"),
+                               decode=decode)
+
+
+def check_cache_sources(anchor, residual=None, exact=None, *, decode: bool = True) -> int:
+    """:func:`check_cache_bytes` over byte sources (:mod:`lynxkv.storage.sources`): page by page, so that a file
+    read through one is never held whole."""
+    reader = PageReader(anchor)
     kinds = [c.SEGMENT_ANCHOR]
     if reader.residual_inline:
         reader.attach_residual()
         kinds.append(c.SEGMENT_RESIDUAL)
     elif residual is not None:
-        reader.attach_residual(BytesSource(residual, "residual"))
+        reader.attach_residual(residual)
         kinds.append(c.SEGMENT_RESIDUAL)
     if reader.exact_inline:
         reader.attach_exact()
         kinds.append(c.SEGMENT_EXACT)
     elif exact is not None:
-        reader.attach_exact(BytesSource(exact, "exact"))
+        reader.attach_exact(exact)
         kinds.append(c.SEGMENT_EXACT)
     pages = 0
     for kind in kinds:
