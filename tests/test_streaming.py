@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import lynxkv
 from lynxkv.cache.dumps import load_kv_safetensors, save_kv_safetensors
-from tests.cli_helpers import one_error, run_cli
+from cli_helpers import one_error, run_cli
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CACHE_ID = bytes(range(16))
