@@ -23,22 +23,26 @@ class ArrivalTransfer(Transfer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.started_at = time.perf_counter()  # the load's start: its first request goes out from here
         self.first_byte_at: float | None = None  # perf_counter of the load's first byte, either stream
         self.residual_blocks: list[tuple[float, int, int]] = []
         self._lock = threading.Lock()
 
     def residual_eta(self, total: int | None, anchor_left: int) -> float | None:
         """Seconds until the last of ``total`` residual bytes arrives (``anchor_left`` anchor bytes still ahead of
-        it), from the bytes seen arriving so far: what is left over the rate observed since the first byte of the
-        streams that move (an emulated link's configured rate is never read: a real link tells nobody its rate).
-        None while unknown, and for a residual read in place (its bytes arrive as they are parsed)."""
+        it), from the bytes seen arriving so far: what is left over the rate observed since the load started (an
+        emulated link's configured rate is never read: a real link tells nobody its rate). Timed from the load's
+        start, not from its first byte: a block arrives whole, so the first one's own transfer time belongs in the
+        rate (timed from its arrival, an anchor that came as one block would look instantaneous). None while
+        unknown, and for a residual read in place (its bytes arrive as they are parsed)."""
         if total is None or "residual" in self.in_place_names:
             return None
         got = self.timeline.residual_bytes
         if "anchor" in self.in_place_names:  # the anchor's bytes came at the disk's speed: the residual's own rate
             first, seen = self.residual_started_at, got
         else:
-            first, seen = self.first_byte_at, self.timeline.anchor_bytes + got
+            first, seen = (self.started_at if self.first_byte_at is not None else None), \
+                self.timeline.anchor_bytes + got
         if first is None or seen <= 0:
             return None
         elapsed = time.perf_counter() - first
