@@ -23,26 +23,25 @@ class ArrivalTransfer(Transfer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.started_at = time.perf_counter()  # the load's start: its first request goes out from here
-        self.first_byte_at: float | None = None  # perf_counter of the load's first byte, either stream
+        self.first_byte_at: float | None = None  # perf_counter of the load's first block, either stream
+        self.first_block = 0  # its bytes: they were in flight before the clock started, so no rate counts them
         self.residual_blocks: list[tuple[float, int, int]] = []
         self._lock = threading.Lock()
 
     def residual_eta(self, total: int | None, anchor_left: int) -> float | None:
         """Seconds until the last of ``total`` residual bytes arrives (``anchor_left`` anchor bytes still ahead of
-        it), from the bytes seen arriving so far: what is left over the rate observed since the load started (an
-        emulated link's configured rate is never read: a real link tells nobody its rate). Timed from the load's
-        start, not from its first byte: a block arrives whole, so the first one's own transfer time belongs in the
-        rate (timed from its arrival, an anchor that came as one block would look instantaneous). None while
-        unknown, and for a residual read in place (its bytes arrive as they are parsed)."""
+        it), from the bytes seen arriving so far: what is left over the rate observed since the first block arrived,
+        counting the bytes that came after it (a block arrives whole: counted, the first block's bytes would make
+        an anchor that came as one block look instantaneous). An emulated link's configured rate is never read: a
+        real link tells nobody its rate. None while unknown (nothing after the first block yet), and for a residual
+        read in place (its bytes arrive as they are parsed)."""
         if total is None or "residual" in self.in_place_names:
             return None
         got = self.timeline.residual_bytes
         if "anchor" in self.in_place_names:  # the anchor's bytes came at the disk's speed: the residual's own rate
             first, seen = self.residual_started_at, got
         else:
-            first, seen = (self.started_at if self.first_byte_at is not None else None), \
-                self.timeline.anchor_bytes + got
+            first, seen = self.first_byte_at, self.timeline.anchor_bytes + got - self.first_block
         if first is None or seen <= 0:
             return None
         elapsed = time.perf_counter() - first
@@ -52,7 +51,7 @@ class ArrivalTransfer(Transfer):
 
     def received(self, stream: int, name: str, offset: int, data: bytes) -> None:
         if self.first_byte_at is None:
-            self.first_byte_at = time.perf_counter()
+            self.first_byte_at, self.first_block = time.perf_counter(), len(data)
         super().received(stream, name, offset, data)
         if stream == RESIDUAL:
             with self._lock:
