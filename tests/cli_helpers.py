@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from lynxkv.cli import main
 
 
@@ -19,3 +21,13 @@ def one_error(capsys, *argv) -> str:
     assert code == 1 and out == "" and "Traceback" not in err, err
     assert err.startswith("lynxkv: error:") and len(err.strip().splitlines()) == 1, err
     return err
+
+
+def served_url(proc) -> str:
+    """The ``url`` of the JSON document a server process started with ``--json`` prints first (``lynxkv serve``,
+    ``lynxkv prefill``); its stderr if it exits before printing it."""
+    lines: list[str] = []
+    while not lines or lines[-1] != "}\n":
+        lines.append(proc.stdout.readline())
+        assert lines[-1], proc.stderr.read()
+    return json.loads("".join(lines))["url"]

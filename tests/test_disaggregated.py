@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from cli_helpers import served_url
 from runner_helpers import store_prefill, tiny_llama_cache, word
 
 from lynxkv.bench.netlab import NetLab, can_create_lab
@@ -57,11 +58,7 @@ def _prefill(lab: NetLab, tiny, out, *extra: str) -> tuple[subprocess.Popen, str
                                 prompt, "--host", lab.server_addr, "--port", "0", "--out", out, "--start-on-request",
                                 "--dscp-anchor", "EF", "--dscp-residual", "CS1", "--json", *extra],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    while not lines or lines[-1] != "}\n":
-        lines.append(proc.stdout.readline())
-        assert lines[-1], proc.stderr.read()
-    return proc, json.loads("".join(lines))["url"]
+    return proc, served_url(proc)
 
 
 def _decode(lab: NetLab, tiny, url: str, *extra: str, residual_timeout: float = 20) -> subprocess.Popen:
@@ -156,11 +153,7 @@ def _serve(lab: NetLab, cache: str, *extra: str) -> tuple[subprocess.Popen, str]
     proc = lab.popen("server", [sys.executable, "-m", "lynxkv", "serve", cache, "--host", lab.server_addr, "--port",
                                 "0", "--json", "--dscp-anchor", "EF", "--dscp-residual", "CS1", *extra],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    while not lines or lines[-1] != "}\n":
-        lines.append(proc.stdout.readline())
-        assert lines[-1], proc.stderr.read()
-    return proc, json.loads("".join(lines))["url"]
+    return proc, served_url(proc)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ waiting their turn on a stream that moves are not stalled; one that gets nothing
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import time
 
 import pytest
 import torch
+from cli_helpers import served_url
 from runner_helpers import prompt_ids, store_prefill
 
 from lynxkv.errors import TransientError
@@ -33,11 +33,7 @@ RATE = "1Mbps"  # the anchor (~290 KB) takes ~2.4 s: well past the stall bound
 def _serve(*argv: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "lynxkv", "serve", *argv, "--port", "0", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    while not lines or lines[-1] != "}\n":
-        lines.append(proc.stdout.readline())
-        assert lines[-1], proc.stderr.read()
-    return proc, json.loads("".join(lines))["url"]
+    return proc, served_url(proc)
 
 
 def test_a_residual_queued_behind_a_slow_anchor_is_not_a_stall(tmp_path):
