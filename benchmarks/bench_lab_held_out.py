@@ -113,31 +113,20 @@ class Decoder:
 
     def full(self, anchor_url: str, residual_url: str) -> dict:
         """Both files whole, then the engine without drafting over the local copy (read in place)."""
-        from dataclasses import replace
-
-        from lynxkv.speculative import run
         from lynxkv.stream.progressive import open_progressive
 
         anchor = self.scratch / Path(urlsplit(anchor_url).path).name
         started = time.perf_counter()
         nbytes = fetch(anchor_url, anchor) + fetch(residual_url, self.scratch / Path(urlsplit(residual_url).path).name)
         fetched = time.perf_counter() - started
-        load = open_progressive(str(anchor), room=NEW + 1)
-        try:
-            result = run(self.lm.model, load, replace(self.cfg, speculate=False), fingerprint=self.lm.fingerprint,
-                         started_at=started, timing=self.timing)
-        finally:
-            load.close()
-        return summary(result, fetched, nbytes)
+        return self._plain(open_progressive(str(anchor), room=NEW + 1), started, fetched, nbytes)
 
     def bf16(self, url: str) -> dict:
         """The safetensors file whole, its tensors into fp32 buffers with room, then plain decoding."""
         import torch
-        from dataclasses import replace
 
         from lynxkv.cache.dumps import load_kv_safetensors
         from lynxkv.cache.loading import PreparedLoad
-        from lynxkv.speculative import run
 
         path = self.scratch / "kv.safetensors"
         started = time.perf_counter()
@@ -152,6 +141,14 @@ class Decoder:
         kv = [(roomy(k), roomy(v)) for k, v in load_kv_safetensors(path)[0]]
         load = PreparedLoad(kv, kv, prompt_token_ids=self.ids, model_fingerprint=self.lm.fingerprint,
                             anchor_bytes=nbytes, grow_in_place=True)
+        return self._plain(load, started, fetched, nbytes)
+
+    def _plain(self, load, started: float, fetched: float, nbytes: int) -> dict:
+        """Plain decoding (no drafts) on a fetched cache, timed from ``started`` (the fetch's start)."""
+        from dataclasses import replace
+
+        from lynxkv.speculative import run
+
         try:
             result = run(self.lm.model, load, replace(self.cfg, speculate=False), fingerprint=self.lm.fingerprint,
                          started_at=started, timing=self.timing)
