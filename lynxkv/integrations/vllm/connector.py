@@ -17,8 +17,8 @@ ahead of residual, range requests), so the decode instance reads the anchor befo
 **Consumer** (the decode instance; extra config ``sources``: the URL prefixes of the stores it may read, such as
 ``["http://prefill-host:7071/"]``, required; ``timeout_s``, default 120: how long a request waits for its KV;
 ``keep``, default 8: loads kept for reuse). A request naming a URL under no source is refused: a client of the
-decode instance cannot make it fetch anything its operator did not name. A request whose ``kv_transfer_params`` carry ``{"lynx_url": URL,
-"lynx_mode": "anchor" | "full"}`` has its prompt's KV loaded asynchronously (it waits in vLLM's
+decode instance cannot make it fetch anything its operator did not name. A request whose ``kv_transfer_params``
+carry ``{"lynx_url": URL, "lynx_mode": "anchor" | "full"}`` has its prompt's KV loaded asynchronously (it waits in vLLM's
 ``WAITING_FOR_REMOTE_KVS``) from that cache: the anchor as soon as it lands, or the full code once the residual is
 in, dequantized into its blocks. Two requests naming one URL share one transfer (:mod:`.fetch`). A cache that does
 not arrive in time, does not read, or was made from another prompt fails the load: vLLM's
@@ -195,14 +195,14 @@ class LynxConnector(KVConnectorBase_V1):
         self._to_load.clear()
         if not self._producer:
             return meta
-        done: list[tuple[str, int, list[int]]] = []  # (req_id, tokens computed after this step, prompt)
+        done: list[tuple[str, int]] = []  # (req_id, its tokens computed once this step has run)
         for new in scheduler_output.scheduled_new_reqs:
             params = (new.sampling_params.extra_args or {}).get("kv_transfer_params") if new.sampling_params else None
             name = params.get("lynx_publish") if isinstance(params, dict) else None
             if isinstance(name, str) and NAME.fullmatch(name):
                 self._to_save[new.req_id] = (name, list(new.block_ids[0]), list(new.prompt_token_ids or []))
                 done.append((new.req_id, new.num_computed_tokens
-                             + scheduler_output.num_scheduled_tokens.get(new.req_id, 0), None))
+                             + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._to_save:
@@ -212,9 +212,8 @@ class LynxConnector(KVConnectorBase_V1):
             if new_ids is not None:
                 blocks = list(new_ids[0]) if req_id in cached.resumed_req_ids else blocks + list(new_ids[0])
                 self._to_save[req_id] = (name, blocks, prompt)
-            done.append((req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0),
-                         None))
-        for req_id, computed, _ in done:
+            done.append((req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)))
+        for req_id, computed in done:
             name, blocks, prompt = self._to_save[req_id]
             if prompt and computed >= len(prompt):
                 meta.saves.append(SaveSpec(req_id, name, prompt, blocks))

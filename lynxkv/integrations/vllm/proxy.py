@@ -29,7 +29,7 @@ import asyncio
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import aiohttp
 from aiohttp import web
@@ -57,7 +57,6 @@ class Trace:
     residual_s: float | None = None  # from the start of the decode side to the full code's first token
     verify_s: float | None = None
     first_token_s: float | None = None
-    steps: list = field(default_factory=list)
 
 
 @dataclass
@@ -115,7 +114,6 @@ class Proxy:
         self.prefill_base, self.decode_base = prefill.rstrip("/"), decode.rstrip("/")
         self.model, self.host, self.port, self.timeout = model, host, port, timeout
         self.log = log or (lambda msg: None)
-        self.served = 0
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
 
@@ -200,7 +198,6 @@ class Proxy:
                 return web.json_response(err, status=502)
             await response.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             return response
-        self.served += 1
         if response is not None:
             final = chunk([], "", finish)
             final["lynx"] = asdict(trace)
@@ -225,11 +222,10 @@ class Proxy:
             raise EngineError(f"{self.prefill_base}: its answer names no lynx cache (is it running LynxConnector "
                               "as kv_producer?)")
         extra = {"ignore_eos": True} if ask.ignore_eos else {}
-        full = {"lynx_url": url, "lynx_mode": "full"}
-        salt = name + "-full"
         if ask.mode == "full":
-            return await self._continue(decode, prompt, ask.max_tokens, salt, full, extra, trace, emit, t0)
-        return await self._speculate(decode, prompt, url, ask, salt, extra, trace, emit, t0)
+            return await self._continue(decode, prompt, ask.max_tokens, name + "-full",
+                                        {"lynx_url": url, "lynx_mode": "full"}, extra, trace, emit, t0)
+        return await self._speculate(decode, prompt, url, ask, name, extra, trace, emit, t0)
 
     async def _continue(self, decode: Engine, prompt: list[int], n: int, salt: str, params: dict | None, extra: dict,
                         trace: Trace, emit, t0: float) -> str | None:
@@ -248,9 +244,9 @@ class Proxy:
             await emit(new, piece)
         return out.finish_reason
 
-    async def _speculate(self, decode: Engine, prompt: list[int], url: str, ask: Ask, salt: str, extra: dict,
+    async def _speculate(self, decode: Engine, prompt: list[int], url: str, ask: Ask, name: str, extra: dict,
                          trace: Trace, emit, t0: float) -> str | None:
-        name = salt[:-len("-full")]
+        salt = name + "-full"  # the full code's requests; the anchor's drafting has a salt of its own
         drafts = Completion()
         drafting_done = asyncio.Event()
 
