@@ -30,7 +30,7 @@ def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs,
     if ids.shape[1] == 0:
         raise InputError("the prompt is empty")
     cache = DynamicCache()
-    out = forward(model, ids, cache)
+    out = forward(model, ids, cache, logits_to_keep=1)  # not [T, vocab] logits: 17 GB for Gemma 3 at 16K tokens
     kv = cache_to_kv(cache)
     for i, (k, _) in enumerate(kv):
         if k.shape[1] != ids.shape[1]:
