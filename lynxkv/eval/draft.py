@@ -20,7 +20,7 @@ import torch
 
 from lynxkv.errors import InputError
 from lynxkv.hf import forward, kv_to_cache, prefill
-from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.kv import KVPairs, cache_to_kv
 
 
 @dataclass
@@ -112,18 +112,32 @@ def window_inputs(last: int, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def extend_kv(model: torch.nn.Module, kv: KVPairs, ids: torch.Tensor) -> KVPairs:
+    """The exact cache ``kv`` followed by the tokens ``ids`` ``[N]``: one forward of them on it (the same KV as a
+    prefill of the whole text up to fp32 rounding)."""
+    if ids.numel() == 0:
+        return kv
+    cache = kv_to_cache(kv, dtype=model.dtype)
+    forward(model, ids.reshape(1, -1), cache, logits_to_keep=1)
+    return cache_to_kv(cache)
+
+
+@torch.no_grad()
 def build_reference(
     model: torch.nn.Module,
     ids: torch.Tensor,
     window: int,
     continuation: torch.Tensor | None = None,
+    kv: KVPairs | None = None,
 ) -> Reference:
-    """Prefill ``ids`` ``[T]``, decode the greedy reference and record everything the scores compare against."""
+    """Prefill ``ids`` ``[T]`` (or take ``kv``, the exact cache of ``ids[:-1]`` already computed), decode the greedy
+    reference and record everything the scores compare against."""
     if ids.numel() < 2:
         raise InputError("the prompt must have at least 2 tokens")
     if window < 1:
         raise InputError(f"--window: expected >= 1, got {window}")
-    kv, _ = prefill(model, ids[:-1])
+    if kv is None:
+        kv, _ = prefill(model, ids[:-1])
     last = int(ids[-1])
     tokens = greedy(model, kv, last, window)
     with captured_queries(model) as store:

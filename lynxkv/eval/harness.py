@@ -17,7 +17,7 @@ import torch
 from lynxkv.errors import InputError
 from lynxkv.eval import metrics, windows
 from lynxkv.eval.baselines import bits_kv, roundtrip_cache
-from lynxkv.eval.draft import Reference, build_reference, forward_logits, window_inputs
+from lynxkv.eval.draft import Reference, build_reference, extend_kv, forward_logits, window_inputs
 from lynxkv.cache.kv import KVPairs
 
 Tick = Callable[[], None]
@@ -96,9 +96,13 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
     check_context(model.config, int(ids.numel()), max(count * window, held.numel()))
     first: dict[str, dict] = {}
     rows: dict[str, list[dict]] = {c.name: [] for c in codecs}
+    exact_kv, cached = None, 0  # the exact cache of the previous window's context, and its length
     for i in range(count):
-        ref = build_reference(model, torch.cat([ids, text[: i * window]]), window,
-                              held if i == 0 and held.numel() else None)
+        context = torch.cat([ids, text[: i * window]])
+        if exact_kv is not None:  # the previous window's exact cache, extended by the text between the two
+            exact_kv = extend_kv(model, exact_kv, context[cached:-1])
+        ref = build_reference(model, context, window, held if i == 0 and held.numel() else None, exact_kv)
+        exact_kv, cached = ref.prefix_kv, context.numel() - 1
         exact_attn, full_codes = exact_attention(ref), windows.FullCodes(model, ref)
         for codec in codecs:
             approx = roundtrip_cache(codec, ref.prefix_kv)
