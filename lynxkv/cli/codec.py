@@ -30,6 +30,20 @@ def refuse_overwrite(path: str | os.PathLike, force: bool) -> None:
         raise InputError(f"{path} already exists; pass --force to replace it")
 
 
+def scheme_candidates(name: str, **overrides) -> tuple:
+    """The schemes ``--scheme`` names: a preset with the options' overrides, or for ``auto`` the candidates of the
+    choice per cache (:data:`lynxkv.hf.choose.CANDIDATES`, each with the overrides), unless an override fixes
+    what the candidates differ in (α, the keys' rotation): then the default with the overrides."""
+    from lynxkv.hf.choose import LABELS
+    from lynxkv.quant.scheme import get_scheme
+
+    if name != "auto":
+        return (get_scheme(name, **overrides),)
+    if overrides.get("alpha") is not None or overrides.get("key_rotation") is not None:
+        return (get_scheme("default", **overrides),)
+    return tuple(get_scheme(label, **overrides) for label in LABELS)
+
+
 @app.command()
 def encode(
     input: Optional[Path] = typer.Argument(None, help="A KV dump (.safetensors). Omit it to prefill --model."),
@@ -42,7 +56,9 @@ def encode(
     dtype: str = typer.Option("auto", "--dtype", help="The model's dtype for the prefill: auto (the model's own, "
                               "from its config), fp32, bf16 or fp16. The cache stores the KV in it."),
     tokens: int = typer.Option(1000, min=1, help="Length of the built-in prompt, in tokens."),
-    scheme: str = typer.Option("default", help=f"Scheme preset: {', '.join(PRESETS)}."),
+    scheme: str = typer.Option("auto", help=f"Scheme preset: {', '.join(PRESETS)}; or auto: with --model, the "
+                               "one of default and plain-keys whose anchor the model scores closer to the exact "
+                               "cache on the prompt's last tokens; for a dump, default."),
     page: Optional[int] = typer.Option(None, help="Tokens per page (P)."),
     chunk: Optional[int] = typer.Option(None, help="Tokens per metadata chunk (C)."),
     alpha: Optional[float] = typer.Option(None, help="α of the α-law compander (switches it on)."),
@@ -65,10 +81,10 @@ def encode(
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
     from lynxkv.cache import default_exact_path, default_residual_path, save_dump
     from lynxkv.hf.prefill import encode_model
-    from lynxkv.quant.scheme import get_scheme
 
-    sch = get_scheme(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits, key_rotation=key_rotation,
-                     extremes=extremes)
+    candidates = scheme_candidates(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits,
+                                   key_rotation=key_rotation, extremes=extremes)
+    sch = candidates[0]
     if input is not None and model is not None:
         raise InputError("give either a KV dump file or --model, not both")
     if input is not None and prompt_file is not None:
@@ -94,12 +110,18 @@ def encode(
     else:
         prompt = read_text(prompt_file) if prompt_file is not None else None
         with progress_step(f"loading {model_label(model)} ({dtype}), prefilling and encoding"):
-            info = encode_model(model, output, sch, prompt=prompt, tokens=tokens, residual=residual_out,
-                                single_file=single_file, zstd=zstd, dtype=torch_dtype, exact=exact,
-                                exact_path=exact_out)
+            info, choice = encode_model(model, output, candidates, prompt=prompt, tokens=tokens,
+                                        residual=residual_out, single_file=single_file, zstd=zstd, dtype=torch_dtype,
+                                        exact=exact, exact_path=exact_out)
+        sch = choice.scheme
     if json:
-        print_json(info.to_dict())
+        print_json({**info.to_dict(), **({"choice": choice.to_dict()} if input is None else {})})
     else:
+        if input is None and choice.kl:
+            err.print("chose the anchor of " + ", ".join(
+                f"{'[bold]' * (s == sch)}{name}{'[/bold]' * (s == sch)} (KL {kl:.2e})"
+                for name, s, kl in zip(choice.labels, choice.candidates, choice.kl))
+                + f" on the prompt's last {choice.probe_tokens} tokens")
         err.print(
             f"wrote {escape(str(output))} ({info.layers} layers, {info.tokens} tokens, {sch.describe()}): "
             f"anchor {format_bytes(info.anchor_bytes)}, residual {format_bytes(info.residual_bytes)}, "

@@ -78,7 +78,7 @@ def _encode(tokens: int, anchor: Path, residual: Path):
     from lynxkv.hf import prefill
     from lynxkv.hf.models import encode_prompt, load_model
     from lynxkv.hf.prompts import builtin_prompt
-    from lynxkv.quant.scheme import DEFAULT
+    from lynxkv.hf.choose import choose_scheme
     from lynxkv.stream.units import format_bytes
 
     t0 = time.perf_counter()
@@ -89,9 +89,10 @@ def _encode(tokens: int, anchor: Path, residual: Path):
     ids = encode_prompt(loaded, builtin_prompt(loaded.tokenizer, tokens))
     with progress_step(f"prefilling {len(ids)} tokens"):
         original, _ = prefill(loaded.model, ids)
-    with progress_step("encoding"):
-        info = save_cache(anchor, original, DEFAULT, residual_path=str(residual), prompt_token_ids=ids.tolist(),
-                             model_fingerprint=loaded.fingerprint)
+    with progress_step("choosing the anchor and encoding"):
+        choice = choose_scheme(loaded.model, ids, original)
+        info = save_cache(anchor, original, choice.scheme, residual_path=str(residual), prompt_token_ids=ids.tolist(),
+                          model_fingerprint=loaded.fingerprint)
     err.print(f"prefill + encode: {time.perf_counter() - t0:.1f} s; anchor {format_bytes(info.anchor_bytes)} on the "
               f"fast tier ({escape(str(anchor.parent))}), residual {format_bytes(info.residual_bytes)} on the slow "
               f"tier ({escape(str(residual.parent))})")

@@ -20,7 +20,9 @@ Baselines (the storage dtype of each scale/zero in brackets):
 - ``lynx-*``: a :class:`~lynxkv.quant.scheme.Scheme` through the quantizer entry, full code or anchor only
   (earlier defaults, named by the development format version that made them the default: ``lynx-1.3``, the
   full code's end sub-bins decoded at their midpoints; ``lynx-1.2``, α = 1, values per channel, 4 sink tokens,
-  keys not rotated; ``lynx-alpha1-1.0``, values per token and no sink tokens either).
+  keys not rotated; ``lynx-alpha1-1.0``, values per token and no sink tokens either); ``lynx-plain-keys``, the
+  second candidate of the choice per cache (α = 1, keys not rotated); ``lynx-chosen``, the candidate chosen per
+  prompt on its own cache (:mod:`lynxkv.hf.choose`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Protocol
 import torch
 
 from lynxkv.errors import InputError
+from lynxkv.hf.choose import CANDIDATES
 from lynxkv.quant import dequantize, quantize
 from lynxkv.quant.scheme import Scheme, get_scheme
 
@@ -228,6 +231,23 @@ class Lynx:
         return self.scheme.bits_per_element(anchor_only=self.anchor_only, tokens=shape[1], head_dim=shape[2])
 
 
+@dataclass(frozen=True)
+class ChosenLynx:
+    """The scheme chosen per cache (:func:`lynxkv.hf.choose.choose_scheme`): per prompt, :meth:`bind` makes the
+    choice on the prompt's own cache and returns the :class:`Lynx` codec of the chosen scheme, under this name."""
+
+    name: str
+    anchor_only: bool = False
+    description: str = "lynx, the scheme chosen per cache by the model's KL on the prompt's last tokens"
+
+    def bind(self, model, input_ids: torch.Tensor, kv) -> tuple[Lynx, int]:
+        """(the codec of the scheme chosen for the cache ``kv`` of ``input_ids``, the chosen candidate's index)."""
+        from lynxkv.hf.choose import choose_scheme
+
+        choice = choose_scheme(model, input_ids, kv)
+        return Lynx(self.name, choice.scheme, self.anchor_only), choice.candidates.index(choice.scheme)
+
+
 def roundtrip_kv(codec, x: torch.Tensor, kind: str) -> torch.Tensor:
     """``codec.roundtrip`` for keys (``kind="key"``) or values, passing the kind to codecs that need it."""
     return codec.roundtrip(x, kind) if isinstance(codec, (Kivi, Lynx)) else codec.roundtrip(x)
@@ -263,7 +283,8 @@ def _baselines() -> list:
 
 def _lynx_codecs() -> list:
     default = get_scheme("default")
-    codecs = lynx_pair("lynx-default", default) + lynx_pair("lynx-linear", get_scheme("linear"))
+    codecs = lynx_pair("lynx-default", default)
+    codecs += lynx_pair("lynx-plain-keys", CANDIDATES[1]) + lynx_pair("lynx-linear", get_scheme("linear"))
     codecs += lynx_pair("lynx-1.3", default.replace(extremes="midpoint"))  # the earlier default: extremes at the midpoints
     default_1_2 = default.replace(alpha=1.0, key_rotation="none", extremes="midpoint")  # the earlier default before the key rotation
     codecs += lynx_pair("lynx-1.2", default_1_2)
@@ -277,6 +298,12 @@ def _lynx_codecs() -> list:
 def registry() -> dict[str, object]:
     """Every named codec of a standard ``lynxkv eval`` run, in table order."""
     return {c.name: c for c in _baselines() + _lynx_codecs()}
+
+
+def chosen_codecs() -> dict[str, object]:
+    """The scheme chosen per cache, full code and anchor: named with ``--schemes`` only, since they need a model
+    (:class:`ChosenLynx`)."""
+    return {c.name: c for c in (ChosenLynx("lynx-chosen"), ChosenLynx("lynx-chosen-anchor", True))}
 
 
 def sweep_codecs() -> dict[str, object]:
@@ -309,7 +336,7 @@ def select(names: str | None, *, sweep: bool = False) -> list:
     pool: dict[str, object] = sweep_codecs() if sweep else registry()
     if not names:
         return list(pool.values())
-    everything = {**registry(), **sweep_codecs()}
+    everything = {**registry(), **chosen_codecs(), **sweep_codecs()}
     chosen = []
     for raw in names.split(","):
         name = raw.strip()

@@ -96,6 +96,7 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
     check_context(model.config, int(ids.numel()), max(count * window, held.numel()))
     first: dict[str, dict] = {}
     rows: dict[str, list[dict]] = {c.name: [] for c in codecs}
+    chosen: dict[str, int] = {}
     exact_kv, cached = None, 0  # the exact cache of the previous window's context, and its length
     for i in range(count):
         context = torch.cat([ids, text[: i * window]])
@@ -103,6 +104,8 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
             exact_kv = extend_kv(model, exact_kv, context[cached:-1])
         ref = build_reference(model, context, window, held if i == 0 and held.numel() else None, exact_kv)
         exact_kv, cached = ref.prefix_kv, context.numel() - 1
+        if i == 0:  # a scheme chosen per cache is chosen on the prompt's own cache, and kept for its windows
+            codecs = [_bind(c, model, ids[:-1], ref.prefix_kv, chosen) for c in codecs]
         exact_attn, full_codes = exact_attention(ref), windows.FullCodes(model, ref)
         for codec in codecs:
             approx = roundtrip_cache(codec, ref.prefix_kv)
@@ -110,7 +113,7 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
             row = draft_scores(model, ref, approx, exact_attn, logits)
             row.update(windows.window_prefixes(model, ref, codec, approx, logits, full_codes, tie_margin))
             if i == 0:
-                first[codec.name] = {**kv_scores(codec, ref.prefix_kv, approx),
+                first[codec.name] = {**kv_scores(codec, ref.prefix_kv, approx), **_choice_of(codec.name, chosen),
                                      **{k: v for k, v in row.items() if k.startswith("ppl_")}}
             rows[codec.name].append(row)
             if tick:
@@ -119,10 +122,26 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
             for name, rs in rows.items()}
 
 
+def _bind(codec, model, ids: torch.Tensor, kv: KVPairs, chosen: dict[str, int]):
+    """``codec``, or for a codec chosen per cache the codec of the scheme chosen for ``kv`` (recorded in
+    ``chosen``)."""
+    if not hasattr(codec, "bind"):
+        return codec
+    bound, index = codec.bind(model, ids, kv)
+    chosen[codec.name] = index
+    return bound
+
+
+def _choice_of(name: str, chosen: dict[str, int]) -> dict:
+    return {"choice": chosen[name]} if name in chosen else {}
+
+
 def score_kv(kv: KVPairs, codecs: list, tick: Tick | None = None) -> dict:
     """KV-only scores of every codec on a cache given as tensors (no model: no draft metrics)."""
     scores = {}
     for codec in codecs:
+        if hasattr(codec, "bind"):
+            raise InputError(f"--schemes: {codec.name} is chosen per cache by a model; a KV dump has none")
         scores[codec.name] = kv_scores(codec, kv, roundtrip_cache(codec, kv))
         if tick:
             tick()
@@ -155,6 +174,8 @@ def summarize(per_prompt: list[dict], codecs: list, window: int) -> dict:
         for key in ("k_vnmse_layers", "v_vnmse_layers"):
             if rows and key in rows[0]:
                 s[key] = [_mean(list(col)) for col in zip(*(r[key] for r in rows))]
+        if rows and "choice" in rows[0]:  # a scheme chosen per cache: the candidate each prompt chose
+            s["choices"] = [r["choice"] for r in rows]
         s.update(windows.summarize_prefixes([r for r in rows if "prefixes" in r], window))
         result[codec.name] = s
     return result

@@ -19,6 +19,7 @@ COLUMNS = [  # (key, header, format)
     ("prefix_ties", "ties", None),
     ("prefix_full", "vs full", None),
     ("ppl_delta", "ΔPPL", "{:+.2%}"),
+    ("choices", "chosen", None),
 ]
 
 #: How a table or plot names each corpus role: which text it is, and what it may be used for.
@@ -45,6 +46,11 @@ def _cell(summary: dict, key: str, fmt: str | None) -> str:
     if key in PREFIX_CELLS:
         mean, sem = summary.get(f"{key}_mean"), summary.get(f"{key}_sem")
         return "-" if mean is None else f"{mean:.1f} ± {sem:.1f}"
+    if key == "choices":  # how many prompts chose each candidate of lynxkv.hf.choose.CANDIDATES
+        from lynxkv.hf.choose import LABELS
+
+        counts = [summary[key].count(i) for i in range(len(LABELS))] if key in summary else []
+        return ", ".join(f"{label} {n}" for label, n in zip(LABELS, counts) if n) or "-"
     if key == "prefix_ties":
         return f"{summary['prefix_ties']}/{summary['windows']}" if "prefix_ties" in summary else "-"
     value = summary.get(key)
