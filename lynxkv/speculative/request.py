@@ -59,7 +59,9 @@ class Request:
         self.exc: BaseException | None = None  # the error as raised (a run alone re-raises it)
         self.phase = "arrive"
         self.load: CacheLoad | None = None
-        self.gen = torch.Generator().manual_seed(self.cfg.seed) if self.cfg.seed is not None else None
+        # on the model's device, where the probabilities it samples from are (the same seed: the same tokens there)
+        self.gen = (torch.Generator(device=model.device).manual_seed(self.cfg.seed) if self.cfg.seed is not None
+                    else None)
         self.drafts, self.draft_probs = [], []  # list[int], list[torch.Tensor]
         self.cache = None  # the cache the next forward runs on (anchor while drafting, full after the verify)
         self.pending: list[int] = []

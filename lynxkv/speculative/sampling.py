@@ -128,7 +128,7 @@ def accept_sampled(
         raise ValueError(f"need {k} draft rows and {k + 1} target rows, got {draft_probs.shape[0]} and {target_probs.shape[0]}")
     for j, token in enumerate(draft_tokens):
         p, q = float(target_probs[j, token]), float(draft_probs[j, token])
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=None if generator is None else generator.device))
         # accept with probability min(1, p/q); q > 0 because the draft was drawn from it
         if u * q < p:
             continue
