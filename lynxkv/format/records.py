@@ -347,7 +347,7 @@ def record_parts(lay: RecordLayout) -> dict[str, int]:
 def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: Sequence[int] | None,
                        tokens: Sequence[tuple[int, int]], scheme: Scheme, kv_heads: int, head_dim: int,
                        out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
-                       threads: int | None = None) -> None:
+                       threads: int | None = None, on_device: tuple | None = None) -> None:
     """Dequantize raw (CRC-checked, decompressed) page records of one layer straight into its keys and values.
 
     Page ``i`` holds tokens ``[t0, t0 + n)`` (``tokens[i]``); its anchor record starts at byte ``anchor_at[i]``
@@ -358,7 +358,10 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     :func:`decode_anchor_records` apply: the record sizes, zero padding bits after the last code, finite offsets
     and scales, scales >= 0. Values per channel take the entry's channel-axis pass; from the anchor
     alone, the sink tokens of a page holding any are then decoded again from the full code (their residual is in
-    the anchor record, split out by :func:`decode_anchor_records`)."""
+    the anchor record, split out by :func:`decode_anchor_records`). ``on_device``: ``(anchor, residual)`` already
+    copied to ``out``'s device as flat uint8 tensors (a caller that stages the bytes itself, e.g. through pinned
+    memory with an asynchronous copy); else, for outputs off the CPU, the records are copied there here. The
+    checks above always read the host bytes."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
@@ -391,7 +394,9 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
             rows[j].append((parts[f"{which}_offset"], parts[f"{which}_scale"], parts[f"{which}_anchor"],
                             parts.get(f"{which}_residual", 0), t0, n))
     host = anchor  # the flags' messages below read the host bytes
-    if out[0].device.type != "cpu":  # the records cross to the device once for the keys, the values and the sinks
+    if on_device is not None:
+        anchor, residual = on_device
+    elif out[0].device.type != "cpu":  # the records cross to the device once for the keys, the values and the sinks
         anchor, residual = device_bytes(anchor, out[0].device), device_bytes(residual, out[0].device)
     for j, which in enumerate(("key", "value")):
         if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads, kind=which):

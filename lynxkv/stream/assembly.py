@@ -9,7 +9,13 @@ dequantization after it writes into pages the kernel has already provided.
 
 Both are dequantized straight from the page records' bytes (:func:`lynxkv.format.records.dequantize_records`,
 compiled passes with the GIL released; the records' own checks run there). A page is exactly P/C whole chunks, so
-dequantizing page by page equals dequantizing the whole tensor (:func:`lynxkv.quant.dequantize`)."""
+dequantizing page by page equals dequantizing the whole tensor (:func:`lynxkv.quant.dequantize`).
+
+On another device than the CPU (``device``) the outputs live there and only the page records cross: each call's
+records are gathered into one pinned host buffer (:class:`DeviceStaging`), copied with ``non_blocking=True`` and
+decoded on the device (the Triton kernels on CUDA), on a CUDA stream of the load's own, so that the copies and
+kernels run beside a model's forward on its stream instead of queueing behind it; every call waits for its own
+stream before its tensors are handed out. Nothing is copied back to the host. On the CPU nothing of this applies."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from lynxkv.cache import check_decoded_size
@@ -39,20 +46,64 @@ def lowest_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+class DeviceStaging:
+    """How the page records of a load reach a device other than the CPU: through pinned host memory (where the
+    device's backend has it), copied with ``non_blocking=True``, on a CUDA stream of the load's own (:meth:`use`;
+    other devices: their current stream)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pinned = True  # until the backend says it has no pinned memory
+
+    def use(self):
+        """The context to copy and decode in (the load's stream, for whichever thread runs it)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def wait(self) -> None:
+        """Wait until everything issued on the load's stream is done (its outputs may be read on any stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def copy(self, raws: list) -> tuple[np.ndarray, list[int], torch.Tensor]:
+        """``(host bytes, where each record starts in them, their copy on the device)``: the records gathered into
+        one pinned buffer, then copied without blocking (the buffer is freed for reuse only once the copy is done:
+        torch's pinned-memory cache records the copy's stream)."""
+        at = [0]
+        for raw in raws[:-1]:
+            at.append(at[-1] + len(raw))
+        total = at[-1] + len(raws[-1])
+        host = None
+        if self.pinned:
+            try:
+                host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # a backend without pinned host memory: pageable, copied the same way
+                self.pinned = False
+        if host is None:
+            host = torch.empty(total, dtype=torch.uint8)
+        view = host.numpy()
+        for start, raw in zip(at, raws):
+            view[start:start + len(raw)] = np.frombuffer(raw, np.uint8)
+        return view, at, host.to(self.device, non_blocking=True)
+
+
 class KVAssembly:
-    """The two outputs of one load, allocated from its header: ``anchor`` (anchor-only KV) and ``full``.
+    """The two outputs of one load, allocated from its header: ``anchor`` (anchor-only KV) and ``full``, on
+    ``device`` (default the CPU; see the module docstring for another).
 
     ``room`` > 0: each ``[H, T, D]`` tensor is the front of a buffer of ``T + room`` tokens a head, for a runner's
     cache to grow into in place (:class:`~lynxkv.hf.growing.GrowingLayer`) instead of copying it at its first
     step; the room is never touched here."""
 
-    def __init__(self, header, dtype: torch.dtype, room: int = 0):
+    def __init__(self, header, dtype: torch.dtype, room: int = 0, device: torch.device | None = None):
         check_decoded_size(header, dtype)
         self.header = header
         h, t, d = header.kv_heads, header.tokens, header.head_dim
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.staging = None if self.device.type == "cpu" else DeviceStaging(self.device)
 
         def out() -> torch.Tensor:
-            return torch.empty((h, t + room, d), dtype=dtype)[:, :t, :]
+            return torch.empty((h, t + room, d), dtype=dtype, device=self.device)[:, :t, :]
 
         self.anchor: KVPairs = [(out(), out()) for _ in range(header.layers)]
         self.full: KVPairs = [(out(), out()) for _ in range(header.layers)]
@@ -81,7 +132,10 @@ class KVAssembly:
         many layers it did. A fresh tensor's pages are mapped by the kernel at their first write, which costs
         about as much as the dequantization that writes them (0.24 ms a MB here, against 0.05 for the write
         itself): done while the anchor is on its way, when the cores are idle, that is off the draft window and
-        off the verify. Writes one element a page, which the dequantization overwrites (the view's rows only)."""
+        off the verify. Writes one element a page, which the dequantization overwrites (the view's rows only).
+        Host memory only: on another device nothing is done."""
+        if self.staging is not None:
+            return 0
         page = max(1, 4096 // self.full[0][0].element_size())
         done = 0
         for layer, pair in enumerate(self.full):
@@ -107,12 +161,22 @@ class KVAssembly:
         """Dequantize raw records of ``pages`` of one ``layer`` into ``anchor`` (``residuals`` None) or ``full``."""
         h = self.header
         s = h.scheme
-        anchor, anchor_at = join_records(anchors)
-        residual, residual_at = (None, None) if residuals is None else join_records(residuals)
-        dequantize_records(anchor, anchor_at, residual, residual_at,
-                           [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages], s, h.kv_heads,
-                           h.head_dim, (self.anchor if residuals is None else self.full)[layer],
-                           lambda i: f"layer {layer} page {pages[i]}", threads)
+        spans = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages]
+        out = (self.anchor if residuals is None else self.full)[layer]
+        where = lambda i: f"layer {layer} page {pages[i]}"  # noqa: E731
+        if self.staging is None:
+            anchor, anchor_at = join_records(anchors)
+            residual, residual_at = (None, None) if residuals is None else join_records(residuals)
+            dequantize_records(anchor, anchor_at, residual, residual_at, spans, s, h.kv_heads, h.head_dim, out,
+                               where, threads)
+            return
+        with self.staging.use():  # the copies and the kernels on the load's stream, then waited for
+            anchor, anchor_at, anchor_dev = self.staging.copy(anchors)
+            residual, residual_at, residual_dev = ((None, None, None) if residuals is None
+                                                   else self.staging.copy(residuals))
+            dequantize_records(anchor, anchor_at, residual, residual_at, spans, s, h.kv_heads, h.head_dim, out,
+                               where, threads, on_device=(anchor_dev, residual_dev))
+        self.staging.wait()
 
     def take(self, items: list[tuple], anchors: dict) -> None:
         """Residual pages taken by the consumer (``("residual", layer, page, raw, n)``, in file order, layer-major);

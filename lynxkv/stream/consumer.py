@@ -37,7 +37,8 @@ class LoadConsumer:
     residual), the load's flags and outcome (``_closed``, ``_anchor_done``, ``_residual_go``, ``_future``,
     ``_fatal``, ``_anchor_error``), the residual's page slots, the page reader, the transport, and the plumbing
     (``_emit``, ``_now``, ``_next_seq``), and how many parts still end the load (``_parts_left`` under
-    ``_parts_lock``: the consumer, and the exact worker when there is one). ``_consumer`` is the thread's target;
+    ``_parts_lock``: the consumer, and the exact worker when there is one), and the device the KV goes to
+    (``device``). ``_consumer`` is the thread's target;
     ``layer_in`` waits on ``_outputs_ready``, which the consumer sets once it has read the header."""
 
     def _consumer(self) -> None:
@@ -91,7 +92,8 @@ class LoadConsumer:
     def _consume(self) -> None:
         # No torch.set_num_threads here: it is process-wide (it would also slow down the model decoding beside
         # this load); the dequantization runs in compiled workers, anchor pages on all of them, residual on one.
-        workers = concurrent_tensors()
+        # on another device one thread stages and launches every batch (their first launch compiles the kernels)
+        workers = concurrent_tensors() if self.device.type == "cpu" else 1
         st = _Consuming(ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-anchor")
                         if self.decode and workers > 1 else None)
         try:
@@ -132,10 +134,10 @@ class LoadConsumer:
             # with the exact stage (exact=None: where the cache has one), the cache's own dtype
             exact = self.exact_mode or (self.exact_mode is None and h.segment(c.SEGMENT_EXACT))
             dtype = self.dtype or (TORCH_DTYPES[h.dtype] if exact else torch.float32)
-            self._kv = KVAssembly(h, dtype, room=self.room)
+            self._kv = KVAssembly(h, dtype, room=self.room, device=self.device)
             # the full code's memory pages mapped while the anchor is on its way (the cores idle), when there is a
             # residual to build it from; joined by close(), like the load's other threads
-            if h.segment(c.SEGMENT_RESIDUAL) is not None:
+            if h.segment(c.SEGMENT_RESIDUAL) is not None and self.device.type == "cpu":
                 self._prefaulter = threading.Thread(target=self._prefault, args=(self._kv,), daemon=True,
                                                     name="lynxkv-prefault")
                 self._prefaulter.start()

@@ -42,6 +42,7 @@ class ExactStage:
     timeline: LoadTimeline
     residual: Future  # the load's full code
     open_exact: Callable | None  # the transport's open_exact(header, override), None when it carries no exact segment
+    device: object = None  # where the load's tensors are (None: the CPU)
 
 
 def exact_stage(stage: ExactStage, future: Future, emit, now) -> None:
@@ -101,8 +102,11 @@ def read_exact_stage(stage: ExactStage):
         stage.residual.result()  # the stages end in order: anchor, full code, exact
         return None
     full = stage.residual.result()  # the full code (its failure is the exact stage's too)
-    out = [(k.clone(), v.clone()) for k, v in full]
+    # the exact coder runs on the CPU: from another device, a host copy of the full code, rebuilt, then sent back
+    out = [(k.to("cpu", copy=True), v.to("cpu", copy=True)) for k, v in full]
     reader.apply_exact(out)  # page by page as the bytes arrive; each rebuilt page's CRC checked before the next
+    if stage.device is not None and stage.device.type != "cpu":
+        out = [(k.to(stage.device), v.to(stage.device)) for k, v in out]
     return out
 
 

@@ -34,7 +34,7 @@ import torch
 from lynxkv.errors import InputError, LynxError, ResidualUnavailable
 from lynxkv.format import constants as c
 from lynxkv.format.reader import PageReader
-from lynxkv.cache.kv import KVPairs
+from lynxkv.cache.kv import KVPairs, resolve_device
 from lynxkv.cache.loading import CacheLoad, LoadTimeline
 from lynxkv.storage import RetryPolicy
 from lynxkv.stream.link import Link
@@ -66,8 +66,9 @@ class ProgressiveLoad(LoadConsumer, CacheLoad):
                  retry: RetryPolicy | None = None, dtype: torch.dtype | None = None,
                  fetch_hook: Callable[[str, Fetch], Fetch] | None = None, max_pending_pages: int = 64,
                  decode: bool = True, tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
-                 exact: bool | None = False, exact_file: str | None = None, room: int = 0):
+                 exact: bool | None = False, exact_file: str | None = None, room: int = 0, device=None):
         self.source = source
+        self.device = resolve_device(device)  # checked before any thread starts
         self.link = link
         self.allow_anchor_only = allow_anchor_only
         self.dtype = dtype  # None: fp32, or with the exact stage the cache's own dtype (known from the header)
@@ -376,7 +377,7 @@ class ProgressiveLoad(LoadConsumer, CacheLoad):
 
     def _exact_worker(self) -> None:
         stage = ExactStage(self._wait_header, self.exact_mode, self.decode, self.dtype, self.source, self._exact_file,
-                           self._timeline, self._future, getattr(self._transport, "open_exact", None))
+                           self._timeline, self._future, getattr(self._transport, "open_exact", None), self.device)
         try:
             exact_stage(stage, self._exact_future, self._emit, self._now)
         finally:
@@ -390,7 +391,8 @@ def open_progressive(source: str, *, residual: str | None = None, on_event: Call
                      dtype: torch.dtype | None = None, link: Link | None = None,
                      fetch_hook: Callable[[str, Fetch], Fetch] | None = None, decode: bool = True,
                      tee: Callable[[str, int, bytes], None] | None = None, allow_locations=(),
-                     exact: bool | None = False, exact_file: str | None = None, room: int = 0) -> ProgressiveLoad:
+                     exact: bool | None = False, exact_file: str | None = None, room: int = 0,
+                     device=None) -> ProgressiveLoad:
     """Start loading a cache progressively and return at once (a :class:`~lynxkv.cache.loading.CacheLoad`).
 
     ``source``: the anchor file as a path or URL (``file://``, ``s3://``, ``http(s)://``, ``memory://``), or
@@ -404,7 +406,12 @@ def open_progressive(source: str, *, residual: str | None = None, on_event: Call
     ``None``): what ``lynxkv stream`` does. ``tee(segment, offset, data)`` sees every block as it arrives, in
     order (to save a copy; commit it only once the load has verified every page). The KV is exactly what
     ``open_cache(...).load_kv()`` gives (:func:`lynxkv.quant.dequantize`, page by page), in ``dtype`` (default
-    fp32; with ``exact`` -- ``exact=None``: when the cache has an exact segment -- the cache's own dtype).
+    fp32; with ``exact`` -- ``exact=None``: when the cache has an exact segment -- the cache's own dtype), on
+    ``device`` (default the CPU; ``"cuda"``, ``"cuda:1"``, a ``torch.device``; an unknown or missing device is an
+    :class:`InputError` raised here, before anything is read). Off the CPU only the page records cross to the
+    device, through pinned host memory and asynchronous copies on a stream of the load's own, and are decoded there
+    (:mod:`lynxkv.stream.assembly`); the exact stage rebuilds the original tensors on the CPU (its coder runs
+    there) from a copy of the full code and hands them out on ``device``.
 
     ``exact`` adds a third stage: the exact segment, read behind every residual byte (from
     ``exact_file`` when given, else inline or at its recorded location under the same trust rule as the
@@ -420,4 +427,4 @@ def open_progressive(source: str, *, residual: str | None = None, on_event: Call
                            allow_anchor_only=allow_anchor_only, storage_options=storage_options,
                            inflight=inflight, block_size=block_size, retry=retry, dtype=dtype,
                            fetch_hook=fetch_hook, decode=decode, tee=tee, allow_locations=allow_locations,
-                           exact=exact, exact_file=exact_file, room=room)
+                           exact=exact, exact_file=exact_file, room=room, device=device)
