@@ -161,6 +161,9 @@ def run(
     model: str = typer.Option(None, "--model", help="Model name, path or .gguf (default: the offline SmolLM2)."),
     dtype: str = typer.Option("fp32", "--dtype", help="The model's compute dtype: fp32, bf16 or fp16 (the "
                               "cache is converted to it, whatever dtype it stores)."),
+    device: str = typer.Option("cpu", "--device", help="Where the model, its caches and every step run: cpu, "
+                               "cuda, cuda:1 ... (only the cache's page records cross to it; they are decoded "
+                               "there)."),
     prompt: str = typer.Option(None, "--prompt", help="New text after the cached prompt (or a whole prompt that "
                                "starts with it): a question about a cached document. @FILE reads it from FILE."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", min=1, help="Tokens to generate."),
@@ -192,7 +195,13 @@ def run(
     from lynxkv.speculative import RunConfig, SamplingParams
     from lynxkv.stream.units import parse_bandwidth
 
+    from lynxkv.cache.kv import resolve_device
+
     torch_dtype = parse_dtype(dtype)
+    try:  # a device that is not there: refused before any model loads
+        where = resolve_device(device)
+    except InputError as exc:  # ("device: ...": named as the option)
+        raise InputError(f"--{exc}") from None
     if residual_timeout is not None and not (math.isfinite(residual_timeout) and residual_timeout > 0):
         raise InputError(f"--residual-timeout: expected a positive number of seconds, got {residual_timeout}")
     allow = tuple(allow_location or ())
@@ -208,7 +217,7 @@ def run(
         cfg = RunConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, top_p=top_p),
                         seed=seed, max_window=max_window, residual_timeout=residual_timeout,
                         allow_anchor_only=allow_anchor_only)
-        return many.run_many(specs, model=model, torch_dtype=torch_dtype, dtype_name=dtype, cfg=cfg,
+        return many.run_many(specs, model=model, torch_dtype=torch_dtype, dtype_name=dtype, device=where, cfg=cfg,
                              rate=parse_bandwidth(bandwidth), max_batch=max_batch, compare=compare,
                              as_json=as_json, timeline=timeline, prompt=_prompt_text(prompt),
                              ignore_eos=ignore_eos, allow_locations=allow)
@@ -221,13 +230,14 @@ def run(
     cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
         residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only)
-    return _run_one(cache, cfg, model=model, dtype=dtype, torch_dtype=torch_dtype, prompt=prompt, residual=residual,
+    return _run_one(cache, cfg, model=model, dtype=dtype, torch_dtype=torch_dtype, device=where, prompt=prompt,
+                    residual=residual,
                     allow=allow, exact=exact, allow_anchor_only=allow_anchor_only, rate=rate,
                     max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, compare=compare, timeline=timeline,
                     as_json=as_json)
 
 
-def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residual, allow, exact: bool,
+def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, device, prompt, residual, allow, exact: bool,
              allow_anchor_only: bool, rate, max_new_tokens: int, ignore_eos: bool, compare: bool, timeline,
              as_json: bool) -> dict:
     """One cache: check it names this model, load the model, time a step, decode, report."""
@@ -246,8 +256,8 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
         raise InputError("--exact needs a .lynx cache with an exact segment and excludes --compare and "
                          "--allow-anchor-only")
     model, cached = _model_of(cache, store, model, prompt=prompt, residual=residual, allow=allow, exact=exact)
-    with progress_step(f"loading model {model_label(model)} ({dtype})"):
-        loaded = load_model(model, dtype=torch_dtype)
+    with progress_step(f"loading model {model_label(model)} ({dtype}, {device})"):
+        loaded = load_model(model, dtype=torch_dtype, device=device)
         new_tokens = len(loaded.tokenizer.encode(prompt)) if prompt else 0
         timing = _warm_up(loaded.model, len(store.tokens) if store is not None else cached + new_tokens, cfg)
     # LMCache keys identify a model by name only (checked above): its chunks record the name's fingerprint
@@ -262,7 +272,7 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, prompt, residua
     def open_load():
         load = open_progressive(cache, residual=residual, link=link_at(rate),
                                 allow_anchor_only=allow_anchor_only, exact=exact,
-                                allow_locations=allow, room=room)
+                                allow_locations=allow, room=room, device=device)
         # the exact stage streams behind the residual in the same load (anchor -> full code -> exact)
         return ExactLoad(load, load.exact.result) if exact else load
 

@@ -97,7 +97,7 @@ def _is_text(value: str) -> bool:
     return "\x00" not in value
 
 
-def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rate, max_batch: int | None,
+def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, device, cfg, rate, max_batch: int | None,
              compare: bool, as_json: bool, timeline: Path | None, prompt: str | None, ignore_eos: bool,
              allow_locations: tuple = ()) -> dict:
     """Decode every request together (lynxkv.speculative.engine) and report one row per request and the aggregate."""
@@ -117,8 +117,8 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, cfg, rat
     if len(errors) == len(specs):
         _report_errors([(spec.name, errors[i]) for i, spec in enumerate(specs)])
         raise SystemExit(1)
-    with progress_step(f"loading model {model_label(model)} ({dtype_name})"):
-        loaded = load_model(model, dtype=torch_dtype)
+    with progress_step(f"loading model {model_label(model)} ({dtype_name}, {device})"):
+        loaded = load_model(model, dtype=torch_dtype, device=device)
         with torch.no_grad():
             loaded.model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=loaded.model.device))
     eos = getattr(loaded.tokenizer, "eos_token_id", None)
@@ -219,6 +219,7 @@ def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, sp
     from lynxkv.stream.progressive import open_progressive
 
     queue = LinkQueue(rate, policy=LINK_ORDER) if rate is not None else None
+    device = loaded.model.device  # every cache decoded where the model is
 
     def opener(index, spec, anchor_bytes, residual_bytes, error):
         if error is not None:  # it ends with its error as it opens; it takes no turn on the link
@@ -236,11 +237,11 @@ def _run_once(loaded, requests, sizes, rate, max_batch, allow_anchor_only, *, sp
         def open_load():
             if lane is None:
                 return open_progressive(spec.cache, allow_anchor_only=allow_anchor_only,
-                                        allow_locations=allow_locations)
+                                        allow_locations=allow_locations, device=device)
             lane.join()
             try:
                 load = open_progressive(spec.cache, link=lane, allow_anchor_only=allow_anchor_only,
-                                        allow_locations=allow_locations)
+                                        allow_locations=allow_locations, device=device)
             except BaseException:
                 lane.release()
                 raise

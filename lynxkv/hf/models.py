@@ -90,12 +90,16 @@ def smollm2_dir() -> str:
     return smollm2_gguf()[0]
 
 
-def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32) -> LoadedModel:
+def load_model(name: str | None = None, *, dtype: torch.dtype | str = torch.float32, device=None) -> LoadedModel:
     """Load a causal LM and its tokenizer by name, path or ``.gguf`` file (``None``: the offline SmolLM2; the short
     names of :mod:`lynxkv.hf.offline` load the other offline models), in
     ``dtype``; ``"auto"`` takes the model's own dtype from its config, as ``transformers`` does (a GGUF file's
-    weights are dequantized to fp32)."""
-    return _load_cached(name or DEFAULT_MODEL, dtype)
+    weights are dequantized to fp32), on ``device`` (default the CPU; ``"cuda"``, ``"cuda:1"``, a
+    ``torch.device``: checked first, :func:`lynxkv.cache.kv.resolve_device`, so a device that is not there is an
+    :class:`InputError` before any weights are read)."""
+    from lynxkv.cache.kv import resolve_device
+
+    return _load_cached(name or DEFAULT_MODEL, dtype, resolve_device(device))
 
 
 def context_length(config) -> int | None:
@@ -114,7 +118,7 @@ def check_context(config, prompt_tokens: int, new_tokens: int) -> None:
 
 
 @lru_cache(maxsize=2)
-def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
+def _load_cached(name: str, dtype: torch.dtype | str, device: torch.device) -> LoadedModel:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -128,7 +132,7 @@ def _load_cached(name: str, dtype: torch.dtype | str) -> LoadedModel:
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"cannot load model {name!r}: {first}") from exc
-    model.eval()
+    model.to(device).eval()  # (no copy on the CPU, where from_pretrained builds it)
     return LoadedModel(model, tokenizer, name, model_fingerprint(model))
 
 
