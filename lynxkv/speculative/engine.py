@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 from lynxkv.cache.loading import CacheLoad
 from lynxkv.hf.models import model_fingerprint
 from lynxkv.speculative.config import BatchRequest, Event, RequestResult, RunConfig, RunResult
+from lynxkv.speculative.model_ops import settle
 from lynxkv.speculative.packed import forward_packed
 from lynxkv.speculative.request import FORWARD_PHASES, Request
 from lynxkv.speculative.timing import Timing
@@ -109,6 +110,7 @@ class Engine:
             else:
                 seqs = [r.sequences() for r in ready]
                 rows = forward_packed(self.model, [c for s in seqs for c, _ in s], [t for s in seqs for _, t in s])
+            settle(self.model)  # the step's time is its kernels' (on a GPU the host runs ahead of them)
         end = time.perf_counter()
         if rows[0] is None:  # a draft forward ended part-way: the residual is in, nothing to take
             return
