@@ -63,13 +63,14 @@ class Setup:
     def peak_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None
 
-    def kv(self, tokens: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Synthetic KV-like per-layer (keys, values) ``[H, T, D]`` on the device (bench_gpu's statistics)."""
+    def kv(self, tokens: int, seed: int = 0, layers: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Synthetic KV-like per-layer (keys, values) ``[H, T, D]`` on the device (bench_gpu's statistics), of every
+        layer of the shape or of the first ``layers``."""
         from bench_gpu import kv_like
 
         s = self.shape
         kv = []
-        for i in range(s["layers"]):  # a tensor each (safetensors refuses views of one storage), a layer at a time
+        for i in range(layers or s["layers"]):  # a tensor each (safetensors refuses views of one storage), a layer at a time
             x = kv_like(2, s["kv_heads"], tokens, s["head_dim"], str(self.device), seed * 1000 + i).to(self.dtype)
             kv.append((x[0].clone(), x[1].clone()))
         return kv
@@ -178,12 +179,13 @@ def cmd_user_path(args) -> int:
     return 0 if ok else 1
 
 
-def build_model(st: Setup):
-    """A random-weight Llama-shaped causal LM on the device, in the run's dtype (built there: no host copy)."""
+def build_model(st: Setup, layers: int | None = None):
+    """A random-weight Llama-shaped causal LM on the device, in the run's dtype (built there: no host copy), with
+    every layer of the shape or the first ``layers``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = st.shape
-    cfg = LlamaConfig(**(DRY_MODEL if st.dry else MODEL), num_hidden_layers=s["layers"],
+    cfg = LlamaConfig(**(DRY_MODEL if st.dry else MODEL), num_hidden_layers=layers or s["layers"],
                       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], max_position_embeddings=65536 + 128)
     torch.manual_seed(0)
     with torch.device(st.device):

@@ -25,7 +25,7 @@
 #              cache and CRC-checked on the CPU at ~1-3 GB/s, ~1 s at 32K, then 2.3 GB to the device at ~10-25 GB/s
 #              from pageable memory, ~0.1-0.2 s; a layer's full pages decode in one launch, ~0.1 ms), against
 #              safetensors save (4.3 GB: ~2-4 s), load and .to("cuda") (~1-2 s); 3 loads of each.
-#   runner     (limit 120 s, ~60-80 s) the speculative runner on a random-weight Llama-shaped model (32 layers,
+#   runner     (limit 140 s, ~75-100 s) the speculative runner on a random-weight Llama-shaped model (32 layers,
 #              hidden 2048, 16 heads, 8 KV heads x 128, MLP 5632, vocab 32768: ~1.6 B parameters, 3.3 GB BF16) at
 #              8K and 32K tokens over emulated 10/25/50 Gbit/s links, against the monolithic full code and plain
 #              decoding. A decode step reads the weights (3.3 GB: ~1.3 ms) and the KV (1.07 / 4.3 GB: ~0.4 / 1.7
@@ -34,9 +34,13 @@
 #              launches ~15 kernels a layer from Python: ~10-25 ms a token, so 64 tokens take ~1-1.5 s. The link
 #              holds the anchor back by its bytes over the rate and the residual by both: 32K tokens' 2.3 GB at 10
 #              Gbit/s is ~1.8 s. Per token count: save and load (~2-8 s), plain decoding, then per rate a Lynx run,
-#              a monolithic run and plain decoding of the Lynx run's forward shapes: ~10 runs of ~1-3 s.
-#   kernels    (limit 100 s, ~40-90 s) pytest -m cuda of tests/test_kernels.py and tests/test_device_load.py (143
-#              tests, small shapes): the launches take milliseconds; the time is Triton compiling some 50-80
+#              a monolithic run and plain decoding of the Lynx run's forward shapes: ~10 runs of ~1-3 s. Then the
+#              path users run: `lynxkv run CACHE --model DIR --device cuda` in a process of its own (the progressive
+#              reader decoding onto the GPU through pinned buffers, the model loaded there) on the model's first 2
+#              layers saved as a directory (~0.7 GB: ~1-2 s to save and to load), at 8K tokens over a link on which
+#              the residual takes 0.5 s: imports, CUDA start and model load ~8-15 s, the run ~1-2 s.
+#   kernels    (limit 100 s, ~40-90 s) pytest -m cuda of tests/test_kernels.py, tests/test_device_load.py and
+#              tests/test_device_run.py (146 tests, small shapes; the last three run a tiny model on the GPU): the launches take milliseconds; the time is Triton compiling some 50-80
 #              kernel specialisations at ~0.5-1 s each (the cache in ~/.triton is cold on a fresh machine).
 #   total      ~2.5-4 minutes, capped at the budget.
 #
@@ -105,13 +109,13 @@ else
 fi
 step codec 60 "$PY" "$REPO/benchmarks/bench_gpu.py" "${CODEC[@]}" --json "$STEPS/codec.json"
 step user_path 60 "$PY" "$REPO/benchmarks/gpu_check.py" user-path "${DRYFLAG[@]}" --json "$STEPS/user_path.json"
-step runner 120 "$PY" "$REPO/benchmarks/gpu_check.py" runner "${DRYFLAG[@]}" --json "$STEPS/runner.json"
+step runner 140 "$PY" "$REPO/benchmarks/gpu_check.py" runner "${DRYFLAG[@]}" --json "$STEPS/runner.json"
 
 if [ "$DRY" = "1" ]; then
     TESTS=(-k "interp and T1 and default and not compiles" "$REPO/tests/test_kernels.py"
            "$REPO/tests/test_device_load.py::test_device_path_launches_the_triton_kernels_under_the_interpreter")
 else
-    TESTS=(-m cuda "$REPO/tests/test_kernels.py" "$REPO/tests/test_device_load.py")
+    TESTS=(-m cuda "$REPO/tests/test_kernels.py" "$REPO/tests/test_device_load.py" "$REPO/tests/test_device_run.py")
 fi
 step kernels 100 "$PY" -m pytest -q "${TESTS[@]}" -c "$REPO/pyproject.toml" --rootdir "$REPO" \
     -p no:cacheprovider -o addopts="" --junitxml="$STEPS/kernels.xml"

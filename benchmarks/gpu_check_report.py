@@ -117,6 +117,14 @@ def _runner_lines(runner: dict) -> list[str]:
                 f"{ly.get('drafted', '–')} / {ly.get('accepted', '–')} | "
                 f"{r.get('tokens_identical', 'error: ' + r.get('error', '?')[:80])} | "
                 f"{_fmt(peak, 2**-30, 1) if peak else '–'} | {_fmt(kv, 2**-30, 2) if kv else '–'} |")
+    cli = runner.get("cli")
+    if cli:
+        lines += ["", f"The command users run, in a process of its own: `{cli.get('command', 'lynxkv run')}`: "
+                      + (f"tokens identical to plain decoding: {cli.get('identical')}, verified {cli.get('verified')}; "
+                         f"process {_fmt(cli.get('process_s'), 1, 1)} s (imports and model load included), TT1 "
+                         f"{_fmt(cli.get('tt1_s'))} s, TT{n} {_fmt(cli.get(f'tt{n}_s'))} s, drafted / accepted "
+                         f"{cli.get('drafted', '–')} / {cli.get('accepted', '–')}"
+                         if "error" not in cli else f"error: {cli['error'][:300]}")]
     return lines
 
 

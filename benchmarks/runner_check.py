@@ -9,12 +9,21 @@ its bytes over the link and the residual after both (one link, anchor first). On
 ``decode_step_s``, ``drafted``, ``accepted``. Plain decoding is compared with the forward shapes of the run where
 the stats say them (``draft_token_ids`` and the branch's ``branch_at`` / ``branch_token_ids``; bf16 rounds one
 multi-token forward differently from single steps), else token by token.
+
+Then the path users run, once: ``lynxkv run CACHE --model DIR --device DEVICE`` in a process of its own (the
+progressive reader decoding onto the device, the model loaded there by name), on a model of the same shape with
+its first two layers saved as a Hugging Face directory (with a word-level tokenizer), at the first token count,
+over a link on which the residual takes half a second; its tokens are checked against plain decoding of that model on the device, with the run's forward shapes.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -97,6 +106,66 @@ def _one_length(st, model, fp, t: int, gbits: list[float], n: int, tmp: str, res
     return ok
 
 
+CLI_LAYERS = 2  # the CLI check's model: the runner's shape, its first two layers (saved and loaded in seconds)
+CLI_RESIDUAL_S = 0.5  # the CLI check's link: the residual's bytes take this long after the anchor's
+
+
+def _save_model_dir(model, path: str) -> None:
+    """``model`` and a word-level tokenizer (token i is the word ``t<i>``) as a Hugging Face directory that
+    ``lynxkv run --model PATH`` loads."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(model.config.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1").save_pretrained(path)
+    config = os.path.join(path, "tokenizer_config.json")
+    with open(config) as f:
+        settings = json.load(f)
+    with open(config, "w") as f:  # not the model type's own tokenizer class (Llama's would want its BPE files)
+        json.dump({**settings, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+def _cli_check(st, build_model, t: int, n: int, tmp: str) -> dict:
+    """``lynxkv run CACHE --model DIR --device DEVICE`` as a user runs it (see the module docstring)."""
+    import lynxkv
+    from lynxkv.hf.models import load_model
+    from lynxkv.speculative import decode_plain
+
+    model_dir, path = os.path.join(tmp, "cli-model"), os.path.join(tmp, "cli.lynx")
+    _save_model_dir(build_model(st, layers=CLI_LAYERS), model_dir)
+    loaded = load_model(model_dir, dtype=st.dtype, device=st.device)  # what the command loads
+    prompt = torch.randint(loaded.model.config.vocab_size, (t,), generator=torch.Generator().manual_seed(t)).tolist()
+    info = lynxkv.save_cache(path, st.kv(t, seed=t, layers=CLI_LAYERS), prompt_token_ids=prompt,
+                             model_fingerprint=loaded.fingerprint)
+    rate = info.residual_bytes / CLI_RESIDUAL_S  # a window to draft in, whatever the machine's step
+    command = [sys.executable, "-m", "lynxkv", "run", path, "--model", model_dir, "--device", str(st.device),
+               "--dtype", "fp32" if st.dtype == torch.float32 else "bf16", "-n", str(n), "--ignore-eos", "--json",
+               "--bandwidth", f"{rate:.0f}B/s"]
+    row = {"command": " ".join(["lynxkv"] + command[3:]), "tokens": t, "gbits": rate * 8 / 1e9,
+           "residual_due_s": (info.anchor_bytes + info.residual_bytes) / rate}
+    t0 = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=90)
+    row["process_s"] = time.perf_counter() - t0  # imports, model load and warm-up included
+    if proc.returncode != 0:
+        return {**row, "ok": False, "error": proc.stderr.strip()[-1500:]}
+    doc = json.loads(proc.stdout)
+    stats = doc["stats"]
+    with lynxkv.open_cache(path) as cache:
+        full = cache.load_kv(dtype=torch.float32, device=st.device)  # the reader's dtype, as in the run
+    want = decode_plain(loaded.model, full, prompt, n, first_forward=list(stats["draft_token_ids"]) or None,
+                        branch=(stats["branch_at"], stats["branch_token_ids"]))
+    commits = stats["commit_times_s"]
+    row.update({k: stats[k] for k in ("first_commit_s", "draft_step_s", "decode_step_s", "drafted", "accepted")},
+               tt1_s=commits[0] if commits else None, **{f"tt{n}_s": commits[n - 1] if len(commits) >= n else None},
+               verified=doc["verified"], identical=doc["token_ids"] == want)
+    row["ok"] = row["identical"] and doc["verified"] and len(doc["token_ids"]) == n
+    return row
+
+
 def measure_runner(st, build_model, args, write) -> int:
     """The runner step: every token count and link rate of ``args`` (defaults: 8K and 32K tokens, 10/25/50
     Gbit/s, 64 new tokens; the dry run: toy lengths, 24 new tokens and rates of 0.2-1 Mbit/s, which give the toy
@@ -127,4 +196,15 @@ def measure_runner(st, build_model, args, write) -> int:
                 print(f"[runner] {t} tokens failed: {exc}", flush=True)
             write(args.json, result)
             st.reset_peak()
+        try:  # the public path last: the measurements above come first within the step's time
+            result["cli"] = _cli_check(st, build_model, tokens[0], n, tmp)
+        except Exception as exc:  # noqa: BLE001 - recorded, as a failing length is
+            result["cli"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()[-2000:]}
+        ok &= result["cli"]["ok"]
+        write(args.json, result)
+        cli = result["cli"]
+        print(f"[runner] {cli.get('command', 'lynxkv run')}: ok {cli['ok']} in {cli.get('process_s')} s, TT1 "
+              f"{cli.get('tt1_s')} s, drafted {cli.get('drafted')} accepted {cli.get('accepted')} "
+              f"{cli.get('error', '')}", flush=True)
     return 0 if ok else 1

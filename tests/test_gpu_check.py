@@ -68,9 +68,14 @@ def test_dry_run_results_hold_every_measurement(dry_run):
             assert r["monolithic"]["drafted"] == 0 and r["monolithic"]["decode_step_s"] > 0
             # the full code waits for the residual (its clock starts a little after the emulated link's)
             assert r["monolithic"]["tt1_s"] >= 0.5 * r["residual_due_s"] > 0
+    cli = runner["cli"]  # the command users run, with the device the check runs on
+    assert cli["ok"] is True and cli["identical"] is True and cli["verified"] is True, cli
+    assert cli["command"].startswith("lynxkv run ") and "--device cpu" in cli["command"]
+    assert 0 < cli["tt1_s"] <= cli[f"tt{n}_s"] < cli["process_s"]
     md = (out / "gpu_check.md").read_text()
     for heading in ("# lynxkv GPU check", "## Encode and decode", "## save_cache / load_kv(device)",
-                    "## Speculative runner", "Tokens identical to plain decoding: True"):
+                    "## Speculative runner", "Tokens identical to plain decoding: True",
+                    "The command users run, in a process of its own: `lynxkv run "):
         assert heading in md
 
 
