@@ -15,7 +15,8 @@ On another device than the CPU (``device``) the outputs live there and only the 
 records are gathered into one pinned host buffer (:class:`DeviceStaging`), copied with ``non_blocking=True`` and
 decoded on the device (the Triton kernels on CUDA), on a CUDA stream of the load's own, so that the copies and
 kernels run beside a model's forward on its stream instead of queueing behind it; every call waits for its own
-stream before its tensors are handed out. Nothing is copied back to the host. On the CPU nothing of this applies."""
+stream before its tensors are handed out, and one thread of the process stages and launches at a time (Triton
+compiles a kernel at its first launch, which threads must not do at once). Nothing is copied back to the host. On the CPU nothing of this applies."""
 
 from __future__ import annotations
 
@@ -46,19 +47,26 @@ def lowest_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+_LAUNCHES = threading.Lock()  # one thread at a time stages and launches a device decode, across loads
+
+
 class DeviceStaging:
     """How the page records of a load reach a device other than the CPU: through pinned host memory (where the
     device's backend has it), copied with ``non_blocking=True``, on a CUDA stream of the load's own (:meth:`use`;
-    other devices: their current stream)."""
+    other devices: their current stream). One thread of the process at a time: the first launch of a Triton kernel
+    compiles it, which several threads must not do at once (the consumer, the early worker and a runner taking
+    layers may all decode)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pinned = True  # until the backend says it has no pinned memory
 
+    @contextlib.contextmanager
     def use(self):
-        """The context to copy and decode in (the load's stream, for whichever thread runs it)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        """The context to copy and decode in: the launch lock, and the load's stream for whichever thread runs it."""
+        with _LAUNCHES, (torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()):
+            yield
 
     def wait(self) -> None:
         """Wait until everything issued on the load's stream is done (its outputs may be read on any stream)."""
@@ -327,7 +335,8 @@ class KVAssembly:
                     raise failed[layer]
                 self.full_layer(layer, threads=1)
             return
-        pool = ThreadPoolExecutor(min(concurrent_tensors(), len(layers)), thread_name_prefix="lynxkv-residual",
+        workers = concurrent_tensors() if self.staging is None else 1  # (a device decodes one call at a time)
+        pool = ThreadPoolExecutor(min(workers, len(layers)), thread_name_prefix="lynxkv-residual",
                                   initializer=lowest_priority)
         try:
             jobs = [None if layer in failed else pool.submit(self.full_layer, layer, threads=1) for layer in layers]
