@@ -171,7 +171,10 @@ class KVAssembly:
         s = h.scheme
         spans = [(p * s.page, page_tokens(h.tokens, s.page, p)) for p in pages]
         out = (self.anchor if residuals is None else self.full)[layer]
-        where = lambda i: f"layer {layer} page {pages[i]}"  # noqa: E731
+
+        def where(i: int) -> str:
+            return f"layer {layer} page {pages[i]}"
+
         if self.staging is None:
             anchor, anchor_at = join_records(anchors)
             residual, residual_at = (None, None) if residuals is None else join_records(residuals)
