@@ -70,7 +70,8 @@ class Setup:
 
         s = self.shape
         kv = []
-        for i in range(layers or s["layers"]):  # a tensor each (safetensors refuses views of one storage), a layer at a time
+        # a tensor each (safetensors refuses views of one storage), a layer at a time
+        for i in range(layers or s["layers"]):
             x = kv_like(2, s["kv_heads"], tokens, s["head_dim"], str(self.device), seed * 1000 + i).to(self.dtype)
             kv.append((x[0].clone(), x[1].clone()))
         return kv

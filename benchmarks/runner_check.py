@@ -13,7 +13,8 @@ multi-token forward differently from single steps), else token by token.
 Then the path users run, once: ``lynxkv run CACHE --model DIR --device DEVICE`` in a process of its own (the
 progressive reader decoding onto the device, the model loaded there by name), on a model of the same shape with
 its first two layers saved as a Hugging Face directory (with a word-level tokenizer), at the first token count,
-over a link on which the residual takes half a second; its tokens are checked against plain decoding of that model on the device, with the run's forward shapes.
+over a link on which the residual takes half a second; its tokens are checked against plain decoding of that
+model on the device, with the run's forward shapes.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ records are gathered into one pinned host buffer (:class:`DeviceStaging`), copie
 decoded on the device (the Triton kernels on CUDA), on a CUDA stream of the load's own, so that the copies and
 kernels run beside a model's forward on its stream instead of queueing behind it; every call waits for its own
 stream before its tensors are handed out, and one thread of the process stages and launches at a time (Triton
-compiles a kernel at its first launch, which threads must not do at once). Nothing is copied back to the host. On the CPU nothing of this applies."""
+compiles a kernel at its first launch, which threads must not do at once). Nothing is copied back to the host.
+On the CPU nothing of this applies."""
 
 from __future__ import annotations
 
