@@ -40,7 +40,7 @@
 #              layers saved as a directory (~0.7 GB: ~1-2 s to save and to load), at 8K tokens over a link on which
 #              the residual takes 0.5 s: imports, CUDA start and model load ~8-15 s, the run ~1-2 s.
 #   kernels    (limit 100 s, ~40-90 s) pytest -m cuda of tests/test_kernels.py, tests/test_device_load.py and
-#              tests/test_device_run.py (146 tests, small shapes; the last three run a tiny model on the GPU): the
+#              tests/test_device_run.py (147 tests, small shapes; three of the last run a tiny model on the GPU): the
 #              launches take milliseconds; the time is Triton compiling some 50-80 kernel specialisations at
 #              ~0.5-1 s each (the cache in ~/.triton is cold on a fresh machine).
 #   total      ~2.5-4 minutes, capped at the budget.

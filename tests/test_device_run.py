@@ -102,6 +102,17 @@ def test_run_on_an_explicit_cpu_device_is_the_default_run(tiny, capsys):
     assert runs[1]["verified"] is True
 
 
+def test_device_staging_gathers_the_records_into_one_buffer_and_copies_them():
+    """The records of one decode call reach the device as one buffer: the host bytes and their copy are the records
+    back to back (on a machine without pinned memory, pageable memory, copied the same way)."""
+    from lynxkv.stream.assembly import DeviceStaging
+
+    raws = [b"anchor-0", memoryview(b"--anchor-1--")[2:-2], bytearray(b"x")]
+    host, at, copy = DeviceStaging(torch.device("cpu")).copy(raws)
+    assert at == [0, 8, 16] and host.tobytes() == b"anchor-0anchor-1x"
+    assert copy.dtype == torch.uint8 and copy.device.type == "cpu" and bytes(copy.tolist()) == host.tobytes()
+
+
 # The modules every step of a run and of a progressive load goes through. A copy to the host there would cost a
 # device round trip per step or per page; the exact stage's is its coder's, which runs on the CPU (documented).
 HOT_PATH = ["lynxkv/speculative/*.py", "lynxkv/stream/*.py", "lynxkv/hf/convert.py", "lynxkv/hf/growing.py",
@@ -121,6 +132,18 @@ def test_the_hot_path_makes_no_copy_to_the_host():
 
 
 # ---- on a CUDA GPU ------------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_device_staging_copies_through_pinned_memory_onto_the_gpu():
+    from lynxkv.stream.assembly import DeviceStaging
+
+    staging = DeviceStaging(torch.device("cuda"))
+    with staging.use():
+        host, _, copy = staging.copy([b"abc", b"defg"])
+    staging.wait()
+    assert staging.pinned and copy.is_cuda and bytes(copy.cpu().tolist()) == b"abcdefg" == host.tobytes()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 def test_progressive_load_onto_cuda_is_the_cpu_load(tiny):
