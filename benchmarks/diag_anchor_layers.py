@@ -1,0 +1,103 @@
+"""Where an anchor layout costs the model, layer by layer: why the choice of the anchor per cache asks the model.
+
+    .venv/bin/python benchmarks/diag_anchor_layers.py --model gemma3-270m --prompts 2 --tokens 2000
+
+On the built-in (choosing) prompts: the exact cache of each prompt; for each candidate anchor (α = 0.5 or 1 or the
+linear code, keys rotated or not) the next-token KL of a teacher-forced window of 64 greedy tokens with every layer
+taken from that anchor, and with one layer at a time taken from it (the rest exact). Beside the per-layer KL, three
+statistics one might choose a layer's layout by instead: the keys' relative squared error (``kerr``), the
+attention error with the window's real queries (``aerr``), and the attention-logit error with the cache's own keys
+standing in for the queries (``lg``). Prints, per layer, what each says about rotating the keys (the ratio rotated /
+not rotated, α = 0.5; below 1: rotate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from lynxkv.eval import metrics
+from lynxkv.eval.baselines import Kivi, Lynx, roundtrip_cache
+from lynxkv.eval.cases import builtin_case, prompt_starts
+from lynxkv.eval.draft import build_reference, forward_logits, window_inputs
+from lynxkv.hf.models import load_model
+from lynxkv.quant.scheme import DEFAULT
+
+CANDIDATES = {
+    "α0.5 rotated": DEFAULT,
+    "α0.5": DEFAULT.replace(key_rotation="none"),
+    "α1": DEFAULT.replace(key_rotation="none", alpha=1.0),
+    "α1 rotated": DEFAULT.replace(alpha=1.0),
+    "linear": DEFAULT.replace(key_rotation="none", compander="linear", alpha=0.0),
+    "linear rotated": DEFAULT.replace(compander="linear", alpha=0.0),
+}
+STATS = ("kl", "kerr", "aerr", "lg")
+
+
+def layer_stats(ref, layer: int, approx) -> dict:
+    """The statistics of layer ``layer``'s approximation ``approx`` (keys, values ``[H, T, D]``), but its KL."""
+    (k, v), (kh, vh), q = ref.prefix_kv[layer], approx, ref.queries[layer]
+    aerr, _ = metrics.attention_error_vs(metrics.attention(q, k, v, ref.scaling), q, kh, vh, ref.scaling)
+    sample = k[:, torch.linspace(0, k.shape[1] - 1, 64).long()].float()  # 64 of the cache's keys as queries
+    lg = float(((sample @ (kh - k).float().transpose(1, 2)) ** 2).mean()
+               / ((sample @ k.float().transpose(1, 2)) ** 2).mean())
+    kerr = float(((kh - k).float() ** 2).sum() / (k.float() ** 2).sum())
+    return {"kerr": kerr, "aerr": aerr, "lg": lg}
+
+
+@torch.no_grad()
+def measure(model, tokenizer, prompts: int, tokens: int) -> tuple[dict, dict]:
+    """(per candidate and KIVI-4: the KL with every layer approximated, per prompt; per candidate: per layer, the
+    statistics per prompt)."""
+    whole: dict = {name: [] for name in [*CANDIDATES, "kivi4"]}
+    per_layer: dict = {name: None for name in CANDIDATES}
+    for start in prompt_starts(prompts):
+        ids, _ = builtin_case(tokenizer, tokens, start, 0)
+        ref = build_reference(model, ids, 64)
+        inputs = window_inputs(ref.last_token, ref.tokens)
+
+        def kl(kv) -> float:
+            return float(metrics.next_token_kl(ref.exact_logits, forward_logits(model, kv, inputs)).mean())
+
+        approx = {name: roundtrip_cache(Lynx(name, s, anchor_only=True), ref.prefix_kv)
+                  for name, s in CANDIDATES.items()}
+        for name, kv in approx.items():
+            whole[name].append(kl(kv))
+        whole["kivi4"].append(kl(roundtrip_cache(Kivi("kivi4", 4, ""), ref.prefix_kv)))
+        for name, kv in approx.items():
+            rows = per_layer[name] = per_layer[name] or [{s: [] for s in STATS} for _ in kv]
+            for layer, pair in enumerate(kv):
+                mixed = list(ref.prefix_kv)
+                mixed[layer] = pair
+                rows[layer]["kl"].append(kl(mixed))
+                for s, value in layer_stats(ref, layer, pair).items():
+                    rows[layer][s].append(value)
+    return whole, per_layer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2000)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    loaded = load_model(args.model)
+    whole, per_layer = measure(loaded.model, loaded.tokenizer, args.prompts, args.tokens)
+    print(f"{args.model}, {args.prompts} built-in prompts of ~{args.tokens} tokens, window 64: next-token KL, "
+          f"every layer from the anchor (mean over prompts)")
+    for name, values in whole.items():
+        print(f"  {name:15s} {statistics.mean(values):.2e}")
+    print("\nper layer, rotated / not rotated keys (α = 0.5): KL with that layer alone from the anchor, and what "
+          "kerr, aerr and lg say")
+    print("layer  " + "  ".join(f"{s:>6s}" for s in STATS))
+    rot, plain = per_layer["α0.5 rotated"], per_layer["α0.5"]
+    for layer, (r, p) in enumerate(zip(rot, plain)):
+        ratios = [statistics.mean(r[s]) / statistics.mean(p[s]) for s in STATS]
+        print(f"{layer:5d}  " + "  ".join(f"{x:6.2f}" for x in ratios))
+
+
+if __name__ == "__main__":
+    main()
