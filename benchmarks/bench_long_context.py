@@ -31,12 +31,16 @@ def parse_length(text: str) -> int:
     return int(float(text[:-1]) * 1000) if text.endswith("K") else int(text)
 
 
-def held_out_prompts(model: str, tokens: int, count: int, out: Path) -> list[Path]:
+def held_out_prompts(model: str, tokens: int, count: int, out: Path, eval_windows: int = 1) -> list[Path]:
+    """The first ``count`` held-out prompts of ~``tokens`` tokens, spaced as ``lynxkv eval --windows
+    eval_windows`` spaces its prompts (each followed by the text its windows and perplexity read), so they are
+    that evaluation's prompts."""
     from lynxkv.eval.cases import choosing_runs, stdlib_text, text_cases
     from lynxkv.hf.models import load_model
 
     tok = load_model(model).tokenizer
-    cases, _ = text_cases(tok, stdlib_text(), tokens, count, 0, avoid=choosing_runs(tok))
+    continuation = max(64, (eval_windows - 1) * 64)  # as lynxkv.eval.suite: max(--ppl-tokens, (N - 1) W)
+    cases, _ = text_cases(tok, stdlib_text(), tokens, count, continuation, avoid=choosing_runs(tok))
     paths = []
     for i, (ids, _) in enumerate(cases):
         p = out / f"p{tokens}-{i + 1}.txt"
@@ -89,6 +93,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="8K,16K,32K", help="prompt lengths in tokens (K = 1000)")
     ap.add_argument("--prompts", default="1,2,1", help="prompts per length, in the order of --lengths")
     ap.add_argument("--rate", default="60Mbps")
+    ap.add_argument("--eval-windows", type=int, default=1, help="space the prompts as `lynxkv eval --windows N "
+                    "--tokens T` (64-token windows, 64 perplexity tokens) does, so that they are its prompts")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     lengths = [parse_length(x) for x in args.lengths.split(",")]
@@ -99,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         work = Path(tmp)
         for tokens, count in zip(lengths, counts):
-            for prompt in held_out_prompts(args.model, tokens, count, work):
+            for prompt in held_out_prompts(args.model, tokens, count, work, args.eval_windows):
                 row = one_prompt(args.model, prompt, args.rate, work)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
