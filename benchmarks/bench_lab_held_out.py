@@ -157,12 +157,13 @@ class Decoder:
         return summary(result, fetched, nbytes)
 
 
-def worker() -> int:
-    """Commands on stdin, one JSON object a line (``{"op": ..., "args": [...]}``); one JSON answer a line."""
+def worker(make=Decoder) -> int:
+    """Commands on stdin, one JSON object a line (``{"op": ..., "args": [...]}``), each a call of that method of
+    ``make(scratch folder)``; one JSON answer a line."""
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever a library prints goes to stderr, not into the answers
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        dec = Decoder(Path(d))
+        dec = make(Path(d))
         print(json.dumps({"ready": True}), file=out, flush=True)
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -179,11 +180,12 @@ def worker() -> int:
 # ---- the driver --------------------------------------------------------------------------------------------------
 
 class Remote:
-    """The decoder process in the client namespace, one command at a time."""
+    """The worker process of ``script`` (``script --worker`` runs :func:`worker`; by default this file's, the
+    decoder) in the client namespace, one command at a time."""
 
-    def __init__(self, lab, log):
+    def __init__(self, lab, log, script: str = __file__):
         self.log = log
-        self.proc = lab.popen("client", [sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+        self.proc = lab.popen("client", [sys.executable, script, "--worker"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
         self._answer()
 
@@ -235,33 +237,46 @@ def prepare(paths: list[Path], d: Path) -> list[tuple[Path, Path, list[int]]]:
     return out
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=10)
+    proc.kill()
+
+
 @contextlib.contextmanager
-def servers(lab, cache: Path, static_dir: Path, log):
-    """``lynxkv serve`` of ``cache`` (anchor EF, residual CS1) and a static HTTP server of ``static_dir``, in the
-    server namespace: ``(anchor URL, residual URL, static base URL)``."""
+def lynx_serve(lab, cache: Path, log, *, marks: bool = True):
+    """``lynxkv serve`` of ``cache`` in the server namespace, with ``marks`` anchor EF and residual CS1 (else
+    unmarked): what ``serve --json`` printed as it started (``url``, ``residual`` ...)."""
+    dscp = ["--dscp-anchor", "EF", "--dscp-residual", "CS1"] if marks else []
     serve = lab.popen("server", [sys.executable, "-m", "lynxkv", "serve", cache, "--host", lab.server_addr, "--port",
-                                 "0", "--json", "--dscp-anchor", "EF", "--dscp-residual", "CS1"],
-                      stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
-    static = lab.popen("server", [sys.executable, "-u", "-m", "http.server", "0", "--bind", lab.server_addr,
-                                  "--directory", static_dir], stdout=subprocess.PIPE, stderr=log, text=True)
+                                 "0", "--json", *dscp], stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
     try:
         lines: list[str] = []
         while not lines or lines[-1] != "}\n":
             lines.append(serve.stdout.readline())
             if not lines[-1]:
                 raise SystemExit(f"lynxkv serve did not start (its log: {log.name})")
-        info = json.loads("".join(lines))
-        port = re.search(r"port (\d+)", static.stdout.readline())
-        if port is None:
-            raise SystemExit(f"the static server did not start (its log: {log.name})")
-        base = info["url"].rsplit("/", 1)[0]
-        yield info["url"], f"{base}/{info['residual']['path']}", f"http://{lab.server_addr}:{port[1]}"
+        yield json.loads("".join(lines))
     finally:
-        for proc in (serve, static):
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=10)
-            proc.kill()
+        _stop(serve)
+
+
+@contextlib.contextmanager
+def servers(lab, cache: Path, static_dir: Path, log):
+    """``lynxkv serve`` of ``cache`` (anchor EF, residual CS1) and a static HTTP server of ``static_dir``, in the
+    server namespace: ``(anchor URL, residual URL, static base URL)``."""
+    with lynx_serve(lab, cache, log) as info:
+        static = lab.popen("server", [sys.executable, "-u", "-m", "http.server", "0", "--bind", lab.server_addr,
+                                      "--directory", static_dir], stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            port = re.search(r"port (\d+)", static.stdout.readline())
+            if port is None:
+                raise SystemExit(f"the static server did not start (its log: {log.name})")
+            base = info["url"].rsplit("/", 1)[0]
+            yield info["url"], f"{base}/{info['residual']['path']}", f"http://{lab.server_addr}:{port[1]}"
+        finally:
+            _stop(static)
 
 
 def spread(xs) -> tuple | None:
@@ -301,21 +316,26 @@ def fmt(s, spec=".2f") -> str:
     return f"{med:{spec}} ({lo:{spec}}–{hi:{spec}})"
 
 
+def markdown_table(columns: list[str], rows: list[list[str]]) -> None:
+    """Print a Markdown table."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
 def print_table(rows: list[dict], a) -> None:
     print(f"{a.prompts} held-out ~{a.tokens}-token prompts, SmolLM2 fp32, {NEW} tokens, the network lab's link; "
           f"medians (min–max) of {a.repeats} interleaved rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    head = (f"| prompt | rate | full fetch Mbit/s | TT1 lynx | TT1 full | TT1 bf16 | TT{NEW} lynx | TT{NEW} full "
-            f"| TT{NEW} bf16 | kept drafts | decode step ms | gain s | TT{NEW} lynx / full | lynx / bf16 "
-            "| gain / (kept x step) | same tokens (full; bf16) |")
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for r in rows:
-        print(f"| {r['prompt']} | {r['rate']} | {fmt(r['fetch_mbit'], '.0f')} | {fmt(r['tt1_lynx'])} "
-              f"| {fmt(r['tt1_full'])} | {fmt(r['tt1_bf16'])} | {fmt(r[f'tt{NEW}_lynx'])} | {fmt(r[f'tt{NEW}_full'])} "
-              f"| {fmt(r[f'tt{NEW}_bf16'])} | {fmt(r['kept'], '.0f')} | {fmt(r['step_ms'], '.0f')} "
-              f"| {fmt(r['gain_s'])} "
-              f"| {fmt(r['vs_full'], '.3f')} | {fmt(r['vs_bf16'], '.3f')} | {fmt(r['gain_of_worth'])} "
-              f"| {'yes' if r['same_full'] and r['verified'] else 'NO'}; {r['same_bf16']}/{a.repeats} |")
+    markdown_table(
+        ["prompt", "rate", "full fetch Mbit/s", "TT1 lynx", "TT1 full", "TT1 bf16", f"TT{NEW} lynx", f"TT{NEW} full",
+         f"TT{NEW} bf16", "kept drafts", "decode step ms", "gain s", f"TT{NEW} lynx / full", "lynx / bf16",
+         "gain / (kept x step)", "same tokens (full; bf16)"],
+        [[r["prompt"], r["rate"], fmt(r["fetch_mbit"], ".0f"), fmt(r["tt1_lynx"]), fmt(r["tt1_full"]),
+          fmt(r["tt1_bf16"]), fmt(r[f"tt{NEW}_lynx"]), fmt(r[f"tt{NEW}_full"]), fmt(r[f"tt{NEW}_bf16"]),
+          fmt(r["kept"], ".0f"), fmt(r["step_ms"], ".0f"), fmt(r["gain_s"]), fmt(r["vs_full"], ".3f"),
+          fmt(r["vs_bf16"], ".3f"), fmt(r["gain_of_worth"]),
+          f"{'yes' if r['same_full'] and r['verified'] else 'NO'}; {r['same_bf16']}/{a.repeats}"] for r in rows])
     for rate in a.rates.split(","):
         mine = [r["vs_full"][0] for r in rows if r["rate"] == rate]
         print(f"{rate}: TT{NEW} lynx / full, median over prompts {statistics.median(mine):.3f} "
