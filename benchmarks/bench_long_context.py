@@ -102,7 +102,7 @@ def main() -> None:
     if len(counts) != len(lengths):
         sys.exit("--prompts: one count per length")
     rows = []
-    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for tokens, count in zip(lengths, counts):
             for prompt in held_out_prompts(args.model, tokens, count, work, args.eval_windows):
