@@ -50,17 +50,19 @@ def encode_exact_layer(original: tuple[torch.Tensor, torch.Tensor], predicted: t
     yield from map(record, range(-(-tokens // page)))
 
 
-def predict_layer(records, scheme, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype):
+def predict_layer(records, scheme, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype, *,
+                  first: int = 0):
     """The prediction of one layer -- its full code decoded to ``dtype``, ``([H, T, D], [H, T, D])`` -- from the
     ``(anchor, residual)`` page records the writer produced for it, through the reader's own decoding
-    (:func:`lynxkv.format.records.dequantize_records`: the packed codes read in place)."""
+    (:func:`lynxkv.format.records.dequantize_records`: the packed codes read in place). ``first``: the records are
+    those of the ``tokens`` tokens from the layer's token ``first`` (a page boundary) on, not of the whole layer."""
     anchor, anchor_at = _joined([a for a, _ in records])
     residual, residual_at = _joined([r for _, r in records])
     page = scheme.page
     spans = [(p * page, min(page, tokens - p * page)) for p in range(len(records))]
     out = tuple(torch.empty(kv_heads, tokens, head_dim, dtype=dtype) for _ in range(2))
     dequantize_records(anchor, anchor_at, residual, residual_at, spans, scheme, kv_heads, head_dim, out,
-                       lambda p: f"layer page {p}")
+                       lambda p: f"layer page {first // page + p}", first=first)
     return out
 
 

@@ -347,7 +347,7 @@ def record_parts(lay: RecordLayout) -> dict[str, int]:
 def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: Sequence[int] | None,
                        tokens: Sequence[tuple[int, int]], scheme: Scheme, kv_heads: int, head_dim: int,
                        out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
-                       threads: int | None = None, on_device: tuple | None = None) -> None:
+                       threads: int | None = None, on_device: tuple | None = None, *, first: int = 0) -> None:
     """Dequantize raw (CRC-checked, decompressed) page records of one layer straight into its keys and values.
 
     Page ``i`` holds tokens ``[t0, t0 + n)`` (``tokens[i]``); its anchor record starts at byte ``anchor_at[i]``
@@ -361,7 +361,9 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     the anchor record, split out by :func:`decode_anchor_records`). ``on_device``: ``(anchor, residual)`` already
     copied to ``out``'s device as flat uint8 tensors (a caller that stages the bytes itself, e.g. through pinned
     memory with an asynchronous copy); else, for outputs off the CPU, the records are copied there here. The
-    checks above always read the host bytes."""
+    checks above always read the host bytes. ``first``: the layer's token that is token 0 of ``out`` (and of
+    ``tokens``), where the pages decoded are a later part of the layer's (which of its tokens are sink tokens
+    depends on it)."""
     segments = [("anchor", anchor, anchor_at, scheme.anchor_bits)]
     if residual is not None:
         segments.append(("residual", residual, residual_at, scheme.residual_bits))
@@ -369,7 +371,7 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     layouts: dict[tuple[str, int, int], tuple[RecordLayout, dict[str, int]]] = {}  # the pages mostly share one
     for i, (t0, n) in enumerate(tokens):
         count = kv_heads * n * head_dim
-        sinks = sinks_in(scheme, t0, n)
+        sinks = sinks_in(scheme, first + t0, n)
         parts = {}
         for kind, buf, at, bits in segments:
             known = layouts.get((kind, n, sinks))
@@ -401,20 +403,21 @@ def dequantize_records(anchor, anchor_at: Sequence[int], residual, residual_at: 
     for j, which in enumerate(("key", "value")):
         if rows[j] and dequantize_pages(anchor, residual, rows[j], scheme, out=out[j], threads=threads, kind=which):
             for i, (t0, n) in enumerate(tokens):  # decode_anchor_records names the page and the field
-                lay = anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, t0, n))
+                lay = anchor_record_layout(scheme, kv_heads, head_dim, n, sinks_in(scheme, first + t0, n))
                 decode_anchor_records([host[anchor_at[i]:anchor_at[i] + lay.raw_length]], lay, scheme, kv_heads,
                                       head_dim, f"anchor {where(i)}")
             raise FormatError(f"`page` anchor {where(0)}: metadata out of range", field="page",
                               where=f"anchor {where(0)}")
-    sinks = [i for i, (t0, n) in enumerate(tokens) if t0 < scheme.sink_tokens and n] if residual is None else []
+    sinks = ([i for i, (t0, n) in enumerate(tokens) if first + t0 < scheme.sink_tokens and n] if residual is None
+             else [])
     if sinks:
         _sinks_from_full_code(anchor, host, [anchor_at[i] for i in sinks], [tokens[i] for i in sinks], scheme,
-                              kv_heads, head_dim, out, lambda k: where(sinks[k]), threads)
+                              kv_heads, head_dim, out, lambda k: where(sinks[k]), threads, first)
 
 
 def _sinks_from_full_code(anchor, host, anchor_at, tokens, scheme: Scheme, kv_heads: int, head_dim: int,
                           out: tuple[torch.Tensor, torch.Tensor], where: Callable[[int], str],
-                          threads: int | None) -> None:
+                          threads: int | None, first: int = 0) -> None:
     """The sink tokens of pages already decoded from the anchor alone, again from the full code: their residual
     codes are in the anchor record (any scheme). ``anchor``: the records where the output is (a device's copy, or
     ``host`` itself), ``host``: the records' bytes on the host.
@@ -424,7 +427,7 @@ def _sinks_from_full_code(anchor, host, anchor_at, tokens, scheme: Scheme, kv_he
     unpack the record first."""
     H, D = kv_heads, head_dim
     for i, (t0, n) in enumerate(tokens):
-        sinks = sinks_in(scheme, t0, n)
+        sinks = sinks_in(scheme, first + t0, n)
         lay = anchor_record_layout(scheme, H, D, n, sinks)
         if scheme.anchor_bits == scheme.residual_bits == 4 and D % 2 == 0:
             parts = {name: anchor_at[i] + off for name, off in record_parts(lay).items()}

@@ -29,11 +29,36 @@ from lynxkv.quant import EncodedTensor
 from lynxkv.quant.scheme import Scheme
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``[start, start + n)`` of one layer, encoded: ``keys`` and ``values`` are the tokens' own
+    (:meth:`EncodedTensor.tokens` of the layer's, the sink count that of the tokens in the piece), ``start`` a
+    multiple of the page, and ``n`` too unless the piece ends the layer. ``originals``: the input keys and values
+    ``[H, n, D]`` of these tokens, for an exact segment."""
+
+    start: int
+    keys: EncodedTensor
+    values: EncodedTensor
+    originals: tuple | None = None
+
+
+class Pieces:
+    """A layer that reaches the writer as consecutive :class:`Piece` s (iterated once, in token order) instead of
+    whole: memory then holds the pieces being encoded, not the layer. The bytes written are those of the whole
+    layer."""
+
+    def __init__(self, pieces):
+        self._pieces = pieces
+
+    def __iter__(self):
+        return iter(self._pieces)
+
+
 class EncodedKV(Protocol):
     """What the writer needs of an encoded cache (:class:`lynxkv.cache.EncodedCache` has it)."""
 
     scheme: Scheme
-    layers: Sequence[tuple[EncodedTensor, EncodedTensor]]  # per layer (keys, values)
+    layers: Sequence[tuple[EncodedTensor, EncodedTensor] | Pieces]  # per layer (keys, values), or its pieces
     kv_heads: int
     head_dim: int
     tokens: int
@@ -194,7 +219,7 @@ def write_files(enc: EncodedKV, anchor: PageSink, residual: PageSink | None = No
     """Write the files of a ``.lynx`` cache into ``anchor`` and ``residual`` (``None``: one file, the residual
     section inline after the anchor's) as the layers are read from ``enc.layers``: each layer's pages are written
     before the next layer is read, so a sequence that quantizes layers as they are read keeps only those it is
-    working on. The header and the
+    working on (a layer given as :class:`Pieces`: the pieces it is working on). The header and the
     page indexes go last into the space reserved for them at the start: the bytes are those of
     :func:`build_files`. ``residual_location``: the residual file's path relative to the anchor file's
     directory (or a URL), for two files. ``exact_kv``: the original ``(keys, values)`` ``[H, T, D]`` of each
@@ -242,21 +267,37 @@ def _write_sections(enc: EncodedKV, fields: AnchorHeader, anchor: PageSink, resi
     a_sec, r_sec = _Section(index_size, zstd), _Section(c.RESIDUAL_HEADER_SIZE + index_size, zstd)
     e_sec = _Section(c.EXACT_HEADER_SIZE + index_size, True, EXACT_ZSTD_LEVEL)  # the planes always pay for zstd
     sinks = min(s.sink_tokens, enc.tokens)
-    for i, (keys, values) in enumerate(enc.layers):  # layer-major streaming order
-        _check_layer(keys, values, s, sinks)
-        records = []
-        for a_rec, r_rec in encode_layer_records(keys, values, s, enc.tokens):
-            anchor.write(a_sec.store(a_rec))
-            residual_out.write(r_sec.store(r_rec))
+    for i, layer in enumerate(enc.layers):  # layer-major streaming order
+        if isinstance(layer, Pieces):
+            pieces, whole = layer, False
+        else:
+            keys, values = layer
+            pieces, whole = (Piece(0, keys, values, exact_kv[i] if has_exact else None),), True
+            del keys, values, layer
+        at = 0
+        for piece in pieces:  # the pages of each piece in turn: a piece is let go before the next is taken
+            n = enc.tokens if whole else _piece_tokens(piece, at, enc, i)
+            _check_layer(piece.keys, piece.values, s, max(0, min(sinks, at + n) - at))
+            records = []
+            for a_rec, r_rec in encode_layer_records(piece.keys, piece.values, s, n):
+                anchor.write(a_sec.store(a_rec))
+                residual_out.write(r_sec.store(r_rec))
+                if has_exact:
+                    records.append((a_rec, r_rec))
             if has_exact:
-                records.append((a_rec, r_rec))
-        if has_exact:
-            originals = _originals(exact_kv[i], enc, i)
-            # the full code decoded from the records just written, as the reader decodes it (no unpacking)
-            predicted = predict_layer(records, s, enc.kv_heads, enc.head_dim, enc.tokens, originals[0].dtype)
-            del records
-            for e_rec, splits in encode_exact_layer(originals, predicted, s.page, enc.tokens):
-                exact_out.write(e_sec.store(e_rec, splits))
+                if piece.originals is None:
+                    raise InputError(f"exact_kv layer {i}: a piece from token {at} without its originals")
+                originals = _originals(piece.originals, enc, i, n)
+                # the full code decoded from the records just written, as the reader decodes it (no unpacking)
+                predicted = predict_layer(records, s, enc.kv_heads, enc.head_dim, n, originals[0].dtype, first=at)
+                records = None
+                for e_rec, splits in encode_exact_layer(originals, predicted, s.page, n):
+                    exact_out.write(e_sec.store(e_rec, splits))
+                del originals, predicted
+            at += n
+            del piece, records
+        if at != enc.tokens:
+            raise InputError(f"layer {i}: pieces of {at} tokens in all, the cache has {enc.tokens}")
     framed = frame_sections(fields, a_sec.entries, r_sec.entries, e_sec.entries if has_exact else None, **framing)
     anchor.fill(a_at, framed.anchor_lead)  # offsets are fixed-width: the leads have the reserved lengths
     residual_out.fill(r_at, framed.residual_lead)
@@ -271,11 +312,26 @@ def _write_sections(enc: EncodedKV, fields: AnchorHeader, anchor: PageSink, resi
     return framed.header
 
 
-def _originals(pair, enc: EncodedKV, layer: int) -> tuple:
-    """A layer's original keys and values as ``[H, T, D]`` CPU tensors of the cache's dtype (checked)."""
+def _piece_tokens(piece: Piece, at: int, enc: EncodedKV, layer: int) -> int:
+    """The tokens of a layer's piece that should start at token ``at`` (checked: its start, its length in whole
+    pages unless it ends the layer, its keys' and values' shapes)."""
+    n = piece.keys.shape[1]
+    page = enc.scheme.page
+    want = (enc.kv_heads, n, enc.head_dim)
+    if (piece.start != at or tuple(piece.keys.shape) != want or tuple(piece.values.shape) != want
+            or at + n > enc.tokens or (n % page and at + n != enc.tokens) or (n == 0 and enc.tokens)):
+        raise InputError(f"layer {layer}: a piece of {n} tokens from token {piece.start} (keys "
+                         f"{list(piece.keys.shape)}, values {list(piece.values.shape)}) where the next {want[0]} x "
+                         f"[whole pages of {page}] x {want[2]} from token {at} of {enc.tokens} were expected")
+    return n
+
+
+def _originals(pair, enc: EncodedKV, layer: int, tokens: int | None = None) -> tuple:
+    """A layer's original keys and values (or those of ``tokens`` of its tokens) as ``[H, T, D]`` CPU tensors of
+    the cache's dtype (checked)."""
     from lynxkv.quant.remainder import TORCH_DTYPES
 
-    want = (enc.kv_heads, enc.tokens, enc.head_dim)
+    want = (enc.kv_heads, enc.tokens if tokens is None else tokens, enc.head_dim)
     out = []
     for t in pair:
         t = t.detach()
