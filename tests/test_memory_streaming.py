@@ -71,3 +71,23 @@ def test_encode_verify_decode_hold_a_window_not_the_cache(work):
     }
     assert all(peak < LIMIT for peak in peaks.values()), {k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()}
     assert (work / "out.safetensors").stat().st_size > DUMP
+
+
+def test_encode_holds_pieces_of_a_layer_within_memory(tmp_path):
+    """A dump of two 134 MB layers (Llama-3-8B's heads at 64K tokens): ``encode --memory 32MiB`` quantizes and
+    writes each layer in pieces of whole pages, well under half a layer (the bound, and the encoder's own ~25 MiB
+    of buffers and threads); the default stays under its own 256 MiB."""
+    from lynxkv.cache.dumps import write_kv_safetensors
+
+    if not can_reset_peak():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    heads, tokens, dim = 8, 65536, 128
+    layer = 2 * heads * tokens * dim * 2
+    g = torch.Generator().manual_seed(0)
+    kv = (tuple(torch.randn(heads, tokens, dim, generator=g).to(torch.bfloat16) for _ in range(2)) for _ in range(2))
+    write_kv_safetensors(tmp_path / "kv.safetensors", kv, layers=2, shape=(heads, tokens, dim), dtype=torch.bfloat16)
+    peaks = {memory: _peak(tmp_path, "encode", tmp_path / "kv.safetensors", "-o", tmp_path / "c.lynx", "--force",
+                           *(["--memory", memory] if memory else []))
+             for memory in ("32MiB", None)}
+    shown = {k: f"{v / 2**20:.0f} MiB" for k, v in peaks.items()}
+    assert peaks["32MiB"] < layer // 2 and peaks[None] < 256 << 20, shown

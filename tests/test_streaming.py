@@ -122,6 +122,47 @@ def test_cli_encode_decode_of_a_dump_equal_the_in_memory_path(tmp_path, capsys, 
     assert all(torch.equal(a, b) for pair, bpair in zip(kv, back) for a, b in zip(pair, bpair))
 
 
+PAGE_BYTES = 2 * 3 * 64 * 16 * (2 + 4 + 1)  # one page of 64 tokens, keys and values of 3 heads x 16, as encode counts
+
+
+@pytest.mark.parametrize("scheme", [{"page": 64}, {"page": 64, "chunk": 16, "key_rotation": "none"},
+                                    {"name": "paper", "page": 64}], ids=["default", "unrotated-c16", "paper"])
+@pytest.mark.parametrize("memory", [PAGE_BYTES, 2 * PAGE_BYTES, 7 * PAGE_BYTES, None],
+                         ids=["one-page", "two-pages", "seven-pages", "default"])
+@pytest.mark.parametrize("options", [{}, {"exact": True}, {"single_file": True, "exact": True, "zstd": True}],
+                         ids=["two-files", "exact", "single-file-exact-zstd"])
+def test_a_dump_encoded_in_pieces_writes_the_bytes_save_cache_writes(tmp_path, scheme, memory, options):
+    """A layer of 333 tokens is 6 pages, the last of 13 tokens: encoded a page, two pages or a few at a time
+    (the pieces of two workers in flight), or whole, the files are those of the in-memory save_cache, byte for
+    byte; the default scheme's 4 sink tokens and rotated keys included."""
+    from lynxkv.quant.scheme import get_scheme
+
+    sch = get_scheme(**{"name": "default", **scheme})
+    kv = _kv(layers=3, heads=3, tokens=333, dim=16)
+    dump = _dump(tmp_path, kv)
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "dump").mkdir()
+    names = [f"layers.{i}.{kind}" for i in range(3) for kind in ("key", "value")]
+    lynxkv.save_cache(tmp_path / "mem" / "c.lynx", kv, sch, cache_id=CACHE_ID, names=names, **options)
+    info = lynxkv.cache.save_dump(dump, tmp_path / "dump" / "c.lynx", sch, memory=memory, cache_id=CACHE_ID,
+                                  **options)
+    assert (info.layers, info.tokens, info.pages_per_layer) == (3, 333, 6)
+    assert _files(tmp_path / "dump") == _files(tmp_path / "mem")
+
+
+def test_encode_takes_less_than_a_layer_of_memory_and_refuses_less_than_a_page(tmp_path, capsys):
+    kv = _kv(layers=2, heads=3, tokens=333, dim=16)
+    dump = _dump(tmp_path, kv)
+    lynxkv.save_cache(tmp_path / "mem.lynx", kv, cache_id=CACHE_ID)
+    err = one_error(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--memory", str(4 * PAGE_BYTES - 1))
+    assert "one page" in err and f"{4 * PAGE_BYTES:,}" in err  # pages of 256 tokens: 4 of 64
+    assert sorted(os.listdir(tmp_path)) == ["kv.safetensors", "mem.lynx", "mem.lynxr"]
+    assert run_cli(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--memory", str(4 * PAGE_BYTES))[0] == 0
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c, lynxkv.open_cache(tmp_path / "mem.lynx") as m:
+        for (k, v), (mk, mv) in zip(c.iter_layers(), m.iter_layers()):
+            assert torch.equal(k, mk) and torch.equal(v, mv)
+
+
 def _dump(tmp_path, kv=None):
     dump = tmp_path / "kv.safetensors"
     save_kv_safetensors(dump, kv or _kv(layers=4))
@@ -190,9 +231,9 @@ def test_a_full_disk_is_one_error_and_no_output(tmp_path, capsys, tiny_disk, com
 def test_memory_bounds_the_window_and_refuses_less_than_a_layer(tmp_path, capsys):
     kv = _kv(layers=5, heads=2, tokens=300, dim=32)
     dump = _dump(tmp_path, kv)
-    layer_in = 2 * 2 * 300 * 32 * 2  # one layer's keys and values in BF16: 76,800 bytes
-    err = one_error(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--memory", str(layer_in))
-    assert "one layer" in err and "memory" in err
+    page_in = 2 * 2 * 256 * 32 * 2  # one page's keys and values in BF16: 65,536 bytes
+    err = one_error(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--memory", str(page_in))
+    assert "one page" in err and "memory" in err  # encode works on pieces of whole pages, at least one
     assert sorted(os.listdir(tmp_path)) == ["kv.safetensors"]
     assert run_cli(capsys, "encode", dump, "-o", tmp_path / "c.lynx", "--exact", "--memory", "1MiB")[0] == 0
     with lynxkv.open_cache(tmp_path / "c.lynx") as c:

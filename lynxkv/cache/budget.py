@@ -1,6 +1,7 @@
 """How much memory reading a cache may take: the refusal of a cache whose declared shape needs more than the
 machine allows (:func:`check_decoded_size`), and the window of layers a streaming read or write holds
-(:func:`default_window`, :func:`window_for_memory`)."""
+(:func:`default_window`, :func:`window_for_memory`), and what encoding a dump holds by default
+(:data:`DEFAULT_ENCODE_MEMORY`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from lynxkv.format.headers import AnchorHeader, decoded_bytes
 from lynxkv.quant.dispatch import concurrent_tensors
 
 MAX_DECODED_ENV = "LYNXKV_MAX_DECODED_BYTES"
+
+#: About how many bytes of a dump's layers :func:`lynxkv.cache.save_dump` (``lynxkv encode DUMP``) holds while it
+#: encodes them, by default: pieces of whole pages (:func:`lynxkv.cache.encoded.piece_plan`).
+DEFAULT_ENCODE_MEMORY = 256 << 20
 
 
 def default_window() -> int:

@@ -89,17 +89,38 @@ class KVDump:
             for i in range(self.layers):
                 yield tuple(self._read(f.fileno(), 2 * i + j) for j in range(2))
 
-    def _read(self, fd: int, k: int) -> torch.Tensor:
-        start, end = self.spans[k]
-        buf = bytearray(end - start)
-        view, got = memoryview(buf), 0
-        while got < len(buf):
-            n = os.preadv(fd, [view[got:]], start + got)
-            if n == 0:
-                raise InputError(f"{self.path}: ends inside {self.tensor_names[k]} (the file is truncated)")
-            got += n
-        t = torch.frombuffer(buf, dtype=self.dtype) if buf else torch.empty(0, dtype=self.dtype)
-        return t.view(self.shape)
+    def iter_pieces(self, tokens: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """``(layer, start, keys, values)`` of each layer in pieces of ``tokens`` tokens (the last piece of a layer
+        holds the rest), in layer order: keys and values ``[H, n, D]`` of the tokens ``[start, start + n)``, read
+        from the file when asked for, so that a caller that lets each piece go holds one piece, not a layer."""
+        if tokens < 1:
+            raise InputError(f"tokens: expected a piece of at least one token, got {tokens}")
+        with open(self.path, "rb") as f:
+            for i in range(self.layers):
+                for start in range(0, max(self.shape[1], 1), tokens):
+                    stop = min(start + tokens, self.shape[1])
+                    yield (i, start, *(self._read(f.fileno(), 2 * i + j, start, stop) for j in range(2)))
+
+    def _read(self, fd: int, k: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor ``k`` (in ``tensor_names``' order), or its tokens ``[start, stop)``: ``[H, n, D]``, one positional
+        read per head (one for them all when the range is every token)."""
+        h, t, d = self.shape
+        stop = t if stop is None else stop
+        item = self.dtype.itemsize
+        row, run = t * d * item, (stop - start) * d * item  # one head's bytes in the file; the range's bytes of it
+        first = self.spans[k][0] + start * d * item
+        reads = [(first, h * run)] if run == row else [(first + j * row, run) for j in range(h)]
+        buf = bytearray(h * run)
+        view = memoryview(buf)
+        for j, (at, size) in enumerate(reads):
+            got, part = 0, view[j * size:(j + 1) * size]
+            while got < size:
+                n = os.preadv(fd, [part[got:]], at + got)
+                if n == 0:
+                    raise InputError(f"{self.path}: ends inside {self.tensor_names[k]} (the file is truncated)")
+                got += n
+        x = torch.frombuffer(buf, dtype=self.dtype) if buf else torch.empty(0, dtype=self.dtype)
+        return x.view(h, stop - start, d)
 
 
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused before it is read

@@ -3,6 +3,7 @@ each layer quantized when the writer reaches it."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import itertools
 from collections.abc import Iterable, Sequence
@@ -101,8 +102,15 @@ def _quantized(pairs, scheme: Scheme, packed: bool, cpu: bool, most: int):
     :func:`concurrent_tensors` or ``most`` pairs taken from ``pairs`` and not yet handed out) while the caller uses
     the last."""
     workers = min(concurrent_tensors(), most) if cpu else 1
+    yield from _on_workers(pairs, lambda pair, threads: _quantize_layer(pair, scheme, packed, threads), workers)
+
+
+def _on_workers(items, work, workers: int):
+    """``work(item, threads)`` of each of ``items``, in order: with several ``workers``, the next items on them
+    (one each, ``threads=1``, at most ``workers`` items taken and not yet handed out) while the caller uses the
+    last; else one at a time, each on every thread (``threads=None``)."""
     if workers <= 1:
-        yield from (_quantize_layer(pair, scheme, packed) for pair in pairs)
+        yield from (work(item, None) for item in items)
         return
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
@@ -110,9 +118,9 @@ def _quantized(pairs, scheme: Scheme, packed: bool, cpu: bool, most: int):
     pool = ThreadPoolExecutor(workers, thread_name_prefix="lynxkv-encode")
     try:
         ahead: deque = deque()
-        for pair in pairs:
-            ahead.append(pool.submit(_quantize_layer, pair, scheme, packed, 1))
-            del pair  # the worker holds it while it is needed
+        for item in items:
+            ahead.append(pool.submit(work, item, 1))
+            del item  # the worker holds it while it is needed
             if len(ahead) == workers:
                 yield ahead.popleft().result()
         while ahead:
@@ -223,6 +231,129 @@ def encode_layer_bytes(kv_heads: int, tokens: int, head_dim: int, dtype: torch.d
     """About the memory one layer takes while it is encoded: its keys and values, the quantizer's fp32 work on
     them and their codes (what a window of :func:`streamed_encoding` holds per layer)."""
     return 2 * kv_heads * tokens * head_dim * (torch.empty((), dtype=dtype).element_size() + 4 + 1)
+
+
+def encode_token_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """:func:`encode_layer_bytes` of one token: what a piece of a layer takes per token while it is encoded."""
+    return encode_layer_bytes(kv_heads, 1, head_dim, dtype)
+
+
+def piece_plan(memory: int, kv_heads: int, tokens: int, head_dim: int, dtype: torch.dtype, page: int,
+               workers: int | None = None) -> tuple[int, int]:
+    """``(tokens per piece, workers)`` of an encoding in pieces (:func:`pieced_encoding`) that holds about
+    ``memory`` bytes: the pieces in flight (one per worker and the one being written, or one with a single
+    worker) of :func:`encode_token_bytes` per token, each as many whole pages as fit (never more than a layer).
+    ``workers``: at most this many (default :func:`concurrent_tensors`), fewer where pieces of a page do not fit
+    that many. A bound below one page is refused."""
+    per_page = encode_token_bytes(kv_heads, head_dim, dtype) * max(1, min(page, tokens))
+    if per_page > memory:
+        raise InputError(f"memory: one page of this cache ({min(page, tokens)} tokens of {kv_heads} heads x "
+                         f"{head_dim}, keys and values) takes about {per_page:,} bytes to encode, more than the "
+                         f"{memory:,} allowed")
+    fit = memory // per_page  # pieces of one page that fit
+    workers = max(1, min(workers or concurrent_tensors(), fit - 1))
+    flight = workers + 1 if workers > 1 else 1
+    pages = max(1, memory // flight // per_page)
+    return max(1, min(pages * page, tokens)), workers
+
+
+class _Pieced:
+    """The layers of a cache encoded in pieces of whole pages (:func:`pieced_encoding`): each layer a
+    :class:`lynxkv.format.writer.Pieces` whose pieces are quantized on the workers as the writer reaches them. A
+    flat stream of pieces feeds the layers in order, so the workers run ahead across a layer's end. Iterable
+    once; each layer's pieces are to be taken before the next layer."""
+
+    def __init__(self, pieces, count: int, shape: tuple, dtype: torch.dtype, scheme: Scheme, keep: bool,
+                 piece_tokens: int, workers: int):
+        self._pieces, self._count, self._shape, self._dtype = pieces, count, shape, dtype
+        self._scheme, self._keep, self._step, self._workers = scheme, keep, piece_tokens, workers
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _checked(self):
+        """The pieces as given, checked against the plan: layer by layer, ``piece_tokens`` each from token 0."""
+        h, t, d = self._shape
+        want = [(i, start) for i in range(self._count) for start in range(0, max(t, 1), self._step)]
+        n = 0
+        for piece in self._pieces:
+            if n == len(want):
+                raise InputError(f"pieces: more than the {len(want)} pieces of {self._count} layers")
+            i, start, k, v = piece
+            del piece
+            size = min(self._step, t - start)
+            for what, x in (("keys", k), ("values", v)):
+                if (i, start) != want[n] or tuple(x.shape) != (h, size, d) or x.dtype != self._dtype:
+                    raise InputError(f"layer {i} {what}: a piece of {tuple(x.shape)} {x.dtype} from token {start}, "
+                                     f"expected layer {want[n][0]}'s [{h}, {size}, {d}] {self._dtype} from token "
+                                     f"{want[n][1]}")
+            yield i, start, k, v
+            n += 1
+        if n != len(want):
+            raise InputError(f"pieces: {n} given, {len(want)} expected ({self._count} layers)")
+
+    def _encode(self, item, threads):
+        from lynxkv.format.writer import Piece
+
+        i, start, k, v = item
+        sinks = max(0, min(self._scheme.sink_tokens, self._shape[1], start + k.shape[1]) - start)
+        keys, values = (dataclasses.replace(e, sinks=sinks)
+                        for e in _quantize_layer((k, v), self._scheme, True, threads))
+        return i, Piece(start, keys, values, (k, v) if self._keep else None)
+
+    def __iter__(self):
+        from lynxkv.format.writer import Pieces
+
+        flat = _on_workers(self._checked(), self._encode, self._workers)
+        per_layer = len(range(0, max(self._shape[1], 1), self._step))
+
+        def layer(i):
+            for _ in range(per_layer):
+                j, piece = next(flat)
+                assert j == i
+                yield piece
+                del piece  # before the next piece is taken
+
+        try:
+            for i in range(self._count):
+                yield Pieces(layer(i))
+            next(flat, None)  # the stream's own checks: nothing more
+        finally:
+            flat.close()
+
+
+class _CarriedByPieces:
+    """The originals of a cache encoded in pieces: each piece carries its own (:attr:`Piece.originals`)."""
+
+    def __init__(self, count: int):
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+
+def pieced_encoding(pieces: Iterable, count: int, shape: tuple[int, int, int], dtype: torch.dtype, scheme: Scheme, *,
+                    piece_tokens: int, workers: int, batched: bool = False, prompt_token_ids=None,
+                    model_fingerprint=None, names=None, keep_originals: bool = False) -> EncodedCache:
+    """An :class:`EncodedCache` of ``count`` layers of ``shape`` ``[H, T, D]`` and ``dtype`` given as ``pieces``:
+    ``(layer, start, keys, values)``, each layer's tokens in pieces of ``piece_tokens`` (the last one the rest;
+    :meth:`lynxkv.cache.dumps.KVDump.iter_pieces`), ``piece_tokens`` a multiple of the scheme's page or at least
+    ``T``. Each piece is quantized as the writer reaches it (on up to ``workers`` CPU workers, one piece each) and
+    its pages written before the next is taken: memory holds a few pieces (:func:`piece_plan`), not a layer. The
+    codes are those of the whole layers. ``keep_originals``: each piece keeps its input for the exact segment."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise InputError(f"layers: expected a count of at least one layer, got {count!r}")
+    if dtype not in DTYPE_NAMES:
+        raise InputError(f"dtype {dtype} is not one of fp32, fp16, bf16")
+    h, t, d = shape
+    if piece_tokens < 1 or (piece_tokens % scheme.page and piece_tokens < t):
+        raise InputError(f"piece_tokens: expected whole pages of {scheme.page} tokens (or the {t} of a layer), "
+                         f"got {piece_tokens}")
+    layers = _Pieced(pieces, count, (h, t, d), dtype, scheme, keep_originals, min(piece_tokens, max(t, 1)), workers)
+    return EncodedCache(scheme, layers, h, d, t, DTYPE_NAMES[dtype],
+                        list(prompt_token_ids) if prompt_token_ids is not None else None,
+                        model_fingerprint or None, tuple(names) if names else None, bool(batched),
+                        originals=_CarriedByPieces(count) if keep_originals else None)
 
 
 def streamed_encoding(layers: Iterable, count: int, scheme: Scheme, prompt_token_ids, model_fingerprint, names, *,

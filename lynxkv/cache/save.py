@@ -225,22 +225,31 @@ def _side_files_of(path: str) -> list[str]:
 
 
 def save_dump(dump_path, path: str | os.PathLike, scheme: Scheme = DEFAULT, *, memory: int | None = None,
-              **options) -> CacheInfo:
-    """Encode a safetensors KV dump (:mod:`lynxkv.cache.dumps`) into a cache, keeping its tensor names and shapes;
-    ``options`` as for :func:`save_cache_layers`. The dump is read one layer at a time: its header is checked
-    first, then each layer is read, quantized and written before the next. ``memory``: about how many bytes of
-    layers to hold at once (:func:`lynxkv.cache.encoded.encode_layer_bytes` each; the window of
-    :func:`save_cache_layers`); a bound below one layer is refused before anything is read."""
+              residual_path: str | os.PathLike | None = None, residual_location: str | None = None,
+              single_file: bool = False, zstd: bool = False, prompt_token_ids: Sequence[int] | None = None,
+              model_fingerprint: str | None = None, cache_id: bytes | None = None,
+              properties: dict[str, str] | None = None, exact: bool = False,
+              exact_path: str | os.PathLike | None = None) -> CacheInfo:
+    """Encode a safetensors KV dump (:mod:`lynxkv.cache.dumps`) into a cache, keeping its tensor names and shapes
+    (and its metadata, under ``properties``); the other options are :func:`save_cache`'s. The dump's header is
+    checked first; then each layer is read, quantized and written in pieces of whole pages
+    (:meth:`lynxkv.cache.dumps.KVDump.iter_pieces`), a piece's pages written before the next piece is read, so
+    that memory holds about ``memory`` bytes of pieces (:func:`lynxkv.cache.encoded.piece_plan`; default
+    :data:`lynxkv.cache.budget.DEFAULT_ENCODE_MEMORY`), not a layer; a bound below one page is refused before
+    anything is read. The bytes written are those :func:`save_cache` writes for the same tensors."""
+    from lynxkv.cache.budget import DEFAULT_ENCODE_MEMORY
     from lynxkv.cache.dumps import open_dump
-    from lynxkv.cache.encoded import encode_layer_bytes
-    from lynxkv.cache.opened import window_for_memory
+    from lynxkv.cache.encoded import piece_plan, pieced_encoding
 
     dump = open_dump(dump_path)
-    if memory is not None:
-        options["window"] = window_for_memory(memory, encode_layer_bytes(*dump.shape, dump.dtype))
-    layers = dump.iter_layers()
-    if dump.naming.batched:  # keep the [1, H, T, D] shape so that decoding writes it back the same way
-        layers = ((k.unsqueeze(0), v.unsqueeze(0)) for k, v in layers)
-    properties = {**dict(dump.naming.metadata), **(options.pop("properties", None) or {})}  # the file's own
-    return save_cache_layers(path, layers, scheme, count=dump.layers, names=dump.tensor_names,
-                             properties=properties or None, **options)
+    h, t, d = dump.shape
+    piece_tokens, workers = piece_plan(DEFAULT_ENCODE_MEMORY if memory is None else memory, h, t, d, dump.dtype,
+                                       scheme.page)
+    exact = exact or exact_path is not None
+    enc = pieced_encoding(dump.iter_pieces(piece_tokens), dump.layers, dump.shape, dump.dtype, scheme,
+                          piece_tokens=piece_tokens, workers=workers, batched=dump.naming.batched,
+                          prompt_token_ids=prompt_token_ids, model_fingerprint=model_fingerprint,
+                          names=dump.tensor_names, keep_originals=exact)
+    enc.properties = {**dict(dump.naming.metadata), **(properties or {})} or None  # the file's own metadata
+    return _save_encoded(path, enc, exact, residual_path=residual_path, residual_location=residual_location,
+                         single_file=single_file, zstd=zstd, cache_id=cache_id, exact_path=exact_path)

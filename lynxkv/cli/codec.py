@@ -19,6 +19,9 @@ from lynxkv.stream.units import format_bytes, parse_size
 
 MEMORY_HELP = ("Hold about this much of the cache in memory at once, e.g. 1GiB: as many layers as fit, at least one "
                "(default: two layers, or one per CPU worker).")
+ENCODE_MEMORY_HELP = ("Hold about this much of the dump in memory at once, e.g. 256MiB: each layer is read, "
+                      "quantized and written in pieces of whole pages that fit, at least one page (default: 256MiB). "
+                      "A dump only.")
 ALLOW_HELP = ("Let the cache's recorded residual location lie under this prefix (a path or URL such as "
               "s3://bucket/; repeatable; also $LYNXKV_ALLOW_LOCATIONS, comma-separated). By default only a file "
               "inside the anchor's directory is followed.")
@@ -75,7 +78,7 @@ def encode(
     exact_out: Optional[str] = typer.Option(None, "--exact-out", help="Where the exact segment goes, a path or URL "
                                             "(implies --exact; default: OUTPUT with .lynxe)."),
     force: bool = typer.Option(False, "--force", help="Replace existing output files."),
-    memory: Optional[str] = typer.Option(None, "--memory", help=MEMORY_HELP + " A dump only."),
+    memory: Optional[str] = typer.Option(None, "--memory", help=ENCODE_MEMORY_HELP),
     json: bool = typer.Option(False, "--json", help="Print the cache's description as JSON."),
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
