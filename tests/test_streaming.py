@@ -63,6 +63,23 @@ def test_iter_layers_gives_load_kvs_tensors(tmp_path, dtype, window):
                 assert torch.equal(k, sk) and torch.equal(v, sv) and sk.dtype == k.dtype, options
 
 
+@pytest.mark.parametrize("window", [1, 2, 4], ids=["window1", "window2", "window4"])
+@pytest.mark.parametrize("options", [{}, {"anchor_only": True}, {"exact": True}], ids=["full", "anchor", "exact"])
+def test_recycled_layers_give_load_kvs_values_and_are_decoded_into_again(tmp_path, window, options):
+    kv = _kv(layers=6)
+    lynxkv.save_cache(tmp_path / "c.lynx", kv, exact=True)
+    with lynxkv.open_cache(tmp_path / "c.lynx") as c:
+        whole = c.load_kv(**options)
+        kept, copies = [], []
+        for k, v in c.iter_layers(window=window, recycle=True, **options):
+            kept.append((k, v))
+            copies.append((k.clone(), v.clone()))  # what a consumer takes before asking for the next layer
+    assert all(torch.equal(a, b) for pair, copy in zip(whole, copies) for a, b in zip(pair, copy))
+    # the tensors of an early layer were decoded into again: they hold a later layer's values now
+    assert kept[0][0].data_ptr() in {k.data_ptr() for k, _ in kept[1:]}
+    assert not torch.equal(kept[0][0], whole[0][0])
+
+
 def test_iter_layers_exact_rebuilds_the_originals(tmp_path):
     kv = _kv(layers=4, dtype=torch.bfloat16)
     lynxkv.save_cache_layers(tmp_path / "c.lynx", iter(kv), count=4, exact=True)

@@ -233,34 +233,44 @@ class LynxCache:
         return kv
 
     def iter_layers(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None, exact: bool = False,
-                    window: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                    window: int | None = None, recycle: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`load_kv`'s layers one at a time, in order: each ``(keys, values)`` ``[H, T, D]`` holds the same
         values ``load_kv`` gives for that layer, bit for bit. At most ``window`` layers are held at once (default
         :func:`default_window`; at least 1): while the caller has one group of layers, the next group is decoded
         (groups of half the window), so memory holds a few layers, not the cache; the size check
         (:func:`check_decoded_size`) counts the window (:meth:`layer_bytes` each). Segments are opened and checked
-        here, before the first layer is decoded; a page that fails its CRC raises when its layer is reached."""
+        here, before the first layer is decoded; a page that fails its CRC raises when its layer is reached.
+        ``recycle``: a layer's tensors are decoded into again for a later layer once the caller asks for the next
+        layer, for a caller done with each layer by then (one that writes it out): no fresh memory to fault in
+        per layer."""
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise InputError(f"window: expected a number of layers of at least 1, got {window!r}")
         window = window or default_window()
         dtype = self._prepare_load(anchor_only, dtype, exact, window)
-        return self._windows(anchor_only, dtype, exact, window)
+        return self._windows(anchor_only, dtype, exact, window, recycle)
 
     def layer_bytes(self, *, anchor_only: bool = False, dtype: torch.dtype | None = None) -> int:
         """The memory one layer takes to decode (:func:`decoded_need`): what a window of :meth:`iter_layers`
         holds per layer."""
         return decoded_need(self.header, dtype or TORCH_DTYPES[self.header.dtype], anchor_only=anchor_only, layers=1)
 
-    def _windows(self, anchor_only: bool, dtype: torch.dtype, exact: bool, window: int):
+    def _windows(self, anchor_only: bool, dtype: torch.dtype, exact: bool, window: int, recycle: bool):
+        from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
         h = self.header
         shape = (h.kv_heads, h.tokens, h.head_dim)
         group = max(1, window // 2)
+        done: deque = deque()  # recycle: the tensors of layers the caller is done with, decoded into again
+
+        def tensors() -> tuple[torch.Tensor, torch.Tensor]:
+            if done:
+                return done.popleft()
+            return torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
 
         def decode(start: int) -> dict:
             layers = range(start, min(start + group, h.layers))
-            out = {layer: (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for layer in layers}
+            out = {layer: tensors() for layer in layers}
             self._reader.dequantize_layers(out, anchor_only=anchor_only, layers=layers)
             if exact:
                 self._reader.apply_exact(out, layers=layers)
@@ -268,7 +278,11 @@ class LynxCache:
 
         if window == 1:  # nothing decoded ahead
             for start in range(h.layers):
-                yield decode(start).pop(start)
+                pair = decode(start).pop(start)
+                yield pair
+                if recycle:  # the caller asks for the next layer: it is done with this one
+                    done.append(pair)
+                del pair
             return
         # the next group is decoded while the caller writes this one (the disk and the cores both busy)
         with ThreadPoolExecutor(1, thread_name_prefix="lynxkv-decode") as pool:
@@ -277,7 +291,11 @@ class LynxCache:
                 out = ahead.result()
                 ahead = pool.submit(decode, start + group) if start + group < h.layers else None
                 for layer in sorted(out):
-                    yield out.pop(layer)  # let go of each layer once the caller has it
+                    pair = out.pop(layer)  # let go of each layer once the caller has it
+                    yield pair
+                    if recycle:
+                        done.append(pair)
+                    del pair
                 del out
 
     def _prepare_load(self, anchor_only: bool, dtype: torch.dtype | None, exact: bool, layers: int | None):

@@ -170,9 +170,10 @@ def decode(
             memory_bytes, c.layer_bytes(anchor_only=anchor_only, dtype=out_dtype))
         meta = {**info.properties, "lynxkv.cache_id": info.cache_id,  # the input's metadata comes back
                 "lynxkv.reconstruction": "anchor" if anchor_only else "exact" if exact else "full"}
-        # closed before the cache is: a write that fails waits for the layers being decoded ahead
+        # closed before the cache is: a write that fails waits for the layers being decoded ahead; each layer is
+        # written before the next is asked for, so its tensors take the next layers' decoding (recycle)
         with contextlib.closing(c.iter_layers(anchor_only=anchor_only, dtype=torch_dtype, exact=exact,
-                                              window=window)) as layers:
+                                              window=window, recycle=True)) as layers:
             write_kv_safetensors(output, layers, layers=info.layers,
                                  shape=(info.kv_heads, info.tokens, info.head_dim), dtype=out_dtype, names=info.names,
                                  batched=info.batch_dim, metadata=meta)
