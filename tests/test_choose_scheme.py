@@ -76,3 +76,23 @@ def test_encode_model_writes_the_chosen_anchor_and_says_so(tmp_path, capsys):
         assert json.loads(out)["choice"]["probe_tokens"] == 0
         with open_cache(tmp_path / f"{argv[-1]}.lynx") as cache:
             assert cache.info.scheme.key_rotation == rotation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("short, chosen", [("smollm2", "default"), ("gemma3-270m", "plain-keys")])
+def test_the_choice_follows_the_model_family(short, chosen):
+    """On SmolLM2 the default's rotated keys draft closer to the exact cache, on Gemma 3 the plain keys
+    (docs/evaluation.md, "The anchor chosen per cache"): the same probe picks each model's own."""
+    from lynxkv.errors import InputError
+    from lynxkv.hf.choose import LABELS
+    from lynxkv.hf.models import encode_prompt, load_model
+    from lynxkv.hf.prompts import builtin_prompt
+
+    try:
+        loaded = load_model(short)
+    except InputError as exc:
+        pytest.skip(str(exc))
+    ids = encode_prompt(loaded, builtin_prompt(loaded.tokenizer, 2000))
+    kv, _ = prefill(loaded.model, ids)
+    choice = choose_scheme(loaded.model, ids, kv)
+    assert LABELS[CANDIDATES.index(choice.scheme)] == chosen, choice.to_dict()
