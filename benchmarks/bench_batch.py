@@ -36,7 +36,7 @@ ORDER = (7, 0, 5, 2, 6, 1, 4, 3)
 
 def encode(folder: str) -> list[str]:
     from lynxkv.hf.models import load_model
-    from lynxkv.hf.prefill import encode_model
+    from lynxkv.hf.encoding import encode_model
     from lynxkv.hf.prompts import builtin_prompt
     from lynxkv.quant.scheme import get_scheme
 

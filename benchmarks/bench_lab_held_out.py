@@ -218,7 +218,7 @@ def prepare(paths: list[Path], d: Path) -> list[tuple[Path, Path, list[int]]]:
 
     from lynxkv.cache import open_cache
     from lynxkv.cache.dumps import write_kv_safetensors
-    from lynxkv.hf.prefill import encode_model
+    from lynxkv.hf.encoding import encode_model
     from lynxkv.quant.scheme import get_scheme
 
     out = []

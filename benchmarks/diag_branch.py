@@ -42,7 +42,7 @@ import torch
 def chains(model, tok, start: int, tokens: int, positions: int, directory: str) -> dict:
     """F, the anchor teacher-forced on F (margin, rank of F's token, runner-up) and the anchor run free."""
     from lynxkv.cache import open_cache
-    from lynxkv.hf.prefill import encode_model
+    from lynxkv.hf.encoding import encode_model
     from lynxkv.hf.prompts import builtin_prompt
     from lynxkv.quant.scheme import get_scheme
     from lynxkv.speculative.model_ops import first_step, forward_tokens, start_cache

@@ -83,7 +83,7 @@ def encode(
 ) -> None:
     """Quantize a KV cache (a safetensors dump, or a model's prefill of a prompt) into a .lynx cache."""
     from lynxkv.cache import default_exact_path, default_residual_path, save_dump
-    from lynxkv.hf.prefill import encode_model
+    from lynxkv.hf.encoding import encode_model
 
     candidates = scheme_candidates(scheme, page=page, chunk=chunk, alpha=alpha, anchor_bits=anchor_bits,
                                    key_rotation=key_rotation, extremes=extremes)

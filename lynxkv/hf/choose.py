@@ -80,7 +80,8 @@ def choose_scheme(model: torch.nn.Module, input_ids: torch.Tensor, kv: KVPairs,
                   candidates: tuple[Scheme, ...] = CANDIDATES, *, probe: int = PROBE_TOKENS) -> Choice:
     """The candidate whose anchor, on the cache ``kv`` of the prompt ``input_ids`` (``[T]``; ``kv`` per layer
     ``[H, T, D]``, as :func:`lynxkv.hf.prefill` returns it), drafts closest to the exact cache (module docstring)."""
-    from lynxkv.hf import forward, kv_to_cache
+    from lynxkv.hf.convert import kv_to_cache
+    from lynxkv.hf.prefill import forward
 
     ids = input_ids.reshape(-1)
     tokens = ids.numel()
