@@ -166,6 +166,29 @@ def test_cli_table_and_markdown(tiny_dir, capsys):
     assert "Python standard-library source" in out[held:choosing] and "built-in prompts" in out[choosing:]
 
 
+def test_the_scheme_chosen_per_prompt_scores_as_the_candidate_it_chose(tiny_dir, capsys):
+    """``lynx-chosen`` and ``lynx-chosen-anchor`` are, prompt by prompt, the full code and the anchor of the one
+    candidate the prompt's cache chose (one choice for both), and the table counts the choices."""
+    from lynxkv.hf.choose import LABELS
+
+    pairs = [(f"lynx-{label}", f"lynx-{label}-anchor") for label in LABELS]
+    names = [n for pair in pairs for n in pair] + ["lynx-chosen", "lynx-chosen-anchor"]
+    args = ["eval", "--model", tiny_dir, "--corpus", "heldout", "--tokens", "120", "--prompts", "3", "--window", "6",
+            "--ppl-tokens", "6", "--schemes", ",".join(names)]
+    assert run_cli([*args, "--json"]) == 0
+    codecs = json.loads(capsys.readouterr().out)["corpora"][0]["lengths"][0]["codecs"]
+    choices = codecs["lynx-chosen"]["choices"]
+    assert len(choices) == 3 and set(choices) <= set(range(len(LABELS)))
+    assert codecs["lynx-chosen-anchor"]["choices"] == choices
+    for suffix, part in (("", 0), ("-anchor", 1)):
+        for key in ("agree_prompts", "kl_prompts", "ppl_delta_prompts"):
+            got = codecs[f"lynx-chosen{suffix}"][key]
+            assert got == [codecs[pairs[c][part]][key][i] for i, c in enumerate(choices)], key
+    assert run_cli([*args, "--markdown"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| lynx-chosen |"))
+    assert all(f"{LABELS[c]} {choices.count(c)}" in row for c in set(choices))
+
+
 def test_cli_on_a_kv_dump_and_its_errors(tmp_path, capsys):
     from safetensors.torch import save_file
 

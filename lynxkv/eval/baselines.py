@@ -233,19 +233,17 @@ class Lynx:
 
 @dataclass(frozen=True)
 class ChosenLynx:
-    """The scheme chosen per cache (:func:`lynxkv.hf.choose.choose_scheme`): per prompt, :meth:`bind` makes the
-    choice on the prompt's own cache and returns the :class:`Lynx` codec of the chosen scheme, under this name."""
+    """The scheme chosen per cache (:func:`lynxkv.hf.choose.choose_scheme`): per prompt, the evaluation makes the
+    choice on the prompt's own cache and :meth:`bind` returns the :class:`Lynx` codec of the chosen scheme, under
+    this name."""
 
     name: str
     anchor_only: bool = False
     description: str = "lynx, the scheme chosen per cache by the model's KL on the prompt's last tokens"
 
-    def bind(self, model, input_ids: torch.Tensor, kv) -> tuple[Lynx, int]:
-        """(the codec of the scheme chosen for the cache ``kv`` of ``input_ids``, the chosen candidate's index)."""
-        from lynxkv.hf.choose import choose_scheme
-
-        choice = choose_scheme(model, input_ids, kv)
-        return Lynx(self.name, choice.scheme, self.anchor_only), choice.candidates.index(choice.scheme)
+    def bind(self, choice) -> Lynx:
+        """The codec of the scheme of ``choice`` (a :class:`lynxkv.hf.choose.Choice`)."""
+        return Lynx(self.name, choice.scheme, self.anchor_only)
 
 
 def roundtrip_kv(codec, x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -104,8 +104,8 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
             exact_kv = extend_kv(model, exact_kv, context[cached:-1])
         ref = build_reference(model, context, window, held if i == 0 and held.numel() else None, exact_kv)
         exact_kv, cached = ref.prefix_kv, context.numel() - 1
-        if i == 0:  # a scheme chosen per cache is chosen on the prompt's own cache, and kept for its windows
-            codecs = [_bind(c, model, ids[:-1], ref.prefix_kv, chosen) for c in codecs]
+        if i == 0:  # a scheme chosen per cache is chosen once, on the prompt's own cache, and kept for its windows
+            codecs = _bind(codecs, model, ids[:-1], ref.prefix_kv, chosen)
         exact_attn, full_codes = exact_attention(ref), windows.FullCodes(model, ref)
         for codec in codecs:
             approx = roundtrip_cache(codec, ref.prefix_kv)
@@ -122,13 +122,20 @@ def score_prompt(model, ids: torch.Tensor, codecs: list, window: int, continuati
             for name, rs in rows.items()}
 
 
-def _bind(codec, model, ids: torch.Tensor, kv: KVPairs, chosen: dict[str, int]):
-    """``codec``, or for a codec chosen per cache the codec of the scheme chosen for ``kv`` (recorded in
-    ``chosen``)."""
-    if not hasattr(codec, "bind"):
-        return codec
-    bound, index = codec.bind(model, ids, kv)
-    chosen[codec.name] = index
+def _bind(codecs: list, model, ids: torch.Tensor, kv: KVPairs, chosen: dict[str, int]) -> list:
+    """``codecs``, each codec chosen per cache replaced by the codec of the scheme chosen for ``kv`` (one choice for
+    all of them; its candidate's index recorded in ``chosen``)."""
+    choice = None
+    bound = []
+    for codec in codecs:
+        if hasattr(codec, "bind"):
+            if choice is None:
+                from lynxkv.hf.choose import choose_scheme
+
+                choice = choose_scheme(model, ids, kv)
+            chosen[codec.name] = choice.candidates.index(choice.scheme)
+            codec = codec.bind(choice)
+        bound.append(codec)
     return bound
 
 
