@@ -326,11 +326,12 @@ def test_compare_does_not_call_two_failures_the_same_tokens(batch_dir, capsys, t
     assert doc["requests"][0]["compare"]["monolithic_full"]["same_tokens_as_lynx"] is True
 
 
+@pytest.mark.parametrize("flag", ["--anchor-timeout", "--residual-timeout"])
 @pytest.mark.parametrize("value", ["nan", "-1", "0"])
-def test_a_residual_timeout_must_be_a_positive_number(batch_dir, capsys, value):
+def test_a_timeout_must_be_a_positive_number(batch_dir, capsys, flag, value):
     _, model_dir, paths, _, _ = batch_dir
-    code, out, err = _run(capsys, paths[0], "--model", model_dir, "--residual-timeout", value)
-    assert code == 1 and "--residual-timeout" in err
+    code, out, err = _run(capsys, paths[0], "--model", model_dir, flag, value)
+    assert code == 1 and flag in err
 
 
 def test_allow_location_lets_run_read_a_residual_on_another_tier(batch_dir, capsys, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import make_tiny_llama
@@ -66,6 +68,21 @@ def test_residual_timeout(setup):
             run(model, load, RunConfig(max_new_tokens=10, max_window=3, residual_timeout=0.2))
     finally:
         load.close()
+
+
+def test_anchor_timeout(setup):
+    """An anchor not in by ``anchor_timeout`` ends the run with one error, at that bound and not at the anchor's
+    own (much later) time."""
+    model, ids, _, anchor_kv, full_kv = setup
+    load = PreparedLoad(anchor_kv, full_kv, anchor_delay=30.0, residual_delay=30.0, prompt_token_ids=ids,
+                        model_fingerprint=model_fingerprint(model))
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(LynxError, match="anchor did not arrive within 0.3 s"):
+            run(model, load, RunConfig(max_new_tokens=4, anchor_timeout=0.3))
+    finally:
+        load.close()
+    assert time.perf_counter() - t0 < 10
 
 
 @pytest.mark.parametrize("window", [0, 4, 10])

@@ -105,3 +105,42 @@ def test_a_read_queued_behind_a_higher_priority_is_not_stalled_until_it_may_go()
     with pytest.raises(TransientError, match="residual segment.*failed after 2 attempts: stalled: no answer for 0.3 s"):
         list(src)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_run_gives_up_on_a_server_that_never_answers_at_its_anchor_timeout(tmp_path):
+    """A server that takes the connection and the request and sends nothing: ``lynxkv run --anchor-timeout`` ends
+    with one error line at that bound (the transport alone would wait for minutes), and the process exits though
+    its read is still stalled."""
+    import socket
+
+    from conftest import make_tiny_llama
+    from runner_helpers import save_tiny_model_dir
+
+    model_dir = save_tiny_model_dir(make_tiny_llama(4, layers=2, head_dim=32), tmp_path / "model")
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []  # the accepted connections, kept open and silent until the test ends
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:  # closed: the test is over
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/c.lynx"
+    timeout = 2.0
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "lynxkv", "run", url, "--model", model_dir, "--anchor-timeout",
+                               str(timeout), "--json"], capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert held, "the decoder never connected"
+    assert proc.returncode == 1 and proc.stdout == ""
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == [f"lynxkv: error: the anchor did not arrive within {timeout:g} s"], proc.stderr
+    assert took < timeout + 30  # the bound, plus the interpreter's start on a loaded machine

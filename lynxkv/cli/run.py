@@ -13,7 +13,8 @@ import typer
 from lynxkv.cli.app import app
 from lynxkv.cli.codec import ALLOW_HELP
 from lynxkv.cli.console import err, escape, out, print_json, read_text
-from lynxkv.errors import InputError
+from lynxkv.errors import InputError, LynxError
+from lynxkv.storage.retry import within
 from lynxkv.stream.units import format_seconds as _s
 
 
@@ -176,6 +177,10 @@ def run(
     exact: bool = typer.Option(False, "--exact", help="Verify the drafts against the original tensors (the exact "
                                "segment): the output is greedy decoding on the original cache."),
     max_window: int = typer.Option(64, "--max-window", min=0, help="Cap on drafted tokens (0: no drafting)."),
+    anchor_timeout: float = typer.Option(None, "--anchor-timeout", help="Give up (one error line) if the whole "
+                                         "anchor is not in this many seconds after its transfer starts; a "
+                                         "publishing prefill's own time counts. Default: the transport's retries "
+                                         "decide."),
     residual_timeout: float = typer.Option(None, "--residual-timeout", help="Give up on the residual after this "
                                            "many seconds from the start."),
     allow_anchor_only: bool = typer.Option(False, "--allow-anchor-only", help="If the residual never arrives, "
@@ -202,8 +207,9 @@ def run(
         where = resolve_device(device)
     except InputError as exc:  # ("device: ...": named as the option)
         raise InputError(f"--{exc}") from None
-    if residual_timeout is not None and not (math.isfinite(residual_timeout) and residual_timeout > 0):
-        raise InputError(f"--residual-timeout: expected a positive number of seconds, got {residual_timeout}")
+    for flag, value in (("--anchor-timeout", anchor_timeout), ("--residual-timeout", residual_timeout)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise InputError(f"{flag}: expected a positive number of seconds, got {value}")
     allow = tuple(allow_location or ())
     if len(caches) > 1 or many.is_request_file(caches):
         unsupported = {"--residual": residual, "--exact": exact}
@@ -215,8 +221,8 @@ def run(
         specs = (many.read_requests(caches[0]) if many.is_request_file(caches)
                  else [many.Spec(cache=c, name=f"{i}:{Path(c).name}") for i, c in enumerate(caches)])
         cfg = RunConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature, top_p=top_p),
-                        seed=seed, max_window=max_window, residual_timeout=residual_timeout,
-                        allow_anchor_only=allow_anchor_only)
+                        seed=seed, max_window=max_window, anchor_timeout=anchor_timeout,
+                        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only)
         return many.run_many(specs, model=model, torch_dtype=torch_dtype, dtype_name=dtype, device=where, cfg=cfg,
                              rate=parse_bandwidth(bandwidth), max_batch=max_batch, compare=compare,
                              as_json=as_json, timeline=timeline, prompt=_prompt_text(prompt),
@@ -229,7 +235,7 @@ def run(
     rate = parse_bandwidth(bandwidth)
     cfg = RunConfig(  # checked here, before any model loads; the stop token is the tokenizer's, added once it is in
         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, max_window=max_window,
-        residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only)
+        anchor_timeout=anchor_timeout, residual_timeout=residual_timeout, allow_anchor_only=allow_anchor_only)
     return _run_one(cache, cfg, model=model, dtype=dtype, torch_dtype=torch_dtype, device=where, prompt=prompt,
                     residual=residual,
                     allow=allow, exact=exact, allow_anchor_only=allow_anchor_only, rate=rate,
@@ -255,7 +261,9 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, device, prompt,
     if exact and (store is not None or compare or allow_anchor_only):
         raise InputError("--exact needs a .lynx cache with an exact segment and excludes --compare and "
                          "--allow-anchor-only")
-    model, cached = _model_of(cache, store, model, prompt=prompt, residual=residual, allow=allow, exact=exact)
+    model, cached = within(cfg.anchor_timeout, lambda: _model_of(cache, store, model, prompt=prompt,
+                                                                 residual=residual, allow=allow, exact=exact),
+                           "the anchor")
     with progress_step(f"loading model {model_label(model)} ({dtype}, {device})"):
         loaded = load_model(model, dtype=torch_dtype, device=device)
         new_tokens = len(loaded.tokenizer.encode(prompt)) if prompt else 0
@@ -280,7 +288,7 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, device, prompt,
     load = open_load()
     printer = None
     try:
-        new, cached = _new_tokens(load, loaded.tokenizer, prompt, store, cached)
+        new, cached = _new_tokens(load, loaded.tokenizer, prompt, store, cached, cfg.anchor_timeout)
         check_context(loaded.model.config, cached + len(new or []), max_new_tokens)
         printer = None if as_json else _Printer(loaded.tokenizer, live=out.is_terminal)
         events = stream(loaded.model, load, cfg, new_token_ids=new, timing=timing, fingerprint=fingerprint,
@@ -307,18 +315,21 @@ def _run_one(cache: str, cfg, *, model, dtype: str, torch_dtype, device, prompt,
     return report
 
 
-def _new_tokens(load, tokenizer, prompt, store, cached: int) -> tuple[list[int] | None, int]:
+def _new_tokens(load, tokenizer, prompt, store, cached: int, timeout: float | None) -> tuple[list[int] | None, int]:
     """(the tokens prefilled on the anchor after the cached prompt, the cached prompt's length): ``--prompt``'s
-    continuation, or an LMCache store's tokens past its stored prefix; both need the anchor header's prompt ids."""
+    continuation, or an LMCache store's tokens past its stored prefix; both need the anchor header's prompt ids
+    (waited for up to ``timeout`` seconds)."""
     from lynxkv.hf import continuation_ids
 
+    if prompt is None and store is None:
+        return None, cached
+    try:
+        load.wait_anchor(timeout)
+    except TimeoutError:
+        raise LynxError(f"the anchor did not arrive within {timeout:g} s") from None
     if prompt is not None:
-        load.wait_anchor()
         return continuation_ids(tokenizer, [int(t) for t in load.prompt_token_ids or []], prompt), cached
-    if store is not None:
-        load.wait_anchor()
-        return list(store.tokens[len(load.prompt_token_ids or []):]) or None, len(load.prompt_token_ids or [])
-    return None, cached
+    return list(store.tokens[len(load.prompt_token_ids or []):]) or None, len(load.prompt_token_ids or [])
 
 
 def _run_report(load, new: list[int] | None, result, tokenizer, exact: bool) -> dict:

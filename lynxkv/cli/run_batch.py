@@ -113,7 +113,7 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, device, 
             configs.append(_config(cfg, spec))
         except InputError as exc:
             raise InputError(f"request {spec.name}: {exc}") from None
-    sizes, errors = _check_caches(specs, model, allow_locations)
+    sizes, errors = _check_caches(specs, model, allow_locations, cfg.anchor_timeout)
     if len(errors) == len(specs):
         _report_errors([(spec.name, errors[i]) for i, spec in enumerate(specs)])
         raise SystemExit(1)
@@ -164,19 +164,25 @@ def run_many(specs: list[Spec], *, model, torch_dtype, dtype_name: str, device, 
     return report
 
 
-def _check_caches(specs: list[Spec], model, allow_locations: tuple) -> tuple[list[tuple], dict[int, str]]:
-    """Every cache's recorded model checked against ``model`` before any weights load: (per request its anchor's
-    and residual's bytes and its cached prompt's ids, the requests that cannot run: index -> why)."""
+def _check_caches(specs: list[Spec], model, allow_locations: tuple,
+                  timeout: float | None) -> tuple[list[tuple], dict[int, str]]:
+    """Every cache's recorded model checked against ``model`` before any weights load, each header waited for up to
+    ``timeout`` seconds: (per request its anchor's and residual's bytes and its cached prompt's ids, the requests
+    that cannot run: index -> why)."""
     from lynxkv.cache import open_cache
     from lynxkv.errors import LynxError
     from lynxkv.hf.models import model_for_cache
+    from lynxkv.storage.retry import within
+
+    def check(cache: str) -> tuple:
+        with open_cache(cache, allow_locations=allow_locations) as c:
+            model_for_cache(c.info.properties, model)
+            return c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])
 
     sizes, errors = [], {}  # a request that cannot run ends with its error, the others go on
     for i, spec in enumerate(specs):
         try:
-            with open_cache(spec.cache, allow_locations=allow_locations) as c:
-                model_for_cache(c.info.properties, model)
-                sizes.append((c.info.anchor_bytes, c.info.residual_bytes, list(c.info.prompt_token_ids or [])))
+            sizes.append(within(timeout, lambda cache=spec.cache: check(cache), "the anchor"))
         except LynxError as exc:
             errors[i] = f"{spec.cache}: {exc}" if spec.cache not in str(exc) else str(exc)
             sizes.append((0, 0, []))

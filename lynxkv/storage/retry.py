@@ -1,10 +1,16 @@
-"""What is worth retrying, and how often: :class:`RetryPolicy`, :func:`is_transient`."""
+"""What is worth retrying, and how often: :class:`RetryPolicy`, :func:`is_transient`; how long to wait for a read
+whose transport may stall: :func:`within`."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
+from typing import Callable, TypeVar
 
 from lynxkv.errors import LynxError, TransientError
+
+
+T = TypeVar("T")
 
 
 class RetryPolicy:
@@ -31,3 +37,27 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
     return isinstance(exc, (OSError, TimeoutError, ConnectionError, cf.TimeoutError))
+
+
+def within(seconds: float | None, read: Callable[[], T], what: str) -> T:
+    """``read()``, given up on after ``seconds`` (None: as long as it takes) with a :class:`LynxError`: ``what``
+    (e.g. "the anchor") did not arrive within them. ``read`` runs on a daemon thread: one stalled in its transport keeps neither the caller nor
+    the process (it is left to end or die with it)."""
+    if seconds is None:
+        return read()
+    done: dict = {}
+
+    def work() -> None:
+        try:
+            done["value"] = read()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            done["error"] = exc
+
+    thread = threading.Thread(target=work, name="lynxkv-bounded-read", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise LynxError(f"{what} did not arrive within {seconds:g} s")
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
