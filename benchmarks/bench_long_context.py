@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from lynxkv.bench.timed import run_timed
 
 LYNXKV = str(Path(sys.executable).with_name("lynxkv"))
 
@@ -50,14 +50,9 @@ def held_out_prompts(model: str, tokens: int, count: int, out: Path, eval_window
 
 
 def timed(*argv) -> tuple[str, float, float]:
-    """Run the CLI under /usr/bin/time -v: (stdout, wall seconds, peak RSS in MiB); a failure stops the benchmark."""
-    proc = subprocess.run(["/usr/bin/time", "-v", LYNXKV, *map(str, argv)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"lynxkv {' '.join(map(str, argv))} failed:\n{proc.stderr[-3000:]}")
-    wall = re.search(r"Elapsed \(wall clock\) time.*: (?:(\d+):)?(\d+):([\d.]+)", proc.stderr)
-    h, m, s = (float(g) if g else 0.0 for g in wall.groups())
-    rss = float(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) / 1024
-    return proc.stdout, h * 3600 + m * 60 + s, rss
+    """The CLI under GNU time: (stdout, wall seconds, peak RSS in MiB)."""
+    t = run_timed([LYNXKV, *argv])
+    return t.stdout, t.wall_s, t.peak_mib
 
 
 def one_prompt(model: str, prompt: Path, rate: str, work: Path) -> dict:

@@ -18,17 +18,15 @@ import statistics
 import subprocess
 import sys
 
+from lynxkv.bench.timed import run_timed
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def timed(argv: list[str], cwd: pathlib.Path) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one command, which must succeed."""
-    out = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M", *argv], cwd=cwd, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if out.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed:\n{out.stderr[-2000:]}")
-    line = [ln for ln in out.stderr.splitlines() if ln.startswith("TIME ")][-1].split()
-    return float(line[1]), int(line[2]) / 1024
+    t = run_timed(argv, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return t.wall_s, t.peak_mib
 
 
 def spread(xs: list[float], fmt: str) -> str:
