@@ -8,6 +8,8 @@ waiting their turn on a stream that moves are not stalled; one that gets nothing
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
 import threading
@@ -107,16 +109,9 @@ def test_a_read_queued_behind_a_higher_priority_is_not_stalled_until_it_may_go()
     assert time.monotonic() - t0 < 2.0
 
 
-def test_run_gives_up_on_a_server_that_never_answers_at_its_anchor_timeout(tmp_path):
-    """A server that takes the connection and the request and sends nothing: ``lynxkv run --anchor-timeout`` ends
-    with one error line at that bound (the transport alone would wait for minutes), and the process exits though
-    its read is still stalled."""
-    import socket
-
-    from conftest import make_tiny_llama
-    from runner_helpers import save_tiny_model_dir
-
-    model_dir = save_tiny_model_dir(make_tiny_llama(4, layers=2, head_dim=32), tmp_path / "model")
+@contextlib.contextmanager
+def _silent_server():
+    """The URL of a cache on a server that takes every connection and request and sends nothing back."""
     listener = socket.create_server(("127.0.0.1", 0))
     held = []  # the accepted connections, kept open and silent until the test ends
 
@@ -128,18 +123,41 @@ def test_run_gives_up_on_a_server_that_never_answers_at_its_anchor_timeout(tmp_p
                 return
 
     threading.Thread(target=accept, daemon=True).start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/c.lynx"
-    timeout = 2.0
     try:
-        t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "lynxkv", "run", url, "--model", model_dir, "--anchor-timeout",
-                               str(timeout), "--json"], capture_output=True, text=True, timeout=120)
-        took = time.monotonic() - t0
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/c.lynx"
     finally:
         listener.close()
         for conn in held:
             conn.close()
-    assert held, "the decoder never connected"
+    assert held, "nothing connected"
+
+
+def test_a_load_gives_up_on_a_server_that_never_answers_after_its_retries():
+    """Its first request (the anchor's size) gets nothing: the load fails after its attempts at the stall bound."""
+    with _silent_server() as url:
+        t0 = time.monotonic()
+        load = open_progressive(url, retry=RetryPolicy(attempts=2, base=0.01, stall_timeout=0.5))
+        try:
+            with pytest.raises(TransientError, match="failed after 2 attempts.*did not arrive within 0.5 s"):
+                load.wait_anchor(30)
+        finally:
+            load.close()
+        assert time.monotonic() - t0 < 5
+
+
+def test_run_gives_up_on_a_server_that_never_answers_at_its_anchor_timeout(tmp_path):
+    """``lynxkv run --anchor-timeout`` ends with one error line at that bound (the transport alone would try for
+    longer), and the process exits though its read is still stalled."""
+    from conftest import make_tiny_llama
+    from runner_helpers import save_tiny_model_dir
+
+    model_dir = save_tiny_model_dir(make_tiny_llama(4, layers=2, head_dim=32), tmp_path / "model")
+    timeout = 2.0
+    with _silent_server() as url:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "lynxkv", "run", url, "--model", model_dir, "--anchor-timeout",
+                               str(timeout), "--json"], capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
     assert proc.returncode == 1 and proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.strip()]
     assert errors == [f"lynxkv: error: the anchor did not arrive within {timeout:g} s"], proc.stderr

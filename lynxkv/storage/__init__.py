@@ -10,7 +10,7 @@ from lynxkv.storage.locations import (
     same_object,
     write_target,
 )
-from lynxkv.storage.retry import RetryPolicy, is_transient
+from lynxkv.storage.retry import RetryPolicy, is_transient, retried, within
 from lynxkv.storage.sources import ByteSource, BytesSource, FileObjSource, FileSource, open_source
 from lynxkv.storage.urls import (
     can_remove,
@@ -56,10 +56,12 @@ __all__ = [
     "record_location",
     "remove",
     "resolve_location",
+    "retried",
     "same_object",
     "size_of",
     "stamp_of",
     "write_atomic",
+    "within",
     "writer_lock",
     "write_target",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from typing import Callable, TypeVar
 
 from lynxkv.errors import LynxError, TransientError
@@ -40,9 +41,9 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def within(seconds: float | None, read: Callable[[], T], what: str) -> T:
-    """``read()``, given up on after ``seconds`` (None: as long as it takes) with a :class:`LynxError`: ``what``
-    (e.g. "the anchor") did not arrive within them. ``read`` runs on a daemon thread: one stalled in its transport keeps neither the caller nor
-    the process (it is left to end or die with it)."""
+    """``read()``, given up on after ``seconds`` (None: as long as it takes) with a :class:`TransientError`:
+    ``what`` (e.g. "the anchor") did not arrive within them. ``read`` runs on a daemon thread: one stalled in its
+    transport keeps neither the caller nor the process (it is left to end or die with it)."""
     if seconds is None:
         return read()
     done: dict = {}
@@ -57,7 +58,23 @@ def within(seconds: float | None, read: Callable[[], T], what: str) -> T:
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        raise LynxError(f"{what} did not arrive within {seconds:g} s")
+        raise TransientError(f"{what} did not arrive within {seconds:g} s")
     if "error" in done:
         raise done["error"]
     return done["value"]
+
+
+def retried(read: Callable[[], T], retry: RetryPolicy, what: str) -> T:
+    """``read()`` under ``retry``: a transient failure, or no answer within its ``stall_timeout`` (:func:`within`),
+    is tried again after its backoff, ``attempts`` times in all; then a :class:`TransientError` says why."""
+    last: BaseException | None = None
+    for k in range(retry.attempts):
+        if k:
+            time.sleep(retry.delay(k - 1))
+        try:
+            return within(retry.stall_timeout, read, what)
+        except BaseException as exc:  # noqa: BLE001 - sorted by is_transient
+            if not is_transient(exc):
+                raise
+            last = exc
+    raise TransientError(f"{what}: failed after {retry.attempts} attempts: {last}")

@@ -34,6 +34,7 @@ from lynxkv.storage import (
     protocol_of,
     read_range,
     resolve_location,
+    retried,
     size_of,
 )
 from lynxkv.stream.buffer import InPlaceBuffer, StreamBuffer, StreamClosed
@@ -211,6 +212,12 @@ class StorageTransport:
         t.add_closer(src.close)
         return src
 
+    def _size_of(self, url: str) -> int:
+        """The size of ``url`` (over HTTP a ``HEAD``, which a publisher answers at once), with the block reads'
+        retries and stall bound: a server that takes the request and answers nothing is given up on as a stalled
+        read is."""
+        return retried(lambda: size_of(url, self.storage_options), self.retry, f"the size of {url}")
+
     def _fetch_exact(self, a: int, b: int) -> bytes:
         """One small ranged read of the anchor (the header), with the same retries as the block streams."""
         return b"".join(data for _, data in self._blocks(self.url, a, b, ANCHOR, "anchor", link=False))
@@ -222,7 +229,7 @@ class StorageTransport:
             t.add_closer(src.close)
             size, fetch = src.size, (lambda a, b: src.read(a, b - a))
         else:
-            size, fetch = size_of(self.url, self.storage_options), self._fetch_exact
+            size, fetch = self._size_of(self.url), self._fetch_exact
         self._size = self.anchor_size = size
         http = self._anchor_src is None and protocol_of(self.url) in ("http", "https")
         head, h, end, ahead = read_anchor_head(fetch, size, (lambda a, b, lead: self._blocks(  # see stream.early
@@ -272,7 +279,7 @@ class StorageTransport:
             if stream == RESIDUAL:
                 t.residual_fetched.set()
             return t.in_place(src, name, stream)
-        size = size_of(url, self.storage_options)
+        size = self._size_of(url)
         buf = t.buffer(size, name)
         if size == seg.length:
             t.pump(self._blocks(url, 0, size, stream, name), buf, stream, name, charge_link=False)
