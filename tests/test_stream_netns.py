@@ -14,6 +14,7 @@ import sys
 import urllib.parse
 
 import pytest
+from cli_helpers import served_url
 from fixtures_s3 import synthetic_cache_bytes, write_pair
 
 from lynxkv.bench.netlab import NetLab, can_create_lab
@@ -112,3 +113,26 @@ def test_dscp_marked_anchor_gets_through_first_on_a_shaped_link(tmp_path, lab):
     assert plain["anchor"][0] > marked["anchor"][0] + 0.3 * (both - alone)  # unmarked, it has to share
     assert competing["received"] > 0  # the bulk stream did run beside the transfer
     assert crowded["anchor"][0] < alone + 0.35 * (both - alone)  # bulk traffic does not hold the anchor back
+
+
+def test_a_connections_handshake_goes_in_the_anchors_class(tmp_path, lab):
+    """The server's side of a new connection (its SYN-ACK) carries the anchor's mark: a decoder's first request
+    does not wait behind other traffic in the default class for its connection."""
+    anchor, residual = synthetic_cache_bytes(layers=1, heads=1, tokens=64, dim=64)
+    path = write_pair(tmp_path, anchor, residual)
+    proc = lab.popen("server", [sys.executable, "-m", "lynxkv", "serve", path, "--host", lab.server_addr, "--port",
+                                "0", "--json", "--dscp-anchor", "EF", "--dscp-residual", "CS1"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = urllib.parse.urlsplit(served_url(proc))
+        connect = [sys.executable, "-c", "import socket, sys, time; socket.create_connection((sys.argv[1], "
+                   "int(sys.argv[2])), timeout=10).close(); time.sleep(0.5)", url.hostname, str(url.port)]
+        lab.run("client", connect, timeout=60)  # once before counting: the neighbours' addresses (ARP) are known
+        before = lab.class_bytes("server")
+        lab.run("client", connect, timeout=60)  # (its wait: the server's FIN after the client's)
+        after = lab.class_bytes("server")
+    finally:
+        proc.kill()
+        proc.communicate()
+    sent = {k: after[k] - before[k] for k in after}
+    assert sent["anchor"] > 0 and sent["bulk"] == 0 and sent["residual"] == 0, sent

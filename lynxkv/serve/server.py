@@ -77,6 +77,8 @@ class CacheServer:
         self._backlog = max(256, min(4096, max_connections))
         self._sock = socket.create_server((host, port), backlog=self._backlog)
         self._sock.setblocking(False)
+        if dscp_anchor is not None:  # the handshake's SYN-ACK (and a connection until its first response) goes
+            set_dscp(self._sock, dscp_anchor)  # as the anchor does, not in the default class behind other traffic
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns = Connections(self.limits, self.stats)
         self._loop: asyncio.AbstractEventLoop | None = None
