@@ -173,3 +173,23 @@ def test_kv_to_cache_copies_where_reset_would_zero_the_tensors(model, monkeypatc
     assert all(layer.keys.data_ptr() != k.data_ptr() for layer, (k, _) in zip(cache.layers, kv))
     cache.reset()
     assert all(bool(k.abs().sum() > 0) for k, _ in kv)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+def test_a_prefill_in_chunks_gives_the_cache_and_logits_of_one_forward(arch, chunk):
+    """Each chunk attends to the cache of the ones before it (sliding windows shorter than the prompt included):
+    the cache and the last logits of one forward, up to rounding, and exactly one forward at or above the
+    prompt's length."""
+    model = make_tiny_model(arch)
+    ids = torch.tensor(prompt_ids(3, 40))
+    whole, last = prefill(model, ids, chunk=None)
+    kv, logits = prefill(model, ids, chunk=chunk)
+    exact = chunk >= ids.numel()
+    for (k, v), (wk, wv) in zip(kv, whole, strict=True):
+        for got, want in ((k, wk), (v, wv)):
+            assert got.shape == want.shape
+            assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(logits, last) if exact else torch.allclose(logits, last, atol=1e-4, rtol=1e-4)
+    with pytest.raises(InputError, match="chunk"):
+        prefill(model, ids, chunk=0)

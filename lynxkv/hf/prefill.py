@@ -17,9 +17,17 @@ from lynxkv.hf.attention import use_grouped_sdpa
 from lynxkv.cache.kv import KVPairs, cache_to_kv
 
 
+#: Prompt tokens per forward of a long prefill: attention then holds ``[heads, chunk, context]`` scores, not
+#: ``[heads, T, T]`` (16 GB for Gemma 3's four heads at 32K tokens in fp32).
+PREFILL_CHUNK = 2048
+
+
 @torch.no_grad()
-def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs, torch.Tensor]:
-    """Run the prompt ``input_ids`` (``[T]`` or ``[1, T]``) through ``model``.
+def prefill(model: "torch.nn.Module", input_ids: torch.Tensor, *,
+            chunk: int | None = PREFILL_CHUNK) -> tuple[KVPairs, torch.Tensor]:
+    """Run the prompt ``input_ids`` (``[T]`` or ``[1, T]``) through ``model``, ``chunk`` tokens per forward (None:
+    all at once; a prompt of at most ``chunk`` tokens is one forward either way). Each chunk attends to the cache of
+    the ones before it: the same cache and logits as one forward, up to floating-point rounding.
 
     Returns the KV cache as per-layer ``[H, T, D]`` tensors in the model's dtype and the logits of the last
     position ``[V]``.
@@ -29,8 +37,13 @@ def prefill(model: "torch.nn.Module", input_ids: torch.Tensor) -> tuple[KVPairs,
     ids = input_ids.reshape(1, -1).to(model.device)
     if ids.shape[1] == 0:
         raise InputError("the prompt is empty")
+    if chunk is not None and chunk < 1:
+        raise InputError(f"chunk: expected >= 1 tokens, got {chunk}")
+    step = ids.shape[1] if chunk is None else chunk
     cache = DynamicCache()
-    out = forward(model, ids, cache, logits_to_keep=1)  # not [T, vocab] logits: 17 GB for Gemma 3 at 16K tokens
+    for start in range(0, ids.shape[1], step):
+        # the last position's logits only, not [T, vocab]: 17 GB for Gemma 3 at 16K tokens
+        out = forward(model, ids[:, start : start + step], cache, logits_to_keep=1)
     kv = cache_to_kv(cache)
     for i, (k, _) in enumerate(kv):
         if k.shape[1] != ids.shape[1]:
