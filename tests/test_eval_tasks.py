@@ -73,6 +73,19 @@ def test_passkey_prompt_holds_the_key_at_its_depth_and_exactly_the_length():
         tasks.passkey_prompt(tok, filler[:100], 600, 0.5, "31415")
 
 
+def test_greedy_decoding_is_transformers_own_and_leaves_the_cache_it_starts_from(tiny_model):
+    torch.manual_seed(4)
+    ids = torch.randint(0, 128, (40,))
+    kv, _ = prefill(tiny_model, ids[:-1])
+    before = [(k.clone(), v.clone()) for k, v in kv]
+    got = greedy(tiny_model, kv, int(ids[-1]), 12).tolist()
+    with torch.no_grad():
+        want = tiny_model.generate(ids.reshape(1, -1), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, ids.numel():].tolist()
+    assert got == want
+    assert all(torch.equal(k, bk) and torch.equal(v, bv) for (k, v), (bk, bv) in zip(kv, before))
+
+
 def test_one_teacher_forced_forward_decides_what_greedy_decoding_emits(tiny_model):
     """The passkey check: all argmaxes of the answer fed in one forward equal the answer exactly when greedy
     decoding emits it."""

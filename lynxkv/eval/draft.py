@@ -20,6 +20,7 @@ import torch
 
 from lynxkv.errors import InputError
 from lynxkv.hf import forward, kv_to_cache, prefill
+from lynxkv.hf.growing import grow_in_place
 from lynxkv.cache.kv import KVPairs, cache_to_kv
 
 
@@ -94,8 +95,9 @@ def forward_logits(model: torch.nn.Module, kv: KVPairs, inputs: torch.Tensor) ->
 
 @torch.no_grad()
 def greedy(model: torch.nn.Module, kv: KVPairs, first: int, steps: int) -> torch.Tensor:
-    """Greedy decoding of ``steps`` tokens after feeding ``first`` on ``kv``, one token per forward: ``[steps]``."""
-    cache = kv_to_cache(kv, dtype=model.dtype)
+    """Greedy decoding of ``steps`` tokens after feeding ``first`` on ``kv``, one token per forward: ``[steps]``.
+    The cache grows in place (:mod:`lynxkv.hf.growing`: the same logits, without copying it at every step)."""
+    cache = grow_in_place(kv_to_cache(kv, dtype=model.dtype), room=steps + 1)
     token = torch.tensor([[first]])
     out_tokens = []
     for _ in range(steps):
