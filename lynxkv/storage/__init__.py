@@ -10,7 +10,7 @@ from lynxkv.storage.locations import (
     same_object,
     write_target,
 )
-from lynxkv.storage.retry import RetryPolicy, is_transient, retried, within
+from lynxkv.storage.retry import RetryPolicy, apart, is_transient, retried, within
 from lynxkv.storage.sources import ByteSource, BytesSource, FileObjSource, FileSource, open_source
 from lynxkv.storage.urls import (
     can_remove,
@@ -39,6 +39,7 @@ __all__ = [
     "SpillFile",
     "WriterLock",
     "allowed_locations",
+    "apart",
     "atomic_path",
     "can_remove",
     "clean_stale_temps",

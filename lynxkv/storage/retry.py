@@ -1,5 +1,5 @@
 """What is worth retrying, and how often: :class:`RetryPolicy`, :func:`is_transient`; how long to wait for a read
-whose transport may stall: :func:`within`."""
+whose transport may stall: :func:`apart`, :func:`within`, :func:`retried`."""
 
 from __future__ import annotations
 
@@ -40,28 +40,35 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (OSError, TimeoutError, ConnectionError, cf.TimeoutError))
 
 
+def apart(call: Callable[[], T], name: str) -> "cf.Future[T]":
+    """``call()`` on a daemon thread of its own, its result (or error) in the future returned. A read can block for
+    good (a peer that keeps its connection open and sends nothing): its waiter gives up on the future, and the
+    abandoned read must not keep the process from exiting, as a pool's worker would (the interpreter joins those
+    at exit)."""
+    fut: cf.Future = cf.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return fut
+
+
 def within(seconds: float | None, read: Callable[[], T], what: str) -> T:
     """``read()``, given up on after ``seconds`` (None: as long as it takes) with a :class:`TransientError`:
-    ``what`` (e.g. "the anchor") did not arrive within them. ``read`` runs on a daemon thread: one stalled in its
+    ``what`` (e.g. "the anchor") did not arrive within them. ``read`` runs :func:`apart`: one stalled in its
     transport keeps neither the caller nor the process (it is left to end or die with it)."""
     if seconds is None:
         return read()
-    done: dict = {}
-
-    def work() -> None:
-        try:
-            done["value"] = read()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            done["error"] = exc
-
-    thread = threading.Thread(target=work, name="lynxkv-bounded-read", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
+    fut = apart(read, "lynxkv-bounded-read")
+    if not cf.wait([fut], timeout=seconds).done:  # (a TimeoutError of read's own is raised as it is, below)
         raise TransientError(f"{what} did not arrive within {seconds:g} s")
-    if "error" in done:
-        raise done["error"]
-    return done["value"]
+    return fut.result()
 
 
 def retried(read: Callable[[], T], retry: RetryPolicy, what: str) -> T:

@@ -17,7 +17,7 @@ import time
 from typing import Callable, Iterator
 
 from lynxkv.errors import FormatError, LynxError, TransientError
-from lynxkv.storage import RetryPolicy, is_transient, read_range
+from lynxkv.storage import RetryPolicy, apart, is_transient, read_range
 from lynxkv.stream.buffer import StreamClosed
 from lynxkv.stream.link import Link
 
@@ -163,18 +163,6 @@ class RangeStream:
 
 
 def _fetch_apart(fetch: Fetch, a: int, b: int, name: str) -> cf.Future:
-    """``fetch(a, b)`` on a daemon thread of its own. A read can block for good (a peer that keeps its connection
-    open and sends nothing): the reader abandons it after its stall bound, and an abandoned read must not keep the
-    process from exiting, as a pool's worker would (the interpreter joins those at exit)."""
-    fut: cf.Future = cf.Future()
-
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fetch(a, b))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(exc)
-
-    threading.Thread(target=run, daemon=True, name=f"lynxkv-{name}-get").start()
-    return fut
+    """``fetch(a, b)`` on a daemon thread of its own (:func:`lynxkv.storage.retry.apart`): the reader abandons a
+    read that stalls past its bound, and an abandoned read must not keep the process from exiting."""
+    return apart(lambda: fetch(a, b), f"lynxkv-{name}-get")
