@@ -68,14 +68,21 @@ def _decode(lab: NetLab, tiny, url: str, *extra: str, residual_timeout: float = 
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _when_residual_moves(lab: NetLab, proc: subprocess.Popen, nbytes: int = 30_000) -> None:
-    """Return once the server has sent ``nbytes`` of residual (its class counter), the decoder still running."""
-    start = lab.class_bytes("server")["residual"]
-    deadline = time.monotonic() + 60
-    while lab.class_bytes("server")["residual"] - start < nbytes:
+def _when_sent(lab: NetLab, proc: subprocess.Popen, klass: str, nbytes: float, *, since: int | None = None,
+               within: float = 60) -> None:
+    """Return once the server has sent ``nbytes`` in ``klass`` (its class counter) since ``since`` (default: now),
+    the decoder ``proc`` still running."""
+    start = lab.class_bytes("server")[klass] if since is None else since
+    deadline = time.monotonic() + within
+    while lab.class_bytes("server")[klass] - start < nbytes:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no residual bytes within 60 s"
+        assert time.monotonic() < deadline, f"{nbytes:.0f} bytes of {klass} not sent within {within:g} s"
         time.sleep(0.02)
+
+
+def _when_residual_moves(lab: NetLab, proc: subprocess.Popen, nbytes: int = 30_000) -> None:
+    """Return once the server has sent ``nbytes`` of residual, the decoder still running."""
+    _when_sent(lab, proc, "residual", nbytes)
 
 
 def _reference(tiny, cache_path, result: dict, *, anchor_only: bool = False) -> list[int]:
@@ -102,12 +109,8 @@ def test_a_prefill_killed_mid_residual_ends_the_decoder_cleanly_or_flagged(lab, 
         _when_residual_moves(lab, lenient)
         one_anchor = lab.class_bytes("server")["anchor"] - start
         strict = _decode(lab, tiny, url)
-        deadline = time.monotonic() + 60
         # (2% short of twice the first decoder's: how its bytes fall into packets varies a little from run to run)
-        while lab.class_bytes("server")["anchor"] - start < 2 * 0.98 * one_anchor:
-            assert strict.poll() is None, strict.communicate()
-            assert time.monotonic() < deadline, "the second decoder's anchor did not arrive within 60 s"
-            time.sleep(0.02)
+        _when_sent(lab, strict, "anchor", 2 * 0.98 * one_anchor, since=start)
         _when_residual_moves(lab, strict)
         prefill.kill()
         prefill.communicate()
@@ -188,11 +191,7 @@ def _stall_mid_residual(lab: NetLab, tiny, stored: str, anchor_bytes: int, *extr
     server, url = _serve(lab, stored, "--write-buffer", "16KiB")
     start = lab.class_bytes("server")["anchor"]
     decoder = _decode(lab, tiny, url, *extra, residual_timeout=timeout)
-    deadline = time.monotonic() + 120
-    while lab.class_bytes("server")["anchor"] - start < 0.98 * anchor_bytes:
-        assert decoder.poll() is None, decoder.communicate()
-        assert time.monotonic() < deadline, "the decoder's anchor did not arrive within 120 s"
-        time.sleep(0.02)
+    _when_sent(lab, decoder, "anchor", 0.98 * anchor_bytes, since=start, within=120)
     _when_residual_moves(lab, decoder)
     server.send_signal(signal.SIGSTOP)
     return server, decoder, time.monotonic()
