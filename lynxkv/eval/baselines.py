@@ -21,8 +21,8 @@ Baselines (the storage dtype of each scale/zero in brackets):
   (earlier defaults, named by the development format version that made them the default: ``lynx-1.3``, the
   full code's end sub-bins decoded at their midpoints; ``lynx-1.2``, α = 1, values per channel, 4 sink tokens,
   keys not rotated; ``lynx-alpha1-1.0``, values per token and no sink tokens either); ``lynx-plain-keys``, the
-  second candidate of the choice per cache (α = 1, keys not rotated); ``lynx-chosen``, the candidate chosen per
-  prompt on its own cache (:mod:`lynxkv.hf.choose`).
+  second candidate of the choice per cache (the default with its keys not rotated); ``lynx-chosen``, the candidate
+  chosen per prompt on its own cache (:mod:`lynxkv.hf.choose`).
 """
 
 from __future__ import annotations

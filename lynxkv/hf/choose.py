@@ -14,8 +14,8 @@ distribution first). The candidate with the lowest KL wins; a tie, or a prompt t
 first candidate (the default). The cost is ``1 + len(candidates)`` forwards of ``probe`` tokens and one
 quantization of the cache per candidate; a prefill of the prompt costs far more.
 
-Every candidate is a valid scheme of the format (:data:`CANDIDATES` differ in the keys' rotation and the
-compander's α, both in the anchor header), so every reader, kernel and tier decodes the chosen one unchanged.
+Every candidate is a valid scheme of the format (:data:`CANDIDATES` differ in the keys' rotation alone, a field of
+the anchor header), so every reader, kernel and tier decodes the chosen one unchanged.
 A cache encoded without a model (a tensor dump) takes the scheme it is given.
 """
 
@@ -29,7 +29,7 @@ from lynxkv.cache.kv import KVPairs
 from lynxkv.quant import dequantize, quantize
 from lynxkv.quant.scheme import DEFAULT, PLAIN_KEYS, Scheme
 
-#: The candidates, the default first (its keys rotated, α = 0.5), then the keys as they are with α = 1 (the
+#: The candidates, the default first (its keys rotated), then the same scheme with the keys as they are (the
 #: ``plain-keys`` preset).
 CANDIDATES: tuple[Scheme, ...] = (DEFAULT, PLAIN_KEYS)
 #: The candidates' preset names, in order.

@@ -186,10 +186,10 @@ LINEAR = Scheme()
 DEFAULT = LINEAR.replace(compander="alpha", alpha=0.5, value_axis="channel", sink_tokens=4, key_rotation="hadamard",
                          extremes="range")
 
-#: The default's second candidate where a model chooses the scheme per cache (:mod:`lynxkv.hf.choose`): the keys
-#: quantized as they are (no rotation) and α = 1, which drafts better on models where the rotation spreads the
+#: The default's second candidate where a model chooses the scheme per cache (:mod:`lynxkv.hf.choose`): the default
+#: with its keys quantized as they are (no rotation), which drafts better on models where the rotation spreads the
 #: keys' error into the channels their queries weigh (Gemma 3: docs/evaluation.md, "The anchor chosen per cache").
-PLAIN_KEYS = DEFAULT.replace(alpha=1.0, key_rotation="none")
+PLAIN_KEYS = DEFAULT.replace(key_rotation="none")
 
 #: Lynx's Algorithm 1 as published: α-law (α=100) around the chunk mean, scaled by the max-abs deviation, on a
 #: uniform 8-bit grid whose high nibble is the anchor.
