@@ -1,7 +1,7 @@
 """Where an anchor layout costs the model, layer by layer: why the choice of the anchor per cache asks the model.
 
     .venv/bin/python benchmarks/diag_anchor_layers.py --model gemma3-270m --prompts 2 --tokens 2000
-    .venv/bin/python benchmarks/diag_anchor_layers.py --model smollm2 --prompts 12 --window 256 --whole
+    .venv/bin/python benchmarks/diag_anchor_layers.py --model smollm2 --prompts 12 --window 256 --whole [--text]
 
 
 On the built-in (choosing) prompts: the exact cache of each prompt; for each candidate anchor (α = 0.5 or 1 or the
@@ -58,20 +58,22 @@ def layer_stats(ref, layer: int, approx) -> dict:
 
 
 @torch.no_grad()
-def measure(model, tokenizer, prompts: int, tokens: int, window: int = 64,
-            layers: bool = True) -> tuple[dict, dict]:
+def measure(model, tokenizer, prompts: int, tokens: int, window: int = 64, layers: bool = True,
+            text: bool = False) -> tuple[dict, dict]:
     """(per candidate and KIVI-4: the KL with every layer approximated, per prompt; per candidate: per layer, the
-    statistics per prompt, or nothing without ``layers``)."""
+    statistics per prompt, or nothing without ``layers``). The KL is taken over ``window`` greedy tokens, or with
+    ``text`` over the document's own next ``window`` tokens."""
     candidates = CANDIDATES if layers else {**CANDIDATES, **MORE}
     whole: dict = {name: [] for name in [*candidates, "kivi4"]}
     per_layer: dict = {name: None for name in CANDIDATES} if layers else {}
     for start in prompt_starts(prompts):
-        ids, _ = builtin_case(tokenizer, tokens, start, 0)
-        ref = build_reference(model, ids, window)
-        inputs = window_inputs(ref.last_token, ref.tokens)
+        ids, following = builtin_case(tokenizer, tokens, start, window if text else 0)
+        ref = build_reference(model, ids, 1 if text else window)
+        inputs = window_inputs(ref.last_token, following if text else ref.tokens)
+        exact = forward_logits(model, ref.prefix_kv, inputs) if text else ref.exact_logits
 
         def kl(kv) -> float:
-            return float(metrics.next_token_kl(ref.exact_logits, forward_logits(model, kv, inputs)).mean())
+            return float(metrics.next_token_kl(exact, forward_logits(model, kv, inputs)).mean())
 
         approx = {name: roundtrip_cache(Lynx(name, s, anchor_only=True), ref.prefix_kv)
                   for name, s in candidates.items()}
@@ -96,13 +98,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--window", type=int, default=64, help="teacher-forced greedy tokens the KL is taken over")
     ap.add_argument("--whole", action="store_true", help="the whole-cache KL only, more candidates, paired")
+    ap.add_argument("--text", action="store_true", help="the KL over the document's own next tokens, not greedy ones")
     args = ap.parse_args()
     torch.set_num_threads(2)
     loaded = load_model(args.model)
     whole, per_layer = measure(loaded.model, loaded.tokenizer, args.prompts, args.tokens, args.window,
-                               layers=not args.whole)
-    print(f"{args.model}, {args.prompts} built-in prompts of ~{args.tokens} tokens, window {args.window}: next-token "
-          f"KL, every layer from the anchor (mean ± s.e.m. over prompts)")
+                               layers=not args.whole, text=args.text)
+    over = "the text's own next tokens" if args.text else "greedy tokens"
+    print(f"{args.model}, {args.prompts} built-in prompts of ~{args.tokens} tokens, window {args.window} of {over}: "
+          f"next-token KL, every layer from the anchor (mean ± s.e.m. over prompts)")
     for name, values in whole.items():
         print(f"  {name:17s} {statistics.mean(values):.2e} ± {_sem(values):.1e}")
     if args.whole:
