@@ -3,7 +3,6 @@
     .venv/bin/python benchmarks/diag_anchor_layers.py --model gemma3-270m --prompts 2 --tokens 2000
     .venv/bin/python benchmarks/diag_anchor_layers.py --model smollm2 --prompts 12 --window 256 --whole [--text]
 
-
 On the built-in (choosing) prompts: the exact cache of each prompt; for each candidate anchor (α = 0.5 or 1 or the
 linear code, keys rotated or not) the next-token KL of a teacher-forced window of 64 greedy tokens with every layer
 taken from that anchor, and with one layer at a time taken from it (the rest exact). Beside the per-layer KL, three
@@ -13,8 +12,8 @@ standing in for the queries (``lg``). Prints, per layer, what each says about ro
 not rotated, α = 0.5; below 1: rotate).
 
 With ``--whole``, the whole-cache KL alone, for more candidates (α = 0.25; the linear code without its 4 sink
-tokens, which is KIVI-4's grid): each candidate against ``α1`` (the ``plain-keys`` preset before it took the default's
-α), paired per prompt, as a relative change ± its standard error and the prompts it lowers the KL on.
+tokens, which is KIVI-4's grid): each candidate against ``α1`` (the unrotated keys at α = 1), paired per
+prompt, as a relative change ± its standard error and the prompts it lowers the KL on.
 """
 
 from __future__ import annotations
@@ -128,7 +127,8 @@ def main() -> None:
 
 
 def _sem(values: list[float]) -> float:
-    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+    return metrics.mean_std(values)[1] / len(values) ** 0.5
+
 
 if __name__ == "__main__":
     main()
